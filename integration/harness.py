@@ -1,0 +1,376 @@
+"""A throwaway containerd: real containerd + runc + CNI, owned by one test.
+
+Each instance gets a slot number (held by an flock, so parallel processes and
+several instances in one process never collide) and from it:
+
+- a network namespace ``weftnode<N>`` (containerd runs inside it through
+  ``nsenter --net``, see ENVIRONMENT.md quirk 5), so its CNI bridge
+  ``weftbr<N>`` and pod subnet ``10.244.<N>.0/24`` live and die with it;
+- its own root, state, socket, runc root, CNI config and IPAM directory under a
+  temporary work directory;
+- the test images, imported from locally built OCI archives.
+
+``close()`` removes everything the instance made, even after a failed test or
+a containerd that a test killed: it restarts containerd if needed, removes
+every pod sandbox through CRI (which tears down pod network namespaces and
+mounts), then kills leftover shims, force-deletes leftover runc containers,
+unmounts what is left under its directories and deletes the node namespace.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import os
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from cri_api.v1 import api_pb2_grpc as cri_grpc
+
+from integration import images
+
+SLOT_DIR = Path("/run/weft-harness")
+NETNS_DIR = Path("/var/run/netns")
+IMAGE_CACHE = Path(os.environ.get("WEFT_HARNESS_CACHE", "/var/cache/weft-harness"))
+MAX_SLOTS = 200
+
+
+def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, check=check, capture_output=True, text=True)
+
+
+@dataclass
+class RuntimeHandler:
+    """An extra CRI runtime handler (for example weft's, with OCI hooks)."""
+
+    name: str
+    base_runtime_spec: Path | None = None
+    pod_annotations: tuple[str, ...] = ()
+    container_annotations: tuple[str, ...] = ()
+
+
+@dataclass
+class Containerd:
+    """One containerd with everything of its own. Use as a context manager."""
+
+    workdir: Path | None = None
+    handlers: list[RuntimeHandler] = field(default_factory=list)
+    slot: int = 0
+    _lock_fd: int | None = None
+    _proc: subprocess.Popen[bytes] | None = None
+    _owns_workdir: bool = False
+    _log: object = None
+
+    # -- paths -------------------------------------------------------------
+    @property
+    def netns(self) -> str:
+        return f"weftnode{self.slot}"
+
+    @property
+    def netns_path(self) -> Path:
+        return NETNS_DIR / self.netns
+
+    @property
+    def bridge(self) -> str:
+        return f"weftbr{self.slot}"
+
+    @property
+    def subnet(self) -> str:
+        return f"10.244.{self.slot}.0/24"
+
+    @property
+    def socket(self) -> Path:
+        assert self.workdir is not None
+        return self.workdir / "containerd.sock"
+
+    @property
+    def address(self) -> str:
+        return f"unix://{self.socket}"
+
+    @property
+    def root(self) -> Path:
+        assert self.workdir is not None
+        return self.workdir / "root"
+
+    @property
+    def state(self) -> Path:
+        assert self.workdir is not None
+        return self.workdir / "state"
+
+    @property
+    def runc_root(self) -> Path:
+        assert self.workdir is not None
+        return self.workdir / "runc"
+
+    @property
+    def log_path(self) -> Path:
+        assert self.workdir is not None
+        return self.workdir / "containerd.log"
+
+    @property
+    def pod_log_dir(self) -> Path:
+        assert self.workdir is not None
+        return self.workdir / "pod-logs"
+
+    # -- lifecycle ---------------------------------------------------------
+    def __enter__(self) -> Containerd:
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        self._claim_slot()
+        if self.workdir is None:
+            self.workdir = Path(tempfile.mkdtemp(prefix=f"weft-ctrd{self.slot}-"))
+            self._owns_workdir = True
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        for d in (self.root, self.state, self.runc_root, self.pod_log_dir, self.workdir / "cni"):
+            d.mkdir(parents=True, exist_ok=True)
+        self._make_netns()
+        self._write_config()
+        self.start()
+        self._import_images()
+
+    def _claim_slot(self) -> None:
+        SLOT_DIR.mkdir(parents=True, exist_ok=True)
+        for slot in range(1, MAX_SLOTS):
+            fd = os.open(SLOT_DIR / f"slot{slot}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                os.close(fd)
+                continue
+            self.slot, self._lock_fd = slot, fd
+            return
+        raise RuntimeError(f"no free harness slot under {SLOT_DIR}")
+
+    def _make_netns(self) -> None:
+        if self.netns_path.exists():  # left by a run that was killed
+            _run("ip", "netns", "delete", self.netns, check=False)
+        _run("ip", "netns", "add", self.netns)
+        _run("ip", "-n", self.netns, "link", "set", "lo", "up")
+
+    def _write_config(self) -> None:
+        assert self.workdir is not None
+        cni = {
+            "cniVersion": "0.4.0",
+            "name": f"weft-test-{self.slot}",
+            "plugins": [
+                {
+                    "type": "bridge",
+                    "bridge": self.bridge,
+                    "isGateway": True,
+                    "ipMasq": False,
+                    "hairpinMode": True,
+                    "ipam": {
+                        "type": "host-local",
+                        "ranges": [[{"subnet": self.subnet}]],
+                        "routes": [{"dst": "0.0.0.0/0"}],
+                        "dataDir": str(self.workdir / "cni-ipam"),
+                    },
+                },
+                {"type": "portmap", "capabilities": {"portMappings": True}},
+            ],
+        }
+        (self.workdir / "cni" / "10-weft-test.conflist").write_text(json.dumps(cni, indent=2))
+        cri_section = 'plugins."io.containerd.grpc.v1.cri"'
+        runtimes = [self._runtime_toml(RuntimeHandler("runc"))]
+        runtimes += [self._runtime_toml(h) for h in self.handlers]
+        config = f"""version = 2
+root = "{self.root}"
+state = "{self.state}"
+oom_score = 0
+
+[grpc]
+  address = "{self.socket}"
+
+[ttrpc]
+  address = "{self.socket}.ttrpc"
+
+[debug]
+  address = ""
+  level = "info"
+
+[plugins."io.containerd.internal.v1.opt"]
+  path = "{self.workdir / 'opt'}"
+
+[{cri_section}]
+  sandbox_image = "{images.PAUSE_IMAGE}"
+  restrict_oom_score_adj = true
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+  enable_selinux = false
+
+[{cri_section}.cni]
+  bin_dir = "/usr/lib/cni"
+  conf_dir = "{self.workdir / 'cni'}"
+
+[{cri_section}.containerd]
+  default_runtime_name = "runc"
+  snapshotter = "overlayfs"
+{''.join(runtimes)}"""
+        (self.workdir / "config.toml").write_text(config)
+
+    def _runtime_toml(self, h: RuntimeHandler) -> str:
+        prefix = f'plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{h.name}'
+        base = f'  base_runtime_spec = "{h.base_runtime_spec}"\n' if h.base_runtime_spec else ""
+        return f"""
+[{prefix}]
+  runtime_type = "io.containerd.runc.v2"
+{base}  pod_annotations = {json.dumps(list(h.pod_annotations))}
+  container_annotations = {json.dumps(list(h.container_annotations))}
+
+[{prefix}.options]
+  Root = "{self.runc_root}"
+  SystemdCgroup = false
+"""
+
+    def start(self, timeout: float = 30.0) -> None:
+        """Start containerd (again) in the node namespace and wait until it answers CRI."""
+        if self.running:
+            return
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
+        self._proc = subprocess.Popen(
+            ["nsenter", f"--net={self.netns_path}", "containerd", "--config", str(self.workdir / "config.toml")],
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self._proc.poll() is not None:
+                raise RuntimeError(f"containerd exited ({self._proc.returncode}); see {self.log_path}:\n{self._tail()}")
+            if self.socket.exists() and self._answers():
+                return
+            time.sleep(0.05)
+        raise RuntimeError(f"containerd did not answer CRI within {timeout}s; see {self.log_path}:\n{self._tail()}")
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
+        """Stop containerd only (its shims and containers go on, as on a real node)."""
+        if self._proc is None:
+            return
+        if self._proc.poll() is None:
+            self._proc.send_signal(sig)
+            try:
+                self._proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait()
+        self._proc = None
+        if self._log is not None:
+            self._log.close()  # type: ignore[attr-defined]
+            self._log = None
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    @property
+    def running(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._proc.pid if self.running else None
+
+    def _tail(self, n: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return ""
+
+    def _answers(self) -> bool:
+        with grpc.insecure_channel(self.address) as ch:
+            try:
+                cri_grpc.RuntimeServiceStub(ch).Version(cri.VersionRequest(), timeout=2)
+                return True
+            except grpc.RpcError:
+                return False
+
+    def _import_images(self) -> None:
+        for archive in images.cached_archives(IMAGE_CACHE):
+            res = _run("ctr", "-a", str(self.socket), "-n", "k8s.io", "images", "import", str(archive), check=False)
+            if res.returncode != 0:
+                raise RuntimeError(f"ctr images import {archive} failed: {res.stderr.strip()}")
+
+    # -- teardown ----------------------------------------------------------
+    def close(self) -> None:
+        """Remove everything this instance made. Safe to call more than once."""
+        if self._lock_fd is None:
+            return
+        errors: list[str] = []
+        if self.workdir is not None and (self.workdir / "config.toml").exists():
+            try:
+                self.start()
+                self._remove_all_pods()
+            except Exception as exc:  # noqa: BLE001 - teardown goes on regardless
+                errors.append(f"CRI cleanup: {exc}")
+            self.stop()
+            self._kill_leftovers()
+            self._unmount_under(self.workdir)
+        _run("ip", "netns", "delete", self.netns, check=False)
+        if self._owns_workdir and self.workdir is not None:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+        os.close(self._lock_fd)
+        self._lock_fd = None
+        if errors:
+            raise RuntimeError("; ".join(errors))
+
+    def _remove_all_pods(self) -> None:
+        with grpc.insecure_channel(self.address) as ch:
+            rt = cri_grpc.RuntimeServiceStub(ch)
+            for sb in rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=30).items:
+                rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sb.id), timeout=60)
+                rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sb.id), timeout=60)
+            # Containers created outside any listed sandbox cannot exist in CRI,
+            # but a failed test may leave one mid-creation; remove what is listed.
+            for c in rt.ListContainers(cri.ListContainersRequest(), timeout=30).containers:
+                rt.RemoveContainer(cri.RemoveContainerRequest(container_id=c.id), timeout=60)
+
+    def _kill_leftovers(self) -> None:
+        # Shims carry containerd's address on their command line.
+        needle = str(self.socket)
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            try:
+                cmdline = (pid_dir / "cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if any(needle.encode() in part for part in cmdline):
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid_dir.name), signal.SIGKILL)
+        if self.runc_root.exists():
+            for ns_root in self.runc_root.iterdir():
+                res = _run("runc", "--root", str(ns_root), "list", "-q", check=False)
+                for cid in res.stdout.split():
+                    _run("runc", "--root", str(ns_root), "delete", "--force", cid, check=False)
+
+    @staticmethod
+    def _unmount_under(base: Path) -> None:
+        prefix = str(base) + "/"
+        mounts = []
+        with open("/proc/self/mountinfo") as f:
+            for line in f:
+                mnt = line.split()[4].replace("\\040", " ")
+                if mnt.startswith(prefix):
+                    mounts.append(mnt)
+        for mnt in sorted(mounts, key=len, reverse=True):
+            _run("umount", "-l", mnt, check=False)
+
+    # -- helpers for tests ---------------------------------------------------
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)

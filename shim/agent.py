@@ -1,0 +1,88 @@
+"""``weft agent``: the node agent process.
+
+Assembles the CRI proxy (socket claim, upstream channel, router), the HTTP
+endpoint for metrics and health, and the signal handling: SIGTERM or SIGINT
+stops accepting calls, lets running ones finish for a grace period, cancels
+open streams, and removes the socket it made.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+
+import grpc
+from cri_api.v1 import api_pb2
+
+from shim import log
+from shim.config import Config
+from shim.cri.instrument import Instrument
+from shim.cri.passthrough import Upstream
+from shim.cri.server import CriServer
+from shim.httpd import HttpEndpoint
+from shim.metrics import Metrics
+
+_log = log.get("weft.agent")
+_VERSION = "/runtime.v1.RuntimeService/Version"
+
+
+def _probe(upstream: Upstream):
+    version = upstream.channel.unary_unary(
+        _VERSION, request_serializer=api_pb2.VersionRequest.SerializeToString,
+        response_deserializer=api_pb2.VersionResponse.FromString,
+    )
+
+    def probe() -> tuple[bool, str]:
+        try:
+            resp = version(api_pb2.VersionRequest(), timeout=2)
+        except grpc.RpcError as exc:
+            return False, upstream.translate(exc).message
+        return True, f"{resp.runtime_name} {resp.runtime_version}"
+
+    return probe
+
+
+class Agent:
+    def __init__(self, cfg: Config) -> None:
+        self.cfg = cfg
+        self.metrics = Metrics()
+        self.upstream = Upstream(str(cfg.agent.containerd_socket))
+        self.server = CriServer(cfg.agent.socket, self.upstream, Instrument(self.metrics), cfg.agent.workers)
+        self.http: HttpEndpoint | None = None
+        self._stop = threading.Event()
+
+    def start(self) -> None:
+        self.cfg.agent.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.server.start()
+        if self.cfg.agent.metrics_address:
+            try:
+                self.http = HttpEndpoint(self.cfg.agent.metrics_address, self.metrics, _probe(self.upstream))
+            except OSError:
+                self.server.stop(0)
+                raise
+            self.http.start()
+        _log.info(
+            "agent.started", socket=str(self.cfg.agent.socket), containerd=self.upstream.socket,
+            http=self.http.address if self.http else None, pid=os.getpid(),
+        )
+
+    def stop(self, grace: float = 5.0) -> None:
+        _log.info("agent.stopping", grace_s=grace)
+        if self.http is not None:
+            self.http.stop()
+        self.server.stop(grace)
+        self.upstream.close()
+        _log.info("agent.stopped")
+
+    def request_stop(self, *_: object) -> None:
+        self._stop.set()
+
+    def run(self) -> None:
+        signal.signal(signal.SIGTERM, self.request_stop)
+        signal.signal(signal.SIGINT, self.request_stop)
+        self.start()
+        try:
+            self._stop.wait()
+        finally:
+            self.stop()

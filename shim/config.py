@@ -1,0 +1,104 @@
+"""Configuration: frozen dataclasses per subsystem, one loader.
+
+Values come from a TOML file (``--config``) and are then overridden by flags.
+Every validation error names the field (``agent.socket``) and the value, so a
+platform engineer can fix the file without reading code.
+
+Example file::
+
+    [agent]
+    socket = "/run/weft/cri.sock"
+    containerd_socket = "/run/containerd/containerd.sock"
+    state_dir = "/var/lib/weft"
+    metrics_address = "127.0.0.1:9464"   # "" turns the HTTP endpoint off
+    log_level = "info"
+    workers = 64
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shim.core.annotations import parse_host_port
+from shim.errors import ConfigError
+
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    socket: Path = Path("/run/weft/cri.sock")
+    containerd_socket: Path = Path("/run/containerd/containerd.sock")
+    state_dir: Path = Path("/var/lib/weft")
+    metrics_address: str = "127.0.0.1:9464"
+    log_level: str = "info"
+    # Server threads: each open GetContainerEvents stream holds one.
+    workers: int = 64
+
+    def validate(self) -> None:
+        if self.metrics_address:
+            try:
+                parse_host_port(self.metrics_address, field="agent.metrics_address")
+            except ValueError as exc:
+                raise ConfigError(str(exc)) from None
+        if self.log_level not in LOG_LEVELS:
+            raise ConfigError(f"agent.log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if self.workers < 4:
+            raise ConfigError(f"agent.workers: {self.workers} is too few (at least 4)")
+        for name in ("socket", "containerd_socket", "state_dir"):
+            if not getattr(self, name).is_absolute():
+                raise ConfigError(f"agent.{name}: {str(getattr(self, name))!r} must be an absolute path")
+
+
+@dataclass(frozen=True)
+class Config:
+    agent: AgentConfig = field(default_factory=AgentConfig)
+
+
+def _build(cls: type, table: Mapping[str, Any], section: str) -> Any:
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kwargs: dict[str, Any] = {}
+    for key, value in table.items():
+        if key not in fields:
+            known = ", ".join(sorted(fields))
+            raise ConfigError(f"{section}.{key}: unknown setting (known: {known})")
+        default = fields[key].default
+        want = type(default) if default is not dataclasses.MISSING else str
+        if want is Path or isinstance(default, Path):
+            if not isinstance(value, str):
+                raise ConfigError(f"{section}.{key}: expected a path string, got {value!r}")
+            value = Path(value)
+        elif not isinstance(value, want) or (want is int and isinstance(value, bool)):
+            raise ConfigError(f"{section}.{key}: expected {want.__name__}, got {value!r}")
+        kwargs[key] = value
+    return cls(**kwargs)
+
+
+def load(path: Path | None = None, overrides: Mapping[str, Mapping[str, Any]] | None = None) -> Config:
+    """Read ``path`` (if given), apply ``overrides`` (section -> field -> value, None skipped), validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        try:
+            raw = tomllib.loads(path.read_text())
+        except OSError as exc:
+            raise ConfigError(f"config file {path}: {exc.strerror}") from exc
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {path}: {exc}") from exc
+    for section in raw:
+        if section not in {f.name for f in dataclasses.fields(Config)}:
+            raise ConfigError(f"{section}: unknown section in {path}")
+    sections: dict[str, Any] = {}
+    for f in dataclasses.fields(Config):
+        table = dict(raw.get(f.name, {}))
+        for key, value in (overrides or {}).get(f.name, {}).items():
+            if value is not None:
+                table[key] = str(value) if isinstance(value, Path) else value
+        sections[f.name] = _build(type(f.default_factory()), table, f.name)  # type: ignore[misc]
+    cfg = Config(**sections)
+    cfg.agent.validate()
+    return cfg

@@ -1,0 +1,128 @@
+"""Raw-bytes forwarding to containerd: no parse, no re-encode.
+
+A request body arrives as ``bytes`` (the server registers no deserializer)
+and leaves as the same ``bytes`` on a channel that registers no serializer;
+the response comes back the same way. So a CRI field or method newer than our
+stubs passes untouched, and a pod that did not opt in sees containerd as if
+weft were not there: metadata is forwarded both ways, and containerd's status
+code, details and trailing metadata (including ``grpc-status-details-bin``)
+are handed back unchanged.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from shim.errors import UpstreamError, UpstreamUnavailable
+
+# Keys a gRPC client library sets itself; forwarding them would be refused or
+# would duplicate what our own channel sends.
+_HOP_BY_HOP = frozenset({"user-agent", "te", "content-type", "grpc-accept-encoding", "grpc-encoding",
+                         "grpc-timeout", "grpc-message-type", "authority"})
+
+# Transport failures (no socket, refused, reset) as grpc core words them; an
+# UNAVAILABLE that containerd itself returns passes unchanged.
+_TRANSPORT_MARKERS = ("failed to connect", "Connection refused", "No such file or directory",
+                      "Socket closed", "Connection reset", "connections to all backends failing",
+                      "Broken pipe", "GOAWAY", "Transport closed", "Cancelling all calls")
+
+UPSTREAM_OPTIONS: Sequence[tuple[str, Any]] = (
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    # Back on its feet within a second after containerd restarts; the default
+    # exponential backoff can reach two minutes.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+    ("grpc.enable_retries", 0),
+)
+
+
+def outgoing_metadata(md: Sequence[tuple[str, Any]] | None) -> list[tuple[str, Any]] | None:
+    if not md:
+        return None
+    out = [(k, v) for k, v in md if k not in _HOP_BY_HOP and not k.startswith(":")]
+    return out or None
+
+
+def timeout_of(context: grpc.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    # grpc reports "no deadline" as a huge number of seconds.
+    if remaining is None or remaining > 1e7:
+        return None
+    return max(remaining, 0.0)
+
+
+class Upstream:
+    """A channel to containerd and the three ways of forwarding over it."""
+
+    def __init__(self, socket: str) -> None:
+        self.socket = socket
+        self.channel = grpc.insecure_channel(f"unix://{socket}", options=UPSTREAM_OPTIONS)
+        self._unary: dict[str, Callable[..., Any]] = {}
+        self._server_stream: dict[str, Callable[..., Any]] = {}
+        self._stream_stream: dict[str, Callable[..., Any]] = {}
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def translate(self, exc: grpc.RpcError) -> UpstreamError:
+        code = exc.code()  # type: ignore[attr-defined]
+        details = exc.details() or ""  # type: ignore[attr-defined]
+        if code is grpc.StatusCode.UNAVAILABLE and any(m in details for m in _TRANSPORT_MARKERS):
+            return UpstreamUnavailable(self.socket, details)
+        return UpstreamError(code, details, exc.trailing_metadata())  # type: ignore[attr-defined]
+
+    # -- unary ---------------------------------------------------------------
+    def unary(self, path: str, request: bytes, context: grpc.ServicerContext) -> bytes:
+        call_fn = self._unary.get(path)
+        if call_fn is None:
+            call_fn = self._unary[path] = self.channel.unary_unary(path).with_call
+        try:
+            response, call = call_fn(
+                request, timeout=timeout_of(context), metadata=outgoing_metadata(context.invocation_metadata())
+            )
+        except grpc.RpcError as exc:
+            raise self.translate(exc) from None
+        initial = call.initial_metadata()
+        if initial:
+            context.send_initial_metadata(initial)
+        trailing = call.trailing_metadata()
+        if trailing:
+            context.set_trailing_metadata(trailing)
+        return response
+
+    # -- streams -------------------------------------------------------------
+    def server_stream(self, path: str, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
+        fn = self._server_stream.get(path)
+        if fn is None:
+            fn = self._server_stream[path] = self.channel.unary_stream(path)
+        call = fn(request, timeout=timeout_of(context), metadata=outgoing_metadata(context.invocation_metadata()))
+        yield from self._relay(call, context)
+
+    def stream_stream(self, path: str, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
+        fn = self._stream_stream.get(path)
+        if fn is None:
+            fn = self._stream_stream[path] = self.channel.stream_stream(path)
+        call = fn(requests, timeout=timeout_of(context), metadata=outgoing_metadata(context.invocation_metadata()))
+        yield from self._relay(call, context)
+
+    def _relay(self, call: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
+        # A client that goes away cancels the upstream call, so nothing is
+        # left streaming into the void.
+        context.add_callback(call.cancel)
+        try:
+            initial = call.initial_metadata()
+            if initial:
+                context.send_initial_metadata(initial)
+            yield from call
+        except grpc.RpcError as exc:
+            if not context.is_active():
+                return
+            raise self.translate(exc) from None
+        trailing = call.trailing_metadata()
+        if trailing:
+            context.set_trailing_metadata(trailing)

@@ -1,0 +1,150 @@
+"""The CRI proxy's gRPC server on a unix socket.
+
+One generic handler resolves every method path: an intercepted method gets
+its handler from ``routes.INTERCEPTED``, any other path the raw-bytes
+pass-through in the shape the CRI descriptors give it (or a bidirectional
+stream for a method our stubs do not know). Both run inside the one
+instrumentation wrapper.
+
+The socket is created with mode 0600 (umask held while grpc binds it) and is
+claimed first: an flock on ``<socket>.lock`` plus a connect probe, so a second
+agent on the same path refuses with a clear error instead of unlinking and
+stealing a live socket; a stale socket from a killed agent is replaced.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import os
+import socket as socketlib
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+
+from shim.cri import routes
+from shim.cri.instrument import Instrument
+from shim.cri.methods import KNOWN, Shape, lookup
+from shim.cri.passthrough import Upstream
+from shim.errors import SocketInUse, WeftError
+
+SERVER_OPTIONS = (
+    ("grpc.max_receive_message_length", -1),
+    ("grpc.max_send_message_length", -1),
+    ("grpc.so_reuseport", 0),
+)
+
+
+class SocketClaim:
+    """Exclusive ownership of a unix socket path for this process's lifetime."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.lock_path = path.with_name(path.name + ".lock")
+        self._fd: int | None = None
+        self._inode: int | None = None
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise SocketInUse(
+                f"another weft agent is serving {self.path} (it holds {self.lock_path}); stop it first"
+            ) from None
+        self._fd = fd
+        if self.path.exists() or self.path.is_symlink():
+            probe = socketlib.socket(socketlib.AF_UNIX, socketlib.SOCK_STREAM)
+            try:
+                probe.settimeout(1.0)
+                probe.connect(str(self.path))
+            except OSError:
+                self.path.unlink()  # stale: nobody answers on it
+            else:
+                self.release()
+                raise SocketInUse(f"{self.path} is already served by another process; refusing to take it over")
+            finally:
+                probe.close()
+
+    def bound(self) -> None:
+        """Remember the inode we bound, so release never removes someone else's socket."""
+        self._inode = self.path.stat().st_ino
+
+    def release(self) -> None:
+        if self._inode is not None:
+            with contextlib.suppress(FileNotFoundError):
+                if self.path.stat().st_ino == self._inode:
+                    self.path.unlink()
+            self._inode = None
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+class Router(grpc.GenericRpcHandler):
+    """Method path -> instrumented handler; intercepted first, else pass-through."""
+
+    def __init__(self, upstream: Upstream, instrument: Instrument,
+                 intercepted: Mapping[str, Callable[..., object]]) -> None:
+        self._upstream = upstream
+        self._instrument = instrument
+        self._intercepted = intercepted
+        self._cache: dict[str, grpc.RpcMethodHandler] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        path = handler_call_details.method  # type: ignore[attr-defined]
+        handler = self._cache.get(path)
+        if handler is None:
+            handler = self._build(path)
+            if path in KNOWN:  # unknown paths are not cached: a client could invent endless ones
+                self._cache[path] = handler
+        return handler
+
+    def _build(self, path: str) -> grpc.RpcMethodHandler:
+        method = lookup(path)
+        up = self._upstream
+        if path in self._intercepted:
+            fn = self._intercepted[path]
+            if method.shape is Shape.UNARY:
+                return self._instrument.unary(method, "intercepted", fn)  # type: ignore[arg-type]
+            return self._instrument.stream(method, "intercepted", fn)  # type: ignore[arg-type]
+        if method.shape is Shape.UNARY:
+            return self._instrument.unary(method, "passthrough", lambda req, ctx: up.unary(path, req, ctx))
+        if method.shape is Shape.SERVER_STREAM:
+            return self._instrument.stream(method, "passthrough", lambda req, ctx: up.server_stream(path, req, ctx))
+        return self._instrument.stream(method, "passthrough", lambda reqs, ctx: up.stream_stream(path, reqs, ctx))
+
+
+class CriServer:
+    """The proxy server: claim the socket, bind it 0600, serve, stop cleanly."""
+
+    def __init__(self, socket_path: Path, upstream: Upstream, instrument: Instrument, workers: int) -> None:
+        self.socket_path = socket_path
+        self.claim = SocketClaim(socket_path)
+        self._server = grpc.server(
+            ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weft-cri"),
+            handlers=[Router(upstream, instrument, routes.intercepted(upstream))],
+            options=SERVER_OPTIONS,
+        )
+
+    def start(self) -> None:
+        self.claim.acquire()
+        old_umask = os.umask(0o177)
+        try:
+            port = self._server.add_insecure_port(f"unix:{self.socket_path}")
+        finally:
+            os.umask(old_umask)
+        if port == 0:
+            self.claim.release()
+            raise WeftError(f"could not bind the CRI socket {self.socket_path}")
+        os.chmod(self.socket_path, 0o600)
+        self.claim.bound()
+        self._server.start()
+
+    def stop(self, grace: float = 5.0) -> None:
+        self._server.stop(grace).wait()
+        self.claim.release()

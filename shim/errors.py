@@ -1,0 +1,67 @@
+"""weft's typed errors, each carrying the gRPC status code it maps to.
+
+Handlers raise these; only the CRI instrumentation wrapper turns them into a
+gRPC status, so the mapping lives here and nowhere else::
+
+    WeftError                      (UNKNOWN)
+    ├── ConfigError                configuration file or flag is invalid
+    ├── SocketInUse                another process serves the agent's socket
+    └── UpstreamError              containerd answered with a status (any code)
+        └── UpstreamUnavailable    containerd's socket is missing or dead (UNAVAILABLE)
+
+Causes are chained (``raise ... from exc``) so the log shows what went wrong
+underneath.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import grpc
+
+
+class WeftError(Exception):
+    """Base of every error weft raises on purpose."""
+
+    code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+
+class ConfigError(WeftError):
+    """The configuration names a bad value; the message names the field."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class SocketInUse(WeftError):
+    """Another live process already serves the socket we were asked to serve."""
+
+    code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class UpstreamError(WeftError):
+    """containerd answered with a status: passed on to the client unchanged."""
+
+    def __init__(
+        self,
+        code: grpc.StatusCode,
+        message: str,
+        trailing_metadata: Sequence[tuple[str, str | bytes]] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.code = code
+        self.trailing_metadata = tuple(trailing_metadata or ())
+
+
+class UpstreamUnavailable(UpstreamError):
+    """containerd could not be reached; the message names its socket."""
+
+    def __init__(self, socket: str, detail: str) -> None:
+        super().__init__(
+            grpc.StatusCode.UNAVAILABLE,
+            f"weft: containerd is unavailable at {socket}: {detail}",
+        )
+        self.socket = socket
