@@ -29,7 +29,7 @@ class HttpEndpoint:
         registry, check = metrics.registry, probe
 
         class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+            def do_GET(self) -> None:
                 path = self.path.split("?", 1)[0]
                 if path == "/metrics":
                     self._send(200, generate_latest(registry), CONTENT_TYPE_LATEST)

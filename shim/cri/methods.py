@@ -49,6 +49,7 @@ def _known() -> dict[str, Method]:
 
 
 KNOWN: dict[str, Method] = _known()
+_V1_SERVICES = ("/runtime.v1.RuntimeService/", "/runtime.v1.ImageService/")
 
 
 def lookup(path: str) -> Method:
@@ -56,5 +57,5 @@ def lookup(path: str) -> Method:
     if method is not None:
         return method
     # Label cardinality stays bounded whatever paths a client invents.
-    name = path.rsplit("/", 1)[-1] if path.startswith("/runtime.v1") else "other"
+    name = path.rsplit("/", 1)[-1] if path.startswith(_V1_SERVICES) else "other"
     return Method(path, name or "other", Shape.ANY, False)

@@ -1,0 +1,145 @@
+"""A real ``weft agent`` process in front of a harness containerd.
+
+Started as a subprocess of the test (never in-process), so tests see exactly
+what kubelet would: a socket, logs on stderr, metrics over HTTP, signals.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from integration.harness import Containerd
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class AgentProcess:
+    containerd: Containerd
+    workdir: Path
+    name: str = "weft"
+    extra_args: list[str] = field(default_factory=list)
+    metrics_port: int = 0
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.workdir / f"{self.name}.sock"
+
+    @property
+    def address(self) -> str:
+        return f"unix://{self.socket}"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.workdir / f"{self.name}-state"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / f"{self.name}.log"
+
+    @property
+    def metrics_url(self) -> str:
+        return f"http://127.0.0.1:{self.metrics_port}"
+
+    def argv(self) -> list[str]:
+        return [
+            sys.executable, "-m", "shim", "agent",
+            "--socket", str(self.socket),
+            "--containerd-socket", str(self.containerd.socket),
+            "--state-dir", str(self.state_dir),
+            "--metrics-address", f"127.0.0.1:{self.metrics_port}",
+            *self.extra_args,
+        ]
+
+    def start(self, timeout: float = 20.0) -> AgentProcess:
+        if not self.metrics_port:
+            self.metrics_port = free_port()
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
+        try:
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, start_new_session=True)
+        finally:
+            log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weft agent exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
+            if self.socket.exists() and self._healthy():
+                return self
+            time.sleep(0.05)
+        raise RuntimeError(f"weft agent did not come up within {timeout}s:\n{self.log_text()[-3000:]}")
+
+    def _healthy(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.metrics_url + "/healthz", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return False
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code = self.proc.returncode
+        self.proc = None
+        return code
+
+    def __enter__(self) -> AgentProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    def channel(self) -> grpc.Channel:
+        return grpc.insecure_channel(self.address)
+
+    def log_text(self) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")
+        return ""
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.log_text().splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+    def metrics_text(self) -> str:
+        with urllib.request.urlopen(self.metrics_url + "/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def get(self, path: str) -> tuple[int, str]:
+        try:
+            with urllib.request.urlopen(self.metrics_url + path, timeout=5) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()

@@ -1,0 +1,84 @@
+"""Fixtures for tests against real containerd, runc and CNI (root only).
+
+``containerd`` is one throwaway containerd for the whole session; every test
+that uses it gets its pods removed afterwards, pass or fail. ``fresh_containerd``
+is a private one for tests that stop or restart it. ``agent`` is a real
+``weft agent`` process in front of the shared containerd.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2 as cri
+from cri_api.v1 import api_pb2_grpc as cri_grpc
+
+from integration.agent import AgentProcess
+from integration.harness import Containerd
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if any("integration" in str(item.path) for item in items) and os.geteuid() != 0:
+        raise pytest.UsageError("integration tests drive real containerd, runc and netns: run them as root")
+
+
+def _netns() -> set[str]:
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
+    return {line.split()[0] for line in out.splitlines() if line.strip()}
+
+
+@pytest.fixture(scope="session")
+def containerd_session() -> Iterator[Containerd]:
+    with Containerd() as c:
+        yield c
+
+
+@pytest.fixture
+def containerd(containerd_session: Containerd) -> Iterator[Containerd]:
+    yield containerd_session
+    # Whatever the test left, the next test starts from an empty node.
+    if not containerd_session.running:
+        containerd_session.start()
+    with containerd_session.channel() as ch:
+        rt = cri_grpc.RuntimeServiceStub(ch)
+        for sb in rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=30).items:
+            rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sb.id), timeout=60)
+            rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sb.id), timeout=60)
+
+
+@pytest.fixture
+def fresh_containerd() -> Iterator[Containerd]:
+    with Containerd() as c:
+        yield c
+
+
+@pytest.fixture
+def agent(containerd: Containerd, tmp_path: Path) -> Iterator[AgentProcess]:
+    with AgentProcess(containerd, tmp_path / "agent") as a:
+        yield a
+
+
+@pytest.fixture
+def direct_rt(containerd: Containerd) -> Iterator[cri_grpc.RuntimeServiceStub]:
+    with containerd.channel() as ch:
+        yield cri_grpc.RuntimeServiceStub(ch)
+
+
+@pytest.fixture
+def agent_channel(agent: AgentProcess) -> Iterator[grpc.Channel]:
+    with agent.channel() as ch:
+        yield ch
+
+
+@pytest.fixture(autouse=True, scope="session")
+def no_leaked_namespaces() -> Iterator[None]:
+    """The harness must leave no node namespace behind when the session ends."""
+    before = _netns()
+    yield
+    leaked = {ns for ns in _netns() - before if ns.startswith("weftnode")}
+    assert not leaked, f"harness leaked network namespaces: {sorted(leaked)}"

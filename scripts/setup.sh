@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Installs what weft's demo and tests need, idempotently: Debian packages
+# (containerd, runc, CNI plugins, busybox-static for the test images, ...) and a
+# virtual environment in .venv with weft and its test tools. Sourced by
+# scripts/demo.sh and scripts/test.sh; safe to run again and again.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+VENV="$ROOT/.venv"
+
+if [ "$(id -u)" -ne 0 ]; then
+  echo "weft: run this as root (it installs packages and drives containerd, runc and network namespaces)" >&2
+  exit 1
+fi
+
+APT_PACKAGES=(containerd runc containernetworking-plugins busybox-static iproute2 iptables util-linux
+              python3 python3-venv python3-pip)
+missing=()
+for p in "${APT_PACKAGES[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  echo "weft: installing Debian packages: ${missing[*]}"
+  apt-get update -q
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends "${missing[@]}"
+fi
+
+# The machine's python3 if it is new enough, else Debian's.
+PY=python3
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+  PY=/usr/bin/python3
+fi
+if [ ! -x "$VENV/bin/python" ]; then
+  echo "weft: creating $VENV"
+  "$PY" -m venv "$VENV"
+fi
+# Reinstall only when the dependencies changed.
+STAMP="$VENV/.weft-installed"
+WANT="$(sha256sum "$ROOT/pyproject.toml" | cut -d' ' -f1)"
+if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
+  echo "weft: installing weft and its dependencies into $VENV"
+  "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test]"
+  echo "$WANT" > "$STAMP"
+fi
