@@ -108,7 +108,11 @@ class AgentProcess:
         return code
 
     def __enter__(self) -> AgentProcess:
-        return self.start()
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

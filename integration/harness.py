@@ -155,8 +155,33 @@ class Containerd:
                 os.close(fd)
                 continue
             self.slot, self._lock_fd = slot, fd
+            self._reap_previous()
             return
         raise RuntimeError(f"no free harness slot under {SLOT_DIR}")
+
+    def _reap_previous(self) -> None:
+        """Remove what an earlier holder of this slot left when it was killed outright."""
+        for old in Path(tempfile.gettempdir()).glob(f"weft-ctrd{self.slot}-*"):
+            self._kill_processes_mentioning(str(old))
+            for runc_ns in (old / "runc").glob("*"):
+                res = _run("runc", "--root", str(runc_ns), "list", "-q", check=False)
+                for cid in res.stdout.split():
+                    _run("runc", "--root", str(runc_ns), "delete", "--force", cid, check=False)
+            self._unmount_under(old)
+            shutil.rmtree(old, ignore_errors=True)
+
+    @staticmethod
+    def _kill_processes_mentioning(needle: str) -> None:
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit() or int(pid_dir.name) == os.getpid():
+                continue
+            try:
+                cmdline = (pid_dir / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if needle.encode() in cmdline:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(int(pid_dir.name), signal.SIGKILL)
 
     def _make_netns(self) -> None:
         if self.netns_path.exists():  # left by a run that was killed
@@ -342,17 +367,7 @@ oom_score = 0
 
     def _kill_leftovers(self) -> None:
         # Shims carry containerd's address on their command line.
-        needle = str(self.socket)
-        for pid_dir in Path("/proc").iterdir():
-            if not pid_dir.name.isdigit():
-                continue
-            try:
-                cmdline = (pid_dir / "cmdline").read_bytes().split(b"\0")
-            except OSError:
-                continue
-            if any(needle.encode() in part for part in cmdline):
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(int(pid_dir.name), signal.SIGKILL)
+        self._kill_processes_mentioning(str(self.socket))
         if self.runc_root.exists():
             for ns_root in self.runc_root.iterdir():
                 res = _run("runc", "--root", str(ns_root), "list", "-q", check=False)
