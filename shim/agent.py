@@ -1,7 +1,8 @@
 """``weft agent``: the node agent process.
 
-Assembles the CRI proxy (socket claim, upstream channel, router), the HTTP
-endpoint for metrics and health, and the signal handling: SIGTERM or SIGINT
+Assembles the CRI proxy (socket claim, upstream channel, router), the state
+store, the broker client and the crash reconciler, the HTTP endpoint for
+metrics and health, and the signal handling: SIGTERM or SIGINT
 stops accepting calls, lets running ones finish for a grace period, cancels
 open streams, and removes the socket it made.
 """
@@ -16,12 +17,16 @@ import grpc
 from cri_api.v1 import api_pb2
 
 from shim import log
+from shim.broker.client import BrokerClient
 from shim.config import Config
+from shim.cri.fabric import Fabric
 from shim.cri.instrument import Instrument
 from shim.cri.passthrough import Upstream
+from shim.cri.recovery import Reconciler
 from shim.cri.server import CriServer
 from shim.httpd import HttpEndpoint
 from shim.metrics import Metrics
+from shim.state.agent import AgentStore
 
 _log = log.get("weft.agent")
 _VERSION = "/runtime.v1.RuntimeService/Version"
@@ -48,13 +53,17 @@ class Agent:
         self.cfg = cfg
         self.metrics = Metrics()
         self.upstream = Upstream(str(cfg.agent.containerd_socket))
-        self.server = CriServer(cfg.agent.socket, self.upstream, Instrument(self.metrics), cfg.agent.workers)
+        self.store = AgentStore(cfg.agent.state_dir)
+        self.broker = BrokerClient(cfg.agent.broker_socket) if cfg.agent.broker_socket else None
+        self.fabric = Fabric(self.upstream, self.store, self.broker, self.metrics)
+        self.server = CriServer(cfg.agent.socket, self.fabric, Instrument(self.metrics), cfg.agent.workers)
+        self.reconciler = Reconciler(self.fabric)
         self.http: HttpEndpoint | None = None
         self._stop = threading.Event()
 
     def start(self) -> None:
-        self.cfg.agent.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.server.start()
+        self.reconciler.start()
         if self.cfg.agent.metrics_address:
             try:
                 self.http = HttpEndpoint(self.cfg.agent.metrics_address, self.metrics, _probe(self.upstream))
@@ -65,6 +74,7 @@ class Agent:
         _log.info(
             "agent.started", socket=str(self.cfg.agent.socket), containerd=self.upstream.socket,
             http=self.http.address if self.http else None, pid=os.getpid(),
+            broker=self.cfg.agent.broker_socket or None, opted_in=len(self.fabric.opted_in),
         )
 
     def stop(self, grace: float = 5.0) -> None:
@@ -72,7 +82,11 @@ class Agent:
         if self.http is not None:
             self.http.stop()
         self.server.stop(grace)
+        self.reconciler.stop()
         self.upstream.close()
+        if self.broker is not None:
+            self.broker.close()
+        self.store.close()
         _log.info("agent.stopped")
 
     def request_stop(self, *_: object) -> None:

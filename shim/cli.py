@@ -1,8 +1,11 @@
 """The ``weft`` command line: one subcommand per job.
 
 ``weft agent``        serve the CRI proxy in front of containerd
+``weft broker``       serve the node's GPU leases (NVML or simulated devices)
+``weft status``       sandboxes, placements and leases, as JSON or a table
+``weft explain ID``   why a container was placed where it is
 ``weft demo``         a throwaway fabric on this machine, end to end
-``weft bench proxy``  pass-through cost, direct vs through the agent
+``weft bench ...``    benchmarks that compare side by side in one run
 
 Errors weft raises on purpose are printed as one line naming what to fix, with
 exit code 2; anything else is a bug and keeps its traceback.
@@ -11,6 +14,7 @@ exit code 2; anything else is a bug and keeps its traceback.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -31,11 +35,46 @@ def _agent(args: argparse.Namespace) -> int:
                 "state_dir": args.state_dir,
                 "metrics_address": args.metrics_address,
                 "log_level": args.log_level,
+                "broker_socket": None if args.broker_socket is None else str(args.broker_socket),
             }
         },
     )
     log.configure(cfg.agent.log_level)
     Agent(cfg).run()
+    return 0
+
+
+def _broker(args: argparse.Namespace) -> int:
+    from shim import brokerd
+
+    log.configure(args.log_level or "info")
+    return brokerd.run(brokerd.BrokerConfig(
+        socket=args.socket, state_dir=args.state_dir, backend=args.backend,
+        simulated_devices=args.simulated_devices, metrics_address=args.metrics_address or "",
+        enforce=args.enforce, watchdog_interval=args.watchdog_interval))
+
+
+def _status_doc(args: argparse.Namespace, explain: str | None = None) -> dict:
+    from shim import status
+
+    if args.socket is not None:
+        return status.from_agent(args.socket, explain)
+    return status.from_state_dir(args.state_dir, explain)
+
+
+def _status(args: argparse.Namespace) -> int:
+    from shim import status
+
+    doc = _status_doc(args)
+    print(json.dumps(doc, indent=2) if args.json else status.table(doc))
+    return 0
+
+
+def _explain(args: argparse.Namespace) -> int:
+    from shim import status
+
+    doc = _status_doc(args, explain=args.container_id)
+    print(json.dumps(doc, indent=2) if args.json else status.explain_text(doc))
     return 0
 
 
@@ -52,6 +91,18 @@ def _bench(args: argparse.Namespace) -> int:
         from bench import proxy
     except ImportError:
         raise WeftError("weft bench runs from a source checkout (bench/ and integration/)") from None
+    if args.what == "hook":
+        from bench import hook
+
+        return hook.main(as_json=args.json, samples=args.samples)
+    if args.what == "broker":
+        from bench import broker
+
+        return broker.main(as_json=args.json, samples=args.samples)
+    if args.what == "packing":
+        from bench import packing
+
+        return packing.main(as_json=args.json)
     if args.what == "proxy":
         return proxy.main(
             as_json=args.json, pods=args.pods, samples=args.samples, load_seconds=args.load_seconds,
@@ -72,14 +123,38 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--metrics-address", help='HOST:PORT for /metrics, /healthz, /readyz ("" turns it off)')
     a.add_argument("--config", type=Path, help="TOML configuration file; flags override it")
     a.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    a.add_argument("--broker-socket", type=Path, help="the GPU broker's socket (omit on nodes without GPUs)")
     a.set_defaults(fn=_agent)
+
+    br = sub.add_parser("broker", help="serve GPU leases on a unix socket until SIGTERM")
+    br.add_argument("--socket", type=Path, required=True, help="unix socket of the broker API")
+    br.add_argument("--state-dir", type=Path, required=True, help="where leases are kept")
+    br.add_argument("--backend", choices=("nvml", "simulated"), required=True)
+    br.add_argument("--simulated-devices", default="2x80GiB", help="simulated GPUs, e.g. 2x80GiB or 4x40GiB,1x80GiB")
+    br.add_argument("--metrics-address", help="HOST:PORT for /metrics")
+    br.add_argument("--enforce", choices=("log", "kill"), default="log",
+                    help="what to do with a container over its lease")
+    br.add_argument("--watchdog-interval", type=float, default=1.0, help="seconds between usage samples")
+    br.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
+    br.set_defaults(fn=_broker)
+
+    for name, fn, text in (("status", _status, "opted-in sandboxes, placements and GPU leases"),
+                           ("explain", _explain, "why a container was placed where it is")):
+        sp = sub.add_parser(name, help=text)
+        if name == "explain":
+            sp.add_argument("container_id", help="container ID (or a unique prefix)")
+        src = sp.add_mutually_exclusive_group()
+        src.add_argument("--state-dir", type=Path, default=Path("/var/lib/weft"), help="read the state files here")
+        src.add_argument("--socket", type=Path, help="ask the running agent on this socket")
+        sp.add_argument("--json", action="store_true", help="one JSON object")
+        sp.set_defaults(fn=fn)
 
     d = sub.add_parser("demo", help="run a throwaway containerd and agent, start a pod through it, clean up")
     d.add_argument("--keep", action="store_true", help="leave the pod running until Enter is pressed")
     d.set_defaults(fn=_demo)
 
     b = sub.add_parser("bench", help="benchmarks that compare side by side in one run")
-    b.add_argument("what", choices=("proxy",))
+    b.add_argument("what", choices=("proxy", "hook", "broker", "packing"))
     b.add_argument("--json", action="store_true", help="print machine-readable figures")
     b.add_argument("--pods", type=int, default=50, help="running pods during the list and load phases")
     b.add_argument("--samples", type=int, default=2000, help="calls per method and path for latency")

@@ -11,6 +11,7 @@ Example file::
     containerd_socket = "/run/containerd/containerd.sock"
     state_dir = "/var/lib/weft"
     metrics_address = "127.0.0.1:9464"   # "" turns the HTTP endpoint off
+    broker_socket = "/run/weft/broker.sock"  # "" on nodes without GPUs
     log_level = "info"
     workers = 64
 """
@@ -37,6 +38,9 @@ class AgentConfig:
     state_dir: Path = Path("/var/lib/weft")
     metrics_address: str = "127.0.0.1:9464"
     log_level: str = "info"
+    # The GPU broker's socket; "" for a node without GPUs (GPU containers of
+    # opted-in pods then fail with UNAVAILABLE, everything else works).
+    broker_socket: str = ""
     # Server threads: each open GetContainerEvents stream holds one.
     workers: int = 64
 

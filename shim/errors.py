@@ -4,8 +4,15 @@ Handlers raise these; only the CRI instrumentation wrapper turns them into a
 gRPC status, so the mapping lives here and nowhere else::
 
     WeftError                      (UNKNOWN)
-    ├── ConfigError                configuration file or flag is invalid
-    ├── SocketInUse                another process serves the agent's socket
+    ├── ConfigError                configuration file or flag is invalid (INVALID_ARGUMENT)
+    ├── BadAnnotation              a weft.io/ annotation holds a bad value (INVALID_ARGUMENT)
+    ├── SocketInUse                another process serves the socket (ALREADY_EXISTS)
+    ├── StateError                 the state database cannot be used (shim.state.db; INTERNAL)
+    ├── BrokerUnavailable          the GPU broker cannot be reached (UNAVAILABLE)
+    ├── LeaseRefused               the broker has no room for the GPU ask (RESOURCE_EXHAUSTED)
+    ├── LeaseNotFound              no such lease (NOT_FOUND)
+    ├── LeaseConflictError         the lease is bound to another container (FAILED_PRECONDITION)
+    ├── UnknownContainer           weft placed no such container (NOT_FOUND)
     └── UpstreamError              containerd answered with a status (any code)
         └── UpstreamUnavailable    containerd's socket is missing or dead (UNAVAILABLE)
 
@@ -34,6 +41,36 @@ class ConfigError(WeftError):
     """The configuration names a bad value; the message names the field."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class BadAnnotation(WeftError):
+    """A ``weft.io/`` annotation the agent must read holds a bad value; the message names both."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class BrokerUnavailable(WeftError):
+    """The GPU broker did not answer; only GPU containers of opted-in pods see this."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class LeaseRefused(WeftError):
+    """No device (in the pod's packing domain) has room for the ask."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class LeaseNotFound(WeftError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+class LeaseConflictError(WeftError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class UnknownContainer(WeftError):
+    code = grpc.StatusCode.NOT_FOUND
 
 
 class SocketInUse(WeftError):

@@ -44,6 +44,14 @@ class Metrics:
             "1 when the agent's last call reached containerd, 0 when containerd was unreachable.",
             registry=self.registry,
         )
+        self.placements = Counter(
+            "weft_placements",
+            "Containers of opted-in pods placed, by stage, placement and reason.",
+            ["stage", "placement", "reason"],
+            registry=self.registry,
+        )
+        self.opted_in = Gauge("weft_opted_in_sandboxes", "Opted-in pod sandboxes this agent knows.",
+                              registry=self.registry)
         self._children: dict[tuple[str, str, str], tuple[object, object]] = {}
 
     def observe_cri(self, method: str, code: str, kind: str, seconds: float) -> None:

@@ -48,7 +48,15 @@ def _known() -> dict[str, Method]:
     return table
 
 
-KNOWN: dict[str, Method] = _known()
+# weft's own admin calls on the agent socket (JSON bodies; see shim.cri.admin).
+ADMIN_STATUS = "/weft.agent.v1.Admin/Status"
+ADMIN_EXPLAIN = "/weft.agent.v1.Admin/Explain"
+
+KNOWN: dict[str, Method] = {
+    **_known(),
+    ADMIN_STATUS: Method(ADMIN_STATUS, "WeftStatus", Shape.UNARY, True),
+    ADMIN_EXPLAIN: Method(ADMIN_EXPLAIN, "WeftExplain", Shape.UNARY, True),
+}
 _V1_SERVICES = ("/runtime.v1.RuntimeService/", "/runtime.v1.ImageService/")
 
 

@@ -1,19 +1,26 @@
 """The complete table of CRI methods weft intercepts.
 
 A method path listed here is handled by weft's own module for that verb; every
-other path is forwarded to containerd as raw bytes. Today the table is empty:
-the proxy is a transparent pass-through, and opt-in handling adds its verbs
-here one module each (``shim/cri/run_pod_sandbox.py`` and so on).
+other path is forwarded to containerd as raw bytes. The ``/weft.agent.v1``
+paths are weft's own admin calls (``weft status``/``weft explain`` over the
+agent's socket).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 
-from shim.cri.passthrough import Upstream
+from shim.cri import admin, create_container, remove_container, remove_pod_sandbox, run_pod_sandbox
+from shim.cri.fabric import Fabric
 
 
-def intercepted(upstream: Upstream) -> dict[str, Callable[..., object]]:
-    """Method path -> handler ``(request, context)`` for every intercepted verb."""
-    del upstream  # the verbs that use it arrive with opt-in handling
-    return {}
+def intercepted(fabric: Fabric) -> dict[str, Callable[..., object]]:
+    """Method path -> handler ``(request bytes, context) -> response bytes`` for every intercepted verb."""
+    return {
+        run_pod_sandbox.PATH: run_pod_sandbox.handler(fabric),
+        create_container.PATH: create_container.handler(fabric),
+        remove_container.PATH: remove_container.handler(fabric),
+        remove_pod_sandbox.PATH: remove_pod_sandbox.handler(fabric),
+        admin.STATUS: admin.status_handler(fabric),
+        admin.EXPLAIN: admin.explain_handler(fabric),
+    }

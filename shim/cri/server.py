@@ -21,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from shim.cri import routes
+from shim.cri.fabric import Fabric
 from shim.cri.instrument import Instrument
 from shim.cri.methods import KNOWN, Shape, lookup
 from shim.cri.passthrough import Upstream
@@ -71,12 +72,12 @@ class Router(grpc.GenericRpcHandler):
 class CriServer:
     """The proxy server: claim the socket, bind it 0600, serve, stop cleanly."""
 
-    def __init__(self, socket_path: Path, upstream: Upstream, instrument: Instrument, workers: int) -> None:
+    def __init__(self, socket_path: Path, fabric: Fabric, instrument: Instrument, workers: int) -> None:
         self.socket_path = socket_path
         self.claim = SocketClaim(socket_path)
         self._server = grpc.server(
             ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weft-cri"),
-            handlers=[Router(upstream, instrument, routes.intercepted(upstream))],
+            handlers=[Router(fabric.upstream, instrument, routes.intercepted(fabric))],
             options=SERVER_OPTIONS,
         )
 

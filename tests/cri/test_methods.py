@@ -23,7 +23,8 @@ def test_known_methods(path: str, shape: Shape, polling: bool) -> None:
 def test_every_runtime_and_image_method_is_known() -> None:
     names = {m.name for m in KNOWN.values()}
     assert {"Version", "RunPodSandbox", "CreateContainer", "ExecSync", "ListImages", "ImageFsInfo"} <= names
-    assert all(p.startswith(("/runtime.v1.RuntimeService/", "/runtime.v1.ImageService/")) for p in KNOWN)
+    assert all(p.startswith(("/runtime.v1.RuntimeService/", "/runtime.v1.ImageService/", "/weft.agent.v1.Admin/"))
+               for p in KNOWN)
 
 
 @pytest.mark.parametrize(

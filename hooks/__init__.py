@@ -1,0 +1,1 @@
+"""weft's OCI hook (``weft-oci-hook``), run by runc; standard library only."""

@@ -1,0 +1,118 @@
+"""A real ``weft broker`` process (simulated GPUs) and a containerd whose ``weft`` handler runs the OCI hook."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+
+from integration.harness import Containerd, RuntimeHandler
+from shim._pb import broker_pb2 as pb
+from shim._pb import broker_pb2_grpc as pb_grpc
+from shim.hookspec import with_hooks
+
+HOOK_SCRIPT = Path(__file__).resolve().parent.parent / "hooks" / "weft_oci_hook.py"
+
+
+def weft_handler(workdir: Path, broker_socket: Path) -> RuntimeHandler:
+    """The ``weft`` runtime handler: runc plus the hook, weft.io/* annotations passed to the OCI spec."""
+    default = json.loads(subprocess.run(["ctr", "oci", "spec"], check=True, capture_output=True, text=True).stdout)
+    # -S -I: the hook needs only the standard library, so skip site-packages.
+    spec = with_hooks(default, [sys.executable, "-S", "-I", str(HOOK_SCRIPT)], str(broker_socket))
+    path = workdir / "weft-base-spec.json"
+    workdir.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(spec))
+    return RuntimeHandler("weft", base_runtime_spec=path, pod_annotations=("weft.io/*",),
+                          container_annotations=("weft.io/*",))
+
+
+@dataclass
+class BrokerProcess:
+    workdir: Path
+    devices: str = "2x80GiB"
+    enforce: str = "log"
+    extra_env: dict[str, str] = field(default_factory=dict)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def socket(self) -> Path:
+        return self.workdir / "broker.sock"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.workdir / "broker-state"
+
+    @property
+    def log_path(self) -> Path:
+        return self.workdir / "broker.log"
+
+    def start(self, timeout: float = 20.0) -> BrokerProcess:
+        import os
+
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        with open(self.log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "shim", "broker", "--socket", str(self.socket), "--state-dir",
+                 str(self.state_dir), "--backend", "simulated", "--simulated-devices", self.devices,
+                 "--enforce", self.enforce, "--watchdog-interval", "0.2"],
+                stdout=log, stderr=log, start_new_session=True, env={**os.environ, **self.extra_env})
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"weft broker exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
+            if self.socket.exists() and Path(str(self.socket) + ".hook").exists():
+                return self
+            time.sleep(0.05)
+        raise RuntimeError(f"weft broker did not come up:\n{self.log_path.read_text()[-3000:]}")
+
+    def stop(self, sig: int = signal.SIGTERM) -> int | None:
+        if self.proc is None:
+            return None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        code, self.proc = self.proc.returncode, None
+        return code
+
+    def __enter__(self) -> BrokerProcess:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def stub(self) -> tuple[grpc.Channel, pb_grpc.BrokerStub]:
+        ch = grpc.insecure_channel(f"unix://{self.socket}")
+        return ch, pb_grpc.BrokerStub(ch)
+
+    def leases(self) -> list[pb.Lease]:
+        ch, stub = self.stub()
+        with ch:
+            return list(stub.List(pb.ListRequest(), timeout=5).leases)
+
+    def events(self) -> list[dict]:
+        out = []
+        for line in self.log_path.read_text(errors="replace").splitlines():
+            with contextlib.suppress(ValueError):
+                out.append(json.loads(line))
+        return out
+
+
+def gpu_fabric(workdir: Path) -> tuple[BrokerProcess, Containerd]:
+    """A broker and a containerd with the weft handler pointing at it (not yet started)."""
+    broker = BrokerProcess(workdir / "broker")
+    return broker, Containerd(handlers=[weft_handler(workdir, broker.socket)])

@@ -1,0 +1,1 @@
+"""Generated gRPC code for weft's own protocols (see proto/generate.py)."""

@@ -1,0 +1,60 @@
+"""The broker's window on the GPUs: a small Protocol with two implementations.
+
+``nvml`` reads real devices through nvidia-ml-py; ``simulated`` is configured
+devices whose processes and usage tests drive. One contract test suite runs
+against both (``tests/broker/test_backend_contract.py``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class GpuDevice:
+    index: int
+    uuid: str
+    name: str
+    memory_total: int  # bytes
+    mig_enabled: bool
+    # /dev/nvidia<minor>; None where there is no device node (simulated).
+    minor: int | None
+
+
+@dataclass(frozen=True)
+class GpuProcess:
+    pid: int  # as the host's PID namespace sees it
+    device_uuid: str
+    used_memory: int  # bytes; 0 when the driver does not say
+
+
+class Backend(Protocol):
+    name: str
+
+    def devices(self) -> list[GpuDevice]:
+        """Every device, in index order."""
+        ...
+
+    def processes(self) -> list[GpuProcess]:
+        """Every process using a device now, with its memory on that device."""
+        ...
+
+    def utilization(self) -> dict[str, int]:
+        """Device UUID -> percent of the last sample period the device was busy."""
+        ...
+
+    def process_utilization(self) -> dict[int, int]:
+        """PID -> percent of SM time it used in the last sample period (where known)."""
+        ...
+
+    def device_nodes(self, uuid: str) -> list[str]:
+        """Device nodes a container needs for this device (without the shared control nodes)."""
+        ...
+
+    def control_nodes(self) -> list[str]:
+        """Shared device nodes every GPU container needs (nvidiactl, nvidia-uvm, ...)."""
+        ...
+
+    def close(self) -> None:
+        ...

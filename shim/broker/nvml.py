@@ -1,0 +1,189 @@
+"""The GPU backend for real devices, read through NVML (``nvidia-ml-py``, ``import pynvml``).
+
+NVML is the driver's own account of devices, processes and usage, the same one
+nvidia-smi and dcgm-exporter read, so what the broker enforces agrees with what
+operators see. This module turns NVML's C-shaped answers (bytes, missing values,
+error codes) into the broker's ``GpuDevice``/``GpuProcess`` values and its
+failures into two exceptions that name the call::
+
+    NvmlError            an NVML call failed (the NVMLError is chained)
+    └── NvmlUnavailable  no NVML library or no driver on this host
+
+It runs in the broker process only, never in the agent: a hung NVML call must
+not stall CRI.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from types import ModuleType
+from typing import Any
+
+from shim.broker.backend import GpuDevice, GpuProcess
+
+try:
+    import pynvml
+except ImportError:  # a broken install; NvmlBackend() says so when it is asked for
+    pynvml = None
+
+# Nodes every GPU container needs besides its own /dev/nvidia<minor>; which of
+# them exist depends on the driver's modules (uvm for CUDA, modeset for display).
+CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+
+
+class NvmlError(Exception):
+    """An NVML call failed; the message names the call and the device."""
+
+
+class NvmlUnavailable(NvmlError):
+    """This host has no NVML library or no loaded NVIDIA driver: there is nothing to read."""
+
+
+class NvmlBackend:
+    name = "nvml"
+
+    def __init__(self, library: ModuleType | Any | None = None) -> None:
+        # ``library`` stands in for pynvml in tests; it must offer pynvml's
+        # functions, NVMLError and NVML_* constants.
+        if library is None:
+            if pynvml is None:
+                raise NvmlUnavailable("import pynvml: nvidia-ml-py is not installed")
+            library = pynvml
+        self._nv = library
+        nv = library
+        try:
+            nv.nvmlInit()
+        except nv.NVMLError as exc:
+            if exc.value in (nv.NVML_ERROR_LIBRARY_NOT_FOUND, nv.NVML_ERROR_DRIVER_NOT_LOADED):
+                raise NvmlUnavailable(f"nvmlInit: {exc} (is the NVIDIA driver installed and loaded?)") from exc
+            raise NvmlError(f"nvmlInit: {exc}") from exc
+        self._closed = False
+        self._lock = threading.Lock()
+        # NVML timestamps (microseconds) of the newest process sample seen per
+        # device, so each process_utilization() call reads only newer samples.
+        self._last_seen: dict[str, int] = {}
+        try:
+            # Handles are stable while NVML is initialised; UUIDs are what
+            # leases name, so look handles up by UUID, kept in index order.
+            self._handles: dict[str, Any] = {}
+            for index in range(self._call("nvmlDeviceGetCount")):
+                handle = self._call("nvmlDeviceGetHandleByIndex", index, on=f"index {index}")
+                self._handles[_text(self._call("nvmlDeviceGetUUID", handle, on=f"index {index}"))] = handle
+        except NvmlError:
+            self.close()
+            raise
+
+    def devices(self) -> list[GpuDevice]:
+        nv = self._nv
+        out = []
+        for index, (uuid, handle) in enumerate(self._handles.items()):
+            # Devices without MIG (pre-Ampere, consumer boards) answer NotSupported;
+            # drivers older than MIG lack the function altogether.
+            mig = self._call(
+                "nvmlDeviceGetMigMode",
+                handle,
+                on=uuid,
+                tolerate=(nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND),
+            )
+            out.append(
+                GpuDevice(
+                    index=index,
+                    uuid=uuid,
+                    name=_text(self._call("nvmlDeviceGetName", handle, on=uuid)),
+                    memory_total=int(self._call("nvmlDeviceGetMemoryInfo", handle, on=uuid).total),
+                    mig_enabled=mig is not None and mig[0] == nv.NVML_DEVICE_MIG_ENABLE,
+                    minor=self._minor(uuid, handle),
+                )
+            )
+        return out
+
+    def processes(self) -> list[GpuProcess]:
+        nv = self._nv
+        found: dict[tuple[int, str], GpuProcess] = {}
+        for uuid, handle in self._handles.items():
+            # A process that does both compute and graphics is in both lists;
+            # it is one process on that device, holding the larger figure.
+            for call in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
+                for proc in self._call(call, handle, on=uuid, tolerate=(nv.NVML_ERROR_NOT_SUPPORTED,)) or []:
+                    # None where the driver cannot say (e.g. under MIG or WDDM).
+                    used = int(proc.usedGpuMemory or 0)
+                    key = (int(proc.pid), uuid)
+                    if key not in found or used > found[key].used_memory:
+                        found[key] = GpuProcess(pid=key[0], device_uuid=uuid, used_memory=used)
+        return list(found.values())
+
+    def utilization(self) -> dict[str, int]:
+        nv = self._nv
+        out = {}
+        for uuid, handle in self._handles.items():
+            # MIG-enabled devices do not report whole-device utilization.
+            rates = self._call(
+                "nvmlDeviceGetUtilizationRates", handle, on=uuid, tolerate=(nv.NVML_ERROR_NOT_SUPPORTED,)
+            )
+            if rates is not None:
+                out[uuid] = int(rates.gpu)
+        return out
+
+    def process_utilization(self) -> dict[int, int]:
+        nv = self._nv
+        # NotFound: no sample newer than the last one we saw. NotSupported: the
+        # device keeps no per-process samples. Both mean "nothing new known".
+        # NVML_SUCCESS (0) arrives as an error from pynvml when the first,
+        # sizing call already finds no samples.
+        nothing = (nv.NVML_ERROR_NOT_FOUND, nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_SUCCESS)
+        out: dict[int, int] = {}
+        with self._lock:
+            for uuid, handle in self._handles.items():
+                since = self._last_seen.get(uuid, 0)
+                samples = self._call("nvmlDeviceGetProcessUtilization", handle, since, on=uuid, tolerate=nothing)
+                newest: dict[int, Any] = {}
+                for sample in samples or []:
+                    if sample.pid not in newest or sample.timeStamp > newest[sample.pid].timeStamp:
+                        newest[sample.pid] = sample
+                for pid, sample in newest.items():
+                    self._last_seen[uuid] = max(self._last_seen.get(uuid, 0), int(sample.timeStamp))
+                    # Out-of-range values are the driver's "not available" marker.
+                    if 0 <= sample.smUtil <= 100:
+                        # A process on several devices: report its busiest one,
+                        # since the watchdog compares against a per-device share.
+                        out[int(pid)] = max(out.get(int(pid), 0), int(sample.smUtil))
+        return out
+
+    def device_nodes(self, uuid: str) -> list[str]:
+        minor = self._minor(uuid, self._handle(uuid))
+        return [] if minor is None else [f"/dev/nvidia{minor}"]
+
+    def control_nodes(self) -> list[str]:
+        return [node for node in CONTROL_NODES if os.path.exists(node)]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._call("nvmlShutdown")
+
+    def _handle(self, uuid: str) -> Any:
+        try:
+            return self._handles[uuid]
+        except KeyError:
+            raise ValueError(f"unknown device {uuid!r} (NVML devices: {', '.join(self._handles)})") from None
+
+    def _minor(self, uuid: str, handle: Any) -> int | None:
+        minor = self._call("nvmlDeviceGetMinorNumber", handle, on=uuid, tolerate=(self._nv.NVML_ERROR_NOT_SUPPORTED,))
+        return None if minor is None else int(minor)
+
+    def _call(self, name: str, *args: Any, on: str = "", tolerate: tuple[int, ...] = ()) -> Any:
+        """Call NVML's ``name``; an error code in ``tolerate`` reads as None, any other raises NvmlError."""
+        try:
+            return getattr(self._nv, name)(*args)
+        except self._nv.NVMLError as exc:
+            if exc.value in tolerate:
+                return None
+            where = f" on {on}" if on else ""
+            raise NvmlError(f"{name}{where}: {exc}") from exc
+
+
+def _text(value: str | bytes) -> str:
+    # Older nvidia-ml-py releases return char buffers as bytes.
+    return value.decode() if isinstance(value, bytes) else value

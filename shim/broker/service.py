@@ -1,0 +1,185 @@
+"""The broker's lease logic behind ``proto/broker.proto``: acquire, bind, release, list.
+
+Decisions come from ``shim.core.packing`` (where a lease goes) and
+``shim.core.leases`` (which transitions are allowed); this module applies them
+to the store, the backend and the MPS daemons under one lock, so two
+concurrent Acquires never see the same free memory. Each fact is in the
+store before the call returns.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+import uuid
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Protocol
+
+from shim import failpoint, log
+from shim.broker.backend import Backend, GpuDevice
+from shim.core import packing
+from shim.core.leases import LeaseConflict, LeaseState, check_bind
+from shim.errors import BadAnnotation, LeaseConflictError, LeaseNotFound, LeaseRefused
+from shim.state.leases import LeaseRecord, LeaseStore, replace
+
+_log = log.get("weft.broker")
+
+# Where a shared lease's MPS pipe directory appears inside the container.
+MPS_PIPE_IN_CONTAINER = "/run/weft-mps"
+
+
+class MpsLike(Protocol):
+    """What the service needs of an MPS supervisor (the real one: ``shim.broker.mps``)."""
+
+    def ensure(self, device_uuid: str) -> Any: ...  # has .pipe_dir
+
+    def stop(self, device_uuid: str) -> None: ...
+
+
+class LeaseService:
+    def __init__(self, backend: Backend, store: LeaseStore, mps: MpsLike | None = None) -> None:
+        self.backend = backend
+        self.store = store
+        self.mps = mps
+        self._lock = threading.Lock()
+        self._devices = backend.devices()
+        self._by_uuid = {d.uuid: d for d in self._devices}
+
+    @property
+    def devices(self) -> list[GpuDevice]:
+        return self._devices
+
+    # -- acquire ---------------------------------------------------------------
+    def acquire(self, *, key: str, namespace: str, pod: str, pod_uid: str, container: str, sandbox_id: str,
+                memory_bytes: int, compute_percent: int, count: int, allowed: Iterable[str]) -> LeaseRecord:
+        if not key:
+            raise BadAnnotation("Acquire: key is required (<sandbox id>/<container>/<attempt>)")
+        compute = compute_percent or 100
+        if not 1 <= compute <= 100:
+            raise BadAnnotation(f"Acquire: compute_percent {compute_percent} is outside 1..100")
+        largest = max((d.memory_total for d in self._devices), default=0)
+        if memory_bytes > largest:
+            raise BadAnnotation(f"Acquire: {memory_bytes} bytes is larger than any device ({largest} bytes)")
+        allowed_set = frozenset(allowed) or None
+        unknown = sorted((allowed_set or frozenset()) - self._by_uuid.keys())
+        if unknown:
+            raise BadAnnotation(f"Acquire: allowed devices {', '.join(unknown)} are not on this node")
+        ask = packing.Ask(memory_bytes=memory_bytes or None, compute_percent=compute,
+                          count=1 if memory_bytes else max(count, 1), allowed=allowed_set)
+        with self._lock:
+            existing = self.store.by_key(key)
+            if existing is not None:  # a retried CreateContainer: the same lease, never a second one
+                return existing
+            capacities = [packing.DeviceCapacity(d.uuid, d.index, d.memory_total) for d in self._devices]
+            decision = packing.pack(ask, capacities, self._held())
+            if not decision.ok:
+                _log.info("lease.refused", key=key, pod=pod, namespace=namespace, container=container,
+                          reason=decision.reason.value, detail=decision.detail)
+                raise LeaseRefused(f"no GPU for {namespace}/{pod}/{container}: {decision.detail}")
+            record = self._record(key, namespace, pod, pod_uid, container, sandbox_id, ask, decision)
+            self.store.insert(record)
+            failpoint.hit("broker.lease.stored")
+        _log.info("lease.acquired", lease=record.lease_id, pod=pod, namespace=namespace, container=container,
+                  devices=list(record.device_uuids), memory_bytes=record.memory_bytes,
+                  compute_percent=record.compute_percent, shared=record.shared, reason=decision.reason.value)
+        return record
+
+    def _held(self) -> list[packing.Held]:
+        held = []
+        for rec in self.store.all():
+            for dev in rec.device_uuids:
+                held.append(packing.Held(dev, rec.memory_bytes if rec.shared else self._by_uuid[dev].memory_total,
+                                         rec.compute_percent if rec.shared else 100, exclusive=not rec.shared))
+        return held
+
+    def _record(self, key, namespace, pod, pod_uid, container, sandbox_id, ask: packing.Ask,
+                decision: packing.PackDecision) -> LeaseRecord:
+        devices = [self._by_uuid[u] for u in decision.devices]
+        uuids = ",".join(d.uuid for d in devices)
+        env = {"NVIDIA_VISIBLE_DEVICES": uuids, "CUDA_VISIBLE_DEVICES": uuids}
+        mounts: list[tuple[str, str, bool]] = []
+        memory = ask.memory_bytes or 0
+        if decision.shared:
+            device = devices[0]
+            env["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_IN_CONTAINER
+            # MPS takes the limit per device ordinal as the client sees it: one device, ordinal 0.
+            env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={math.ceil(memory / (1 << 20))}M"
+            env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(ask.compute_percent)
+            if self.mps is not None:
+                daemon = self.mps.ensure(device.uuid)
+                mounts.append((str(daemon.pipe_dir), MPS_PIPE_IN_CONTAINER, False))
+        nodes = [n for d in devices for n in self.backend.device_nodes(d.uuid)]
+        if nodes:
+            nodes += self.backend.control_nodes()
+        return LeaseRecord(
+            lease_id="lease-" + uuid.uuid4().hex[:16], key=key, namespace=namespace, pod=pod, pod_uid=pod_uid,
+            container=container, sandbox_id=sandbox_id, device_uuids=tuple(d.uuid for d in devices),
+            device_indices=tuple(d.index for d in devices),
+            memory_bytes=memory if decision.shared else sum(d.memory_total for d in devices),
+            compute_percent=ask.compute_percent if decision.shared else 100, shared=decision.shared,
+            state=LeaseState.ACQUIRED, env=env, mounts=tuple(mounts), device_nodes=tuple(nodes),
+            created_at=time.time(), reason=decision.reason.value, detail=decision.detail,
+        )
+
+    # -- bind / release ----------------------------------------------------------
+    def bind(self, lease_id: str, container_id: str, pid: int, cgroup: str) -> LeaseRecord:
+        with self._lock:
+            rec = self.store.get(lease_id)
+            if rec is None:
+                raise LeaseNotFound(f"lease {lease_id} does not exist (released, or never granted on this node)")
+            try:
+                check = check_bind(rec.state, rec.container_id, container_id)
+            except LeaseConflict as exc:
+                raise LeaseConflictError(f"lease {lease_id}: {exc}") from exc
+            rec = replace(rec, state=check.next_state, container_id=container_id or rec.container_id,
+                          pid=pid, cgroup=cgroup, bound_at=time.time())
+            self.store.update(rec)
+        _log.info("lease.bound", lease=lease_id, container_id=container_id, pid=pid, cgroup=cgroup,
+                  pod=rec.pod, namespace=rec.namespace, container=rec.container)
+        return rec
+
+    def release(self, lease_id: str, reason: str = "") -> bool:
+        with self._lock:
+            rec = self.store.get(lease_id)
+            if rec is None:
+                return False
+            self.store.delete(lease_id)
+            still_shared = {u for r in self.store.all() if r.shared for u in r.device_uuids}
+        if rec.shared and self.mps is not None:
+            for dev in rec.device_uuids:
+                if dev not in still_shared:
+                    self.mps.stop(dev)
+        _log.info("lease.released", lease=lease_id, reason=reason or "requested", pod=rec.pod,
+                  namespace=rec.namespace, container=rec.container, container_id=rec.container_id)
+        return True
+
+    def reconcile(self, live_keys: Iterable[str]) -> list[str]:
+        """Release unbound leases whose key the agent no longer knows."""
+        live = set(live_keys)
+        stale = [r.lease_id for r in self.store.all() if r.state is LeaseState.ACQUIRED and r.key not in live]
+        for lease_id in stale:
+            self.release(lease_id, reason="unknown-to-agent")
+        return stale
+
+    def release_dead(self) -> list[str]:
+        """Release bound leases whose container is gone (the poststop hook may never have run)."""
+        dead = [r.lease_id for r in self.store.all() if r.state is LeaseState.BOUND and not _alive(r.pid, r.cgroup)]
+        for lease_id in dead:
+            self.release(lease_id, reason="container-gone")
+        return dead
+
+    def leases(self) -> list[LeaseRecord]:
+        return self.store.all()
+
+
+def _alive(pid: int, cgroup: str) -> bool:
+    """The bound process still runs in the cgroup it was bound with (PIDs get reused)."""
+    if pid <= 0:
+        return False
+    try:
+        text = Path(f"/proc/{pid}/cgroup").read_text()
+    except OSError:
+        return False
+    return not cgroup or cgroup in text

@@ -1,0 +1,65 @@
+"""Where a classified container runs, and why (DESIGN 2.3, 2.4).
+
+On a node without a peer mesh every container of an opted-in pod runs
+locally; the reason says which rule kept it here, so ``weft explain`` can
+answer "why is my CPU stage still on the GPU node". GPU containers run
+locally on leased devices. The GPU ask (memory, compute, devices) is read from
+the pod's annotations here, so its errors name the annotation.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from shim.core.classify import Classification, Stage
+from shim.core.quantity import parse_compute, parse_memory
+
+GPU_MEMORY_ANNOTATION = "weft.io/gpu-memory."
+GPU_COMPUTE_ANNOTATION = "weft.io/gpu-compute."
+PLACEMENT_ANNOTATION = "weft.io/placement"
+PLACEMENT_REASON_ANNOTATION = "weft.io/placement-reason"
+LEASE_ANNOTATION = "weft.io/lease"
+LOCAL = "local"
+
+
+class PlacementReason(enum.Enum):
+    GPU_LEASED = "gpu-leased"  # gpu stage: runs here on devices the broker leased
+    PINNED_LOCAL = "pinned-local"  # weft.io/stage.<c>: local
+    NO_MESH = "no-mesh"  # cpu stage, but this node has no peer mesh: runs here
+
+
+@dataclass(frozen=True)
+class Placement:
+    stage: Stage
+    target: str  # "local", or a peer node name once the mesh exists
+    reason: PlacementReason
+    detail: str
+
+
+def place(classification: Classification) -> Placement:
+    stage = classification.stage
+    if stage is Stage.GPU:
+        return Placement(stage, LOCAL, PlacementReason.GPU_LEASED, "GPU stage runs on this node's leased GPUs")
+    if stage is Stage.LOCAL:
+        return Placement(stage, LOCAL, PlacementReason.PINNED_LOCAL, classification.detail)
+    return Placement(stage, LOCAL, PlacementReason.NO_MESH, "no peer mesh on this node: the CPU stage runs locally")
+
+
+@dataclass(frozen=True)
+class GpuAsk:
+    memory_bytes: int | None  # None: whole device(s)
+    compute_percent: int  # 1..100
+
+
+def gpu_ask(container: str, pod_annotations: Mapping[str, str], largest_device_bytes: int | None) -> GpuAsk:
+    """Read ``weft.io/gpu-memory.<c>`` / ``weft.io/gpu-compute.<c>``; raises AnnotationError naming the bad one."""
+    mem_key, cpu_key = GPU_MEMORY_ANNOTATION + container, GPU_COMPUTE_ANNOTATION + container
+    memory = None
+    if mem_key in pod_annotations:
+        memory = parse_memory(mem_key, pod_annotations[mem_key], max_bytes=largest_device_bytes)
+    compute = 100
+    if cpu_key in pod_annotations:
+        compute = parse_compute(cpu_key, pod_annotations[cpu_key])
+    return GpuAsk(memory, compute)

@@ -1,0 +1,151 @@
+"""CreateContainer: classify, place, lease and rewrite the containers of opted-in pods.
+
+For a pod that did not opt in the request is forwarded byte for byte. For an
+opted-in pod each container is classified (``shim.core.classify``) and placed
+(``shim.core.placement``); a GPU container gets a lease from the broker and
+its request is rewritten so it sees exactly the leased devices (device nodes,
+CDI devices, visible-devices variables, and for a shared device the MPS
+environment and pipe directory). The decision is shown to crictl as
+annotations, logged as ``placement.decided`` and counted.
+
+Order, so that a crash at any point loses nothing: lease (broker store) ->
+pending placement (agent store) -> containerd CreateContainer -> placement
+marked created -> answer. A failure after the lease releases it; a crash is
+settled on restart (``shim.cri.recovery``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from google.protobuf.message import DecodeError
+
+from shim import failpoint, log
+from shim._pb import broker_pb2 as pb
+from shim.core.classify import ContainerAsk, Stage, StageAnnotationError, classify, requested_gpus
+from shim.core.placement import (
+    LEASE_ANNOTATION,
+    PLACEMENT_ANNOTATION,
+    PLACEMENT_REASON_ANNOTATION,
+    gpu_ask,
+    place,
+)
+from shim.core.quantity import AnnotationError
+from shim.cri.fabric import Fabric
+from shim.errors import BadAnnotation, WeftError
+from shim.state.agent import PlacementRecord
+
+PATH = "/runtime.v1.RuntimeService/CreateContainer"
+_log = log.get("weft.cri")
+
+_GPU_NODE = re.compile(r"^/dev/(nvidia\d+|nvidiactl|nvidia-uvm(-tools)?|nvidia-modeset|nvidia-caps/.*)$")
+_GPU_CDI = re.compile(r"^[a-z0-9.-]+\.[a-z]+/(gpu|mig)[a-z0-9-]*=.+$")
+_VISIBLE = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+
+def rewrite_for_lease(config: cri.ContainerConfig, lease: pb.Lease) -> None:
+    """Make the container see exactly its leased devices (pure: edits the message in place)."""
+    used_cdi = any(_GPU_CDI.match(d.name) for d in config.CDI_devices)
+    kept_devices = [d for d in config.devices if not _GPU_NODE.match(d.host_path)]
+    del config.devices[:]
+    config.devices.extend(kept_devices)
+    for node in lease.device_nodes:
+        config.devices.add(container_path=node, host_path=node, permissions="rw")
+    kept_cdi = [d.name for d in config.CDI_devices if not _GPU_CDI.match(d.name)]
+    del config.CDI_devices[:]
+    for name in kept_cdi:
+        config.CDI_devices.add(name=name)
+    if used_cdi:  # keep the runtime injecting driver libraries, now for the leased UUIDs
+        for uuid in lease.device_uuids:
+            config.CDI_devices.add(name=f"nvidia.com/gpu={uuid}")
+    replaced = {**{v: ",".join(lease.device_uuids) for v in _VISIBLE}, **dict(lease.env)}
+    kept_env = [(e.key, e.value) for e in config.envs if e.key not in replaced]
+    del config.envs[:]
+    for key, value in [*kept_env, *sorted(replaced.items())]:
+        config.envs.add(key=key, value=value)
+    for m in lease.mounts:
+        config.mounts.add(container_path=m.container_path, host_path=m.host_path, readonly=m.readonly)
+    config.annotations[LEASE_ANNOTATION] = lease.lease_id
+
+
+def handler(fabric: Fabric):
+    def create_container(request: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            req = cri.CreateContainerRequest.FromString(request)
+        except DecodeError:
+            return fabric.upstream.unary(PATH, request, context)
+        sandbox = fabric.opted_in.get(req.pod_sandbox_id)
+        if sandbox is None:
+            return fabric.upstream.unary(PATH, request, context)
+        return _create_opted_in(fabric, req, sandbox, context)
+
+    return create_container
+
+
+def _create_opted_in(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, context) -> bytes:
+    config = req.config
+    name, attempt = config.metadata.name, config.metadata.attempt
+    pod_annotations = dict(req.sandbox_config.annotations) or sandbox.annotations
+    ask = ContainerAsk(name, [d.host_path for d in config.devices], [d.name for d in config.CDI_devices],
+                       {e.key: e.value for e in config.envs})
+    try:
+        classification = classify(ask, pod_annotations)
+    except StageAnnotationError as exc:
+        raise BadAnnotation(str(exc)) from None
+    placement = place(classification)
+    key = f"{sandbox.id}/{name}/{attempt}"
+    lease: pb.Lease | None = None
+    if classification.stage is Stage.GPU:
+        lease = _acquire(fabric, key, sandbox, name, ask, pod_annotations)
+        rewrite_for_lease(config, lease)
+    config.annotations[PLACEMENT_ANNOTATION] = placement.target
+    config.annotations[PLACEMENT_REASON_ANNOTATION] = placement.reason.value
+    record = PlacementRecord(
+        key=key, container_id=None, sandbox_id=sandbox.id, name=name, attempt=attempt,
+        stage=classification.stage.value, stage_reason=classification.reason.value,
+        stage_detail=classification.detail, placement=placement.target, reason=placement.reason.value,
+        detail=placement.detail, lease_id=lease.lease_id if lease else "", state="pending", created_at=time.time())
+    try:
+        fabric.store.add_pending(record)
+        failpoint.hit("create_container.pending")
+        response = fabric.upstream.unary(PATH, req.SerializeToString(), context)
+        failpoint.hit("create_container.created")
+        container_id = cri.CreateContainerResponse.FromString(response).container_id
+        fabric.store.mark_created(key, container_id)
+    except BaseException:
+        fabric.store.drop_placement(key)
+        if lease is not None:
+            _release_quietly(fabric, lease.lease_id, "create-failed")
+        raise
+    fabric.metrics.placements.labels(record.stage, record.placement, record.reason).inc()
+    _log.info("placement.decided", pod=sandbox.name, namespace=sandbox.namespace, container=name,
+              sandbox_id=sandbox.id, container_id=container_id, stage=record.stage, stage_reason=record.stage_reason,
+              placement=record.placement, reason=record.reason, lease=record.lease_id or None)
+    return response
+
+
+def _acquire(fabric: Fabric, key: str, sandbox, name: str, ask: ContainerAsk, pod_annotations) -> pb.Lease:
+    inventory = fabric.inventory()
+    devices = list(inventory.devices)
+    largest = max((d.memory_total for d in devices), default=None)
+    try:
+        gask = gpu_ask(name, pod_annotations, largest)
+    except AnnotationError as exc:
+        raise BadAnnotation(str(exc)) from None
+    count, allowed = requested_gpus(ask, [d.uuid for d in devices], {d.index: d.uuid for d in devices})
+    lease = fabric.require_broker().acquire(pb.AcquireRequest(
+        key=key, namespace=sandbox.namespace, pod=sandbox.name, pod_uid=sandbox.uid, container=name,
+        sandbox_id=sandbox.id, memory_bytes=gask.memory_bytes or 0, compute_percent=gask.compute_percent,
+        count=count, allowed_uuids=sorted(allowed) if allowed else []))
+    failpoint.hit("create_container.leased")
+    return lease
+
+
+def _release_quietly(fabric: Fabric, lease_id: str, reason: str) -> None:
+    try:
+        fabric.require_broker().release(lease_id, reason)
+    except WeftError as exc:  # the broker's reconcile releases it later; the caller's error matters more
+        _log.warning("lease.release_failed", lease=lease_id, error=exc.message)

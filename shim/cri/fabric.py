@@ -1,0 +1,53 @@
+"""What the intercepted verbs share: upstream, state, broker, metrics, and the opted-in set.
+
+The opted-in sandboxes are kept in memory (loaded from the state store at
+start) so that a CreateContainer of a pod that did not opt in costs a dict
+lookup, not a query. The GPU inventory is fetched from the broker once and
+kept: devices do not come and go under a running broker.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from shim._pb import broker_pb2 as pb
+from shim.broker.client import BrokerClient
+from shim.cri.passthrough import Upstream
+from shim.errors import BrokerUnavailable
+from shim.metrics import Metrics
+from shim.state.agent import AgentStore, SandboxRecord
+
+WEFT_HANDLER = "weft"
+
+
+class Fabric:
+    def __init__(self, upstream: Upstream, store: AgentStore, broker: BrokerClient | None, metrics: Metrics) -> None:
+        self.upstream = upstream
+        self.store = store
+        self.broker = broker
+        self.metrics = metrics
+        self.opted_in: dict[str, SandboxRecord] = {s.id: s for s in store.sandboxes() if s.opted_in}
+        metrics.opted_in.set(len(self.opted_in))
+        self._inventory: pb.DevicesResponse | None = None
+        self._lock = threading.Lock()
+
+    def remember(self, rec: SandboxRecord) -> None:
+        self.store.add_sandbox(rec)
+        with self._lock:
+            self.opted_in[rec.id] = rec
+            self.metrics.opted_in.set(len(self.opted_in))
+
+    def forget(self, sandbox_id: str) -> None:
+        with self._lock:
+            self.opted_in.pop(sandbox_id, None)
+            self.metrics.opted_in.set(len(self.opted_in))
+
+    def require_broker(self) -> BrokerClient:
+        if self.broker is None:
+            raise BrokerUnavailable("weft: this agent has no GPU broker configured (--broker-socket)")
+        return self.broker
+
+    def inventory(self) -> pb.DevicesResponse:
+        if self._inventory is None:
+            self._inventory = self.require_broker().devices()
+        return self._inventory

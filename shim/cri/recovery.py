@@ -1,0 +1,75 @@
+"""Settling what a crash left half-done, at start and then periodically.
+
+A placement still ``pending`` means the agent died between leasing and
+answering kubelet: if containerd has the container (matched by sandbox, name
+and attempt), the record is completed; if not, the lease is released and the
+record dropped. Then the broker is told which lease keys the agent still
+knows, and releases unbound leases with any other key (an Acquire whose
+CreateContainer never happened). Nothing is leaked and nothing is granted
+twice, whichever process was killed and when.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from cri_api.v1 import api_pb2 as cri
+
+from shim import log
+from shim.cri.fabric import Fabric
+from shim.errors import WeftError
+
+_log = log.get("weft.recovery")
+_LIST = "/runtime.v1.RuntimeService/ListContainers"
+
+
+def settle(fabric: Fabric) -> None:
+    pending = [p for p in fabric.store.placements() if p.state == "pending"]
+    if pending:
+        list_containers = fabric.upstream.channel.unary_unary(
+            _LIST, request_serializer=cri.ListContainersRequest.SerializeToString,
+            response_deserializer=cri.ListContainersResponse.FromString)
+        for p in pending:
+            found = list_containers(cri.ListContainersRequest(filter=cri.ContainerFilter(pod_sandbox_id=p.sandbox_id)),
+                                    timeout=10).containers
+            match = next((c for c in found if c.metadata.name == p.name and c.metadata.attempt == p.attempt), None)
+            if match is not None:
+                fabric.store.mark_created(p.key, match.id)
+                _log.info("recovery.completed", key=p.key, container_id=match.id, lease=p.lease_id or None)
+            else:
+                fabric.store.drop_placement(p.key)
+                if p.lease_id and fabric.broker is not None:
+                    fabric.broker.release(p.lease_id, "create-never-finished")
+                _log.info("recovery.dropped", key=p.key, lease=p.lease_id or None)
+    if fabric.broker is not None:
+        live = [p.key for p in fabric.store.placements() if p.lease_id]
+        released = fabric.broker.reconcile(live)
+        if released:
+            _log.info("recovery.leases_released", leases=released)
+
+
+class Reconciler:
+    """Runs ``settle`` now and every ``interval`` seconds; a broker or containerd away is retried later."""
+
+    def __init__(self, fabric: Fabric, interval: float = 30.0) -> None:
+        self.fabric, self.interval = fabric, interval
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="weft-reconcile", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+
+    def _run(self) -> None:
+        while True:
+            try:
+                settle(self.fabric)
+            except (WeftError, OSError) as exc:
+                _log.warning("recovery.deferred", error=getattr(exc, "message", str(exc)))
+            except Exception:  # noqa: BLE001 - e.g. containerd away (grpc.RpcError): try again later
+                _log.warning("recovery.deferred", exc_info=True)
+            if self._stop.wait(self.interval):
+                return

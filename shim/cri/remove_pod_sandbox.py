@@ -1,0 +1,48 @@
+"""RemovePodSandbox: once containerd removed the sandbox, everything weft kept for it goes too.
+
+The sandbox's record, its containers' placements (cascade) and their leases.
+Only after containerd succeeded (or says the sandbox is unknown), so a failed
+removal that kubelet retries still finds weft's records.
+"""
+
+from __future__ import annotations
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from google.protobuf.message import DecodeError
+
+from shim import log
+from shim.cri.create_container import _release_quietly
+from shim.cri.fabric import Fabric
+from shim.errors import UpstreamError
+
+PATH = "/runtime.v1.RuntimeService/RemovePodSandbox"
+_log = log.get("weft.cri")
+
+
+def handler(fabric: Fabric):
+    def remove_pod_sandbox(request: bytes, context: grpc.ServicerContext) -> bytes:
+        gone = None
+        response = b""
+        try:
+            response = fabric.upstream.unary(PATH, request, context)
+        except UpstreamError as exc:
+            if exc.code is not grpc.StatusCode.NOT_FOUND:
+                raise
+            gone = exc
+        try:
+            sandbox_id = cri.RemovePodSandboxRequest.FromString(request).pod_sandbox_id
+        except DecodeError:
+            sandbox_id = ""
+        if sandbox_id in fabric.opted_in:
+            owned = fabric.store.remove_sandbox(sandbox_id)
+            fabric.forget(sandbox_id)
+            for placed in owned:
+                if placed.lease_id:
+                    _release_quietly(fabric, placed.lease_id, "sandbox-removed")
+            _log.info("sandbox.removed", sandbox_id=sandbox_id, placements=len(owned))
+        if gone is not None:
+            raise gone
+        return response
+
+    return remove_pod_sandbox

@@ -1,0 +1,44 @@
+"""RunPodSandbox: the opt-in point.
+
+A sandbox whose runtime handler is ``weft`` (the handler of the ``weft``
+RuntimeClass) is forwarded unchanged to containerd, whose ``weft`` handler is
+runc plus weft's OCI hooks, and remembered as opted in: written to the state
+store before kubelet gets the sandbox ID. Every other sandbox passes through
+byte for byte.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from google.protobuf.message import DecodeError
+
+from shim import log
+from shim.cri.fabric import WEFT_HANDLER, Fabric
+from shim.state.agent import SandboxRecord
+
+PATH = "/runtime.v1.RuntimeService/RunPodSandbox"
+_log = log.get("weft.cri")
+
+
+def handler(fabric: Fabric):
+    def run_pod_sandbox(request: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            req = cri.RunPodSandboxRequest.FromString(request)
+        except DecodeError:  # containerd words the error, as it would without us
+            return fabric.upstream.unary(PATH, request, context)
+        if req.runtime_handler != WEFT_HANDLER:
+            return fabric.upstream.unary(PATH, request, context)
+        response = fabric.upstream.unary(PATH, request, context)
+        sandbox_id = cri.RunPodSandboxResponse.FromString(response).pod_sandbox_id
+        meta = req.config.metadata
+        fabric.remember(SandboxRecord(
+            id=sandbox_id, name=meta.name, namespace=meta.namespace, uid=meta.uid,
+            runtime_handler=req.runtime_handler, opted_in=True, annotations=dict(req.config.annotations),
+            created_at=time.time()))
+        _log.info("sandbox.opted_in", sandbox_id=sandbox_id, pod=meta.name, namespace=meta.namespace)
+        return response
+
+    return run_pod_sandbox

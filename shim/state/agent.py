@@ -1,0 +1,149 @@
+"""The agent's state: opted-in sandboxes and the placement of their containers.
+
+A placement is written twice: as ``pending`` (with its lease) before the
+agent asks containerd to create the container, and as ``created`` with the
+container ID before CreateContainer answers kubelet. A restart finds any
+``pending`` row and settles it against containerd (the container exists:
+complete it; it does not: release the lease). Removing a sandbox removes its
+placements (foreign key, cascade).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from shim.state.db import Database
+
+MIGRATIONS = (
+    """
+    CREATE TABLE sandboxes (
+        id TEXT PRIMARY KEY,
+        name TEXT NOT NULL, namespace TEXT NOT NULL, uid TEXT NOT NULL,
+        runtime_handler TEXT NOT NULL,
+        opted_in INTEGER NOT NULL,
+        annotations TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE TABLE placements (
+        key TEXT PRIMARY KEY,
+        container_id TEXT UNIQUE,
+        sandbox_id TEXT NOT NULL REFERENCES sandboxes(id) ON DELETE CASCADE,
+        name TEXT NOT NULL, attempt INTEGER NOT NULL,
+        stage TEXT NOT NULL, stage_reason TEXT NOT NULL, stage_detail TEXT NOT NULL,
+        placement TEXT NOT NULL, reason TEXT NOT NULL, detail TEXT NOT NULL,
+        lease_id TEXT NOT NULL DEFAULT '',
+        state TEXT NOT NULL,
+        created_at REAL NOT NULL
+    );
+    CREATE INDEX placements_sandbox ON placements(sandbox_id)
+    """,
+)
+
+
+@dataclass(frozen=True)
+class SandboxRecord:
+    id: str
+    name: str
+    namespace: str
+    uid: str
+    runtime_handler: str
+    opted_in: bool
+    annotations: dict[str, str]
+    created_at: float
+
+
+@dataclass(frozen=True)
+class PlacementRecord:
+    key: str
+    container_id: str | None
+    sandbox_id: str
+    name: str
+    attempt: int
+    stage: str
+    stage_reason: str
+    stage_detail: str
+    placement: str
+    reason: str
+    detail: str
+    lease_id: str
+    state: str  # "pending" or "created"
+    created_at: float
+
+
+class AgentStore:
+    def __init__(self, state_dir: Path) -> None:
+        self.db = Database(state_dir / "agent.db", MIGRATIONS)
+
+    # -- sandboxes -------------------------------------------------------------
+    def add_sandbox(self, rec: SandboxRecord) -> None:
+        with self.db.transaction() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO sandboxes VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                (rec.id, rec.name, rec.namespace, rec.uid, rec.runtime_handler, int(rec.opted_in),
+                 json.dumps(rec.annotations), rec.created_at),
+            )
+
+    def sandboxes(self) -> list[SandboxRecord]:
+        return [self._sandbox(r) for r in self.db.query("SELECT * FROM sandboxes ORDER BY created_at")]
+
+    def sandbox(self, sandbox_id: str) -> SandboxRecord | None:
+        rows = self.db.query("SELECT * FROM sandboxes WHERE id = ?", (sandbox_id,))
+        return self._sandbox(rows[0]) if rows else None
+
+    @staticmethod
+    def _sandbox(r) -> SandboxRecord:
+        return SandboxRecord(r["id"], r["name"], r["namespace"], r["uid"], r["runtime_handler"],
+                             bool(r["opted_in"]), json.loads(r["annotations"]), r["created_at"])
+
+    def remove_sandbox(self, sandbox_id: str) -> list[PlacementRecord]:
+        """Forget the sandbox and its placements; returns the placements it owned."""
+        with self.db.transaction() as conn:
+            owned = [self._placement(r) for r in
+                     conn.execute("SELECT * FROM placements WHERE sandbox_id = ?", (sandbox_id,)).fetchall()]
+            conn.execute("DELETE FROM sandboxes WHERE id = ?", (sandbox_id,))
+        return owned
+
+    # -- placements ------------------------------------------------------------
+    def add_pending(self, rec: PlacementRecord) -> None:
+        with self.db.transaction() as conn:
+            conn.execute(
+                "INSERT OR REPLACE INTO placements VALUES (?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
+                (rec.key, rec.sandbox_id, rec.name, rec.attempt, rec.stage, rec.stage_reason, rec.stage_detail,
+                 rec.placement, rec.reason, rec.detail, rec.lease_id, rec.created_at or time.time()),
+            )
+
+    def mark_created(self, key: str, container_id: str) -> None:
+        with self.db.transaction() as conn:
+            conn.execute("UPDATE placements SET container_id = ?, state = 'created' WHERE key = ?",
+                         (container_id, key))
+
+    def drop_placement(self, key: str) -> None:
+        with self.db.transaction() as conn:
+            conn.execute("DELETE FROM placements WHERE key = ?", (key,))
+
+    def remove_container(self, container_id: str) -> PlacementRecord | None:
+        with self.db.transaction() as conn:
+            rows = conn.execute("SELECT * FROM placements WHERE container_id = ?", (container_id,)).fetchall()
+            conn.execute("DELETE FROM placements WHERE container_id = ?", (container_id,))
+        return self._placement(rows[0]) if rows else None
+
+    def placements(self) -> list[PlacementRecord]:
+        return [self._placement(r) for r in self.db.query("SELECT * FROM placements ORDER BY created_at")]
+
+    def placement(self, container_id: str) -> PlacementRecord | None:
+        rows = self.db.query("SELECT * FROM placements WHERE container_id = ? OR key = ?",
+                             (container_id, container_id))
+        if not rows:  # a unique prefix of the ID, as crictl accepts
+            rows = self.db.query("SELECT * FROM placements WHERE container_id LIKE ?", (container_id + "%",))
+            rows = rows if len(rows) == 1 else []
+        return self._placement(rows[0]) if rows else None
+
+    @staticmethod
+    def _placement(r) -> PlacementRecord:
+        return PlacementRecord(**{k: r[k] for k in r.keys()})  # noqa: SIM118 - sqlite3.Row
+
+    def close(self) -> None:
+        self.db.close()

@@ -1,0 +1,84 @@
+"""Open a SQLite database with WAL and bring its schema up to date.
+
+Each database has an ordered list of migrations; ``PRAGMA user_version`` holds
+how many have been applied. Migrations run in one transaction each, so a crash
+mid-migration leaves the previous version intact. A database newer than this
+code refuses to open rather than be misread.
+"""
+
+from __future__ import annotations
+
+import sqlite3
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from pathlib import Path
+
+import grpc
+
+from shim.errors import WeftError
+
+
+class StateError(WeftError):
+    """The state database cannot be used (newer schema, corrupt file, ...)."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class Database:
+    """A connection shared by the process's threads, serialised by a lock.
+
+    Writes are small and rare (a sandbox, a placement, a lease), so one
+    connection with a lock is simpler and no slower than a pool.
+    """
+
+    def __init__(self, path: Path, migrations: Sequence[str]) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        self.path = path
+        try:
+            self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
+            self._conn.row_factory = sqlite3.Row
+            self._conn.execute("PRAGMA journal_mode=WAL")
+            # FULL: a fact the caller was told about survives power loss too.
+            self._conn.execute("PRAGMA synchronous=FULL")
+            self._conn.execute("PRAGMA foreign_keys=ON")
+        except sqlite3.Error as exc:
+            raise StateError(f"cannot open state database {path}: {exc}") from exc
+        self._lock = threading.RLock()
+        self._migrate(migrations)
+
+    def _migrate(self, migrations: Sequence[str]) -> None:
+        version = self._conn.execute("PRAGMA user_version").fetchone()[0]
+        if version > len(migrations):
+            raise StateError(
+                f"state database {self.path} has schema version {version}, newer than this weft "
+                f"understands ({len(migrations)}); upgrade weft or move the file away"
+            )
+        for number, script in enumerate(migrations[version:], start=version + 1):
+            with self.transaction() as conn:
+                for statement in filter(None, (s.strip() for s in script.split(";"))):
+                    conn.execute(statement)
+                conn.execute(f"PRAGMA user_version={number}")
+
+    @property
+    def schema_version(self) -> int:
+        return self._conn.execute("PRAGMA user_version").fetchone()[0]
+
+    @contextmanager
+    def transaction(self) -> Iterator[sqlite3.Connection]:
+        with self._lock:
+            self._conn.execute("BEGIN IMMEDIATE")
+            try:
+                yield self._conn
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    def query(self, sql: str, params: Sequence[object] = ()) -> list[sqlite3.Row]:
+        with self._lock:
+            return self._conn.execute(sql, params).fetchall()
+
+    def close(self) -> None:
+        with self._lock:
+            self._conn.close()
