@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import socket
 import subprocess
@@ -36,6 +37,7 @@ class AgentProcess:
     name: str = "weft"
     extra_args: list[str] = field(default_factory=list)
     metrics_port: int = 0
+    env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -74,7 +76,8 @@ class AgentProcess:
         self.workdir.mkdir(parents=True, exist_ok=True)
         log = open(self.log_path, "ab")  # noqa: SIM115 - handed to the child
         try:
-            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, start_new_session=True)
+            self.proc = subprocess.Popen(self.argv(), stdout=log, stderr=log, start_new_session=True,
+                                         env={**os.environ, **self.env})
         finally:
             log.close()
         deadline = time.monotonic() + timeout

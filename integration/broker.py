@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -13,6 +14,7 @@ from pathlib import Path
 
 import grpc
 
+from integration.agent import free_port
 from integration.harness import Containerd, RuntimeHandler
 from shim._pb import broker_pb2 as pb
 from shim._pb import broker_pb2_grpc as pb_grpc
@@ -39,6 +41,7 @@ class BrokerProcess:
     devices: str = "2x80GiB"
     enforce: str = "log"
     extra_env: dict[str, str] = field(default_factory=dict)
+    metrics_port: int = 0
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -54,23 +57,34 @@ class BrokerProcess:
         return self.workdir / "broker.log"
 
     def start(self, timeout: float = 20.0) -> BrokerProcess:
-        import os
-
+        if not self.metrics_port:
+            self.metrics_port = free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "shim", "broker", "--socket", str(self.socket), "--state-dir",
                  str(self.state_dir), "--backend", "simulated", "--simulated-devices", self.devices,
-                 "--enforce", self.enforce, "--watchdog-interval", "0.2"],
+                 "--enforce", self.enforce, "--watchdog-interval", "0.2",
+                 "--metrics-address", f"127.0.0.1:{self.metrics_port}"],
                 stdout=log, stderr=log, start_new_session=True, env={**os.environ, **self.extra_env})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"weft broker exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            if self.socket.exists() and Path(str(self.socket) + ".hook").exists():
+            if self.socket.exists() and self._answers():
                 return self
             time.sleep(0.05)
         raise RuntimeError(f"weft broker did not come up:\n{self.log_path.read_text()[-3000:]}")
+
+    def _answers(self) -> bool:
+        # A socket file alone may be a stale one from a broker killed with SIGKILL.
+        ch, stub = self.stub()
+        with ch:
+            try:
+                stub.Devices(pb.DevicesRequest(), timeout=1)
+            except grpc.RpcError:
+                return False
+        return True
 
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
         if self.proc is None:
@@ -103,6 +117,19 @@ class BrokerProcess:
         ch, stub = self.stub()
         with ch:
             return list(stub.List(pb.ListRequest(), timeout=5).leases)
+
+    def metrics_text(self) -> str:
+        import urllib.request
+
+        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
+            return r.read().decode()
+
+    def simulate(self, processes: list[tuple[int, str, int]]) -> None:
+        ch, stub = self.stub()
+        with ch:
+            stub.SimulateUsage(pb.SimulateUsageRequest(processes=[
+                pb.SimulatedProcess(pid=pid, device_uuid=dev, used_memory=used) for pid, dev, used in processes]),
+                timeout=5)
 
     def events(self) -> list[dict]:
         out = []

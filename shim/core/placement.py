@@ -10,6 +10,7 @@ the pod's annotations here, so its errors name the annotation.
 from __future__ import annotations
 
 import enum
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass
 
@@ -54,12 +55,20 @@ class GpuAsk:
 
 
 def gpu_ask(container: str, pod_annotations: Mapping[str, str], largest_device_bytes: int | None) -> GpuAsk:
-    """Read ``weft.io/gpu-memory.<c>`` / ``weft.io/gpu-compute.<c>``; raises AnnotationError naming the bad one."""
+    """Read ``weft.io/gpu-memory.<c>`` / ``weft.io/gpu-compute.<c>``; raises AnnotationError naming the bad one.
+
+    A memory share without a compute share gets the same fraction of compute
+    (20Gi of an 80Gi device: 25%), so packing by memory is not blocked by a
+    default 100% compute reservation; no annotation at all means a whole device.
+    """
     mem_key, cpu_key = GPU_MEMORY_ANNOTATION + container, GPU_COMPUTE_ANNOTATION + container
     memory = None
     if mem_key in pod_annotations:
         memory = parse_memory(mem_key, pod_annotations[mem_key], max_bytes=largest_device_bytes)
-    compute = 100
     if cpu_key in pod_annotations:
         compute = parse_compute(cpu_key, pod_annotations[cpu_key])
+    elif memory is not None and largest_device_bytes:
+        compute = max(1, min(100, math.ceil(memory * 100 / largest_device_bytes)))
+    else:
+        compute = 100
     return GpuAsk(memory, compute)
