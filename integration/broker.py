@@ -124,11 +124,12 @@ class BrokerProcess:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5) as r:
             return r.read().decode()
 
-    def simulate(self, processes: list[tuple[int, str, int]]) -> None:
+    def simulate(self, processes: list[tuple[int, str, int]], sm_percent: dict[int, int] | None = None) -> None:
         ch, stub = self.stub()
         with ch:
             stub.SimulateUsage(pb.SimulateUsageRequest(processes=[
-                pb.SimulatedProcess(pid=pid, device_uuid=dev, used_memory=used) for pid, dev, used in processes]),
+                pb.SimulatedProcess(pid=pid, device_uuid=dev, used_memory=used,
+                                    sm_percent=(sm_percent or {}).get(pid, 0)) for pid, dev, used in processes]),
                 timeout=5)
 
     def events(self) -> list[dict]:

@@ -108,6 +108,11 @@ def _retry_unavailable(fn, timeout: float = 10.0):
             time.sleep(0.2)
 
 
+def _sample(text: str, series: str) -> float:
+    line = next(line for line in text.splitlines() if line.startswith(series + " "))
+    return float(line.rsplit(" ", 1)[1])
+
+
 def _env_in(rt, cid: str) -> dict[str, str]:
     out = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["env"], timeout=10)).stdout.decode()
     return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
@@ -272,7 +277,8 @@ def test_watchdog_kills_only_the_container_over_its_lease(tmp_path: Path) -> Non
             leases = {lease.container_id: lease for lease in broker.leases()}
             dev = leases[a].device_uuids[0]
             assert leases[b].device_uuids[0] == dev  # neighbours on one device
-            broker.simulate([(leases[a].pid, dev, 30 * GiB), (leases[b].pid, dev, 10 * GiB)])
+            broker.simulate([(leases[a].pid, dev, 30 * GiB), (leases[b].pid, dev, 10 * GiB)],
+                            sm_percent={leases[b].pid: 40})
             rt = node.rt()
 
             def state(cid: str) -> int:
@@ -283,6 +289,11 @@ def test_watchdog_kills_only_the_container_over_its_lease(tmp_path: Path) -> Non
             violation = next(e for e in broker.events() if e.get("event") == "lease.violation")
             assert (violation["container"], violation["used_bytes"], violation["limit_bytes"]) == (
                 "a", 30 * GiB, 20 * GiB)
+            # Held vs active GPU-seconds per container, with dcgm-exporter's labels.
+            series = f'UUID="{dev}",container="b",gpu="0",namespace="default",pod="greedy"'
+            held, active = (_sample(broker.metrics_text(), f"weft_gpu_lease_{kind}_seconds_total{{{series}}}")
+                            for kind in ("held", "active"))
+            assert held > 0 and 0 < active < held
         finally:
             node.agent.stop()
 

@@ -52,11 +52,26 @@ class BrokerMetrics:
                             ["gpu", "UUID"], registry=self.registry)
         self.active = Counter("weft_gpu_active_seconds", "GPU-seconds the device was busy (utilisation x time).",
                               ["gpu", "UUID"], registry=self.registry)
+        labels = ["gpu", "UUID", "pod", "namespace", "container"]
+        self.lease_held = Counter("weft_gpu_lease_held_seconds", "GPU-seconds each container's lease held a device.",
+                                  labels, registry=self.registry)
+        self.lease_active = Counter("weft_gpu_lease_active_seconds",
+                                    "GPU-seconds each container kept its device busy (its processes' SM share).",
+                                    labels, registry=self.registry)
         self.violations = Counter("weft_gpu_lease_violations", "Containers seen over their GPU lease.",
                                   ["UUID", "pod", "namespace", "container", "action"], registry=self.registry)
 
     def account(self, leases: list[LeaseRecord], devices: list[GpuDevice], utilization: dict[str, int],
-                elapsed: float) -> None:
+                elapsed: float, lease_busy: dict[str, int] | None = None) -> None:
+        """Advance held/active seconds by ``elapsed``; ``lease_busy``: lease -> percent its processes used."""
+        index = {d.uuid: str(d.index) for d in devices}
+        for r in leases:
+            for u in r.device_uuids:
+                key = (index.get(u, ""), u, r.pod, r.namespace, r.container)
+                self.lease_held.labels(*key).inc(elapsed)
+                busy = (lease_busy or {}).get(r.lease_id, 0)
+                if busy:
+                    self.lease_active.labels(*key).inc(elapsed * min(busy, 100) / 100)
         for d in devices:
             if any(d.uuid in r.device_uuids for r in leases):
                 self.held.labels(str(d.index), d.uuid).inc(elapsed)

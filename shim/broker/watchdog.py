@@ -105,6 +105,8 @@ class Watchdog:
         backend = self.service.backend
         usage: dict[tuple[str, str], tuple[int, list[int]]] = {}
         foreign: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        sm = backend.process_utilization()
+        busy: dict[str, int] = defaultdict(int)
         for proc in backend.processes():
             cg = cgroup_of(proc.pid)
             owner = next((r for r in leases if cg == r.cgroup or cg.startswith(r.cgroup.rstrip("/") + "/")), None)
@@ -113,6 +115,7 @@ class Watchdog:
             if proc.device_uuid not in owner.device_uuids:
                 foreign[owner.lease_id].append((proc.device_uuid, proc.pid))
                 continue
+            busy[owner.lease_id] += sm.get(proc.pid, 0)
             used, pids = usage.get((owner.lease_id, proc.device_uuid), (0, []))
             usage[(owner.lease_id, proc.device_uuid)] = (used + proc.used_memory, [*pids, proc.pid])
         device_memory = {d.uuid: d.memory_total for d in self.service.devices}
@@ -127,7 +130,7 @@ class Watchdog:
             if self.action == "kill":
                 killed = kill_cgroup(rec.cgroup)
                 _log.warning("lease.enforced", lease=v.lease_id, container_id=rec.container_id, killed=killed)
-        self.metrics.account(self.service.leases(), self.service.devices, backend.utilization(), elapsed)
+        self.metrics.account(self.service.leases(), self.service.devices, backend.utilization(), elapsed, busy)
         return violations
 
 
