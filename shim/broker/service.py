@@ -4,7 +4,9 @@ Decisions come from ``shim.core.packing`` (where a lease goes) and
 ``shim.core.leases`` (which transitions are allowed); this module applies them
 to the store, the backend and the MPS daemons under one lock, so two
 concurrent Acquires never see the same free memory. Each fact is in the
-store before the call returns.
+store before the call returns; the service keeps a copy of the live leases in
+memory (loaded at start, changed only together with the store) so an Acquire
+does not re-read and re-decode every lease from SQLite.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ class LeaseService:
         self._lock = threading.Lock()
         self._devices = backend.devices()
         self._by_uuid = {d.uuid: d for d in self._devices}
+        self._live: dict[str, LeaseRecord] = {r.lease_id: r for r in store.all()}
 
     @property
     def devices(self) -> list[GpuDevice]:
@@ -69,7 +72,7 @@ class LeaseService:
         ask = packing.Ask(memory_bytes=memory_bytes or None, compute_percent=compute,
                           count=1 if memory_bytes else max(count, 1), allowed=allowed_set)
         with self._lock:
-            existing = self.store.by_key(key)
+            existing = next((r for r in self._live.values() if r.key == key), None)
             if existing is not None:  # a retried CreateContainer: the same lease, never a second one
                 return existing
             capacities = [packing.DeviceCapacity(d.uuid, d.index, d.memory_total) for d in self._devices]
@@ -80,6 +83,7 @@ class LeaseService:
                 raise LeaseRefused(f"no GPU for {namespace}/{pod}/{container}: {decision.detail}")
             record = self._record(key, namespace, pod, pod_uid, container, sandbox_id, ask, decision)
             self.store.insert(record)
+            self._live[record.lease_id] = record
             failpoint.hit("broker.lease.stored")
         _log.info("lease.acquired", lease=record.lease_id, pod=pod, namespace=namespace, container=container,
                   devices=list(record.device_uuids), memory_bytes=record.memory_bytes,
@@ -88,7 +92,7 @@ class LeaseService:
 
     def _held(self) -> list[packing.Held]:
         held = []
-        for rec in self.store.all():
+        for rec in self._live.values():
             for dev in rec.device_uuids:
                 held.append(packing.Held(dev, rec.memory_bytes if rec.shared else self._by_uuid[dev].memory_total,
                                          rec.compute_percent if rec.shared else 100, exclusive=not rec.shared))
@@ -126,7 +130,7 @@ class LeaseService:
     # -- bind / release ----------------------------------------------------------
     def bind(self, lease_id: str, container_id: str, pid: int, cgroup: str) -> LeaseRecord:
         with self._lock:
-            rec = self.store.get(lease_id)
+            rec = self._live.get(lease_id)
             if rec is None:
                 raise LeaseNotFound(f"lease {lease_id} does not exist (released, or never granted on this node)")
             try:
@@ -136,17 +140,19 @@ class LeaseService:
             rec = replace(rec, state=check.next_state, container_id=container_id or rec.container_id,
                           pid=pid, cgroup=cgroup, bound_at=time.time())
             self.store.update(rec)
+            self._live[lease_id] = rec
         _log.info("lease.bound", lease=lease_id, container_id=container_id, pid=pid, cgroup=cgroup,
                   pod=rec.pod, namespace=rec.namespace, container=rec.container)
         return rec
 
     def release(self, lease_id: str, reason: str = "") -> bool:
         with self._lock:
-            rec = self.store.get(lease_id)
+            rec = self._live.get(lease_id)
             if rec is None:
                 return False
             self.store.delete(lease_id)
-            still_shared = {u for r in self.store.all() if r.shared for u in r.device_uuids}
+            del self._live[lease_id]
+            still_shared = {u for r in self._live.values() if r.shared for u in r.device_uuids}
         if rec.shared and self.mps is not None:
             for dev in rec.device_uuids:
                 if dev not in still_shared:
@@ -158,20 +164,21 @@ class LeaseService:
     def reconcile(self, live_keys: Iterable[str]) -> list[str]:
         """Release unbound leases whose key the agent no longer knows."""
         live = set(live_keys)
-        stale = [r.lease_id for r in self.store.all() if r.state is LeaseState.ACQUIRED and r.key not in live]
+        stale = [r.lease_id for r in self.leases() if r.state is LeaseState.ACQUIRED and r.key not in live]
         for lease_id in stale:
             self.release(lease_id, reason="unknown-to-agent")
         return stale
 
     def release_dead(self) -> list[str]:
         """Release bound leases whose container is gone (the poststop hook may never have run)."""
-        dead = [r.lease_id for r in self.store.all() if r.state is LeaseState.BOUND and not _alive(r.pid, r.cgroup)]
+        dead = [r.lease_id for r in self.leases() if r.state is LeaseState.BOUND and not _alive(r.pid, r.cgroup)]
         for lease_id in dead:
             self.release(lease_id, reason="container-gone")
         return dead
 
     def leases(self) -> list[LeaseRecord]:
-        return self.store.all()
+        with self._lock:
+            return sorted(self._live.values(), key=lambda r: (r.created_at, r.lease_id))
 
 
 def _alive(pid: int, cgroup: str) -> bool:
