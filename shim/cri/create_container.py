@@ -41,7 +41,9 @@ from shim.state.agent import PlacementRecord
 PATH = "/runtime.v1.RuntimeService/CreateContainer"
 _log = log.get("weft.cri")
 
-_GPU_NODE = re.compile(r"^/dev/(nvidia\d+|nvidiactl|nvidia-uvm(-tools)?|nvidia-modeset|nvidia-caps/.*)$")
+# Every GPU node the device plugin may have given; after leasing the container
+# gets the lease's nodes only, so it cannot reach a device outside its lease.
+_GPU_NODE = re.compile(r"^/dev/(nvidia\d+|nvidiactl|nvidia-uvm(-tools)?|nvidia-modeset|nvidia-caps/.*|dri/.*)$")
 _GPU_CDI = re.compile(r"^[a-z0-9.-]+\.[a-z]+/(gpu|mig)[a-z0-9-]*=.+$")
 _VISIBLE = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 

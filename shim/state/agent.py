@@ -134,10 +134,13 @@ class AgentStore:
         return [self._placement(r) for r in self.db.query("SELECT * FROM placements ORDER BY created_at")]
 
     def placement(self, container_id: str) -> PlacementRecord | None:
+        if not container_id:
+            return None
         rows = self.db.query("SELECT * FROM placements WHERE container_id = ? OR key = ?",
                              (container_id, container_id))
-        if not rows:  # a unique prefix of the ID, as crictl accepts
-            rows = self.db.query("SELECT * FROM placements WHERE container_id LIKE ?", (container_id + "%",))
+        if not rows:  # a unique prefix of the ID, as crictl accepts; matched literally, not as a LIKE pattern
+            rows = self.db.query("SELECT * FROM placements WHERE substr(container_id, 1, length(?)) = ?",
+                                 (container_id, container_id))
             rows = rows if len(rows) == 1 else []
         return self._placement(rows[0]) if rows else None
 

@@ -57,10 +57,15 @@ class Database:
                 f"understands ({len(migrations)}); upgrade weft or move the file away"
             )
         for number, script in enumerate(migrations[version:], start=version + 1):
-            with self.transaction() as conn:
-                for statement in filter(None, (s.strip() for s in script.split(";"))):
-                    conn.execute(statement)
-                conn.execute(f"PRAGMA user_version={number}")
+            try:
+                with self.transaction() as conn:
+                    for statement in filter(None, (s.strip() for s in script.split(";"))):
+                        conn.execute(statement)
+                    conn.execute(f"PRAGMA user_version={number}")
+            except sqlite3.Error as exc:
+                self._conn.close()
+                raise StateError(f"state database {self.path}: migration {number} failed ({exc}); "
+                                 f"it stays at schema version {number - 1}") from exc
 
     @property
     def schema_version(self) -> int:
