@@ -69,7 +69,7 @@ def run(cfg: BrokerConfig) -> int:
     metrics = BrokerMetrics(service)
     server = BrokerServer(cfg.socket, service)
     server.start()
-    watchdog = Watchdog(service, metrics, interval=cfg.watchdog_interval, action=cfg.enforce)
+    watchdog = Watchdog(service, metrics, interval=cfg.watchdog_interval, action=cfg.enforce, mps=mps)
     watchdog.start()
     http = None
     if cfg.metrics_address:

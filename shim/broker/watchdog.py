@@ -6,8 +6,8 @@ holds it, and sums its memory per lease and device. A lease over its memory,
 or a process on a device its lease does not include, is a violation: logged
 (``lease.violation``), counted, and with ``action="kill"`` that container's
 processes (and only those: the lease's own cgroup) get SIGKILL. It also
-releases bound leases whose container is gone and accumulates held and
-active GPU-seconds for the metrics.
+releases bound leases whose container is gone, restarts MPS daemons that
+died, and accumulates held and active GPU-seconds for the metrics.
 """
 
 from __future__ import annotations
@@ -75,10 +75,12 @@ def find_violations(leases: list[LeaseRecord], usage: dict[tuple[str, str], tupl
 
 class Watchdog:
     def __init__(self, service: LeaseService, metrics: BrokerMetrics, *, interval: float = 1.0,
-                 action: str = "log") -> None:
+                 action: str = "log", mps=None) -> None:
         if action not in ("log", "kill"):
             raise ValueError(f"enforcement action {action!r} is not log or kill")
         self.service, self.metrics, self.interval, self.action = service, metrics, interval, action
+        # MPS daemons are checked every tick: a shared lease without its daemon runs without limits.
+        self.mps = mps
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="weft-watchdog", daemon=True)
         self._last = time.monotonic()
@@ -101,6 +103,8 @@ class Watchdog:
         now = time.monotonic()
         elapsed, self._last = now - self._last, now
         self.service.release_dead()
+        if self.mps is not None:
+            self.mps.check()
         leases = [r for r in self.service.leases() if r.state is LeaseState.BOUND and r.cgroup]
         backend = self.service.backend
         usage: dict[tuple[str, str], tuple[int, list[int]]] = {}
