@@ -265,9 +265,10 @@ def test_packing_consolidates_and_refuses_when_full(node: Node) -> None:
     assert len(node.broker.leases()) == 3
 
 
-def test_watchdog_kills_only_the_container_over_its_lease(tmp_path: Path) -> None:
+@pytest.mark.parametrize("action", ["kill", "log"])
+def test_watchdog_acts_only_on_the_container_over_its_lease(tmp_path: Path, action: str) -> None:
     broker, ctrd = gpu_fabric(tmp_path)
-    broker.enforce = "kill"
+    broker.enforce = action
     node = Node(broker, ctrd, tmp_path)
     with broker, ctrd:
         node.start_agent()
@@ -284,9 +285,15 @@ def test_watchdog_kills_only_the_container_over_its_lease(tmp_path: Path) -> Non
             def state(cid: str) -> int:
                 return rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status.state
 
-            _wait(lambda: state(a) == cri.CONTAINER_EXITED, what="the violator to be killed")
+            violation = _wait(lambda: next((e for e in broker.events() if e.get("event") == "lease.violation"), None),
+                              what="the violation to be seen")
+            if action == "kill":
+                _wait(lambda: state(a) == cri.CONTAINER_EXITED, what="the violator to be killed")
+            else:
+                time.sleep(1)  # several watchdog ticks: logging never kills
+                assert state(a) == cri.CONTAINER_RUNNING
             assert state(b) == cri.CONTAINER_RUNNING
-            violation = next(e for e in broker.events() if e.get("event") == "lease.violation")
+            assert violation["action"] == action
             assert (violation["container"], violation["used_bytes"], violation["limit_bytes"]) == (
                 "a", 30 * GiB, 20 * GiB)
             # Held vs active GPU-seconds per container, with dcgm-exporter's labels.
