@@ -1,26 +1,39 @@
-"""The grpcio floor: the cheapest CRI server Python's grpcio can be.
+"""The grpcio floors: the cheapest CRI servers Python's grpcio can be.
 
-A sync ``grpc.server`` on a thread pool whose one generic handler answers
-every unary call with the same pre-serialized bytes: no routing table, no
-forwarding, no metrics, no logging. Whatever latency it adds over containerd
-is what any Python grpcio server costs by itself, so the proxy benchmark can
-tell the part of the agent's overhead that forwarding could ever win back
-from the part that comes with the server library.
+Two modes, each a sync ``grpc.server`` on the agent's thread pool size (64
+workers) with one generic handler and nothing else: no routing table, no
+metadata handling, no metrics, no logging.
 
-Run as ``python -m bench.floor SOCKET [RESPONSE_HEX]``; it serves until
-SIGTERM or SIGINT. RESPONSE_HEX lets the caller hand over containerd's own
-VersionResponse, so both servers return exactly the same bytes.
+- echo (``python -m bench.floor SOCKET [RESPONSE_HEX]``) answers every unary
+  call with the same pre-serialized bytes. What it adds over containerd is what
+  a Python grpcio server costs by itself. RESPONSE_HEX lets the caller hand
+  over containerd's own VersionResponse, so both return exactly the same bytes.
+- forward (``python -m bench.floor SOCKET --forward UPSTREAM_SOCKET``) sends
+  every unary call on, as raw bytes, over one grpcio channel to UPSTREAM_SOCKET
+  and returns the reply. What it adds is the least any grpcio forwarder can
+  add: a server plus a client hop.
+
+So the proxy benchmark can split the agent's overhead into the part that comes
+with the server library, the part that comes with forwarding through grpcio at
+all, and the part that is weft's own code. Either mode serves until SIGTERM or
+SIGINT.
 """
 
 from __future__ import annotations
 
+import argparse
 import signal
 import sys
 import threading
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
+
+# The agent's default ``agent.workers``: the floors differ from it only by what
+# the handler does.
+WORKERS = 64
 
 
 class _Echo(grpc.GenericRpcHandler):
@@ -32,10 +45,27 @@ class _Echo(grpc.GenericRpcHandler):
         return self._handler
 
 
-def serve(socket: str, response: bytes) -> None:
-    # Same pool shape as the agent's server, so the floor differs only by
-    # what the handler does.
-    server = grpc.server(ThreadPoolExecutor(max_workers=16), handlers=[_Echo(response)])
+class _Forward(grpc.GenericRpcHandler):
+    def __init__(self, channel: grpc.Channel) -> None:
+        self._channel = channel
+        # One handler per method, built on first use, as the agent's router
+        # does: building a multicallable per call would be a cost of this
+        # floor, not of grpcio. A lost race only builds one twice.
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def service(self, handler_call_details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
+        path = handler_call_details.method
+        handler = self._handlers.get(path)
+        if handler is None:
+            # No serializers either side: bytes in, bytes out.
+            upstream: Callable[[bytes], bytes] = self._channel.unary_unary(path)
+            handler = grpc.unary_unary_rpc_method_handler(lambda request, context: upstream(request))
+            self._handlers[path] = handler
+        return handler
+
+
+def serve(socket: str, handler: grpc.GenericRpcHandler) -> None:
+    server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS), handlers=[handler])
     if server.add_insecure_port(f"unix:{socket}") == 0:
         raise SystemExit(f"bench.floor: could not bind {socket}")
     stop = threading.Event()
@@ -47,15 +77,23 @@ def serve(socket: str, response: bytes) -> None:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) not in (1, 2):
-        print("usage: python -m bench.floor SOCKET [RESPONSE_HEX]", file=sys.stderr)
-        return 2
-    if len(argv) == 2:
-        response = bytes.fromhex(argv[1])
+    parser = argparse.ArgumentParser(prog="python -m bench.floor")
+    parser.add_argument("socket")
+    parser.add_argument("response_hex", nargs="?", help="echo mode: the bytes to answer with")
+    parser.add_argument("--forward", metavar="UPSTREAM_SOCKET", help="forward mode: where to send every call")
+    args = parser.parse_args(argv)
+    if args.forward is not None:
+        if args.response_hex is not None:
+            parser.error("RESPONSE_HEX and --forward exclude each other")
+        with grpc.insecure_channel(f"unix://{args.forward}") as channel:
+            serve(args.socket, _Forward(channel))
+        return 0
+    if args.response_hex is not None:
+        response = bytes.fromhex(args.response_hex)
     else:
         response = cri.VersionResponse(version="0.1.0", runtime_name="floor", runtime_version="0",
                                        runtime_api_version="v1").SerializeToString()
-    serve(argv[0], response)
+    serve(args.socket, _Echo(response))
     return 0
 
 

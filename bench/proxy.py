@@ -4,13 +4,15 @@ The machines this runs on are noisy, so every comparison is made within one
 run and interleaved call by call (direct, agent, direct, agent, ...) rather
 than in separate passes: drift in load, frequency or cache state then hits
 both paths alike. Phases, all against one throwaway containerd with ``pods``
-busybox pods running:
+busybox pods running, each under a pod cgroup parent as kubelet sets one:
 
 1. per-call latency of the pass-through verbs kubelet polls most, direct and
-   through the agent, plus Version against :mod:`bench.floor` (a grpcio
-   server that only echoes), so the agent's overhead can be read against the
-   least any Python grpcio server adds;
-2. whole pod starts (RunPodSandbox + CreateContainer + StartContainer);
+   through the agent, plus Version through both :mod:`bench.floor` modes: a
+   grpcio server that only echoes (what any Python grpcio server adds) and a
+   bare grpcio forwarder to containerd (what any grpcio forwarder adds), so the
+   agent's overhead splits into the library's part and weft's own;
+2. whole pod starts (RunPodSandbox + CreateContainer + StartContainer), as
+   many through each path as there are pods, at most 30 and at least 3;
 3. a kubelet-like polling load through the agent, for the agent's CPU and RSS.
 
 It reports figures and whether they meet weft's targets; it is a
@@ -48,7 +50,7 @@ RUNTIME = "/runtime.v1.RuntimeService/"
 IMAGE = "/runtime.v1.ImageService/"
 LIMITS = {"added_p50_ms": 0.2, "added_p99_ms": 1.0, "pod_start_ratio": 1.03, "rss_mb": 80.0,
           "cpu_percent_one_core": 2.0}
-POD_STARTS = 10
+POD_STARTS = 30  # at 10 the median ratio moved by ±5 % from run to run
 RPC_TIMEOUT = 30.0
 MB = 1024 * 1024
 
@@ -88,20 +90,24 @@ def _remove_pod(rt: cri_grpc.RuntimeServiceStub, sandbox_id: str) -> None:
     rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id), timeout=RPC_TIMEOUT)
 
 
-def _pod(name: str, log_dir: Path) -> tuple[cri.PodSandboxConfig, cri.ContainerConfig]:
-    return sandbox_config(name, log_dir), container_config("sleeper", ["sleep", "3600"])
+def _pod(name: str, ctrd: Containerd) -> tuple[cri.PodSandboxConfig, cri.ContainerConfig]:
+    # A real cgroup parent: without one containerd 1.6 fails ListPodSandboxStats,
+    # and the load phase would time an error path kubelet never takes.
+    return (sandbox_config(name, ctrd.pod_log_dir, cgroup_parent=ctrd.cgroup_root),
+            container_config("sleeper", ["sleep", "3600"]))
 
 
-def _start_pods(rt: cri_grpc.RuntimeServiceStub, log_dir: Path, count: int) -> None:
+def _start_pods(rt: cri_grpc.RuntimeServiceStub, ctrd: Containerd, count: int) -> None:
     # Setup is not timed; a few at once keeps a 50-pod run short.
     with ThreadPoolExecutor(max_workers=4) as pool:
-        list(pool.map(lambda i: _start_pod(rt, *_pod(f"bench-{i}", log_dir)), range(count)))
+        list(pool.map(lambda i: _start_pod(rt, *_pod(f"bench-{i}", ctrd)), range(count)))
 
 
-# -- the grpcio floor ----------------------------------------------------------
+# -- the grpcio floors ---------------------------------------------------------
 @contextlib.contextmanager
-def _floor(socket: Path, response: bytes) -> Iterator[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "bench.floor", str(socket), response.hex()],
+def _floor(socket: Path, *args: str) -> Iterator[str]:
+    """A :mod:`bench.floor` server on ``socket``; ``args`` pick its mode."""
+    proc = subprocess.Popen([sys.executable, "-m", "bench.floor", str(socket), *args],
                             stdout=subprocess.DEVNULL, start_new_session=True)
     try:
         address = f"unix://{socket}"
@@ -144,13 +150,13 @@ def _latency(cases: Cases, samples: int, warmup: int) -> dict[str, dict[str, lis
 
 
 # -- phase 2: pod start ----------------------------------------------------------
-def _pod_start(direct: grpc.Channel, agent: grpc.Channel, log_dir: Path, n: int) -> dict[str, list[int]]:
+def _pod_start(direct: grpc.Channel, agent: grpc.Channel, ctrd: Containerd, n: int) -> dict[str, list[int]]:
     stubs = {"direct": cri_grpc.RuntimeServiceStub(direct), "agent": cri_grpc.RuntimeServiceStub(agent)}
     cleanup = stubs["direct"]
     out: dict[str, list[int]] = {"direct": [], "agent": []}
     for i in range(n):
         for target in ("direct", "agent") if i % 2 == 0 else ("agent", "direct"):
-            sb_cfg, c_cfg = _pod(f"start-{target}-{i}", log_dir)
+            sb_cfg, c_cfg = _pod(f"start-{target}-{i}", ctrd)
             t0 = time.perf_counter_ns()
             sandbox = _start_pod(stubs[target], sb_cfg, c_cfg)
             out[target].append(time.perf_counter_ns() - t0)
@@ -227,7 +233,7 @@ def _cases(channels: dict[str, grpc.Channel], container_id: str) -> Cases:
                 "ContainerStatus": cri.ContainerStatusRequest(container_id=container_id)}
     cases: Cases = {}
     for name, req in requests.items():
-        targets = ("direct", "agent", "floor") if name == "Version" else ("direct", "agent")
+        targets = ("direct", "agent", "echo", "forward") if name == "Version" else ("direct", "agent")
         cases[name] = (req.SerializeToString(), {t: channels[t].unary_unary(RUNTIME + name) for t in targets})
     return cases
 
@@ -253,7 +259,7 @@ def _measure(pods: int, samples: int, load_seconds: float) -> _Raw:
         assert ctrd.workdir is not None
         _say(f"containerd up in netns {ctrd.netns}; starting {pods} pods")
         direct_rt = cri_grpc.RuntimeServiceStub(direct)
-        _start_pods(direct_rt, ctrd.pod_log_dir, pods)
+        _start_pods(direct_rt, ctrd, pods)
         version_raw = direct.unary_unary(RUNTIME + "Version")(cri.VersionRequest().SerializeToString(), timeout=5)
         containers = direct_rt.ListContainers(cri.ListContainersRequest(), timeout=RPC_TIMEOUT).containers
         running = [c.id for c in containers if c.state == cri.CONTAINER_RUNNING]
@@ -267,14 +273,15 @@ def _measure(pods: int, samples: int, load_seconds: float) -> _Raw:
             rss_start = proc.memory_info().rss
             with agent.channel() as agent_ch:
                 warmup = min(200, max(20, samples // 10))
-                with _floor(ctrd.workdir / "floor.sock", version_raw) as floor, \
-                        grpc.insecure_channel(floor) as floor_ch:
+                with _floor(ctrd.workdir / "echo.sock", version_raw.hex()) as echo, \
+                        _floor(ctrd.workdir / "forward.sock", "--forward", str(ctrd.socket)) as forward, \
+                        grpc.insecure_channel(echo) as echo_ch, grpc.insecure_channel(forward) as forward_ch:
                     _say(f"latency: {samples} calls per method and path after {warmup} warm-up, interleaved")
-                    cases = _cases({"direct": direct, "agent": agent_ch, "floor": floor_ch}, running[0])
-                    lat = _latency(cases, samples, warmup)
+                    channels = {"direct": direct, "agent": agent_ch, "echo": echo_ch, "forward": forward_ch}
+                    lat = _latency(_cases(channels, running[0]), samples, warmup)
                 n_starts = max(3, min(POD_STARTS, pods))
                 _say(f"pod start: {n_starts} direct and {n_starts} through the agent, interleaved")
-                starts = _pod_start(direct, agent_ch, ctrd.pod_log_dir, n_starts)
+                starts = _pod_start(direct, agent_ch, ctrd, n_starts)
                 idle_s = min(10.0, max(3.0, load_seconds / 6))
                 _say(f"idle: {idle_s:g} s without calls")
                 cpu_idle, rss_idle = _idle(proc, idle_s)
@@ -293,10 +300,16 @@ def _figures(raw: _Raw, pods: int, samples: int, load_seconds: float) -> dict:
         a50, a99 = _p50_p99(by_target["agent"])
         calls[method] = {"direct_p50_ms": d50, "direct_p99_ms": d99, "agent_p50_ms": a50, "agent_p99_ms": a99,
                          "added_p50_ms": round(a50 - d50, 4), "added_p99_ms": round(a99 - d99, 4)}
-    e50, e99 = _p50_p99(raw.latency_ns["Version"]["floor"])
+    e50, e99 = _p50_p99(raw.latency_ns["Version"]["echo"])
+    f50, f99 = _p50_p99(raw.latency_ns["Version"]["forward"])
     version = calls["Version"]
+    # added_* (no prefix) is the echo floor's, as before the forwarder existed.
     floor = {"echo_p50_ms": e50, "echo_p99_ms": e99, "added_p50_ms": round(e50 - version["direct_p50_ms"], 4),
-             "added_p99_ms": round(e99 - version["direct_p99_ms"], 4)}
+             "added_p99_ms": round(e99 - version["direct_p99_ms"], 4),
+             "forward_p50_ms": f50, "forward_p99_ms": f99,
+             "forward_added_p50_ms": round(f50 - version["direct_p50_ms"], 4),
+             "forward_added_p99_ms": round(f99 - version["direct_p99_ms"], 4)}
+    floor["agent_over_forward_p50_ms"] = round(version["added_p50_ms"] - floor["forward_added_p50_ms"], 4)
     d_med = _ms(statistics.median(raw.pod_start_ns["direct"]))
     a_med = _ms(statistics.median(raw.pod_start_ns["agent"]))
     pod_start = {"direct_median_ms": d_med, "agent_median_ms": a_med, "ratio": round(a_med / d_med, 4),
@@ -338,6 +351,11 @@ def _table(f: dict) -> str:
     for q in ("p50", "p99"):
         rows.append((f"grpcio floor: Version echo {q} (ms)", f"{v[f'direct_{q}_ms']:.3f}", f"{fl[f'echo_{q}_ms']:.3f}",
                      f"{fl[f'added_{q}_ms']:+.3f}", "reference", ""))
+    for q in ("p50", "p99"):
+        rows.append((f"grpcio floor: Version forward {q} (ms)", f"{v[f'direct_{q}_ms']:.3f}",
+                     f"{fl[f'forward_{q}_ms']:.3f}", f"{fl[f'forward_added_{q}_ms']:+.3f}", "reference", ""))
+    rows.append(("weft's own: Version agent - forward p50 (ms)", "", "", f"{fl['agent_over_forward_p50_ms']:+.3f}",
+                 "", ""))
     ps, ag = f["pod_start"], f["agent"]
     rows.append((f"pod start, median of {ps['n']} (ms)", f"{ps['direct_median_ms']:.1f}",
                  f"{ps['agent_median_ms']:.1f}", f"{ps['ratio']:.3f}x", f"≤ {LIMITS['pod_start_ratio']:g}x",
@@ -355,7 +373,9 @@ def _table(f: dict) -> str:
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:5], widths[1:5], strict=True)] + [r[5]]
         lines.append("  ".join(cells).rstrip())
     met = sum(1 for k, v in t.items() if k != "all" and v)
-    lines += ["", f"targets met: {met} of {len(t) - 1}"]
+    lines += ["", "floor: echo = a Python grpcio server alone; forward = a grpcio server plus a grpcio client hop "
+              "(the least any grpcio forwarder can add); agent - forward = weft's own cost",
+              f"targets met: {met} of {len(t) - 1}"]
     if ag["load_errors"]:
         lines.append(f"note: {ag['load_errors']} of {ag['load_calls']} load calls failed (see messages above)")
     return "\n".join(lines)

@@ -1,20 +1,26 @@
 """A throwaway containerd: real containerd + runc + CNI, owned by one test.
 
 Each instance gets a slot number (held by an flock, so parallel processes and
-several instances in one process never collide) and from it:
+several instances in one process never collide; the lowest free one unless the
+caller names one) and from it:
 
 - a network namespace ``weftnode<N>`` (containerd runs inside it through
   ``nsenter --net``, see ENVIRONMENT.md quirk 5), so its CNI bridge
   ``weftbr<N>`` and pod subnet ``10.244.<N>.0/24`` live and die with it;
 - its own root, state, socket, runc root, CNI config and IPAM directory under a
-  temporary work directory;
+  temporary work directory, with pod network namespaces mounted under its state
+  directory rather than /var/run/netns;
+- a cgroup root ``/weft-harness<N>`` for pods' cgroup parents (see
+  ``integration.pods.sandbox_config``);
 - the test images, imported from locally built OCI archives.
 
 ``close()`` removes everything the instance made, even after a failed test or
 a containerd that a test killed: it restarts containerd if needed, removes
 every pod sandbox through CRI (which tears down pod network namespaces and
 mounts), then kills leftover shims, force-deletes leftover runc containers,
-unmounts what is left under its directories and deletes the node namespace.
+unmounts what is left under its directories, removes the cgroups under its
+cgroup root and deletes the node namespace. A holder killed outright never gets
+to ``close()``; the next instance to claim its slot reaps what it left.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 from integration import images
 
 SLOT_DIR = Path("/run/weft-harness")
+CGROUP_FS = Path("/sys/fs/cgroup")
 NETNS_DIR = Path("/var/run/netns")
 IMAGE_CACHE = Path(os.environ.get("WEFT_HARNESS_CACHE", "/var/cache/weft-harness"))
 MAX_SLOTS = 200
@@ -45,6 +52,19 @@ MAX_SLOTS = 200
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, check=check, capture_output=True, text=True)
+
+
+def cgroup_hierarchies() -> list[Path]:
+    """Every cgroup hierarchy mounted under /sys/fs/cgroup: each v1 controller and, on a hybrid host, the v2 one."""
+    found = []
+    with open("/proc/self/mountinfo") as f:
+        for line in f:
+            fields = line.split()
+            fstype = fields[fields.index("-") + 1]
+            mnt = Path(fields[4].replace("\\040", " "))
+            if fstype in ("cgroup", "cgroup2") and (mnt == CGROUP_FS or CGROUP_FS in mnt.parents):
+                found.append(mnt)
+    return found
 
 
 @dataclass
@@ -59,7 +79,11 @@ class RuntimeHandler:
 
 @dataclass
 class Containerd:
-    """One containerd with everything of its own. Use as a context manager."""
+    """One containerd with everything of its own. Use as a context manager.
+
+    ``slot`` 0 takes the lowest free slot; any other number claims exactly that
+    one, and fails if a live holder has it.
+    """
 
     workdir: Path | None = None
     handlers: list[RuntimeHandler] = field(default_factory=list)
@@ -85,6 +109,11 @@ class Containerd:
     @property
     def subnet(self) -> str:
         return f"10.244.{self.slot}.0/24"
+
+    @property
+    def cgroup_root(self) -> str:
+        """The cgroup parent under which pods go, as kubelet's ``/kubepods`` on a node."""
+        return f"/weft-harness{self.slot}"
 
     @property
     def socket(self) -> Path:
@@ -147,7 +176,9 @@ class Containerd:
 
     def _claim_slot(self) -> None:
         SLOT_DIR.mkdir(parents=True, exist_ok=True)
-        for slot in range(1, MAX_SLOTS):
+        if not 0 <= self.slot < MAX_SLOTS:
+            raise ValueError(f"harness slot {self.slot}: want 0 (any free one) or 1..{MAX_SLOTS - 1}")
+        for slot in [self.slot] if self.slot else range(1, MAX_SLOTS):
             fd = os.open(SLOT_DIR / f"slot{slot}.lock", os.O_RDWR | os.O_CREAT, 0o600)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -157,6 +188,8 @@ class Containerd:
             self.slot, self._lock_fd = slot, fd
             self._reap_previous()
             return
+        if self.slot:
+            raise RuntimeError(f"harness slot {self.slot} is held by a live instance")
         raise RuntimeError(f"no free harness slot under {SLOT_DIR}")
 
     def _reap_previous(self) -> None:
@@ -169,6 +202,8 @@ class Containerd:
                     _run("runc", "--root", str(runc_ns), "delete", "--force", cid, check=False)
             self._unmount_under(old)
             shutil.rmtree(old, ignore_errors=True)
+        # After the containers are gone: a cgroup with tasks in it cannot be removed.
+        self._remove_cgroups()
 
     @staticmethod
     def _kill_processes_mentioning(needle: str) -> None:
@@ -235,6 +270,7 @@ oom_score = 0
 
 [{cri_section}]
   sandbox_image = "{images.PAUSE_IMAGE}"
+  netns_mounts_under_state_dir = true
   restrict_oom_score_adj = true
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
@@ -346,6 +382,9 @@ oom_score = 0
             self.stop()
             self._kill_leftovers()
             self._unmount_under(self.workdir)
+        left = self._remove_cgroups()
+        if left:
+            errors.append(f"cgroups still in use: {', '.join(map(str, left))}")
         _run("ip", "netns", "delete", self.netns, check=False)
         if self._owns_workdir and self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
@@ -373,6 +412,30 @@ oom_score = 0
                 res = _run("runc", "--root", str(ns_root), "list", "-q", check=False)
                 for cid in res.stdout.split():
                     _run("runc", "--root", str(ns_root), "delete", "--force", cid, check=False)
+
+    def _remove_cgroups(self, settle: float = 2.0) -> list[Path]:
+        """rmdir every cgroup under the cgroup root, deepest first; returns those that would not go.
+
+        runc removes a container's own cgroup but not the ``pod<uid>`` parent it
+        created on the way. A cgroup whose last task was only just killed can
+        read busy for a moment, hence the retries for up to ``settle`` seconds.
+        """
+        deadline = time.monotonic() + settle
+        while True:
+            left = []
+            for hierarchy in cgroup_hierarchies():
+                top = hierarchy / self.cgroup_root.lstrip("/")
+                dirs = [Path(d) for d, _, _ in os.walk(top)]
+                for d in sorted(dirs, key=lambda p: len(p.parts), reverse=True):
+                    try:
+                        d.rmdir()
+                    except FileNotFoundError:
+                        pass
+                    except OSError:
+                        left.append(d)
+            if not left or time.monotonic() >= deadline:
+                return left
+            time.sleep(0.05)
 
     @staticmethod
     def _unmount_under(base: Path) -> None:

@@ -1,7 +1,8 @@
 """CRI request builders shared by the tests, the demo and the benchmarks.
 
 They produce what kubelet would send for a plain pod: metadata, labels and
-annotations kubelet sets, a log directory, Linux security context defaults.
+annotations kubelet sets, a log directory, Linux security context defaults and,
+when the caller names a root for it, a pod cgroup parent.
 """
 
 from __future__ import annotations
@@ -16,7 +17,12 @@ from integration import images
 
 def sandbox_config(name: str, log_dir: Path, namespace: str = "default", *,
                    labels: dict[str, str] | None = None,
-                   annotations: dict[str, str] | None = None) -> cri.PodSandboxConfig:
+                   annotations: dict[str, str] | None = None, cgroup_parent: str = "") -> cri.PodSandboxConfig:
+    """A pod as kubelet asks for it; ``cgroup_parent`` is the root under which kubelet would put ``pod<uid>``.
+
+    Without one containerd 1.6 cannot answer ListPodSandboxStats ("cgroupPath is
+    empty"); kubelet always sets one.
+    """
     uid = str(uuid.uuid4())
     return cri.PodSandboxConfig(
         metadata=cri.PodSandboxMetadata(name=name, namespace=namespace, uid=uid, attempt=0),
@@ -26,7 +32,7 @@ def sandbox_config(name: str, log_dir: Path, namespace: str = "default", *,
                 "io.kubernetes.pod.uid": uid, **(labels or {})},
         annotations={"kubernetes.io/config.source": "api", **(annotations or {})},
         linux=cri.LinuxPodSandboxConfig(
-            cgroup_parent="",
+            cgroup_parent=f"{cgroup_parent}/pod{uid}" if cgroup_parent else "",
             security_context=cri.LinuxSandboxSecurityContext(
                 namespace_options=cri.NamespaceOption(network=cri.POD, pid=cri.CONTAINER, ipc=cri.POD),
             ),

@@ -3,7 +3,8 @@
 The benchmark is a measurement, so this checks its shape and that the figures
 are sane, never how fast anything was: timing thresholds would only measure
 how busy the test machine is. It runs the CLI as a subprocess, as a platform
-engineer would, and then looks for anything the harness left behind.
+engineer would, and then looks for anything the harness left behind: its node
+namespace, work directory and pod cgroups.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.harness import SLOT_DIR
+from integration.harness import SLOT_DIR, cgroup_hierarchies
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("Version", "ListPodSandbox", "ListContainers", "ContainerStatus")
@@ -81,9 +82,16 @@ def test_bench_proxy_json_is_complete_and_leaves_nothing_behind() -> None:
         assert c["added_p50_ms"] == pytest.approx(c["agent_p50_ms"] - c["direct_p50_ms"], abs=1e-3), method
 
     floor = figures["floor"]
+    version = figures["calls"]["Version"]
     assert floor["echo_p50_ms"] > 0
     assert floor["echo_p99_ms"] >= floor["echo_p50_ms"]
     assert {"added_p50_ms", "added_p99_ms"} <= set(floor)
+    assert floor["forward_p50_ms"] > 0
+    assert floor["forward_p99_ms"] >= floor["forward_p50_ms"]
+    assert floor["forward_added_p50_ms"] == pytest.approx(floor["forward_p50_ms"] - version["direct_p50_ms"], abs=1e-3)
+    assert floor["forward_added_p99_ms"] == pytest.approx(floor["forward_p99_ms"] - version["direct_p99_ms"], abs=1e-3)
+    assert floor["agent_over_forward_p50_ms"] == pytest.approx(
+        version["added_p50_ms"] - floor["forward_added_p50_ms"], abs=1e-3)
 
     pod_start = figures["pod_start"]
     assert pod_start["n"] == 3
@@ -97,6 +105,9 @@ def test_bench_proxy_json_is_complete_and_leaves_nothing_behind() -> None:
     assert agent["cpu_percent_one_core"] >= 0
     assert agent["load_seconds"] >= 3
     assert agent["load_calls"] > 0
+    # Pods have a cgroup parent, so every stats verb kubelet polls succeeds
+    # (ListPodSandboxStats fails on containerd 1.6 without one).
+    assert agent["load_errors"] == 0
 
     targets = figures["targets"]
     assert all(isinstance(v, bool) for v in targets.values())
@@ -114,4 +125,6 @@ def test_bench_proxy_json_is_complete_and_leaves_nothing_behind() -> None:
     after = _node_namespaces()
     assert env["netns"] not in after
     assert not Path(env["workdir"]).exists()
+    cgroup_root = f"weft-harness{env['netns'].removeprefix('weftnode')}"
+    assert not [h / cgroup_root for h in cgroup_hierarchies() if (h / cgroup_root).exists()]
     assert not {ns for ns in after - before if not _slot_in_use(ns)}
