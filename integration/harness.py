@@ -145,6 +145,12 @@ class Containerd:
         return self.workdir / "containerd.log"
 
     @property
+    def registry_config_dir(self) -> Path:
+        """containerd's ``hosts.toml`` directory: ``<dir>/<registry host>/hosts.toml``, read at each pull."""
+        assert self.workdir is not None
+        return self.workdir / "certs.d"
+
+    @property
     def pod_log_dir(self) -> Path:
         assert self.workdir is not None
         return self.workdir / "pod-logs"
@@ -167,7 +173,8 @@ class Containerd:
             self.workdir = Path(tempfile.mkdtemp(prefix=f"weft-ctrd{self.slot}-"))
             self._owns_workdir = True
         self.workdir.mkdir(parents=True, exist_ok=True)
-        for d in (self.root, self.state, self.runc_root, self.pod_log_dir, self.workdir / "cni"):
+        for d in (self.root, self.state, self.runc_root, self.pod_log_dir, self.workdir / "cni",
+                  self.registry_config_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._make_netns()
         self._write_config()
@@ -275,6 +282,9 @@ oom_score = 0
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
   enable_selinux = false
+
+[{cri_section}.registry]
+  config_path = "{self.registry_config_dir}"
 
 [{cri_section}.cni]
   bin_dir = "/usr/lib/cni"
