@@ -1,6 +1,6 @@
-"""The grpcio floors: the cheapest CRI servers Python's grpcio can be.
+"""The floors: the cheapest CRI servers Python's grpcio can be, and the cheapest relay.
 
-Two modes, each a sync ``grpc.server`` on the agent's thread pool size (64
+Three modes; the first two are each a sync ``grpc.server`` on the agent's thread pool size (64
 workers) with one generic handler and nothing else: no routing table, no
 metadata handling, no metrics, no logging.
 
@@ -12,6 +12,11 @@ metadata handling, no metrics, no logging.
   every unary call on, as raw bytes, over one grpcio channel to UPSTREAM_SOCKET
   and returns the reply. What it adds is the least any grpcio forwarder can
   add: a server plus a client hop.
+- splice (``python -m bench.floor SOCKET --splice UPSTREAM_SOCKET``) is no gRPC
+  at all: an asyncio byte pipe between each client connection and its own
+  upstream connection. What it adds is the least any user-space relay written
+  in Python can add; an HTTP/2-aware relay (frames passed verbatim, only the
+  request headers decoded to route) would sit just above it.
 
 So the proxy benchmark can split the agent's overhead into the part that comes
 with the server library, the part that comes with forwarding through grpcio at
@@ -76,12 +81,45 @@ def serve(socket: str, handler: grpc.GenericRpcHandler) -> None:
     server.stop(0).wait()
 
 
+def splice(socket: str, upstream: str) -> None:
+    import asyncio
+
+    async def pipe(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            while data := await reader.read(1 << 16):
+                writer.write(data)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        finally:
+            writer.close()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_unix_connection(upstream)
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        server = await asyncio.start_unix_server(handle, socket)
+        async with server:
+            await stop.wait()
+
+    asyncio.run(run())
+
+
 def main(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.floor")
     parser.add_argument("socket")
     parser.add_argument("response_hex", nargs="?", help="echo mode: the bytes to answer with")
     parser.add_argument("--forward", metavar="UPSTREAM_SOCKET", help="forward mode: where to send every call")
+    parser.add_argument("--splice", metavar="UPSTREAM_SOCKET", help="splice mode: relay bytes to this socket")
     args = parser.parse_args(argv)
+    if args.splice is not None:
+        splice(args.socket, args.splice)
+        return 0
     if args.forward is not None:
         if args.response_hex is not None:
             parser.error("RESPONSE_HEX and --forward exclude each other")

@@ -233,7 +233,7 @@ def _cases(channels: dict[str, grpc.Channel], container_id: str) -> Cases:
                 "ContainerStatus": cri.ContainerStatusRequest(container_id=container_id)}
     cases: Cases = {}
     for name, req in requests.items():
-        targets = ("direct", "agent", "echo", "forward") if name == "Version" else ("direct", "agent")
+        targets = ("direct", "agent", "echo", "forward", "splice") if name == "Version" else ("direct", "agent")
         cases[name] = (req.SerializeToString(), {t: channels[t].unary_unary(RUNTIME + name) for t in targets})
     return cases
 
@@ -275,9 +275,12 @@ def _measure(pods: int, samples: int, load_seconds: float) -> _Raw:
                 warmup = min(200, max(20, samples // 10))
                 with _floor(ctrd.workdir / "echo.sock", version_raw.hex()) as echo, \
                         _floor(ctrd.workdir / "forward.sock", "--forward", str(ctrd.socket)) as forward, \
-                        grpc.insecure_channel(echo) as echo_ch, grpc.insecure_channel(forward) as forward_ch:
+                        _floor(ctrd.workdir / "splice.sock", "--splice", str(ctrd.socket)) as spliced, \
+                        grpc.insecure_channel(echo) as echo_ch, grpc.insecure_channel(forward) as forward_ch, \
+                        grpc.insecure_channel(spliced) as splice_ch:
                     _say(f"latency: {samples} calls per method and path after {warmup} warm-up, interleaved")
-                    channels = {"direct": direct, "agent": agent_ch, "echo": echo_ch, "forward": forward_ch}
+                    channels = {"direct": direct, "agent": agent_ch, "echo": echo_ch, "forward": forward_ch,
+                                "splice": splice_ch}
                     lat = _latency(_cases(channels, running[0]), samples, warmup)
                 n_starts = max(3, min(POD_STARTS, pods))
                 _say(f"pod start: {n_starts} direct and {n_starts} through the agent, interleaved")
@@ -310,6 +313,10 @@ def _figures(raw: _Raw, pods: int, samples: int, load_seconds: float) -> dict:
              "forward_added_p50_ms": round(f50 - version["direct_p50_ms"], 4),
              "forward_added_p99_ms": round(f99 - version["direct_p99_ms"], 4)}
     floor["agent_over_forward_p50_ms"] = round(version["added_p50_ms"] - floor["forward_added_p50_ms"], 4)
+    s50, s99 = _p50_p99(raw.latency_ns["Version"]["splice"])
+    floor.update({"splice_p50_ms": s50, "splice_p99_ms": s99,
+                  "splice_added_p50_ms": round(s50 - version["direct_p50_ms"], 4),
+                  "splice_added_p99_ms": round(s99 - version["direct_p99_ms"], 4)})
     d_med = _ms(statistics.median(raw.pod_start_ns["direct"]))
     a_med = _ms(statistics.median(raw.pod_start_ns["agent"]))
     pod_start = {"direct_median_ms": d_med, "agent_median_ms": a_med, "ratio": round(a_med / d_med, 4),
@@ -354,6 +361,9 @@ def _table(f: dict) -> str:
     for q in ("p50", "p99"):
         rows.append((f"grpcio floor: Version forward {q} (ms)", f"{v[f'direct_{q}_ms']:.3f}",
                      f"{fl[f'forward_{q}_ms']:.3f}", f"{fl[f'forward_added_{q}_ms']:+.3f}", "reference", ""))
+    for q in ("p50", "p99"):
+        rows.append((f"relay floor: Version byte splice {q} (ms)", f"{v[f'direct_{q}_ms']:.3f}",
+                     f"{fl[f'splice_{q}_ms']:.3f}", f"{fl[f'splice_added_{q}_ms']:+.3f}", "reference", ""))
     rows.append(("weft's own: Version agent - forward p50 (ms)", "", "", f"{fl['agent_over_forward_p50_ms']:+.3f}",
                  "", ""))
     ps, ag = f["pod_start"], f["agent"]
@@ -374,7 +384,8 @@ def _table(f: dict) -> str:
         lines.append("  ".join(cells).rstrip())
     met = sum(1 for k, v in t.items() if k != "all" and v)
     lines += ["", "floor: echo = a Python grpcio server alone; forward = a grpcio server plus a grpcio client hop "
-              "(the least any grpcio forwarder can add); agent - forward = weft's own cost",
+              "(the least any grpcio forwarder can add); agent - forward = weft's own cost;",
+              "       splice = an asyncio byte pipe, no gRPC (the least a Python relay can add)",
               f"targets met: {met} of {len(t) - 1}"]
     if ag["load_errors"]:
         lines.append(f"note: {ag['load_errors']} of {ag['load_calls']} load calls failed (see messages above)")
