@@ -4,6 +4,7 @@
 ``weft broker``       serve the node's GPU leases (NVML or simulated devices)
 ``weft status``       sandboxes, placements and leases, as JSON or a table
 ``weft explain ID``   why a container was placed where it is
+``weft mesh-certs``   a mesh CA and node certificates for tests and small clusters
 ``weft demo``         a throwaway fabric on this machine, end to end
 ``weft bench ...``    benchmarks that compare side by side in one run
 
@@ -78,6 +79,13 @@ def _explain(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mesh_certs(args: argparse.Namespace) -> int:
+    from shim.mesh import certs
+
+    specs = [certs.parse_node_spec(s) for s in args.node]
+    return certs.main(args.out, [n for n, _ in specs], {n: a for n, a in specs if a})
+
+
 def _demo(args: argparse.Namespace) -> int:
     try:
         from integration import demo
@@ -148,6 +156,12 @@ def parser() -> argparse.ArgumentParser:
         src.add_argument("--socket", type=Path, help="ask the running agent on this socket")
         sp.add_argument("--json", action="store_true", help="one JSON object")
         sp.set_defaults(fn=fn)
+
+    mc = sub.add_parser("mesh-certs", help="make a mesh CA (or reuse one) and node certificates")
+    mc.add_argument("--out", type=Path, required=True, help="directory for ca.crt/ca.key and <node>.crt/.key")
+    mc.add_argument("--node", action="append", required=True, metavar="NAME[=ADDR,...]",
+                    help="a node, with the addresses its certificate should name too (repeatable)")
+    mc.set_defaults(fn=_mesh_certs)
 
     d = sub.add_parser("demo", help="run a throwaway containerd and agent, start a pod through it, clean up")
     d.add_argument("--keep", action="store_true", help="leave the pod running until Enter is pressed")

@@ -1,0 +1,97 @@
+"""The mesh's client end: one agent dialling one peer, by that peer's node name.
+
+The channel verifies the server's certificate against the cluster CA *and*
+against the node we meant to dial (``grpc.ssl_target_name_override``): an
+address that now belongs to another node, or a stale entry in discovery, is a
+failed connection rather than a conversation with the wrong peer. Calls carry
+short deadlines because placement waits on them and running locally is always
+a valid fallback: a slow peer is treated as an absent one.
+
+gRPC failures become two typed errors: ``PeerUnavailable`` (no answer, TLS
+failed, deadline passed; try the next peer) and ``PeerRefused`` (the peer
+answered that it will not deal with us).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TypeVar
+
+import grpc
+
+from shim._pb import mesh_pb2 as pb
+from shim._pb import mesh_pb2_grpc as pb_grpc
+from shim.errors import WeftError
+from shim.mesh.certs import MeshTls
+from shim.mesh.identity import PeerRefused
+
+HELLO_TIMEOUT_S = 2.0
+ADMIT_TIMEOUT_S = 2.0
+
+_REFUSALS = frozenset({grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED})
+
+T = TypeVar("T")
+
+
+class PeerUnavailable(WeftError):
+    """The peer did not answer: unreachable, TLS handshake failed, or past the deadline."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+    def __init__(self, message: str, *, node: str, status: grpc.StatusCode | None = None) -> None:
+        super().__init__(message)
+        self.node = node
+        self.status = status
+
+
+class PeerClient:
+    def __init__(
+        self,
+        node: str,
+        address: str,
+        tls: MeshTls | tuple[bytes, bytes, bytes],
+        *,
+        hello_timeout: float = HELLO_TIMEOUT_S,
+        admit_timeout: float = ADMIT_TIMEOUT_S,
+    ) -> None:
+        key_pem, cert_pem, ca_pem = tls
+        self.node = node
+        self.address = address
+        self.hello_timeout = hello_timeout
+        self.admit_timeout = admit_timeout
+        credentials = grpc.ssl_channel_credentials(
+            root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem)
+        self._channel = grpc.secure_channel(address, credentials, options=[
+            ("grpc.ssl_target_name_override", node),
+            # A peer that restarts should be found again within a Hello period or two,
+            # not after gRPC's default two-minute backoff.
+            ("grpc.max_reconnect_backoff_ms", 5000),
+        ])
+        self._stub = pb_grpc.MeshStub(self._channel)
+
+    def hello(self, origin_state: pb.PeerState) -> pb.PeerState:
+        """Tell the peer who we are; its answer is its own state."""
+        return self._call("Hello", self._stub.Hello, pb.HelloRequest(origin=origin_state), self.hello_timeout)
+
+    def admit(self, request: pb.AdmitRequest) -> pb.AdmitResponse:
+        return self._call("Admit", self._stub.Admit, request, self.admit_timeout)
+
+    def close(self) -> None:
+        self._channel.close()
+
+    def __enter__(self) -> PeerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, fn: Callable[..., T], request: object, timeout: float) -> T:
+        try:
+            return fn(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            code, details = exc.code(), exc.details() or ""
+            if code in _REFUSALS:
+                raise PeerRefused(f"peer {self.node} at {self.address} refused {method}: {details}",
+                                  node=self.node, code=code) from exc
+            raise PeerUnavailable(f"peer {self.node} at {self.address} did not answer {method} "
+                                  f"({code.name}): {details}", node=self.node, status=code) from exc

@@ -1,0 +1,137 @@
+"""The mesh's server end: every agent answers its peers' Hello and Admit over mutual TLS.
+
+TLS (``require_client_auth``) keeps out anyone without a certificate from the
+cluster CA; ``PeerPolicy`` then keeps out CA-signed nodes this agent does not
+know, and a peer that claims to speak for another node than its certificate
+names. Only then is a Hello recorded (the last ``PeerState`` per node, which
+placement reads) or an Admit answered. weft's typed errors become gRPC
+statuses here, as in the broker's server.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import grpc
+
+from shim import log
+from shim._pb import mesh_pb2 as pb
+from shim._pb import mesh_pb2_grpc as pb_grpc
+from shim.errors import ConfigError, WeftError
+from shim.mesh.capacity import CapacityProbe
+from shim.mesh.certs import MeshTls, cert_nodes
+from shim.mesh.identity import PeerPolicy, PeerRefused
+
+_log = log.get("weft.mesh")
+
+Admit = Callable[[pb.AdmitRequest], pb.AdmitResponse]
+
+
+def _mapped(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def handler(self, request, context):
+        try:
+            return fn(self, request, context)
+        except PeerRefused as exc:
+            _log.warning("peer.refused", method=fn.__name__, peer=context.peer(), node=exc.node, detail=exc.message)
+            context.abort(exc.code, exc.message)
+        except WeftError as exc:
+            context.abort(exc.code, exc.message)
+
+    handler.__name__ = fn.__name__
+    return handler
+
+
+class MeshServicer(pb_grpc.MeshServicer):
+    def __init__(self, node: str, policy: PeerPolicy, probe: CapacityProbe, admit: Admit | None = None) -> None:
+        self.node = node
+        self.policy = policy
+        self.probe = probe
+        self._admit = admit or probe.admit
+        self._lock = threading.Lock()
+        self._peers: dict[str, pb.PeerState] = {}
+
+    def peer_states(self) -> dict[str, pb.PeerState]:
+        """The last state each peer reported in its Hello (copies)."""
+        with self._lock:
+            return {node: _copy(state) for node, state in self._peers.items()}
+
+    @_mapped
+    def Hello(self, request, context):  # noqa: N802 - gRPC method names
+        node = self.policy.check(context.auth_context())
+        self.policy.check_claim(node, request.origin.node, "Hello")
+        with self._lock:
+            known = node in self._peers
+            self._peers[node] = _copy(request.origin)
+        if not known:
+            _log.info("peer.hello", peer=node, role=request.origin.role)
+        state = self.probe.sample()
+        state.node = self.node
+        return state
+
+    @_mapped
+    def Admit(self, request, context):  # noqa: N802
+        node = self.policy.check(context.auth_context())
+        self.policy.check_claim(node, request.origin_node, "Admit")
+        answer = self._admit(request)
+        _log.info("peer.admit", peer=node, key=request.key, admitted=answer.admitted, reason=answer.reason,
+                  cpu_limit=request.limits.cpu_cores, memory_limit=request.limits.memory_bytes)
+        return answer
+
+
+class MeshServer:
+    """Serves the mesh on ``address`` (``HOST:PORT``; port 0 picks one, read ``.port`` after ``start``)."""
+
+    def __init__(
+        self,
+        node: str,
+        address: str,
+        tls: MeshTls | tuple[bytes, bytes, bytes],
+        policy: PeerPolicy,
+        probe: CapacityProbe,
+        admit: Admit | None = None,
+        *,
+        max_workers: int = 8,
+    ) -> None:
+        key_pem, cert_pem, ca_pem = tls
+        # Peers dial us by node name and check that our certificate names it;
+        # serving another node's certificate would only fail there, obscurely.
+        if node not in cert_nodes(cert_pem):
+            raise ConfigError(f"mesh certificate names {cert_nodes(cert_pem)}, but this node is {node!r}")
+        self.node = node
+        self.address = address
+        self.port: int | None = None
+        self.servicer = MeshServicer(node, policy, probe, admit)
+        self._credentials = grpc.ssl_server_credentials(
+            [(key_pem, cert_pem)], root_certificates=ca_pem, require_client_auth=True)
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weft-mesh"))
+        pb_grpc.add_MeshServicer_to_server(self.servicer, self._server)
+
+    def start(self) -> None:
+        try:
+            port = self._server.add_secure_port(self.address, self._credentials)
+        except RuntimeError as exc:
+            raise WeftError(f"could not bind the mesh address {self.address}: {exc}") from exc
+        if port == 0:
+            raise WeftError(f"could not bind the mesh address {self.address}")
+        self.port = port
+        self._server.start()
+        _log.info("mesh.serving", node=self.node, address=self.address, port=port)
+
+    def stop(self, grace: float = 1.0) -> None:
+        self._server.stop(grace).wait()
+
+    def __enter__(self) -> MeshServer:
+        self.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _copy(state: pb.PeerState) -> pb.PeerState:
+    out = pb.PeerState()
+    out.CopyFrom(state)
+    return out

@@ -1,0 +1,115 @@
+"""The mesh servicer without sockets: who is answered, what is recorded, and what a refusal looks like.
+
+The same paths over real TLS are in ``integration/test_mesh_tls.py``.
+"""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from structlog.testing import capture_logs
+
+from shim._pb import mesh_pb2 as pb
+from shim.errors import ConfigError
+from shim.mesh import certs
+from shim.mesh.capacity import CapacityProbe, FixedHost
+from shim.mesh.identity import PeerPolicy
+from shim.mesh.server import MeshServer, MeshServicer
+
+GI = 2**30
+
+
+class Aborted(Exception):
+    pass
+
+
+class FakeContext:
+    """What a grpc servicer context gives a handler: the peer's TLS names and abort()."""
+
+    def __init__(self, node: str | None) -> None:
+        self._auth = {"x509_common_name": [b"x"]}
+        if node is not None:
+            self._auth["peer_uri"] = [f"weft://node/{node}".encode()]
+        self.code: grpc.StatusCode | None = None
+        self.details = ""
+
+    def auth_context(self) -> dict[str, list[bytes]]:
+        return self._auth
+
+    def peer(self) -> str:
+        return "ipv4:127.0.0.1:5555"
+
+    def abort(self, code: grpc.StatusCode, details: str) -> None:
+        self.code, self.details = code, details
+        raise Aborted(details)
+
+
+def _servicer(role: str = "cpu", admit=None) -> MeshServicer:
+    probe = CapacityProbe(role, 0.5, 0, host=FixedHost(cores=4, memory_total=8 * GI, memory_available=8 * GI))
+    return MeshServicer("cpu-1", PeerPolicy({"gpu-1", "gpu-2"}), probe, admit)
+
+
+def _hello(node: str, role: str = "gpu") -> pb.HelloRequest:
+    return pb.HelloRequest(origin=pb.PeerState(node=node, role=role))
+
+
+def test_hello_from_a_known_peer_is_answered_with_this_node_and_recorded() -> None:
+    servicer = _servicer()
+    answer = servicer.Hello(_hello("gpu-1"), FakeContext("gpu-1"))
+    assert (answer.node, answer.role, answer.free.cpu_cores) == ("cpu-1", "cpu", 3.5)
+    servicer.Hello(_hello("gpu-1", role="gpu,cpu"), FakeContext("gpu-1"))
+    servicer.Hello(_hello("gpu-2"), FakeContext("gpu-2"))
+    states = servicer.peer_states()
+    assert {n: s.role for n, s in states.items()} == {"gpu-1": "gpu,cpu", "gpu-2": "gpu"}
+
+
+@pytest.mark.parametrize(("cert_node", "claimed", "code", "details"), [
+    pytest.param("gpu-9", "gpu-9", grpc.StatusCode.PERMISSION_DENIED, "'gpu-9' is not a known peer", id="unknown-node"),
+    pytest.param("gpu-1", "gpu-2", grpc.StatusCode.PERMISSION_DENIED, "'gpu-1' claims to be 'gpu-2'",
+                 id="peer-lies-about-its-node"),
+    pytest.param(None, "gpu-1", grpc.StatusCode.PERMISSION_DENIED, "names no single weft node",
+                 id="certificate-names-no-node"),
+])
+def test_refused_hello_records_nothing_and_is_logged(cert_node: str | None, claimed: str, code: grpc.StatusCode,
+                                                     details: str) -> None:
+    servicer, ctx = _servicer(), FakeContext(cert_node)
+    with capture_logs() as logs, pytest.raises(Aborted):
+        servicer.Hello(_hello(claimed), ctx)
+    assert ctx.code == code and details in ctx.details
+    assert servicer.peer_states() == {}
+    assert [(e["event"], e["node"]) for e in logs] == [("peer.refused", cert_node)]
+
+
+def test_admit_uses_the_given_decision_for_a_known_peer() -> None:
+    seen: list[pb.AdmitRequest] = []
+
+    def admit(req: pb.AdmitRequest) -> pb.AdmitResponse:
+        seen.append(req)
+        return pb.AdmitResponse(admitted=False, reason="unhealthy")
+
+    request = pb.AdmitRequest(origin_node="gpu-1", key="sb/app/0", limits=pb.Resources(cpu_cores=1))
+    with capture_logs() as logs:
+        answer = _servicer(admit=admit).Admit(request, FakeContext("gpu-1"))
+    assert (answer.reason, seen) == ("unhealthy", [request])
+    assert [(e["event"], e["peer"], e["reason"]) for e in logs] == [("peer.admit", "gpu-1", "unhealthy")]
+
+
+def test_admit_defaults_to_the_probe_and_a_gpu_only_node_refuses() -> None:
+    request = pb.AdmitRequest(origin_node="gpu-1", key="sb/app/0", limits=pb.Resources(cpu_cores=1, memory_bytes=GI))
+    assert _servicer("gpu").Admit(request, FakeContext("gpu-1")).reason == "not-a-cpu-host"
+    assert _servicer("cpu").Admit(request, FakeContext("gpu-1")).admitted
+
+
+def test_admit_on_behalf_of_another_node_is_refused() -> None:
+    ctx = FakeContext("gpu-1")
+    with pytest.raises(Aborted):
+        _servicer().Admit(pb.AdmitRequest(origin_node="gpu-2", key="k"), ctx)
+    assert ctx.code == grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_server_refuses_to_serve_a_certificate_of_another_node() -> None:
+    ca = certs.generate_ca()
+    key, cert = certs.issue_node_cert(*ca, "cpu-2")
+    probe = CapacityProbe("cpu", host=FixedHost(1, GI, GI))
+    with pytest.raises(ConfigError, match=r"names \['cpu-2'\], but this node is 'cpu-1'"):
+        MeshServer("cpu-1", "127.0.0.1:0", (key, cert, ca[1]), PeerPolicy(set()), probe)
