@@ -19,11 +19,12 @@ from cri_api.v1 import api_pb2
 from shim import log
 from shim.broker.client import BrokerClient
 from shim.config import Config
+from shim.cri import routes
 from shim.cri.fabric import Fabric
 from shim.cri.instrument import Instrument
 from shim.cri.passthrough import Upstream
 from shim.cri.recovery import Reconciler
-from shim.cri.server import CriServer
+from shim.cri.relay import RelayServer
 from shim.httpd import HttpEndpoint
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore
@@ -56,7 +57,8 @@ class Agent:
         self.store = AgentStore(cfg.agent.state_dir)
         self.broker = BrokerClient(cfg.agent.broker_socket) if cfg.agent.broker_socket else None
         self.fabric = Fabric(self.upstream, self.store, self.broker, self.metrics)
-        self.server = CriServer(cfg.agent.socket, self.fabric, Instrument(self.metrics), cfg.agent.workers)
+        self.server = RelayServer(cfg.agent.socket, str(cfg.agent.containerd_socket), routes.intercepted(self.fabric),
+                                  Instrument(self.metrics), cfg.agent.workers)
         self.reconciler = Reconciler(self.fabric)
         self.http: HttpEndpoint | None = None
         self._stop = threading.Event()

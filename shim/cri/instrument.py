@@ -1,105 +1,110 @@
-"""The one wrapper every CRI handler runs in.
+"""The one place every CRI call is measured, logged and given its status.
 
-It times the call, records it by method, status code and kind
-(``intercepted`` or ``passthrough``), writes the ``cri.call`` log event (info
-for mutating verbs, debug for polling ones, warning for weft's own failures)
-and turns weft's typed errors into gRPC statuses. Handlers never touch status
-codes themselves.
+Pass-through calls are recorded when the relay sees containerd's final status;
+intercepted calls run their handler here, and weft's typed errors become
+gRPC statuses here and nowhere else. Every call is counted and timed by
+method, status code and kind (``intercepted`` or ``passthrough``), and logged
+as ``cri.call`` (info for mutating verbs, debug for polling ones). containerd
+becoming unreachable, and reachable again, is logged once per change
+(``upstream.unavailable``/``upstream.recovered``), not once per call.
 """
 
 from __future__ import annotations
 
+import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
 
 from shim import log
-from shim.cri.methods import Method, Shape
+from shim.cri.methods import Method
 from shim.errors import UpstreamError, UpstreamUnavailable, WeftError
 from shim.metrics import Metrics
 
 _log = log.get("weft.cri")
 
-UnaryFn = Callable[[bytes, grpc.ServicerContext], bytes]
-StreamFn = Callable[[Any, grpc.ServicerContext], Iterator[bytes]]
+
+class Aborted(Exception):
+    """A handler called ``context.abort``: the call ends with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code, self.details = code, details
+
+
+@dataclass(frozen=True)
+class Outcome:
+    code: grpc.StatusCode
+    details: str
+    response: bytes | None
+    trailing_metadata: tuple = ()
 
 
 class Instrument:
     def __init__(self, metrics: Metrics) -> None:
         self.metrics = metrics
-        # Whether containerd answered last time; logged and exported on change
-        # only, so a containerd restart is two log lines, not one per call.
+        self._lock = threading.Lock()
         self.upstream_ok = True
         metrics.upstream_up.set(1)
 
-    def _reached_upstream(self) -> None:
+    # -- containerd reachability ---------------------------------------------------
+    def upstream_reached(self) -> None:
         if not self.upstream_ok:
-            self.upstream_ok = True
-            self.metrics.upstream_up.set(1)
-            _log.info("upstream.recovered")
+            with self._lock:
+                if not self.upstream_ok:
+                    self.upstream_ok = True
+                    self.metrics.upstream_up.set(1)
+                    _log.info("upstream.recovered")
 
-    def _abort(self, method: Method, kind: str, exc: WeftError, context: grpc.ServicerContext, start: float) -> None:
-        code = exc.code
-        elapsed = time.perf_counter() - start
-        self.metrics.observe_cri(method.name, code.name, kind, elapsed)
-        if isinstance(exc, UpstreamUnavailable):
-            if self.upstream_ok:
-                self.upstream_ok = False
-                self.metrics.upstream_up.set(0)
-                _log.warning("upstream.unavailable", method=method.name, socket=exc.socket, error=exc.message)
-        elif isinstance(exc, UpstreamError):
-            self._reached_upstream()
-            # containerd's own answer (NotFound for an unknown ID and the like):
-            # the client's business, logged like a success.
-            (_log.debug if method.polling else _log.info)(
-                "cri.call", method=method.name, kind=kind, code=code.name, ms=round(elapsed * 1e3, 3)
-            )
+    def upstream_unavailable(self, socket: str, reason: str) -> None:
+        if self.upstream_ok:
+            with self._lock:
+                if self.upstream_ok:
+                    self.upstream_ok = False
+                    self.metrics.upstream_up.set(0)
+                    _log.warning("upstream.unavailable", socket=socket, error=reason)
+
+    # -- calls ---------------------------------------------------------------------
+    def passthrough(self, method: Method, code: grpc.StatusCode, details: str, seconds: float) -> None:
+        self.metrics.observe_cri(method.name, code.name, "passthrough", seconds)
+        if code is not grpc.StatusCode.UNAVAILABLE or not details.startswith("weft:"):
+            self.upstream_reached()
+        (_log.debug if method.polling else _log.info)(
+            "cri.call", method=method.name, kind="passthrough", code=code.name, ms=round(seconds * 1e3, 3))
+
+    def intercepted(self, method: Method, fn: Callable[[bytes, Any], bytes], request: bytes | None,
+                    context: Any) -> Outcome:
+        start = time.perf_counter()
+        if request is None:
+            outcome = Outcome(grpc.StatusCode.INTERNAL, f"weft: malformed gRPC request body for {method.name}", None)
         else:
-            _log.warning("cri.failed", method=method.name, kind=kind, code=code.name, error=exc.message)
-        if isinstance(exc, UpstreamError) and exc.trailing_metadata:
-            context.set_trailing_metadata(exc.trailing_metadata)
-        context.abort(code, exc.message)
-
-    def unary(self, method: Method, kind: str, fn: UnaryFn) -> grpc.RpcMethodHandler:
-        observe = self.metrics.observe_cri
-        name = method.name
-        logger = _log.debug if method.polling else _log.info
-
-        def handler(request: bytes, context: grpc.ServicerContext) -> bytes:
-            start = time.perf_counter()
             try:
-                response = fn(request, context)
+                outcome = Outcome(grpc.StatusCode.OK, "", fn(request, context), context.trailing_metadata)
+            except Aborted as exc:
+                outcome = Outcome(exc.code, exc.details, None, context.trailing_metadata)
+            except UpstreamUnavailable as exc:
+                self.upstream_unavailable(exc.socket, exc.message)
+                outcome = Outcome(exc.code, exc.message, None)
+            except UpstreamError as exc:  # containerd's own answer, unchanged
+                self.upstream_reached()
+                outcome = Outcome(exc.code, exc.message, None, exc.trailing_metadata)
             except WeftError as exc:
-                self._abort(method, kind, exc, context, start)
-                raise  # unreachable: abort raises
-            elapsed = time.perf_counter() - start
-            if not self.upstream_ok:
-                self._reached_upstream()
-            observe(name, "OK", kind, elapsed)
-            logger("cri.call", method=name, kind=kind, code="OK", ms=round(elapsed * 1e3, 3))
-            return response
+                _log.warning("cri.failed", method=method.name, code=exc.code.name, error=exc.message)
+                outcome = Outcome(exc.code, exc.message, None)
+            except Exception as exc:  # noqa: BLE001 - a bug: the client gets a clear INTERNAL, the log its traceback
+                _log.exception("cri.crashed", method=method.name)
+                outcome = Outcome(grpc.StatusCode.INTERNAL, f"weft: internal error in {method.name}: {exc!r}", None)
+        elapsed = time.perf_counter() - start
+        self.metrics.observe_cri(method.name, outcome.code.name, "intercepted", elapsed)
+        (_log.debug if method.polling else _log.info)(
+            "cri.call", method=method.name, kind="intercepted", code=outcome.code.name, ms=round(elapsed * 1e3, 3))
+        return outcome
 
-        return grpc.unary_unary_rpc_method_handler(handler)
+    def stream_opened(self, method: Method) -> None:
+        self.metrics.cri_streams.labels(method.name).inc()
 
-    def stream(self, method: Method, kind: str, fn: StreamFn) -> grpc.RpcMethodHandler:
-        gauge = self.metrics.cri_streams.labels(method.name)
-
-        def handler(request: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
-            start = time.perf_counter()
-            gauge.inc()
-            _log.debug("cri.stream.open", method=method.name, kind=kind)
-            try:
-                yield from fn(request, context)
-            except WeftError as exc:
-                self._abort(method, kind, exc, context, start)
-            else:
-                self.metrics.observe_cri(method.name, "OK", kind, time.perf_counter() - start)
-            finally:
-                gauge.dec()
-                _log.debug("cri.stream.closed", method=method.name, kind=kind, active=context.is_active())
-
-        if method.shape is Shape.SERVER_STREAM:
-            return grpc.unary_stream_rpc_method_handler(handler)
-        return grpc.stream_stream_rpc_method_handler(handler)
+    def stream_closed(self, method: Method) -> None:
+        self.metrics.cri_streams.labels(method.name).dec()
