@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -107,3 +108,39 @@ def test_container_events_against_real_containerd_match_direct(containerd: Conta
 
 def _threads(pid: int) -> int:
     return len(list(Path(f"/proc/{pid}/task").iterdir()))
+
+
+def test_large_messages_cross_both_ways_within_flow_control(upstream, proxied) -> None:
+    # Far beyond every default HTTP/2 window (64 KiB): the relay must honour both peers' windows.
+    _, ch = proxied
+    body = bytes(range(256)) * (12 * 1024)  # 3 MiB
+    assert ch.unary_unary(rec.FUTURE_UNARY)(body, timeout=30) == b"echo:" + body
+
+
+def test_concurrent_intercepted_and_passthrough_calls_share_one_connection(containerd, agent_channel) -> None:
+    # weft's own answers and containerd's interleave on one HTTP/2 connection; each
+    # must reach its own caller intact, whatever the order (HPACK state stays in step).
+    version = agent_channel.unary_unary("/runtime.v1.RuntimeService/Version")
+    status = agent_channel.unary_unary("/weft.agent.v1.Admin/Status")
+    missing = agent_channel.unary_unary("/runtime.v1.RuntimeService/ContainerStatus")
+    want_version = cri.VersionResponse.FromString(version(cri.VersionRequest().SerializeToString()))
+
+    def one(i: int) -> str:
+        kind = i % 3
+        if kind == 0:
+            got = cri.VersionResponse.FromString(version(cri.VersionRequest().SerializeToString(), timeout=30))
+            return "version" if got == want_version else f"bad version {got}"
+        if kind == 1:
+            doc = status(b"", timeout=30)
+            return "status" if doc.startswith(b"{") and b'"sandboxes"' in doc else f"bad status {doc[:80]!r}"
+        try:
+            missing(cri.ContainerStatusRequest(container_id=f"nope-{i}").SerializeToString(), timeout=30,
+                    metadata=(("x-call", str(i)),))
+        except grpc.RpcError as e:
+            ok = e.code() is grpc.StatusCode.NOT_FOUND and f"nope-{i}" in e.details()
+            return "missing" if ok else f"bad error {e.code()} {e.details()}"
+        return "missing call succeeded"
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(one, range(600)))
+    assert sorted(set(results)) == ["missing", "status", "version"]

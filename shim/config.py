@@ -13,7 +13,7 @@ Example file::
     metrics_address = "127.0.0.1:9464"   # "" turns the HTTP endpoint off
     broker_socket = "/run/weft/broker.sock"  # "" on nodes without GPUs
     log_level = "info"
-    workers = 64
+    workers = 64                          # threads for intercepted calls
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ class AgentConfig:
     # The GPU broker's socket; "" for a node without GPUs (GPU containers of
     # opted-in pods then fail with UNAVAILABLE, everything else works).
     broker_socket: str = ""
-    # Server threads: each open GetContainerEvents stream holds one.
+    # Threads for the calls weft answers itself; pass-through needs none.
     workers: int = 64
 
     def validate(self) -> None:
