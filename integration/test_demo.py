@@ -22,7 +22,7 @@ def test_demo_runs_the_fabric_and_cleans_up() -> None:
     leases = [line for line in out.splitlines() if line.strip().startswith("bound on ")]
     assert len(leases) == 2 and len({line.split(":")[0] for line in leases}) == 1
     # Nothing the demo started survives it: no process mentions its containerd's work directory.
-    workdir = next(w for w in out.split() if w.endswith("/containerd.sock")).rsplit("/", 1)[0]
+    workdir = next(w for w in (t.rstrip(",;") for t in out.split()) if w.endswith("/containerd.sock")).rsplit("/", 1)[0]
     assert not Path(workdir).exists()
     mentions = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _mentions(p, workdir)]
     assert not mentions, f"processes left behind from {workdir}: {mentions}"
