@@ -82,8 +82,14 @@ def _explain(args: argparse.Namespace) -> int:
 def _mesh_certs(args: argparse.Namespace) -> int:
     from shim.mesh import certs
 
-    specs = [certs.parse_node_spec(s) for s in args.node]
-    return certs.main(args.out, [n for n, _ in specs], {n: a for n, a in specs if a})
+    names = [n.strip() for n in ",".join(args.nodes or []).split(",") if n.strip()]
+    addresses: dict[str, list[str]] = {}
+    for spec in args.node or []:
+        name, addrs = certs.parse_node_spec(spec)
+        if name not in names:
+            names.append(name)
+        addresses.setdefault(name, []).extend(addrs)
+    return certs.main(args.out, names, {n: a for n, a in addresses.items() if a})
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -159,8 +165,9 @@ def parser() -> argparse.ArgumentParser:
 
     mc = sub.add_parser("mesh-certs", help="make a mesh CA (or reuse one) and node certificates")
     mc.add_argument("--out", type=Path, required=True, help="directory for ca.crt/ca.key and <node>.crt/.key")
-    mc.add_argument("--node", action="append", required=True, metavar="NAME[=ADDR,...]",
-                    help="a node, with the addresses its certificate should name too (repeatable)")
+    mc.add_argument("--nodes", action="append", metavar="A,B,C", help="node names, comma-separated")
+    mc.add_argument("--node", action="append", metavar="NAME[=ADDR,...]",
+                    help="a node with the addresses its certificate should name too (repeatable)")
     mc.set_defaults(fn=_mesh_certs)
 
     d = sub.add_parser("demo", help="run a throwaway containerd and agent, start a pod through it, clean up")

@@ -24,3 +24,14 @@ def test_weft_errors_are_one_line_and_exit_2(tmp_path, capsys: pytest.CaptureFix
     assert code == 2
     err = capsys.readouterr().err
     assert err.startswith("weft agent: config file") and "missing.toml" in err
+
+
+def test_mesh_certs_with_the_contract_flags(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["mesh-certs", "--out", str(tmp_path), "--nodes", "gpu-1,cpu-1,cpu-2"]) == 0
+    assert {p.name for p in tmp_path.iterdir()} == {
+        "ca.crt", "ca.key", *(f"{n}.{ext}" for n in ("gpu-1", "cpu-1", "cpu-2") for ext in ("crt", "key"))}
+
+
+def test_mesh_certs_without_nodes_says_how(tmp_path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["mesh-certs", "--out", str(tmp_path)]) == 2
+    assert "--nodes a,b,c" in capsys.readouterr().err

@@ -181,7 +181,7 @@ def parse_node_spec(spec: str) -> tuple[str, list[str]]:
 def main(out_dir: Path, nodes: Sequence[str], addresses: Mapping[str, Sequence[str]] = {}) -> int:
     """``weft mesh-certs``: print one line per file, saying whether it was written or kept."""
     if not nodes:
-        raise ConfigError("mesh-certs: name at least one node (--node NAME[=ADDR,...])")
+        raise ConfigError("name at least one node (--nodes a,b,c or --node NAME[=ADDR,...])")
     paths, written = _write_mesh_certs(Path(out_dir), nodes, addresses, NODE_VALID_DAYS)
     for name, path in paths.items():
         print(f"{'wrote' if name in written else 'kept '} {path}")
