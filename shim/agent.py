@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket as socketlib
 import threading
 
 import grpc
@@ -60,12 +61,27 @@ class Agent:
         self.server = RelayServer(cfg.agent.socket, str(cfg.agent.containerd_socket), routes.intercepted(self.fabric),
                                   Instrument(self.metrics), cfg.agent.workers)
         self.reconciler = Reconciler(self.fabric)
+        self.mesh = self._mesh(cfg)
         self.http: HttpEndpoint | None = None
         self._stop = threading.Event()
+
+    def _mesh(self, cfg: Config):
+        if not cfg.mesh.address:
+            return None
+        from shim.mesh.node import MeshNode
+
+        m = cfg.mesh
+        mesh = MeshNode(node=m.node_name or socketlib.gethostname(), role={"both": "gpu,cpu"}.get(m.role, m.role),
+                        address=m.address, peers=m.peers, tls_dir=m.tls_dir, hello_interval=m.hello_interval,
+                        namespace=m.namespace, service=m.service, metrics=self.metrics)
+        self.fabric.mesh = mesh
+        return mesh
 
     def start(self) -> None:
         self.server.start()
         self.reconciler.start()
+        if self.mesh is not None:
+            self.mesh.start()
         if self.cfg.agent.metrics_address:
             try:
                 self.http = HttpEndpoint(self.cfg.agent.metrics_address, self.metrics, _probe(self.upstream))
@@ -77,6 +93,7 @@ class Agent:
             "agent.started", socket=str(self.cfg.agent.socket), containerd=self.upstream.socket,
             http=self.http.address if self.http else None, pid=os.getpid(),
             broker=self.cfg.agent.broker_socket or None, opted_in=len(self.fabric.opted_in),
+            mesh=self.cfg.mesh.address or None,
         )
 
     def stop(self, grace: float = 5.0) -> None:
@@ -84,6 +101,8 @@ class Agent:
         if self.http is not None:
             self.http.stop()
         self.server.stop(grace)
+        if self.mesh is not None:
+            self.mesh.stop()
         self.reconciler.stop()
         self.upstream.close()
         if self.broker is not None:

@@ -37,7 +37,11 @@ def _agent(args: argparse.Namespace) -> int:
                 "metrics_address": args.metrics_address,
                 "log_level": args.log_level,
                 "broker_socket": None if args.broker_socket is None else str(args.broker_socket),
-            }
+            },
+            "mesh": {
+                "node_name": args.node_name, "role": args.role, "address": args.mesh_address,
+                "peers": args.peers, "tls_dir": None if args.tls_dir is None else str(args.tls_dir),
+            },
         },
     )
     log.configure(cfg.agent.log_level)
@@ -138,6 +142,11 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--config", type=Path, help="TOML configuration file; flags override it")
     a.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     a.add_argument("--broker-socket", type=Path, help="the GPU broker's socket (omit on nodes without GPUs)")
+    a.add_argument("--node-name", help="this node's name in the mesh (default: the host name)")
+    a.add_argument("--role", choices=("gpu", "cpu", "both"), help="what this node offers the mesh")
+    a.add_argument("--mesh-address", help="HOST:PORT for the peer mesh (mutual TLS); omit for no mesh")
+    a.add_argument("--peers", help="static peers file (TOML [[peer]] tables) or 'kubernetes'")
+    a.add_argument("--tls-dir", type=Path, help="mesh certificates: ca.crt and <node>.crt/.key")
     a.set_defaults(fn=_agent)
 
     br = sub.add_parser("broker", help="serve GPU leases on a unix socket until SIGTERM")

@@ -12,6 +12,13 @@ Example file::
     state_dir = "/var/lib/weft"
     metrics_address = "127.0.0.1:9464"   # "" turns the HTTP endpoint off
     broker_socket = "/run/weft/broker.sock"  # "" on nodes without GPUs
+
+    [mesh]                                # off unless address is set
+    node_name = "gpu-1"                   # default: the host name
+    role = "gpu"                          # gpu, cpu or both
+    address = "10.0.0.4:7443"
+    peers = "/etc/weft/peers.toml"        # or "kubernetes" (EndpointSlices of the weft-mesh Service)
+    tls_dir = "/etc/weft/mesh"
     log_level = "info"
     workers = 64                          # threads for intercepted calls
 """
@@ -59,9 +66,42 @@ class AgentConfig:
                 raise ConfigError(f"agent.{name}: {str(getattr(self, name))!r} must be an absolute path")
 
 
+MESH_ROLES = ("gpu", "cpu", "both")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """The peer mesh; off unless ``address`` is set."""
+
+    node_name: str = ""  # this node's name in the mesh and its certificate; default: the host name
+    role: str = "both"  # gpu, cpu or both: what this node offers
+    address: str = ""  # HOST:PORT the mesh listens on
+    peers: str = ""  # a static peers file (TOML, [[peer]] tables), or "kubernetes"
+    tls_dir: str = ""  # ca.crt and <node>.crt/.key, as `weft mesh-certs` writes them
+    hello_interval: float = 5.0
+    namespace: str = "weft-system"  # kubernetes discovery: the DaemonSet's namespace
+    service: str = "weft-mesh"  # ... and its headless Service
+
+    def validate(self) -> None:
+        if self.role not in MESH_ROLES:
+            raise ConfigError(f"mesh.role: {self.role!r} is not one of {', '.join(MESH_ROLES)}")
+        if self.hello_interval <= 0:
+            raise ConfigError(f"mesh.hello_interval: {self.hello_interval} must be positive")
+        if not self.address:
+            return
+        try:
+            parse_host_port(self.address, field="mesh.address")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        for name in ("peers", "tls_dir"):
+            if not getattr(self, name):
+                raise ConfigError(f"mesh.{name}: required when mesh.address is set")
+
+
 @dataclass(frozen=True)
 class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
+    mesh: MeshConfig = field(default_factory=MeshConfig)
 
 
 def _build(cls: type, table: Mapping[str, Any], section: str) -> Any:
@@ -77,6 +117,8 @@ def _build(cls: type, table: Mapping[str, Any], section: str) -> Any:
             if not isinstance(value, str):
                 raise ConfigError(f"{section}.{key}: expected a path string, got {value!r}")
             value = Path(value)
+        elif want is float and isinstance(value, int) and not isinstance(value, bool):
+            value = float(value)
         elif not isinstance(value, want) or (want is int and isinstance(value, bool)):
             raise ConfigError(f"{section}.{key}: expected {want.__name__}, got {value!r}")
         kwargs[key] = value
@@ -105,4 +147,5 @@ def load(path: Path | None = None, overrides: Mapping[str, Mapping[str, Any]] | 
         sections[f.name] = _build(type(f.default_factory()), table, f.name)  # type: ignore[misc]
     cfg = Config(**sections)
     cfg.agent.validate()
+    cfg.mesh.validate()
     return cfg

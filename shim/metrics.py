@@ -52,6 +52,8 @@ class Metrics:
         )
         self.opted_in = Gauge("weft_opted_in_sandboxes", "Opted-in pod sandboxes this agent knows.",
                               registry=self.registry)
+        self.mesh_peer_up = Gauge("weft_mesh_peer_up", "1 while a mesh peer answers Hello and says it is healthy.",
+                                  ["peer"], registry=self.registry)
         self._children: dict[tuple[str, str, str], tuple[object, object]] = {}
 
     def observe_cri(self, method: str, code: str, kind: str, seconds: float) -> None:

@@ -31,7 +31,10 @@ def _leases(fabric: Fabric) -> list[dict] | None:
 
 def status_handler(fabric: Fabric):
     def status(request: bytes, context: grpc.ServicerContext) -> bytes:
-        return json.dumps(report.status(fabric.store, _leases(fabric))).encode()
+        doc = report.status(fabric.store, _leases(fabric))
+        if fabric.mesh is not None:
+            doc["peers"] = fabric.mesh.status()
+        return json.dumps(doc).encode()
 
     return status
 

@@ -29,6 +29,8 @@ class Fabric:
         self.opted_in: dict[str, SandboxRecord] = {s.id: s for s in store.sandboxes() if s.opted_in}
         metrics.opted_in.set(len(self.opted_in))
         self._inventory: pb.DevicesResponse | None = None
+        # The peer mesh (shim.mesh.node.MeshNode) when this node has one.
+        self.mesh = None
         self._lock = threading.Lock()
 
     def remember(self, rec: SandboxRecord) -> None:

@@ -1,0 +1,159 @@
+"""This agent's place in the mesh: serve it, find peers, and keep a fresh view of each.
+
+Started by the agent when ``mesh.address`` is set. Peers come from a static
+peers file or from Kubernetes (the DaemonSet's EndpointSlices); every
+``hello_interval`` the node says Hello to each peer over mutual TLS and
+keeps what the peer answers (role, free capacity, health) as a
+``shim.core.reroute.PeerView``: what placement reads. A peer that stops
+answering is marked unhealthy at once and logged once (``peer.lost``), and
+logged again when it is back (``peer.up``).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from shim import log
+from shim._pb import mesh_pb2 as pb
+from shim.core.reroute import PeerView, Resources
+from shim.errors import WeftError
+from shim.mesh.capacity import CapacityProbe
+from shim.mesh.certs import load_node_tls
+from shim.mesh.client import PeerClient
+from shim.mesh.discovery import Discovery, EndpointSliceDiscovery, Peer, StaticDiscovery, load_peers_file
+from shim.mesh.identity import PeerPolicy
+from shim.mesh.server import MeshServer
+
+_log = log.get("weft.mesh")
+
+
+@dataclass
+class PeerRecord:
+    peer: Peer
+    role: str = ""
+    state: pb.PeerState | None = None
+    seen_at: float = 0.0  # monotonic
+    healthy: bool = False
+    error: str = ""
+
+
+class MeshNode:
+    def __init__(self, *, node: str, role: str, address: str, peers: str, tls_dir: str, hello_interval: float,
+                 namespace: str, service: str, metrics: Any) -> None:
+        self.node, self.role, self.hello_interval, self.metrics = node, role, hello_interval, metrics
+        self.tls = load_node_tls(tls_dir, node)
+        self.discovery: Discovery
+        declared: dict[str, str] = {}
+        if peers == "kubernetes":
+            self.discovery = EndpointSliceDiscovery(namespace, service, self_node=node)
+        else:
+            found, declared = load_peers_file(peers, self_node=node)
+            self.discovery = StaticDiscovery(found)
+        self.probe = CapacityProbe(role)
+        self.policy = PeerPolicy(set())
+        self.server = MeshServer(node, address, self.tls, self.policy, self.probe)
+        self._declared = declared
+        self._lock = threading.Lock()
+        self._records: dict[str, PeerRecord] = {}
+        self._clients: dict[str, PeerClient] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        self._set_peers(self.discovery.list())
+        self.server.start()
+        self._threads = [threading.Thread(target=self._hello_loop, name="weft-mesh-hello", daemon=True),
+                         threading.Thread(target=self.discovery.watch, args=(self._set_peers, self._stop),
+                                          name="weft-mesh-discovery", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.server.stop()
+        for c in self._clients.values():
+            c.close()
+
+    def _set_peers(self, peers: list[Peer]) -> None:
+        with self._lock:
+            wanted = {p.node: p for p in peers}
+            for node in set(self._records) - set(wanted):
+                self._records.pop(node)
+                client = self._clients.pop(node, None)
+                if client is not None:
+                    client.close()
+            for node, peer in wanted.items():
+                rec = self._records.get(node)
+                if rec is None or rec.peer != peer:
+                    self._records[node] = PeerRecord(peer, role=self._declared.get(node, ""))
+                    old = self._clients.pop(node, None)
+                    if old is not None:
+                        old.close()
+                    self._clients[node] = PeerClient(node, peer.target, self.tls)
+            # Only nodes we know may talk to us.
+            self.policy.set_known(set(wanted))
+        _log.info("mesh.peers", peers=sorted(wanted))
+
+    # -- hello ---------------------------------------------------------------------
+    def _hello_loop(self) -> None:
+        while not self._stop.is_set():
+            self.hello_all()
+            self._stop.wait(self.hello_interval)
+
+    def hello_all(self) -> None:
+        mine = self.probe.sample()
+        mine.node = self.node
+        with self._lock:
+            targets = list(self._clients.items())
+        for node, client in targets:
+            try:
+                state = client.hello(mine)
+            except WeftError as exc:
+                self._mark(node, None, exc.message)
+            else:
+                self._mark(node, state, "")
+
+    def _mark(self, node: str, state: pb.PeerState | None, error: str) -> None:
+        with self._lock:
+            rec = self._records.get(node)
+            if rec is None:
+                return
+            was = rec.healthy
+            if state is not None:
+                rec.state, rec.seen_at, rec.role, rec.error = state, time.monotonic(), state.role, ""
+                rec.healthy = state.healthy
+            else:
+                rec.healthy, rec.error = False, error
+        if was and not rec.healthy:
+            _log.warning("peer.lost", peer=node, error=error)
+        elif rec.healthy and not was:
+            _log.info("peer.up", peer=node, role=rec.role)
+        self.metrics.mesh_peer_up.labels(node).set(1 if rec.healthy else 0)
+
+    # -- what placement and status read -----------------------------------------------
+    def views(self) -> list[PeerView]:
+        now = time.monotonic()
+        with self._lock:
+            out = []
+            for node, rec in self._records.items():
+                free = rec.state.free if rec.state is not None else None
+                out.append(PeerView(
+                    node=node, cpu_host="cpu" in rec.role.split(","), healthy=rec.healthy,
+                    free=Resources(free.cpu_cores, free.memory_bytes) if free is not None else Resources(0.0, 0),
+                    sampled_age_s=(now - rec.seen_at) if rec.seen_at else float("inf")))
+            return sorted(out, key=lambda v: v.node)
+
+    def status(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
+        with self._lock:
+            return [{
+                "node": node, "address": rec.peer.target, "role": rec.role, "healthy": rec.healthy,
+                "free_cpu_cores": round(rec.state.free.cpu_cores, 3) if rec.state else None,
+                "free_memory_bytes": rec.state.free.memory_bytes if rec.state else None,
+                "last_seen_s": round(now - rec.seen_at, 1) if rec.seen_at else None,
+                "error": rec.error or None,
+            } for node, rec in sorted(self._records.items())]
