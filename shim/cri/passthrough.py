@@ -1,17 +1,17 @@
-"""Raw-bytes forwarding to containerd: no parse, no re-encode.
+"""The intercepted verbs' own connection to containerd: raw bytes over grpcio.
 
-A request body arrives as ``bytes`` (the server registers no deserializer)
-and leaves as the same ``bytes`` on a channel that registers no serializer;
-the response comes back the same way. So a CRI field or method newer than our
-stubs passes untouched, and a pod that did not opt in sees containerd as if
-weft were not there: metadata is forwarded both ways, and containerd's status
-code, details and trailing metadata (including ``grpc-status-details-bin``)
-are handed back unchanged.
+A verb weft intercepts (``routes``) is answered by weft, which usually asks
+containerd itself: the request goes as ``bytes`` on a channel that registers
+no serializer and the response comes back the same way, so a field newer than
+our stubs survives. Metadata is forwarded, and containerd's status code,
+details and trailing metadata come back as ``UpstreamError`` for the
+instrumentation to hand on unchanged. Everything not intercepted never comes
+here: the relay passes it through frame by frame.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
@@ -63,8 +63,6 @@ class Upstream:
         self.socket = socket
         self.channel = grpc.insecure_channel(f"unix://{socket}", options=UPSTREAM_OPTIONS)
         self._unary: dict[str, Callable[..., Any]] = {}
-        self._server_stream: dict[str, Callable[..., Any]] = {}
-        self._stream_stream: dict[str, Callable[..., Any]] = {}
 
     def close(self) -> None:
         self.channel.close()
@@ -76,7 +74,6 @@ class Upstream:
             return UpstreamUnavailable(self.socket, details)
         return UpstreamError(code, details, exc.trailing_metadata())  # type: ignore[attr-defined]
 
-    # -- unary ---------------------------------------------------------------
     def unary(self, path: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         call_fn = self._unary.get(path)
         if call_fn is None:
@@ -94,35 +91,3 @@ class Upstream:
         if trailing:
             context.set_trailing_metadata(trailing)
         return response
-
-    # -- streams -------------------------------------------------------------
-    def server_stream(self, path: str, request: bytes, context: grpc.ServicerContext) -> Iterator[bytes]:
-        fn = self._server_stream.get(path)
-        if fn is None:
-            fn = self._server_stream[path] = self.channel.unary_stream(path)
-        call = fn(request, timeout=timeout_of(context), metadata=outgoing_metadata(context.invocation_metadata()))
-        yield from self._relay(call, context)
-
-    def stream_stream(self, path: str, requests: Iterator[bytes], context: grpc.ServicerContext) -> Iterator[bytes]:
-        fn = self._stream_stream.get(path)
-        if fn is None:
-            fn = self._stream_stream[path] = self.channel.stream_stream(path)
-        call = fn(requests, timeout=timeout_of(context), metadata=outgoing_metadata(context.invocation_metadata()))
-        yield from self._relay(call, context)
-
-    def _relay(self, call: Any, context: grpc.ServicerContext) -> Iterator[bytes]:
-        # A client that goes away cancels the upstream call, so nothing is
-        # left streaming into the void.
-        context.add_callback(call.cancel)
-        try:
-            initial = call.initial_metadata()
-            if initial:
-                context.send_initial_metadata(initial)
-            yield from call
-        except grpc.RpcError as exc:
-            if not context.is_active():
-                return
-            raise self.translate(exc) from None
-        trailing = call.trailing_metadata()
-        if trailing:
-            context.set_trailing_metadata(trailing)
