@@ -26,6 +26,7 @@ from integration import pods
 from integration.agent import AgentProcess
 from integration.broker import BrokerProcess, gpu_fabric
 from integration.harness import Containerd
+from integration.waiting import wait_for
 
 GiB = 1 << 30
 
@@ -86,14 +87,6 @@ def node(tmp_path: Path) -> Iterator[Node]:
 GPU_ENV = {"NVIDIA_VISIBLE_DEVICES": "all"}
 
 
-def _wait(cond, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _retry_unavailable(fn, timeout: float = 10.0):
@@ -206,7 +199,7 @@ def test_lease_follows_the_container_life_even_with_the_agent_killed(node: Node)
     [bound] = node.broker.leases()
     assert (bound.state, bound.container_id) == ("bound", cid) and bound.pid > 0
     direct.StopContainer(cri.StopContainerRequest(container_id=cid, timeout=1))
-    _wait(lambda: node.broker.leases() == [], what="poststop release")
+    wait_for(lambda: node.broker.leases() == [], what="poststop release")
     released = [e for e in node.broker.events() if e.get("event") == "lease.released"]
     assert released[-1]["reason"] == "poststop"
 
@@ -285,10 +278,12 @@ def test_watchdog_acts_only_on_the_container_over_its_lease(tmp_path: Path, acti
             def state(cid: str) -> int:
                 return rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status.state
 
-            violation = _wait(lambda: next((e for e in broker.events() if e.get("event") == "lease.violation"), None),
-                              what="the violation to be seen")
+            def violation_seen():
+                return next((e for e in broker.events() if e.get("event") == "lease.violation"), None)
+
+            violation = wait_for(violation_seen, what="the violation to be seen")
             if action == "kill":
-                _wait(lambda: state(a) == cri.CONTAINER_EXITED, what="the violator to be killed")
+                wait_for(lambda: state(a) == cri.CONTAINER_EXITED, what="the violator to be killed")
             else:
                 time.sleep(1)  # several watchdog ticks: logging never kills
                 assert state(a) == cri.CONTAINER_RUNNING
@@ -313,7 +308,7 @@ def test_agent_killed_before_create_answers_leaks_no_lease(node: Node, failpoint
         node.create(sb, cfg, "model", GPU_ENV, start=False)
     node.agent.stop()
     node.start_agent()  # recovery: no container in containerd, so the lease goes
-    _wait(lambda: node.broker.leases() == [], what="the orphaned lease to be released")
+    wait_for(lambda: node.broker.leases() == [], what="the orphaned lease to be released")
     # kubelet retries the same CreateContainer: exactly one lease, one placement.
     cid = node.create(sb, cfg, "model", GPU_ENV)
     [lease] = node.broker.leases()
@@ -329,7 +324,7 @@ def test_agent_killed_after_containerd_created_recovers_the_record(node: Node) -
     node.agent.stop()
     node.start_agent()
     [created] = node.direct().ListContainers(cri.ListContainersRequest()).containers
-    doc = _wait(lambda: (d := node.status()) and d["placements"] and d["placements"][0]["state"] == "created" and d,
+    doc = wait_for(lambda: (d := node.status()) and d["placements"] and d["placements"][0]["state"] == "created" and d,
                 what="recovery to complete the placement")
     assert doc["placements"][0]["container_id"] == created.id
     [lease] = node.broker.leases()

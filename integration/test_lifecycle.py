@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import json
-import time
 from pathlib import Path
 
 import grpc
@@ -19,16 +18,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from integration import images, pods
 from integration.harness import Containerd
-
-
-def _wait(predicate, timeout: float = 10.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(0.05)
-    raise AssertionError(f"timed out waiting for {what}")
+from integration.waiting import wait_for
 
 
 def test_full_pod_lifecycle_through_agent(containerd: Containerd, agent_channel: grpc.Channel) -> None:
@@ -109,7 +99,7 @@ def test_full_pod_lifecycle_through_agent(containerd: Containerd, agent_channel:
 
     # The log, in CRI format, where kubelet asked for it; reopen keeps it going.
     log_file = Path(cfg.log_directory) / ccfg.log_path
-    line = _wait(lambda: log_file.exists() and log_file.read_text().strip(), what="container log")
+    line = wait_for(lambda: log_file.exists() and log_file.read_text().strip(), what="container log")
     _, stream, tag, text = line.split(" ", 3)
     assert (stream, tag, text) == ("stdout", "F", "hello-from-weft")
     rt.ReopenContainerLog(cri.ReopenContainerLogRequest(container_id=cid))

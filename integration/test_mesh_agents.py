@@ -17,6 +17,7 @@ import pytest
 
 from integration.agent import AgentProcess, free_port
 from integration.harness import Containerd
+from integration.waiting import wait_for
 
 NODES = ("gpu-1", "cpu-1", "cpu-2")
 ROLES = {"gpu-1": "gpu", "cpu-1": "cpu", "cpu-2": "cpu"}
@@ -28,14 +29,6 @@ def _status(agent: AgentProcess) -> dict:
     return json.loads(out.stdout)
 
 
-def _wait(cond, timeout: float = 15.0, what: str = "condition"):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = cond()
-        if value:
-            return value
-        time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what}")
 
 
 @pytest.fixture
@@ -66,7 +59,7 @@ def test_agents_see_each_other_with_roles_and_capacity(mesh: dict[str, AgentProc
         peers = _status(mesh["gpu-1"]).get("peers", [])
         return peers if sum(p["healthy"] for p in peers) == 2 else None
 
-    peers = {p["node"]: p for p in _wait(healthy_peers, what="both peers healthy")}
+    peers = {p["node"]: p for p in wait_for(healthy_peers, timeout=15, what="both peers healthy")}
     assert set(peers) == {"cpu-1", "cpu-2"}
     assert peers["cpu-1"]["role"] == "cpu"
     assert peers["cpu-1"]["free_cpu_cores"] >= 0 and peers["cpu-1"]["free_memory_bytes"] > 0
@@ -75,16 +68,16 @@ def test_agents_see_each_other_with_roles_and_capacity(mesh: dict[str, AgentProc
 
 def test_a_lost_peer_is_seen_and_logged_once_then_back(mesh: dict[str, AgentProcess]) -> None:
     gpu = mesh["gpu-1"]
-    _wait(lambda: all(p["healthy"] for p in _status(gpu).get("peers", [])) and _status(gpu)["peers"],
-          what="peers healthy")
+    wait_for(lambda: all(p["healthy"] for p in _status(gpu).get("peers", [])) and _status(gpu)["peers"],
+          timeout=15, what="peers healthy")
     mesh["cpu-2"].stop(sig=9)
-    lost = _wait(lambda: next((p for p in _status(gpu)["peers"] if p["node"] == "cpu-2" and not p["healthy"]), None),
-                 what="cpu-2 marked unhealthy")
+    lost = wait_for(lambda: next((p for p in _status(gpu)["peers"] if p["node"] == "cpu-2" and not p["healthy"]), None),
+                 timeout=15, what="cpu-2 marked unhealthy")
     assert lost["error"]
     time.sleep(1)  # several Hello rounds: still one log line
     assert [e["peer"] for e in gpu.events() if e.get("event") == "peer.lost"] == ["cpu-2"]
     mesh["cpu-2"].start()
-    _wait(lambda: next((p for p in _status(gpu)["peers"] if p["node"] == "cpu-2" and p["healthy"]), None),
+    wait_for(lambda: next((p for p in _status(gpu)["peers"] if p["node"] == "cpu-2" and p["healthy"]), None),
           timeout=20, what="cpu-2 back")
     assert [e["peer"] for e in gpu.events() if e.get("event") == "peer.up"].count("cpu-2") == 2
 

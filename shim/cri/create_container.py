@@ -35,7 +35,7 @@ from shim.core.placement import (
 )
 from shim.core.quantity import AnnotationError
 from shim.cri.fabric import Fabric
-from shim.errors import BadAnnotation, WeftError
+from shim.errors import BadAnnotation
 from shim.state.agent import PlacementRecord
 
 PATH = "/runtime.v1.RuntimeService/CreateContainer"
@@ -120,7 +120,7 @@ def _create_opted_in(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, c
     except BaseException:
         fabric.store.drop_placement(key)
         if lease is not None:
-            _release_quietly(fabric, lease.lease_id, "create-failed")
+            fabric.release_quietly(lease.lease_id, "create-failed")
         raise
     fabric.metrics.placements.labels(record.stage, record.placement, record.reason).inc()
     _log.info("placement.decided", pod=sandbox.name, namespace=sandbox.namespace, container=name,
@@ -144,10 +144,3 @@ def _acquire(fabric: Fabric, key: str, sandbox, name: str, ask: ContainerAsk, po
         count=count, allowed_uuids=sorted(allowed) if allowed else []))
     failpoint.hit("create_container.leased")
     return lease
-
-
-def _release_quietly(fabric: Fabric, lease_id: str, reason: str) -> None:
-    try:
-        fabric.require_broker().release(lease_id, reason)
-    except WeftError as exc:  # the broker's reconcile releases it later; the caller's error matters more
-        _log.warning("lease.release_failed", lease=lease_id, error=exc.message)

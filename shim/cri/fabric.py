@@ -10,14 +10,16 @@ from __future__ import annotations
 
 import threading
 
+from shim import log
 from shim._pb import broker_pb2 as pb
 from shim.broker.client import BrokerClient
 from shim.cri.passthrough import Upstream
-from shim.errors import BrokerUnavailable
+from shim.errors import BrokerUnavailable, WeftError
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore, SandboxRecord
 
 WEFT_HANDLER = "weft"
+_log = log.get("weft.cri")
 
 
 class Fabric:
@@ -48,6 +50,13 @@ class Fabric:
         if self.broker is None:
             raise BrokerUnavailable("weft: this agent has no GPU broker configured (--broker-socket)")
         return self.broker
+
+    def release_quietly(self, lease_id: str, reason: str) -> None:
+        """Release a lease; if the broker is away, its reconcile releases it later."""
+        try:
+            self.require_broker().release(lease_id, reason)
+        except WeftError as exc:  # the caller's own outcome matters more than this
+            _log.warning("lease.release_failed", lease=lease_id, error=exc.message)
 
     def inventory(self) -> pb.DevicesResponse:
         if self._inventory is None:

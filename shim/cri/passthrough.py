@@ -91,3 +91,14 @@ class Upstream:
         if trailing:
             context.set_trailing_metadata(trailing)
         return response
+
+    def unary_or_missing(self, path: str, request: bytes, context: grpc.ServicerContext) -> tuple[
+            bytes, UpstreamError | None]:
+        """Like ``unary``, but containerd's NOT_FOUND comes back as a value: removal verbs clean up
+        weft's own records for an object containerd no longer has, then hand the same answer on."""
+        try:
+            return self.unary(path, request, context), None
+        except UpstreamError as exc:
+            if exc.code is not grpc.StatusCode.NOT_FOUND:
+                raise
+            return b"", exc

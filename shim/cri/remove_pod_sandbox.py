@@ -12,9 +12,7 @@ from cri_api.v1 import api_pb2 as cri
 from google.protobuf.message import DecodeError
 
 from shim import log
-from shim.cri.create_container import _release_quietly
 from shim.cri.fabric import Fabric
-from shim.errors import UpstreamError
 
 PATH = "/runtime.v1.RuntimeService/RemovePodSandbox"
 _log = log.get("weft.cri")
@@ -22,14 +20,7 @@ _log = log.get("weft.cri")
 
 def handler(fabric: Fabric):
     def remove_pod_sandbox(request: bytes, context: grpc.ServicerContext) -> bytes:
-        gone = None
-        response = b""
-        try:
-            response = fabric.upstream.unary(PATH, request, context)
-        except UpstreamError as exc:
-            if exc.code is not grpc.StatusCode.NOT_FOUND:
-                raise
-            gone = exc
+        response, gone = fabric.upstream.unary_or_missing(PATH, request, context)
         try:
             sandbox_id = cri.RemovePodSandboxRequest.FromString(request).pod_sandbox_id
         except DecodeError:
@@ -39,7 +30,7 @@ def handler(fabric: Fabric):
             fabric.forget(sandbox_id)
             for placed in owned:
                 if placed.lease_id:
-                    _release_quietly(fabric, placed.lease_id, "sandbox-removed")
+                    fabric.release_quietly(placed.lease_id, "sandbox-removed")
             _log.info("sandbox.removed", sandbox_id=sandbox_id, placements=len(owned))
         if gone is not None:
             raise gone
