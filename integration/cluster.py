@@ -178,6 +178,7 @@ class Cluster:
         _ip("link", "add", self.bridge, "type", "bridge")
         _ip("addr", "add", f"{self.bridge_ip}/24", "dev", self.bridge)
         _ip("link", "set", self.bridge, "up")
+        self._allow_forwarding(True)
         for i, name in enumerate(names):
             node_dir = self.workdir / name
             node_dir.mkdir()
@@ -194,6 +195,17 @@ class Cluster:
                     _ip("-n", node.netns, "route", "replace", peer.pod_subnet, "via", peer.mesh_ip)
             # replace, not add: a bridge a killed cluster left may still route this slot's subnet.
             _ip("route", "replace", node.pod_subnet, "via", node.mesh_ip, "dev", self.bridge)
+
+    def _allow_forwarding(self, on: bool) -> None:
+        """Bridged traffic may pass the root namespace's FORWARD chain (br_netfilter); a host whose
+        policy is DROP (a Docker engine sets that) would silently cut the mesh, so accept ours explicitly."""
+        for direction in ("-i", "-o"):
+            rule = ["FORWARD", direction, self.bridge, "-j", "ACCEPT"]
+            present = subprocess.run(["iptables", "-C", *rule], capture_output=True).returncode == 0
+            if on and not present:
+                subprocess.run(["iptables", "-I", *rule], capture_output=True, check=False)
+            elif not on and present:
+                subprocess.run(["iptables", "-D", *rule], capture_output=True, check=False)
 
     def _claim_mesh(self) -> None:
         SLOT_DIR.mkdir(parents=True, exist_ok=True)
@@ -228,6 +240,7 @@ class Cluster:
             if Path(f"/sys/class/net/{self.veth(i)}").exists():
                 _ip("link", "delete", self.veth(i), check=False)
         _ip("link", "delete", self.bridge, check=False)
+        self._allow_forwarding(False)
 
     def _attach(self, node: Node) -> None:
         veth = self.veth(node.index)
@@ -280,6 +293,7 @@ class Cluster:
                 errors.append(f"{node.name}: {exc}")
             _ip("link", "delete", self.veth(node.index), check=False)
         _ip("link", "delete", self.bridge, check=False)
+        self._allow_forwarding(False)
         if self.workdir is not None:
             shutil.rmtree(self.workdir, ignore_errors=True)
         os.close(self._lock_fd)
