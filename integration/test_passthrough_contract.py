@@ -8,6 +8,8 @@ cancelling the upstream call.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -20,6 +22,7 @@ from cri_api.v1 import api_pb2 as cri
 from integration import recording_upstream as rec
 from integration.agent import AgentProcess
 from integration.harness import Containerd
+from integration.waiting import wait_for
 
 
 @pytest.fixture
@@ -144,3 +147,38 @@ def test_concurrent_intercepted_and_passthrough_calls_share_one_connection(conta
     with ThreadPoolExecutor(16) as pool:
         results = list(pool.map(one, range(600)))
     assert sorted(set(results)) == ["missing", "status", "version"]
+
+
+def test_upstream_killed_mid_stream_ends_the_call_clearly(tmp_path: Path) -> None:
+    # An upstream in its own process, killed with SIGKILL: the connection just ends, as when containerd dies.
+    sock = tmp_path / "upstream.sock"
+    child = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time\n"
+        "from pathlib import Path\n"
+        "from integration import recording_upstream as rec\n"
+        "from cri_api.v1 import api_pb2 as cri\n"
+        "up = rec.RecordingUpstream(Path(sys.argv[1])).__enter__()\n"
+        "up.events.put(rec.container_event('c1', cri.CONTAINER_CREATED_EVENT))\n"
+        "time.sleep(600)\n"), str(sock)], cwd=Path(__file__).resolve().parent.parent)
+
+    class Upstream:
+        socket = sock
+
+    try:
+        wait_for(sock.exists, what="the upstream to listen")
+        with AgentProcess(Upstream(), tmp_path / "agent") as agent, agent.channel() as ch:  # type: ignore[arg-type]
+            stream = ch.unary_stream(rec.EVENTS)(b"", timeout=30)
+            next(stream)
+            child.kill()
+            with pytest.raises(grpc.RpcError) as err:
+                next(stream)
+            assert err.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert str(sock) in err.value.details()
+            # New calls get the same clear answer while it is away, and the agent keeps serving.
+            with pytest.raises(grpc.RpcError) as again:
+                ch.unary_unary(rec.FUTURE_UNARY)(b"x", timeout=10)
+            assert again.value.code() is grpc.StatusCode.UNAVAILABLE and str(sock) in again.value.details()
+            assert agent.proc.poll() is None
+    finally:
+        child.kill()
+        child.wait()
