@@ -33,6 +33,9 @@ class Fabric:
         self._inventory: pb.DevicesResponse | None = None
         # The peer mesh (shim.mesh.node.MeshNode) when this node has one.
         self.mesh = None
+        # Whether containerd holds shadows (labelled weft.io/origin-node) that
+        # kubelet must not see; set by the reconciler, read on every List call.
+        self.shadows_present = False
         self._lock = threading.Lock()
 
     def remember(self, rec: SandboxRecord) -> None:

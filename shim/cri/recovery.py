@@ -1,6 +1,7 @@
 """Settling what a crash left half-done, at start and then periodically.
 
-A placement still ``pending`` means the agent died between leasing and
+First it notes whether containerd holds shadows (``hide_shadows``). A
+placement still ``pending`` means the agent died between leasing and
 answering kubelet: if containerd has the container (matched by sandbox, name
 and attempt), the record is completed; if not, the lease is released and the
 record dropped. Then the broker is told which lease keys the agent still
@@ -17,13 +18,27 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.cri.fabric import Fabric
+from shim.cri.hide_shadows import ORIGIN_LABEL
 from shim.errors import WeftError
 
 _log = log.get("weft.recovery")
 _LIST = "/runtime.v1.RuntimeService/ListContainers"
 
 
+def find_shadows(fabric: Fabric) -> None:
+    """Note whether containerd holds shadow sandboxes, so the List verbs hide them (or pass through)."""
+    list_sandboxes = fabric.upstream.channel.unary_unary(
+        "/runtime.v1.RuntimeService/ListPodSandbox", request_serializer=cri.ListPodSandboxRequest.SerializeToString,
+        response_deserializer=cri.ListPodSandboxResponse.FromString)
+    items = list_sandboxes(cri.ListPodSandboxRequest(), timeout=10).items
+    present = any(ORIGIN_LABEL in sb.labels for sb in items)
+    if present != fabric.shadows_present:
+        _log.info("shadows.present" if present else "shadows.none")
+    fabric.shadows_present = present
+
+
 def settle(fabric: Fabric) -> None:
+    find_shadows(fabric)
     pending = [p for p in fabric.store.placements() if p.state == "pending"]
     if pending:
         list_containers = fabric.upstream.channel.unary_unary(

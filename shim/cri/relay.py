@@ -336,7 +336,9 @@ class _Connection:
         path = next((v for k, v in headers if k == b":path"), b"").decode("latin-1")
         method = lookup(path)
         self.last_sid = max(self.last_sid, sid)
-        intercepted = path in self.relay.intercepted
+        handler = self.relay.intercepted.get(path)
+        when = getattr(handler, "when", None)
+        intercepted = handler is not None and (when is None or when())
         st = _Stream(sid, method, intercepted, time.perf_counter(), headers, window=self.k_initial)
         self.streams[sid] = st
         if method.shape is Shape.SERVER_STREAM and not intercepted:

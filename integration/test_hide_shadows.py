@@ -1,0 +1,67 @@
+"""A host's shadows stay out of its kubelet's lists; a node without shadows pays nothing for it.
+
+Shadows are made here directly through containerd with the ``weft.io/origin-node``
+label (as a host's agent makes them for another node's pod); kubelet's view is
+the agent's socket.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from cri_api.v1 import api_pb2_grpc as cri_grpc
+
+from integration import pods
+from integration.agent import AgentProcess
+from integration.harness import Containerd
+from integration.waiting import wait_for
+
+ORIGIN = {"weft.io/origin-node": "gpu-1"}
+
+
+def _pod(rt, node: Containerd, name: str, labels: dict[str, str] | None = None) -> tuple[str, str]:
+    cfg = pods.sandbox_config(name, node.pod_log_dir, labels=labels, cgroup_parent=node.cgroup_root)
+    sb = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=cfg)).pod_sandbox_id
+    ccfg = pods.container_config("main", ["sleep", "3600"], labels=labels)
+    req = cri.CreateContainerRequest(pod_sandbox_id=sb, config=ccfg, sandbox_config=cfg)
+    cid = rt.CreateContainer(req).container_id
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+    return sb, cid
+
+
+def _lists(ch: grpc.Channel) -> dict[str, set[str]]:
+    rt = cri_grpc.RuntimeServiceStub(ch)
+    return {
+        "sandboxes": {s.id for s in rt.ListPodSandbox(cri.ListPodSandboxRequest()).items},
+        "containers": {c.id for c in rt.ListContainers(cri.ListContainersRequest()).containers},
+        "container_stats": {s.attributes.id for s in rt.ListContainerStats(cri.ListContainerStatsRequest()).stats},
+        "sandbox_stats": {s.attributes.id for s in rt.ListPodSandboxStats(cri.ListPodSandboxStatsRequest()).stats},
+    }
+
+
+def test_shadows_are_hidden_from_kubelet_and_plain_pods_are_not(containerd: Containerd, tmp_path: Path) -> None:
+    with containerd.channel() as direct_ch:
+        direct = cri_grpc.RuntimeServiceStub(direct_ch)
+        own_sb, own_c = _pod(direct, containerd, "own")
+        shadow_sb, shadow_c = _pod(direct, containerd, "shadow", ORIGIN)
+        with AgentProcess(containerd, tmp_path / "agent") as agent, agent.channel() as ch:
+            wait_for(lambda: any(e.get("event") == "shadows.present" for e in agent.events()),
+                     what="the agent to notice the shadows")
+            seen = _lists(ch)
+            assert seen == {"sandboxes": {own_sb}, "containers": {own_c}, "container_stats": {own_c},
+                            "sandbox_stats": {own_sb}}
+            everything = _lists(direct_ch)  # containerd itself still has both
+            assert {shadow_sb, own_sb} <= everything["sandboxes"] and shadow_c in everything["containers"]
+            assert 'kind="intercepted",method="ListPodSandbox"' in agent.metrics_text()
+
+
+def test_without_shadows_lists_stay_pass_through(containerd: Containerd, agent: AgentProcess,
+                                                 agent_channel: grpc.Channel) -> None:
+    with containerd.channel() as direct_ch:
+        own_sb, _ = _pod(cri_grpc.RuntimeServiceStub(direct_ch), containerd, "own")
+    assert own_sb in _lists(agent_channel)["sandboxes"]
+    text = agent.metrics_text()
+    assert 'kind="passthrough",method="ListPodSandbox"' in text
+    assert 'kind="intercepted",method="ListPodSandbox"' not in text
