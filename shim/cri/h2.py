@@ -150,6 +150,16 @@ class CachingDecoder:
         self._decoder = Decoder()
         self._table = self._decoder.header_table
         self._cache: dict[bytes, list[tuple[bytes, bytes]]] = {}
+        # Every insertion counts, even one equal to the entry before it: the
+        # indices of everything behind it shift all the same.
+        self._insertions = 0
+        add = self._table.add
+
+        def counting_add(name: bytes, value: bytes) -> object:
+            self._insertions += 1
+            return add(name, value)
+
+        self._table.add = counting_add  # type: ignore[method-assign]
 
     @property
     def max_allowed_table_size(self) -> int:
@@ -159,9 +169,8 @@ class CachingDecoder:
     def max_allowed_table_size(self, value: int) -> None:
         self._decoder.max_allowed_table_size = value
 
-    def _signature(self) -> tuple[int, int, object]:
-        entries = self._table.dynamic_entries
-        return len(entries), self._table.maxsize, entries[0] if entries else None
+    def _signature(self) -> tuple[int, int, int]:
+        return self._insertions, self._table.maxsize, len(self._table.dynamic_entries)
 
     def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
         hit = self._cache.get(block)

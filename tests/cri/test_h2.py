@@ -77,3 +77,18 @@ def test_grpc_messages_split_and_refuse_truncated_or_compressed() -> None:
     assert h2.split_grpc_messages(body) == [b"one", b"two"]
     assert h2.split_grpc_messages(body[:-1]) is None
     assert h2.split_grpc_messages(b"\x01" + body[1:]) is None
+
+
+def test_cache_is_dropped_when_an_insertion_repeats_the_newest_entry() -> None:
+    # Table room for two entries (32 + 2 bytes each). Re-inserting the newest entry's
+    # exact value evicts the oldest: same length, same first entry, other indices.
+    def insert(name: bytes, value: bytes) -> bytes:  # literal with incremental indexing, new name
+        return b"\x40" + bytes([len(name)]) + name + bytes([len(value)]) + value
+
+    cached, plain = h2.CachingDecoder(), hpack.Decoder()
+    for dec in (cached, plain):
+        dec.max_allowed_table_size = 68
+    resize = b"\x3f\x25"  # dynamic table size update to 68
+    second = b"\xbf"  # indexed: dynamic entry 2 (static table has 61)
+    for block in (resize + insert(b"a", b"1"), insert(b"b", b"2"), second, insert(b"b", b"2"), second):
+        assert cached.decode(block) == [(bytes(k), bytes(v)) for k, v in plain.decode(block, raw=True)]
