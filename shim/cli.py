@@ -5,6 +5,7 @@
 ``weft status``       sandboxes, placements and leases, as JSON or a table
 ``weft explain ID``   why a container was placed where it is
 ``weft mesh-certs``   a mesh CA and node certificates for tests and small clusters
+``weft simulate``     a fleet simulation: bundled pods against weft, on public traces
 ``weft demo``         a throwaway fabric on this machine, end to end
 ``weft bench ...``    benchmarks that compare side by side in one run
 
@@ -178,6 +179,10 @@ def parser() -> argparse.ArgumentParser:
     mc.add_argument("--node", action="append", metavar="NAME[=ADDR,...]",
                     help="a node with the addresses its certificate should name too (repeatable)")
     mc.set_defaults(fn=_mesh_certs)
+
+    from shim.sim import cli as sim_cli
+
+    sim_cli.add_parser(sub)
 
     d = sub.add_parser("demo", help="run a throwaway containerd and agent, start a pod through it, clean up")
     d.add_argument("--keep", action="store_true", help="leave the pod running until Enter is pressed")

@@ -1,0 +1,458 @@
+"""The discrete-event core: pods arrive, wait, start and finish on a cluster, in one mode.
+
+Events sit in a heap keyed by (time, kind, sequence): at one instant every
+finish is handled before any arrival, so capacity freed at t is there for a
+pod arriving at t. A pod that does not fit waits in arrival order; whenever
+something finishes, the waiting pods are tried again, oldest first, and any
+that fits starts (no head-of-line blocking, as kube-scheduler retries
+unschedulable pods). Within one pass, a pod shaped exactly like one that
+just failed is skipped, since nothing was freed in between; that keeps a long
+queue cheap without changing any outcome.
+
+Every decision is delegated to ``shim.core`` (see :mod:`.plan` for which
+call makes which one); the engine only keeps the books those functions read
+(each GPU node's devices and leases as :class:`~shim.core.packing.Held`,
+each CPU node's own pods and hosted containers) and writes an event log that
+the tests replay to check invariants, such as that no device ever holds more
+memory than it has.
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from shim.core.packing import DeviceCapacity, Held, PackDecision, pack
+from shim.core.reroute import (
+    ContainerFacts,
+    PeerView,
+    RerouteDecision,
+    RerouteReason,
+    Resources,
+    decide,
+    free_capacity,
+)
+from shim.sim.model import ClusterSpec, Mode, PodSpec
+from shim.sim.plan import Plan, plan_pod
+
+_FINISH, _ARRIVE = 0, 1
+# Fresh views: the simulator reads its own books, so nothing is ever stale.
+_FRESH_S = 0.0
+_CPU_SLACK = 1e-9  # as shim.core.reroute: cores that went through subtraction
+
+
+class LogEvent(NamedTuple):
+    t: float
+    event: str  # pod.started, pod.finished, pod.unplaceable, lease.acquired, lease.released, container.placed
+    pod: str
+    container: str
+    node: str
+    device: str
+    memory_bytes: int
+    compute_percent: int
+    reason: str
+
+
+class Lease(NamedTuple):
+    device: str  # "<node>/<uuid>"
+    pod: int
+    start: float
+    end: float
+    memory_bytes: int
+    compute_percent: int
+
+
+class _GpuNode:
+    __slots__ = ("books_cpu", "books_memory", "cap", "devices", "extra_cpu", "extra_memory", "index", "leases",
+                 "name", "position", "used_compute", "used_count", "used_exclusive", "used_memory")
+
+    def __init__(self, index: int, cluster: ClusterSpec) -> None:
+        self.index, self.name, self.cap = index, f"gpu-{index:03d}", cluster.gpu_node
+        self.devices = tuple(
+            DeviceCapacity(f"GPU-{index:03d}-{d}", d, cluster.gpu_memory_bytes) for d in range(cluster.gpus_per_node)
+        )
+        self.position = {dev.uuid: i for i, dev in enumerate(self.devices)}
+        self.books_cpu, self.books_memory = 0.0, 0  # what the scheduler has bound here
+        self.extra_cpu, self.extra_memory = 0.0, 0  # CPU stages that fell back here beyond their booked requests
+        self.leases: dict[int, Held] = {}
+        # An index over the leases, so a node is offered to pack() only when
+        # one of its devices has room; pack() itself still makes the choice.
+        n = len(self.devices)
+        self.used_memory, self.used_compute, self.used_count = [0] * n, [0] * n, [0] * n
+        self.used_exclusive = [False] * n
+
+    def books_fit(self, request: Resources) -> bool:
+        # Resources.fits_in's rule, unrolled: this runs for every node on every try, and a Resources per call
+        # was most of the engine's time.
+        return (request.cpu_cores <= self.cap.cpu_cores - self.books_cpu + _CPU_SLACK
+                and request.memory_bytes <= self.cap.memory_bytes - self.books_memory)
+
+    def may_hold(self, plan: Plan) -> bool:
+        ask = plan.ask
+        if ask is None:
+            return True
+        if not ask.shared:
+            return sum(1 for c in self.used_count if c == 0) >= ask.count
+        assert ask.memory_bytes is not None
+        return any(
+            not self.used_exclusive[i]
+            and dev.memory_bytes - self.used_memory[i] >= ask.memory_bytes
+            and 100 - self.used_compute[i] >= ask.compute_percent
+            for i, dev in enumerate(self.devices)
+        )
+
+
+class _CpuNode:
+    __slots__ = ("cap", "hosted_cpu", "hosted_memory", "index", "name", "own_cpu", "own_memory", "view")
+
+    def __init__(self, index: int, cluster: ClusterSpec) -> None:
+        self.index, self.name, self.cap = index, f"cpu-{index:03d}", cluster.cpu_node
+        self.own_cpu, self.own_memory = 0.0, 0  # plain pods the scheduler bound here
+        self.hosted_cpu, self.hosted_memory = 0.0, 0  # rerouted CPU stages, by their limits
+        self.view: PeerView | None = None  # rebuilt after every change
+
+    def books_fit(self, request: Resources) -> bool:
+        return (request.cpu_cores <= self.cap.cpu_cores - self.own_cpu + _CPU_SLACK
+                and request.memory_bytes <= self.cap.memory_bytes - self.own_memory)
+
+    def peer_view(self) -> PeerView:
+        if self.view is None:
+            own = Resources(self.own_cpu, self.own_memory)
+            hosted = Resources(self.hosted_cpu, self.hosted_memory)
+            used = Resources(self.own_cpu + self.hosted_cpu, self.own_memory + self.hosted_memory)
+            self.view = PeerView(self.name, True, True, free_capacity(self.cap, own, hosted, used), _FRESH_S)
+        return self.view
+
+
+@dataclass
+class PodRun:
+    """What happened to one pod."""
+
+    start: float | None = None
+    end: float | None = None
+    node: str = ""
+    gpu_node: _GpuNode | None = None
+    unplaceable: str = ""  # why no node of this cluster could ever take it
+    leases: list[tuple[_GpuNode, int]] = field(default_factory=list)
+    hosted: list[tuple[_CpuNode, Resources]] = field(default_factory=list)
+    fallback: list[Resources] = field(default_factory=list)  # beyond the booked request, on the GPU node
+    placements: list[tuple[str, str, str]] = field(default_factory=list)  # (container, where, reason)
+
+
+@dataclass
+class Run:
+    mode: Mode
+    cluster: ClusterSpec  # the node counts actually used (grown pools report how far they grew)
+    pods: Sequence[PodSpec]
+    plans: list[Plan]
+    outcomes: list[PodRun]
+    log: list[LogEvent]
+    leases: list[Lease]
+    held_steps: list[tuple[float, int]]  # (time, GPUs held from then on)
+    cpu_node_steps: list[tuple[float, float]]  # (time, vCPU requested on CPU nodes from then on)
+    gpu_node_overcommit_cpu_s: float
+    cpu_node_overcommit_cpu_s: float
+    rerouted: int
+    fell_back: int
+
+
+class _Simulation:
+    def __init__(self, pods: Sequence[PodSpec], cluster: ClusterSpec, mode: Mode, grow_gpu: bool,
+                 grow_cpu: bool) -> None:
+        self.pods, self.cluster, self.mode = pods, cluster, mode
+        self.grow_gpu, self.grow_cpu = grow_gpu, grow_cpu
+        self.plans = [plan_pod(p, mode, cluster.gpu_memory_bytes) for p in pods]
+        self.outcomes = [PodRun() for _ in pods]
+        self.gpu_nodes = [_GpuNode(i, cluster) for i in range(cluster.gpu_nodes)]
+        self.cpu_nodes = [_CpuNode(i, cluster) for i in range(cluster.cpu_nodes)]
+        self.cpu_by_name = {n.name: n for n in self.cpu_nodes}
+        self.log: list[LogEvent] = []
+        self.leases: list[Lease] = []
+        self.lease_start: dict[tuple[int, int], tuple[int, float]] = {}  # (node, lease id) -> (pod, start)
+        self.next_lease = 0
+        self.held = 0
+        self.held_steps: list[tuple[float, int]] = [(0.0, 0)]
+        self.cpu_requested = 0.0
+        self.cpu_node_steps: list[tuple[float, float]] = [(0.0, 0.0)]
+        self.overcommit = {"gpu": 0.0, "cpu": 0.0}
+        self.overcommit_rate = {"gpu": 0.0, "cpu": 0.0}  # vCPU over capacity right now, fleet-wide
+        self.last_t = 0.0
+        self.rerouted = self.fell_back = 0
+
+    # -- the loop -----------------------------------------------------------------------------------------------
+
+    def run(self) -> Run:
+        heap: list[tuple[float, int, int, int]] = [(p.arrival_s, _ARRIVE, i, i) for i, p in enumerate(self.pods)]
+        heapq.heapify(heap)
+        seq = len(self.pods)
+        waiting: list[int] = []
+        while heap:
+            t, kind, _, i = heapq.heappop(heap)
+            self._advance(t)
+            if kind == _FINISH:
+                self._finish(i, t)
+                # Everything finishing at this instant first, then one pass.
+                while heap and heap[0][0] == t and heap[0][1] == _FINISH:
+                    self._finish(heapq.heappop(heap)[3], t)
+                started = self._drain(waiting, t)
+            else:
+                started = [i] if self._arrive(i, t) else []
+                if not started and not self.outcomes[i].unplaceable:
+                    waiting.append(i)
+            for j in started:
+                end = t + self.pods[j].run_s
+                heapq.heappush(heap, (end, _FINISH, seq, j))
+                seq += 1
+        return Run(
+            self.mode, self._final_cluster(), self.pods, self.plans, self.outcomes, self.log, self.leases,
+            self.held_steps, self.cpu_node_steps, self.overcommit["gpu"], self.overcommit["cpu"],
+            self.rerouted, self.fell_back,
+        )
+
+    def _final_cluster(self) -> ClusterSpec:
+        c = self.cluster
+        return ClusterSpec(len(self.gpu_nodes), c.gpus_per_node, c.gpu_memory_bytes, c.gpu_node,
+                           len(self.cpu_nodes), c.cpu_node)
+
+    def _advance(self, t: float) -> None:
+        dt = t - self.last_t
+        for kind in ("gpu", "cpu"):
+            self.overcommit[kind] += self.overcommit_rate[kind] * dt
+        self.last_t = t
+
+    def _arrive(self, i: int, t: float) -> bool:
+        plan = self.plans[i]
+        if plan.error:
+            return self._unplaceable(i, t, plan.error)
+        if plan.needs_gpu_node and not (self.gpu_nodes or self.grow_gpu):
+            return self._unplaceable(i, t, "the cluster has no GPU node")
+        if not plan.needs_gpu_node and not (self.cpu_nodes or self.grow_cpu):
+            return self._unplaceable(i, t, "the cluster has no CPU node (GPU nodes are tainted)")
+        if not self._could_ever_fit(plan):
+            return self._unplaceable(i, t, "larger than an empty node of this cluster")
+        return self._try_start(i, t)
+
+    def _unplaceable(self, i: int, t: float, why: str) -> bool:
+        self.outcomes[i].unplaceable = why
+        self.log.append(LogEvent(t, "pod.unplaceable", self.pods[i].name, "", "", "", 0, 0, why))
+        return False
+
+    def _could_ever_fit(self, plan: Plan) -> bool:
+        c = self.cluster
+        if plan.needs_gpu_node:
+            whole = plan.ask is not None and not plan.ask.shared and plan.ask.count > c.gpus_per_node
+            return plan.node_request.fits_in(c.gpu_node) and not whole
+        return plan.node_request.fits_in(c.cpu_node)
+
+    def _drain(self, waiting: list[int], t: float) -> list[int]:
+        started: list[int] = []
+        failed: set[tuple] = set()
+        still: list[int] = []
+        for i in waiting:
+            shape = self.plans[i].shape
+            if shape not in failed and self._try_start(i, t):
+                started.append(i)
+            else:
+                failed.add(shape)
+                still.append(i)
+        waiting[:] = still
+        return started
+
+    # -- placing ------------------------------------------------------------------------------------------------
+
+    def _try_start(self, i: int, t: float) -> bool:
+        plan = self.plans[i]
+        if plan.needs_gpu_node:
+            node = self._gpu_node_for(plan)
+            if node is None:
+                return False
+            self._start_on_gpu_node(i, node, t)
+        else:
+            cpu_node = next((n for n in self.cpu_nodes if n.books_fit(plan.node_request)), None)
+            if cpu_node is None and self.grow_cpu:
+                cpu_node = self._add_cpu_node()
+            if cpu_node is None:
+                return False
+            self._set_cpu(cpu_node, own=plan.node_request, sign=1)
+            out = self.outcomes[i]
+            out.node = cpu_node.name
+            out.placements = [(name, cpu_node.name, reason) for name, reason in plan.stays]
+        self._started(i, t)
+        return True
+
+    def _started(self, i: int, t: float) -> None:
+        out = self.outcomes[i]
+        out.start = t
+        self.log.append(LogEvent(t, "pod.started", self.pods[i].name, "", out.node, "", 0, 0, ""))
+        for container, where, reason in out.placements:
+            self.log.append(LogEvent(t, "container.placed", self.pods[i].name, container, where, "", 0, 0, reason))
+
+    def _gpu_node_for(self, plan: Plan) -> _GpuNode | None:
+        for node in self.gpu_nodes:
+            if node.books_fit(plan.node_request) and node.may_hold(plan):
+                return node
+        if self.grow_gpu:
+            node = _GpuNode(len(self.gpu_nodes), self.cluster)
+            self.gpu_nodes.append(node)
+            return node
+        return None
+
+    def _start_on_gpu_node(self, i: int, node: _GpuNode, t: float) -> None:
+        plan, out, pod = self.plans[i], self.outcomes[i], self.pods[i]
+        out.node, out.gpu_node = node.name, node
+        self._set_gpu_books(node, books=plan.node_request, sign=1)
+        if plan.ask is not None:
+            decision = pack(plan.ask, node.devices, list(node.leases.values()))
+            if not decision.ok:
+                # The index said a device had room; pack() disagreeing is a bug in the index, not a full node.
+                raise RuntimeError(f"pack refused {pod.name} on {node.name}: {decision.detail}")
+            self._lease(i, node, plan, decision, t)
+        out.placements = [(name, node.name, reason) for name, reason in plan.stays]
+        for name, limits, request in plan.reroutes:
+            self._place_cpu_stage(i, node, name, limits, request)
+
+    def _lease(self, i: int, node: _GpuNode, plan: Plan, decision: PackDecision, t: float) -> None:
+        ask = plan.ask
+        assert ask is not None
+        for uuid in decision.devices:
+            pos = node.position[uuid]
+            memory = ask.memory_bytes if ask.shared else node.devices[pos].memory_bytes
+            compute = ask.compute_percent if ask.shared else 100
+            assert memory is not None
+            lease_id = self.next_lease
+            self.next_lease += 1
+            node.leases[lease_id] = Held(uuid, memory, compute, exclusive=not ask.shared)
+            if node.used_count[pos] == 0:
+                self._set_held(t, +1)
+            node.used_memory[pos] += memory
+            node.used_compute[pos] += compute
+            node.used_count[pos] += 1
+            node.used_exclusive[pos] = not ask.shared
+            self.outcomes[i].leases.append((node, lease_id))
+            self.lease_start[(node.index, lease_id)] = (i, t)
+            self.log.append(LogEvent(t, "lease.acquired", self.pods[i].name, plan.gpu_container, node.name, uuid,
+                                     memory, compute, decision.reason.value))
+
+    def _place_cpu_stage(self, i: int, node: _GpuNode, name: str, limits: Resources, request: Resources) -> None:
+        out = self.outcomes[i]
+        choice = self._decide(limits)
+        if choice.reason is not RerouteReason.REROUTED and self.grow_cpu and limits.fits_in(self.cluster.cpu_node):
+            self._add_cpu_node()
+            choice = self._decide(limits)
+        if choice.reason is RerouteReason.REROUTED:
+            peer = self.cpu_by_name[choice.candidates[0]]
+            self._set_cpu(peer, hosted=limits, sign=1)
+            out.hosted.append((peer, limits))
+            out.placements.append((name, peer.name, choice.reason.value))
+            self.rerouted += 1
+            return
+        # Running locally is always the agent's fallback; beyond the request the scheduler booked, it
+        # is use the GPU node's books do not show.
+        extra = Resources(max(0.0, limits.cpu_cores - request.cpu_cores),
+                          max(0, limits.memory_bytes - request.memory_bytes))
+        self._set_gpu_books(node, extra=extra, sign=1)
+        out.fallback.append(extra)
+        out.placements.append((name, node.name, choice.reason.value))
+        self.fell_back += 1
+
+    def _decide(self, limits: Resources) -> RerouteDecision:
+        """``reroute.decide`` over every CPU node's view, as the agent would ask it.
+
+        Every view is fresh, healthy and a CPU host, so the only peers decide()
+        rejects are those the limits do not fit; handing it just the ones that
+        fit (all of them only when none does, for the exact reason) gives the
+        same decision without formatting a refusal for each of hundreds of
+        peers on every placement.
+        """
+        views = [n.peer_view() for n in self.cpu_nodes]
+        fitting = [v for v in views if limits.fits_in(v.free)]
+        return decide(ContainerFacts(limits=limits), limits, fitting or views)
+
+    def _add_cpu_node(self) -> _CpuNode:
+        node = _CpuNode(len(self.cpu_nodes), self.cluster)
+        self.cpu_nodes.append(node)
+        self.cpu_by_name[node.name] = node
+        return node
+
+    # -- finishing ----------------------------------------------------------------------------------------------
+
+    def _finish(self, i: int, t: float) -> None:
+        plan, out, pod = self.plans[i], self.outcomes[i], self.pods[i]
+        out.end = t
+        for node, lease_id in out.leases:
+            held = node.leases.pop(lease_id)
+            pos = node.position[held.device_uuid]
+            node.used_memory[pos] -= held.memory_bytes
+            node.used_compute[pos] -= held.compute_percent
+            node.used_count[pos] -= 1
+            if node.used_count[pos] == 0:
+                node.used_exclusive[pos] = False
+                self._set_held(t, -1)
+            _, start = self.lease_start.pop((node.index, lease_id))
+            device = f"{node.name}/{held.device_uuid}"
+            self.leases.append(Lease(device, i, start, t, held.memory_bytes, held.compute_percent))
+            self.log.append(LogEvent(t, "lease.released", pod.name, plan.gpu_container, node.name,
+                                     held.device_uuid, held.memory_bytes, held.compute_percent, ""))
+        for peer, limits in out.hosted:
+            self._set_cpu(peer, hosted=limits, sign=-1)
+        if out.gpu_node is not None:
+            self._set_gpu_books(out.gpu_node, books=plan.node_request, sign=-1)
+            for extra in out.fallback:
+                self._set_gpu_books(out.gpu_node, extra=extra, sign=-1)
+        else:
+            self._set_cpu(self.cpu_by_name[out.node], own=plan.node_request, sign=-1)
+        self.log.append(LogEvent(t, "pod.finished", pod.name, "", out.node, "", 0, 0, ""))
+
+    # -- books that the metrics read ----------------------------------------------------------------------------
+
+    def _set_held(self, t: float, delta: int) -> None:
+        self.held += delta
+        if self.held_steps[-1][0] == t:
+            self.held_steps[-1] = (t, self.held)
+        else:
+            self.held_steps.append((t, self.held))
+
+    def _set_cpu(self, node: _CpuNode, *, own: Resources | None = None, hosted: Resources | None = None,
+                 sign: int) -> None:
+        before = max(0.0, node.own_cpu + node.hosted_cpu - node.cap.cpu_cores)
+        if own is not None:
+            node.own_cpu += sign * own.cpu_cores
+            node.own_memory += sign * own.memory_bytes
+            self.cpu_requested += sign * own.cpu_cores
+        if hosted is not None:
+            node.hosted_cpu += sign * hosted.cpu_cores
+            node.hosted_memory += sign * hosted.memory_bytes
+            self.cpu_requested += sign * hosted.cpu_cores
+        node.view = None
+        after = max(0.0, node.own_cpu + node.hosted_cpu - node.cap.cpu_cores)
+        self.overcommit_rate["cpu"] += after - before
+        t = self.last_t
+        if self.cpu_node_steps[-1][0] == t:
+            self.cpu_node_steps[-1] = (t, self.cpu_requested)
+        else:
+            self.cpu_node_steps.append((t, self.cpu_requested))
+
+    def _set_gpu_books(self, node: _GpuNode, *, books: Resources | None = None, extra: Resources | None = None,
+                       sign: int) -> None:
+        before = max(0.0, node.books_cpu + node.extra_cpu - node.cap.cpu_cores)
+        if books is not None:
+            node.books_cpu += sign * books.cpu_cores
+            node.books_memory += sign * books.memory_bytes
+        if extra is not None:
+            node.extra_cpu += sign * extra.cpu_cores
+            node.extra_memory += sign * extra.memory_bytes
+        self.overcommit_rate["gpu"] += max(0.0, node.books_cpu + node.extra_cpu - node.cap.cpu_cores) - before
+
+
+def simulate(
+    pods: Sequence[PodSpec], cluster: ClusterSpec, mode: Mode, *, grow_gpu: bool = False, grow_cpu: bool = False
+) -> Run:
+    """Run ``pods`` on ``cluster`` in ``mode``.
+
+    With ``grow_gpu``/``grow_cpu`` a GPU or CPU node is added whenever nothing
+    fits, which is how the cluster is sized when no node counts are given:
+    the grown run's :attr:`Run.cluster` says how many nodes it took.
+    """
+    return _Simulation(pods, cluster, mode, grow_gpu, grow_cpu).run()

@@ -1,0 +1,219 @@
+"""One run summed up: the figures the report compares between modes, each defined in one place.
+
+The engine only records what happened (when each pod started and ended,
+each lease, the number of GPUs held over time); everything derived from that
+lives here, so that a figure means the same thing in the table, in
+``results.json`` and in the validation. The definitions follow
+:mod:`shim.sim.assumptions` (section "Metrics"): GPU utilisation is busy
+(duty-cycle) GPU-seconds over held GPU-seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from shim.sim.engine import Run
+
+HOUR = 3600.0
+SERIES_BINS = 120
+# Instants at which co-located duty cycles are added up; evenly spaced so
+# that two runs of the same workload sample the same instants.
+OVERSUBSCRIPTION_SAMPLES = 400
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """The q-th percentile (0..100) with linear interpolation between ranks, as numpy's default; None if empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100.0
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(ordered) - 1)
+    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
+
+
+@dataclass(frozen=True)
+class Summary:
+    mode: str
+    pods: int
+    placed: int
+    unplaceable: int
+    gpu_utilisation: float | None  # busy / held GPU-seconds, duty cycle
+    busy_gpu_s: float
+    held_gpu_s: float
+    gpus_installed: int
+    gpus_held_mean: float
+    gpus_held_peak: int
+    installed_gpu_utilisation: float | None  # busy / installed GPU-seconds
+    gpu_stages_per_held_gpu: float | None  # lease-seconds over held GPU-seconds
+    jobs_per_hour: float | None
+    completion_p50_s: float | None
+    completion_p95_s: float | None
+    queue_p50_s: float | None
+    queue_p95_s: float | None
+    queue_mean_s: float | None
+    cpu_node_utilisation: float | None  # requested vCPU-seconds on CPU nodes / their capacity
+    cpu_share_off_gpu_nodes: float | None  # vCPU-seconds placed on CPU nodes / all vCPU-seconds
+    cpu_stages_rerouted: int
+    cpu_stages_fell_back: int
+    oversubscribed_share: float | None  # of sampled held GPU-instants whose co-located duty adds up to > 100 %
+    hosted_vcpu_h: float  # rerouted CPU stages' vCPU-hours on CPU nodes, by their limits
+    hosted_squeezed_share: float | None  # of hosted vCPU-hours over the hosts' capacity: the scheduler bound on top
+    gpu_node_overcommit_vcpu_h: float
+    cpu_node_overcommit_vcpu_h: float
+    makespan_s: float
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Series:
+    """GPU utilisation and GPUs held over time, in equal bins from 0 to the makespan."""
+
+    edges_s: tuple[float, ...]
+    utilisation: tuple[float | None, ...]
+    gpus_held: tuple[float, ...]
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b > 0 else None
+
+
+def _step_integral(steps: Sequence[tuple[float, float]], end: float) -> float:
+    total = 0.0
+    for (t, value), (t_next, _) in zip(steps, [*steps[1:], (end, 0.0)], strict=True):
+        total += value * (max(t, min(t_next, end)) - t) if t < end else 0.0
+    return total
+
+
+def summarise(run: Run) -> Summary:
+    pods, outcomes = run.pods, run.outcomes
+    done = [(p, o) for p, o in zip(pods, outcomes, strict=True) if o.start is not None and o.end is not None]
+    makespan = max((o.end for _, o in done), default=0.0)
+    busy = 0.0
+    for p, o in done:
+        if p.gpu is not None and o.leases:
+            busy += p.gpu.gpus * p.gpu.profile.integrals(p.gpu.phase_s, o.end - o.start).busy_s
+    held = _step_integral(run.held_steps, makespan)
+    lease_s = sum(lease.end - lease.start for lease in run.leases)
+    installed = run.cluster.gpus
+    completion = [o.end - p.arrival_s for p, o in done]
+    queue = [o.start - p.arrival_s for p, o in done]
+    cpu_capacity = run.cluster.cpu_nodes * run.cluster.cpu_node.cpu_cores * makespan
+    off = total_cpu = hosted = 0.0
+    for p, o in done:
+        life = o.end - o.start
+        total_cpu += p.total_cpu.cpu_cores * life
+        if p.gpu is None:
+            off += p.total_cpu.cpu_cores * life
+        else:
+            moved = sum(limits.cpu_cores for _, limits in o.hosted) * life
+            off += moved
+            hosted += moved
+    # Plain pods alone never exceed a node's books, so anything over a CPU node's capacity is hosted work.
+    squeezed = max(0.0, run.cpu_node_overcommit_cpu_s)
+    return Summary(
+        mode=run.mode.value,
+        pods=len(pods),
+        placed=len(done),
+        unplaceable=sum(1 for o in outcomes if o.unplaceable),
+        gpu_utilisation=_ratio(busy, held),
+        busy_gpu_s=busy,
+        held_gpu_s=held,
+        gpus_installed=installed,
+        gpus_held_mean=held / makespan if makespan > 0 else 0.0,
+        gpus_held_peak=max(count for _, count in run.held_steps),
+        installed_gpu_utilisation=_ratio(busy, installed * makespan),
+        gpu_stages_per_held_gpu=_ratio(lease_s, held),
+        jobs_per_hour=len(done) / (makespan / HOUR) if makespan > 0 else None,
+        completion_p50_s=percentile(completion, 50),
+        completion_p95_s=percentile(completion, 95),
+        queue_p50_s=percentile(queue, 50),
+        queue_p95_s=percentile(queue, 95),
+        queue_mean_s=sum(queue) / len(queue) if queue else None,
+        cpu_node_utilisation=_ratio(_step_integral(run.cpu_node_steps, makespan), cpu_capacity),
+        cpu_share_off_gpu_nodes=_ratio(off, total_cpu),
+        cpu_stages_rerouted=run.rerouted,
+        cpu_stages_fell_back=run.fell_back,
+        oversubscribed_share=oversubscribed_share(run, makespan),
+        hosted_vcpu_h=hosted / HOUR,
+        hosted_squeezed_share=_ratio(squeezed, hosted),
+        gpu_node_overcommit_vcpu_h=max(0.0, run.gpu_node_overcommit_cpu_s) / HOUR,
+        cpu_node_overcommit_vcpu_h=squeezed / HOUR,
+        makespan_s=makespan,
+    )
+
+
+def oversubscribed_share(run: Run, makespan: float, samples: int = OVERSUBSCRIPTION_SAMPLES) -> float | None:
+    """Share of (held GPU, instant) samples where the duty cycles of the stages on that GPU add up to over 100 %."""
+    if makespan <= 0:
+        return None
+    width = makespan / samples
+    load: dict[tuple[str, int], float] = {}
+    for lease in run.leases:
+        pod, outcome = run.pods[lease.pod], run.outcomes[lease.pod]
+        gpu = pod.gpu
+        assert gpu is not None and outcome.start is not None
+        first = max(0, math.ceil(lease.start / width - 0.5))
+        for k in range(first, samples):
+            t = (k + 0.5) * width
+            if t >= lease.end:
+                break
+            key = (lease.device, k)
+            load[key] = load.get(key, 0.0) + gpu.profile.duty_at(t - outcome.start + gpu.phase_s)
+    if not load:
+        return None
+    return sum(1 for v in load.values() if v > 1.0 + 1e-9) / len(load)
+
+
+def series(run: Run, makespan: float, bins: int = SERIES_BINS) -> Series:
+    if makespan <= 0:
+        return Series((), (), ())
+    width = makespan / bins
+    edges = (*(k * width for k in range(bins)), makespan)
+
+    def bin_of(t: float) -> int:
+        # t // width can land one bin low or high of the float edges; the edges decide.
+        k = min(bins - 1, max(0, int(t // width)))
+        while k < bins - 1 and edges[k + 1] <= t:
+            k += 1
+        while k > 0 and edges[k] > t:
+            k -= 1
+        return k
+
+    busy = [0.0] * bins
+    for p, o in zip(run.pods, run.outcomes, strict=True):
+        if p.gpu is None or o.start is None or o.end is None or not o.leases:
+            continue
+        profile, phase, gpus = p.gpu.profile, p.gpu.phase_s, p.gpu.gpus
+        prev = profile.busy_until(phase)
+        t, k = o.start, bin_of(o.start)
+        while t < o.end:
+            upto = min(o.end, edges[k + 1]) if k < bins - 1 else o.end
+            now = profile.busy_until(upto - o.start + phase)
+            busy[k] += gpus * (now - prev)
+            prev, t, k = now, upto, k + 1
+    held = [0.0] * bins
+    steps = run.held_steps
+    for (t, count), (t_next, _) in zip(steps, [*steps[1:], (makespan, 0)], strict=True):
+        t_next = min(t_next, makespan)
+        if t >= t_next:
+            continue
+        k = bin_of(t)
+        while t < t_next:
+            upto = min(t_next, edges[k + 1]) if k < bins - 1 else t_next
+            held[k] += count * (upto - t)
+            t, k = upto, k + 1
+    return Series(
+        edges,
+        tuple(b / h if h > 0 else None for b, h in zip(busy, held, strict=True)),
+        tuple(h / width for h in held),
+    )
+
+
+def completions(run: Run) -> list[float]:
+    return sorted(o.end - p.arrival_s for p, o in zip(run.pods, run.outcomes, strict=True)
+                  if o.start is not None and o.end is not None)

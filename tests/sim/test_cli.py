@@ -1,0 +1,103 @@
+"""``weft simulate`` as a user meets it: outputs written, --json alone on stdout, one-line errors naming the flag."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+
+from shim.sim.cli import add_parser, main, run
+from tests.sim.test_traces import DLRM_HEADER, GENAI_HEADER
+
+SMALL = ["--synthetic", "--pods", "40", "--arrival-rate", "120", "--run-time", "20m", "--seed", "3"]
+
+
+def test_add_parser_wires_a_simulate_subcommand_that_runs():
+    parser = argparse.ArgumentParser(prog="weft")
+    add_parser(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(["simulate", *SMALL, "--gpu-nodes", "2", "--cpu-nodes", "1"])
+    assert args.fn is run
+    assert args.gpu_nodes == "2" and args.synthetic
+
+
+def test_help_says_where_the_public_traces_are(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert "cluster-trace-v2026-GenAI" in out and "disaggregated_DLRM_trace.csv" in out
+    assert "duty cycle" in out
+
+
+def test_a_synthetic_run_writes_the_report_the_json_and_both_figures(tmp_path, capsys):
+    assert main([*SMALL, "--out", str(tmp_path / "out")]) == 0
+    out = capsys.readouterr().out
+    assert "GPU utilisation (duty cycle, busy/held)" in out and "target:" in out
+    for name in ("report.md", "results.json", "utilisation.png", "completion_cdf.png"):
+        assert (tmp_path / "out" / name).stat().st_size > 0, name
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert set(doc["modes"]) == {"bundled", "weft", "weft-full-requests"}
+    assert doc["modes"]["bundled"]["placed"] == 40
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "(utilisation.png)" in report and "### Synthetic workload (--synthetic)" in report
+    assert "### DLRM workload" not in report  # only the assumptions that apply
+
+
+def test_json_prints_only_the_results_and_the_same_seed_gives_the_same_results(capsys):
+    assert main([*SMALL, "--json"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main([*SMALL, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == first
+    assert first["gpu_metric"].startswith("duty cycle")
+    assert main([*SMALL[:-1], "4", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["modes"] != first["modes"]
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    ("argv", "flag", "words"),
+    [
+        pytest.param(["--dlrm", "/nonexistent/dlrm.csv"], "--dlrm", ["/nonexistent/dlrm.csv", "no such file"],
+                     id="missing-file"),
+        pytest.param([], "--dlrm", ["exactly one"], id="no-workload"),
+        pytest.param([*SMALL, "--gpu-memory", "80GB"], "--gpu-memory", ['"80GB"'], id="bad-size"),
+        pytest.param([*SMALL, "--pods", "many"], "--pods", ["'many'"], id="bad-count"),
+        pytest.param([*SMALL, "--run-time", "soon"], "--run-time", ["duration"], id="bad-duration"),
+        pytest.param([*SMALL, "--cpu-stage", "8"], "--cpu-stage", ["VCPU:MEMORY"], id="bad-pair"),
+        pytest.param([*SMALL, "--duty", "lots"], "--duty", ["uniform:LO,HI"], id="bad-duty"),
+    ],
+)
+def test_bad_input_is_one_line_naming_the_flag(argv, flag, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert "\n" not in err
+    assert err.startswith(f"weft simulate: {flag}:")
+    for word in words:
+        assert word in err
+
+
+def test_a_malformed_column_names_the_flag_the_file_and_the_column(tmp_path, capsys):
+    dlrm = write(tmp_path, "dlrm.csv", DLRM_HEADER + "i,HN,app,eight,1,40,0,0,,,\n")
+    assert main(["--dlrm", dlrm]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"weft simulate: --dlrm: {dlrm}: line 2, column 'cpu_request'")
+    genai = write(tmp_path, "genai.csv", "container_ip,timestamp_anon\n")
+    assert main([*SMALL, "--genai-pods", genai]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"weft simulate: --genai-pods: {genai}: column 'gpu_duty_cycle_pct'")
+
+
+def test_validate_exits_1_when_the_bundled_run_misses_a_figure(tmp_path, capsys):
+    # A pod busy half of the time is nothing like GenTD26's 7 % mean duty cycle.
+    rows = "".join(f"p,{57 * k},50.0,{23 * 2**30},0.5\n" for k in range(20))
+    genai = write(tmp_path, "genai.csv", GENAI_HEADER + rows)
+    dlrm = write(tmp_path, "dlrm.csv", DLRM_HEADER + "h,HN,app,8,1,40,0,0,,,3600\nc,CN,app,64,0,320,0,0,,,3600\n")
+    assert main(["--dlrm", dlrm, "--genai-pods", genai]) == 0
+    assert main(["--dlrm", dlrm, "--genai-pods", genai, "--validate"]) == 1
+    out = capsys.readouterr().out
+    assert "genai_serving_gpu_duty_mean" in out and "FAIL" in out
