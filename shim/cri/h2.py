@@ -147,7 +147,9 @@ class CachingDecoder:
     _MAX = 256
 
     def __init__(self) -> None:
-        self._decoder = Decoder()
+        # grpc-go allows header lists up to 16 MiB; hpack's default (64 KiB) would tear down a connection
+        # over one long grpc-message.
+        self._decoder = Decoder(max_header_list_size=16 << 20)
         self._table = self._decoder.header_table
         self._cache: dict[bytes, list[tuple[bytes, bytes]]] = {}
         # Every insertion counts, even one equal to the entry before it: the

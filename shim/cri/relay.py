@@ -149,7 +149,13 @@ class _Connection:
         self.k_conn = h2.DEFAULT_WINDOW
         self.k_initial = h2.DEFAULT_WINDOW
         self.k_max_frame = h2.DEFAULT_MAX_FRAME
-        self.out: deque[tuple[int, int, bytes]] = deque()  # (stream id or -1, DATA length, frame bytes)
+        # (stream id, DATA length, frame bytes, ends one of our answers)
+        self.out: deque[tuple[int, int, bytes, bool]] = deque()
+        # Bytes of weft's own DATA that kubelet's connection WINDOW_UPDATEs will credit: that
+        # credit is weft's, not containerd's, so it is kept back from what goes upstream.
+        self.owed = 0
+        # Streams above the id in weft's GOAWAY are left unprocessed (kubelet retries them elsewhere).
+        self.goaway_sid: int | None = None
         self._req_hdr: tuple[int, int, list[bytes], list[bytes]] | None = None  # sid, flags, raw, fragments
         self._resp_hdr: tuple[int, int, list[bytes], list[bytes]] | None = None
         self.closed = False
@@ -166,13 +172,23 @@ class _Connection:
                 self.down_w.write(data)
 
     # -- writing toward kubelet ----------------------------------------------------
-    def _send_down(self, sid: int, data_len: int, raw: bytes) -> None:
-        """Queue a frame for kubelet; DATA (data_len > 0) waits for kubelet's windows."""
+    def _send_down(self, sid: int, data_len: int, raw: bytes, last: bool = False) -> None:
+        """Queue a frame for kubelet; DATA (data_len > 0) waits for kubelet's windows.
+
+        ``last`` marks the final frame of an answer weft writes itself: only
+        once it is out may that stream (and its window) be forgotten.
+        """
         if not self.out and self._fits(sid, data_len):
             self._consume(sid, data_len)
             self.wbuf.append(raw)
+            if last:
+                self._answered(sid)
             return
-        self.out.append((sid, data_len, raw))
+        self.out.append((sid, data_len, raw, last))
+
+    def _answered(self, sid: int) -> None:
+        self.streams.pop(sid, None)
+        self._close_if_done()
 
     def _fits(self, sid: int, n: int) -> bool:
         if n == 0:
@@ -188,16 +204,20 @@ class _Connection:
             st = self.streams.get(sid)
             if st is not None and st.intercepted:
                 st.window -= n
+                self.owed += n
 
     def _drain(self) -> None:
         while self.out:
-            sid, n, raw = self.out[0]
+            sid, n, raw, last = self.out[0]
             if not self._fits(sid, n):
                 break
             self.out.popleft()
             self._consume(sid, n)
             self.wbuf.append(raw)
+            if last:
+                self._answered(sid)
         self._flush()
+        self._close_if_done()
 
     # -- kubelet -> containerd -----------------------------------------------------
     async def run(self) -> None:
@@ -247,6 +267,8 @@ class _Connection:
                 self._drain()
         except (ConnectionError, HPACKError, asyncio.IncompleteReadError) as exc:
             _log.debug("relay.kubelet_closed", error=repr(exc))
+        except Exception:  # noqa: BLE001 - a frame we could not make sense of: end this connection, not the agent
+            _log.exception("relay.kubelet_failed")
         finally:
             self._close()
 
@@ -278,6 +300,12 @@ class _Connection:
             inc = h2.window_increment(payload)
             if sid == 0:
                 self.k_conn += inc
+                take = min(inc, self.owed)
+                self.owed -= take
+                if take:  # part of this credit is for weft's own answers: containerd gets the rest
+                    if inc > take and self.up_w is not None:
+                        up.append(h2.window_update(0, inc - take))
+                    return
             elif st is not None and st.intercepted:
                 st.window += inc
                 return
@@ -333,6 +361,13 @@ class _Connection:
             elif self.up_w is not None:
                 up.append(raw)
             return
+        if self.goaway_sid is not None and sid > self.goaway_sid:
+            # After our GOAWAY: kubelet retries this call on a new connection, so nothing
+            # may run it here. containerd still sees the block (HPACK), then a reset.
+            if self.up_w is not None:
+                up.append(raw)
+                up.append(h2.rst_stream(sid))
+            return
         path = next((v for k, v in headers if k == b":path"), b"").decode("latin-1")
         method = lookup(path)
         self.last_sid = max(self.last_sid, sid)
@@ -378,6 +413,8 @@ class _Connection:
                 self._flush()
         except (ConnectionError, HPACKError, asyncio.IncompleteReadError) as exc:
             _log.debug("relay.containerd_closed", error=repr(exc))
+        except Exception:  # noqa: BLE001 - as above: the calls on this connection end clearly
+            _log.exception("relay.containerd_failed")
         if not self.closed:
             self._upstream_lost()
 
@@ -428,7 +465,10 @@ class _Connection:
         for st in list(self.streams.values()):
             if not st.intercepted:
                 self._answer_error(st, grpc.StatusCode.UNAVAILABLE, message, ())
-        self.up_w = None
+        up_w, self.up_w = self.up_w, None
+        if up_w is not None:
+            with contextlib.suppress(Exception):
+                up_w.close()
         self._goaway()
 
     # -- streams we answer ---------------------------------------------------------
@@ -446,7 +486,20 @@ class _Connection:
         handler = self.relay.intercepted[st.method.path]
         future = loop.run_in_executor(self.relay.pool, self.relay.instrument.intercepted, st.method, handler,
                                       request, st.ctx)
-        future.add_done_callback(lambda f: self._answer(st, f.result()))
+        future.add_done_callback(lambda f: self._answer_safely(st, f))
+
+    def _answer_safely(self, st: _Stream, future: asyncio.Future) -> None:
+        try:
+            if future.cancelled():
+                outcome = Outcome(grpc.StatusCode.UNAVAILABLE, "weft: the agent is stopping", None)
+            else:
+                outcome = future.result()
+            self._answer(st, outcome)
+        except Exception as exc:  # noqa: BLE001 - the caller must get an answer, never a hang
+            _log.exception("relay.answer_failed", method=st.method.name)
+            if not self.closed and st.sid in self.streams:
+                self._answer_error(st, grpc.StatusCode.INTERNAL, f"weft: could not answer {st.method.name}: {exc!r}",
+                                   ())
 
     def _answer(self, st: _Stream, outcome: Outcome) -> None:
         if self.closed or st.sid not in self.streams:
@@ -464,10 +517,9 @@ class _Connection:
                 chunk = body[i:i + self.k_max_frame]
                 self._send_down(st.sid, len(chunk), h2.frame(h2.DATA, 0, st.sid, chunk))
             tblock = h2.encode_headers([(b"grpc-status", b"0"), *trailing])
-            self._send_down(st.sid, 0, h2.headers_frames(st.sid, tblock, end_stream=True, max_frame=self.k_max_frame))
-        self.streams.pop(st.sid, None)
+            self._send_down(st.sid, 0, h2.headers_frames(st.sid, tblock, end_stream=True, max_frame=self.k_max_frame),
+                            last=True)
         self._flush()
-        self._close_if_done()
 
     def _answer_error(self, st: _Stream, code: grpc.StatusCode, details: str, trailing, initial=()) -> None:
         fields = [(b"grpc-status", str(code.value[0]).encode()), (b"grpc-message", h2.percent_encode(details)),
@@ -475,8 +527,11 @@ class _Connection:
         if not st.responded:  # trailers-only
             fields = [(b":status", b"200"), (b"content-type", b"application/grpc"), *initial, *fields]
         block = h2.encode_headers(fields)
-        self._send_down(st.sid, 0, h2.headers_frames(st.sid, block, end_stream=True, max_frame=self.k_max_frame))
-        if not st.intercepted:
+        frames = h2.headers_frames(st.sid, block, end_stream=True, max_frame=self.k_max_frame)
+        if st.intercepted:
+            self._send_down(st.sid, 0, frames, last=True)
+        else:
+            self._send_down(st.sid, 0, frames)
             self._end_stream(st, code, details)
         self._drain()
 
@@ -492,13 +547,14 @@ class _Connection:
     def _close_if_done(self) -> None:
         # After GOAWAY the connection ends once its last call is answered; the
         # short delay lets the final frames leave first.
-        if self.goaway_sent and not self.streams and not self.closed:
+        if self.goaway_sent and not self.streams and not self.out and not self.closed:
             asyncio.get_running_loop().call_later(0.05, self._close)
 
     # -- ending ------------------------------------------------------------------
     def _goaway(self) -> None:
         if not self.goaway_sent:
             self.goaway_sent = True
+            self.goaway_sid = self.last_sid
             self._send_down(0, 0, h2.goaway(self.last_sid))
             self._flush()
             self._close_if_done()
