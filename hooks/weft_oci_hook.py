@@ -92,6 +92,8 @@ def run(argv: list[str], stdin, stderr) -> int:
     stage, broker = _args(argv)
     try:
         state = json.loads(raw)
+        if not isinstance(state, dict):
+            raise ValueError(f"expected a JSON object, got {type(state).__name__}")
     except ValueError as exc:
         print(f"weft-oci-hook: cannot read the OCI state on stdin: {exc}", file=stderr)
         return 1
@@ -99,11 +101,20 @@ def run(argv: list[str], stdin, stderr) -> int:
     if not lease:
         return 0
     container = state.get("id", "")
+    annotations = state.get("annotations") or {}
+    # containerd's own annotations say whose container this is; the broker checks
+    # them against the lease, so a container cannot bind or release another's.
+    owner = {"sandbox_id": annotations.get("io.kubernetes.cri.sandbox-id", ""),
+             "container": annotations.get("io.kubernetes.cri.container-name", "")}
     if stage == "createRuntime":
-        pid = int(state.get("pid") or 0)
-        request = {"op": "bind", "lease_id": lease, "container_id": container, "pid": pid, "cgroup": _cgroup(pid)}
+        try:
+            pid = int(state.get("pid") or 0)
+        except (TypeError, ValueError):
+            pid = 0
+        request = {"op": "bind", "lease_id": lease, "container_id": container, "pid": pid, "cgroup": _cgroup(pid),
+                   **owner}
     elif stage == "poststop":
-        request = {"op": "release", "lease_id": lease, "reason": "poststop"}
+        request = {"op": "release", "lease_id": lease, "reason": "poststop", **owner}
     else:
         print(f"weft-oci-hook: unknown hook stage {stage!r}; doing nothing", file=stderr)
         return 0

@@ -361,3 +361,25 @@ def test_leases_survive_broker_restart_and_dead_containers_are_released(node: No
     node.broker.start()
     after = {lease.container_id: lease.lease_id for lease in node.broker.leases()}
     assert after == {keep: before[keep]}
+
+
+def test_kubelet_retrying_a_create_that_succeeded_keeps_the_lease(node: Node) -> None:
+    node.start_agent()
+    sb, cfg = node.pod("retry", {"weft.io/gpu-memory.model": "10Gi"})
+    rt = node.rt()
+    ccfg = pods.container_config("model", ["sleep", "3600"], envs=GPU_ENV)
+    req = cri.CreateContainerRequest(pod_sandbox_id=sb, config=ccfg, sandbox_config=cfg)
+    cid = rt.CreateContainer(req).container_id
+    [lease] = node.broker.leases()
+    with pytest.raises(grpc.RpcError) as err:  # the answer was lost, kubelet tries again
+        rt.CreateContainer(req)
+    with grpc.insecure_channel(node.containerd.address) as direct_ch:
+        direct = cri_grpc.RuntimeServiceStub(direct_ch)
+        with pytest.raises(grpc.RpcError) as direct_err:
+            direct.CreateContainer(req)
+    assert (err.value.code(), err.value.details()) == (direct_err.value.code(), direct_err.value.details())
+    assert [(x.lease_id, x.key) for x in node.broker.leases()] == [(lease.lease_id, lease.key)]
+    rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+    [bound] = node.broker.leases()
+    assert (bound.state, bound.container_id) == ("bound", cid)
+    assert [p["container_id"] for p in node.status()["placements"]] == [cid]

@@ -13,6 +13,7 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── LeaseNotFound              no such lease (NOT_FOUND)
     ├── LeaseConflictError         the lease is bound to another container (FAILED_PRECONDITION)
     ├── UnknownContainer           weft placed no such container (NOT_FOUND)
+    ├── CreateInProgress           the same CreateContainer is already being served (ABORTED)
     └── UpstreamError              containerd answered with a status (any code)
         └── UpstreamUnavailable    containerd's socket is missing or dead (UNAVAILABLE)
 
@@ -67,6 +68,12 @@ class LeaseNotFound(WeftError):
 
 class LeaseConflictError(WeftError):
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class CreateInProgress(WeftError):
+    """kubelet retried a CreateContainer while the first one is still running; it will retry again."""
+
+    code = grpc.StatusCode.ABORTED
 
 
 class UnknownContainer(WeftError):

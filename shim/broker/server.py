@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import socketserver
+import sqlite3
 import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -154,17 +155,21 @@ def _answer(service: LeaseService, line: bytes) -> dict[str, Any]:
     try:
         req = json.loads(line)
         op = req["op"]
+        owner = (str(req.get("sandbox_id", "")), str(req.get("container", "")))
         if op == "bind":
             rec = service.bind(str(req["lease_id"]), str(req.get("container_id", "")), int(req.get("pid", 0)),
-                               str(req.get("cgroup", "")))
+                               str(req.get("cgroup", "")), owner=owner)
             return {"ok": True, "state": rec.state.value, "devices": list(rec.device_uuids)}
         if op == "release":
-            return {"ok": True, "released": service.release(str(req["lease_id"]), str(req.get("reason", "poststop")))}
+            released = service.release(str(req["lease_id"]), str(req.get("reason", "poststop")), owner=owner)
+            return {"ok": True, "released": released}
         return {"ok": False, "code": "INVALID_ARGUMENT", "error": f"unknown op {op!r} (bind, release)"}
     except WeftError as exc:
         return {"ok": False, "code": exc.code.name, "error": exc.message}
-    except (ValueError, KeyError, TypeError) as exc:
-        return {"ok": False, "code": "INVALID_ARGUMENT", "error": f"malformed hook request: {exc}"}
+    except (ValueError, KeyError, TypeError, OverflowError, AttributeError) as exc:
+        return {"ok": False, "code": "INVALID_ARGUMENT", "error": f"malformed hook request: {exc!r}"}
+    except sqlite3.Error as exc:
+        return {"ok": False, "code": "INTERNAL", "error": f"the broker's state store failed: {exc}"}
 
 
 class BrokerServer:

@@ -15,7 +15,7 @@ import math
 import threading
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -94,7 +94,10 @@ class LeaseService:
         held = []
         for rec in self._live.values():
             for dev in rec.device_uuids:
-                held.append(packing.Held(dev, rec.memory_bytes if rec.shared else self._by_uuid[dev].memory_total,
+                device = self._by_uuid.get(dev)
+                if device is None:  # a lease on a device this node no longer shows: it holds nothing here
+                    continue
+                held.append(packing.Held(dev, rec.memory_bytes if rec.shared else device.memory_total,
                                          rec.compute_percent if rec.shared else 100, exclusive=not rec.shared))
         return held
 
@@ -128,11 +131,15 @@ class LeaseService:
         )
 
     # -- bind / release ----------------------------------------------------------
-    def bind(self, lease_id: str, container_id: str, pid: int, cgroup: str) -> LeaseRecord:
+    def bind(self, lease_id: str, container_id: str, pid: int, cgroup: str,
+             owner: tuple[str, str] | None = None) -> LeaseRecord:
+        if pid <= 0 or not container_id:
+            raise BadAnnotation(f"Bind of {lease_id}: needs the container's id and pid (got {container_id!r}, {pid})")
         with self._lock:
             rec = self._live.get(lease_id)
             if rec is None:
                 raise LeaseNotFound(f"lease {lease_id} does not exist (released, or never granted on this node)")
+            _check_owner(rec, owner)
             try:
                 check = check_bind(rec.state, rec.container_id, container_id)
             except LeaseConflict as exc:
@@ -145,18 +152,27 @@ class LeaseService:
                   pod=rec.pod, namespace=rec.namespace, container=rec.container)
         return rec
 
-    def release(self, lease_id: str, reason: str = "") -> bool:
+    def release(self, lease_id: str, reason: str = "", *, only_if: Callable[[LeaseRecord], bool] | None = None,
+                owner: tuple[str, str] | None = None) -> bool:
+        """Release a lease; False when it is gone already, or ``only_if`` no longer holds for it.
+
+        ``only_if`` is checked under the lock, so a decision made on a snapshot
+        (reconcile, dead-container sweep) cannot release a lease that changed
+        since. ``owner`` (sandbox id, container name), from the hook, must match.
+        """
         with self._lock:
             rec = self._live.get(lease_id)
-            if rec is None:
+            if rec is None or (only_if is not None and not only_if(rec)):
                 return False
+            _check_owner(rec, owner)
             self.store.delete(lease_id)
             del self._live[lease_id]
-            still_shared = {u for r in self._live.values() if r.shared for u in r.device_uuids}
-        if rec.shared and self.mps is not None:
-            for dev in rec.device_uuids:
-                if dev not in still_shared:
-                    self.mps.stop(dev)
+            if rec.shared and self.mps is not None:
+                # Under the lock: a shared Acquire must not get a daemon that is being stopped.
+                still_shared = {u for r in self._live.values() if r.shared for u in r.device_uuids}
+                for dev in rec.device_uuids:
+                    if dev not in still_shared:
+                        self.mps.stop(dev)
         _log.info("lease.released", lease=lease_id, reason=reason or "requested", pod=rec.pod,
                   namespace=rec.namespace, container=rec.container, container_id=rec.container_id)
         return True
@@ -165,20 +181,30 @@ class LeaseService:
         """Release unbound leases whose key the agent no longer knows."""
         live = set(live_keys)
         stale = [r.lease_id for r in self.leases() if r.state is LeaseState.ACQUIRED and r.key not in live]
-        for lease_id in stale:
-            self.release(lease_id, reason="unknown-to-agent")
-        return stale
+        return [lease_id for lease_id in stale
+                if self.release(lease_id, reason="unknown-to-agent",
+                                only_if=lambda r: r.state is LeaseState.ACQUIRED and r.key not in live)]
 
     def release_dead(self) -> list[str]:
         """Release bound leases whose container is gone (the poststop hook may never have run)."""
-        dead = [r.lease_id for r in self.leases() if r.state is LeaseState.BOUND and not _alive(r.pid, r.cgroup)]
-        for lease_id in dead:
-            self.release(lease_id, reason="container-gone")
-        return dead
+        dead = [r for r in self.leases() if r.state is LeaseState.BOUND and not _alive(r.pid, r.cgroup)]
+        return [r.lease_id for r in dead
+                if self.release(r.lease_id, reason="container-gone",
+                                only_if=lambda now, was=r: now.state is LeaseState.BOUND and now.pid == was.pid)]
 
     def leases(self) -> list[LeaseRecord]:
         with self._lock:
             return sorted(self._live.values(), key=lambda r: (r.created_at, r.lease_id))
+
+
+def _check_owner(rec: LeaseRecord, owner: tuple[str, str] | None) -> None:
+    """A hook may only bind or release the lease of its own container (sandbox id, container name)."""
+    if owner is None or not all(owner):
+        return
+    if owner != (rec.sandbox_id, rec.container):
+        raise LeaseConflictError(f"lease {rec.lease_id} belongs to {rec.namespace}/{rec.pod}/{rec.container} "
+                                 f"(sandbox {rec.sandbox_id[:12]}), not to container {owner[1]!r} of sandbox "
+                                 f"{owner[0][:12]}")
 
 
 def _alive(pid: int, cgroup: str) -> bool:

@@ -35,7 +35,7 @@ from shim.core.placement import (
 )
 from shim.core.quantity import AnnotationError
 from shim.cri.fabric import Fabric
-from shim.errors import BadAnnotation
+from shim.errors import BadAnnotation, CreateInProgress
 from shim.state.agent import PlacementRecord
 
 PATH = "/runtime.v1.RuntimeService/CreateContainer"
@@ -99,9 +99,31 @@ def _create_opted_in(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, c
         raise BadAnnotation(str(exc)) from None
     placement = place(classification)
     key = f"{sandbox.id}/{name}/{attempt}"
+    if classification.stage is not Stage.GPU:
+        # Only weft writes this annotation; one a user set could name another container's lease.
+        config.annotations.pop(LEASE_ANNOTATION, None)
+    done = fabric.store.placement_by_key(key)
+    if done is not None and done.state == "created":
+        # kubelet retrying a create that succeeded: containerd answers as it would without
+        # weft (the name is taken); weft's records and the lease stay as they are.
+        return fabric.upstream.unary(PATH, req.SerializeToString(), context)
+    if not fabric.begin(key):
+        raise CreateInProgress(f"a CreateContainer for {sandbox.namespace}/{sandbox.name}/{name} "
+                               f"(attempt {attempt}) is already in progress")
+    try:
+        return _lease_and_create(fabric, req, sandbox, key, ask, pod_annotations, classification, placement, context)
+    finally:
+        fabric.end(key)
+
+
+def _lease_and_create(fabric: Fabric, req, sandbox, key: str, ask: ContainerAsk, pod_annotations, classification,
+                      placement, context) -> bytes:
+    config = req.config
+    name, attempt = config.metadata.name, config.metadata.attempt
     lease: pb.Lease | None = None
     if classification.stage is Stage.GPU:
-        lease = _acquire(fabric, key, sandbox, name, ask, pod_annotations)
+        with fabric.lease_gate:
+            lease = _acquire(fabric, key, sandbox, name, ask, pod_annotations)
         rewrite_for_lease(config, lease)
     config.annotations[PLACEMENT_ANNOTATION] = placement.target
     config.annotations[PLACEMENT_REASON_ANNOTATION] = placement.reason.value

@@ -36,7 +36,29 @@ class Fabric:
         # Whether containerd holds shadows (labelled weft.io/origin-node) that
         # kubelet must not see; set by the reconciler, read on every List call.
         self.shadows_present = False
+        # CreateContainer calls between their lease and their answer: recovery must not
+        # take their pending rows (or their leases) for leftovers of a crash.
+        self._inflight: set[str] = set()
+        # Held while a GPU lease is acquired, and while the reconciler tells the broker
+        # which keys are live: no lease can be granted between the list and the release.
+        self.lease_gate = threading.Lock()
         self._lock = threading.Lock()
+
+    def begin(self, key: str) -> bool:
+        """Mark a CreateContainer in flight; False if one for the same key already is."""
+        with self._lock:
+            if key in self._inflight:
+                return False
+            self._inflight.add(key)
+            return True
+
+    def end(self, key: str) -> None:
+        with self._lock:
+            self._inflight.discard(key)
+
+    def inflight(self) -> set[str]:
+        with self._lock:
+            return set(self._inflight)
 
     def remember(self, rec: SandboxRecord) -> None:
         self.store.add_sandbox(rec)

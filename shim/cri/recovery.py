@@ -6,8 +6,9 @@ answering kubelet: if containerd has the container (matched by sandbox, name
 and attempt), the record is completed; if not, the lease is released and the
 record dropped. Then the broker is told which lease keys the agent still
 knows, and releases unbound leases with any other key (an Acquire whose
-CreateContainer never happened). Nothing is leaked and nothing is granted
-twice, whichever process was killed and when.
+CreateContainer never happened). Keys of CreateContainer calls still in
+flight are left alone: this runs every 30 s beside live traffic. Nothing is
+leaked and nothing is granted twice, whichever process was killed and when.
 """
 
 from __future__ import annotations
@@ -39,7 +40,8 @@ def find_shadows(fabric: Fabric) -> None:
 
 def settle(fabric: Fabric) -> None:
     find_shadows(fabric)
-    pending = [p for p in fabric.store.placements() if p.state == "pending"]
+    inflight = fabric.inflight()
+    pending = [p for p in fabric.store.placements() if p.state == "pending" and p.key not in inflight]
     if pending:
         list_containers = fabric.upstream.channel.unary_unary(
             _LIST, request_serializer=cri.ListContainersRequest.SerializeToString,
@@ -57,8 +59,11 @@ def settle(fabric: Fabric) -> None:
                     fabric.broker.release(p.lease_id, "create-never-finished")
                 _log.info("recovery.dropped", key=p.key, lease=p.lease_id or None)
     if fabric.broker is not None:
-        live = [p.key for p in fabric.store.placements() if p.lease_id]
-        released = fabric.broker.reconcile(live)
+        # Keys of calls still in flight count as live: their lease may not be on record yet;
+        # the gate keeps a new lease from being granted between this list and the broker's release.
+        with fabric.lease_gate:
+            live = sorted({p.key for p in fabric.store.placements()} | fabric.inflight())
+            released = fabric.broker.reconcile(live)
         if released:
             _log.info("recovery.leases_released", leases=released)
 

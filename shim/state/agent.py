@@ -130,6 +130,10 @@ class AgentStore:
             conn.execute("DELETE FROM placements WHERE container_id = ?", (container_id,))
         return self._placement(rows[0]) if rows else None
 
+    def placement_by_key(self, key: str) -> PlacementRecord | None:
+        rows = self.db.query("SELECT * FROM placements WHERE key = ?", (key,))
+        return self._placement(rows[0]) if rows else None
+
     def placements(self) -> list[PlacementRecord]:
         return [self._placement(r) for r in self.db.query("SELECT * FROM placements ORDER BY created_at")]
 

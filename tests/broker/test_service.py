@@ -305,3 +305,35 @@ def test_leases_survive_a_restart_and_still_hold_capacity(tmp_path: Path, mps: F
             second.bind(b.lease_id, "d" * 64, 8, "/y")
     finally:
         second.store.close()
+
+
+# -- a container may only bind or release its own lease ---------------------------------------
+def test_a_container_cannot_bind_or_release_another_containers_lease(svc: LeaseService) -> None:
+    rec = acquire(svc, "sb/app/0", memory=10 * GI)
+    with pytest.raises(LeaseConflictError, match="belongs to ns/pod/app"):
+        svc.bind(rec.lease_id, "c" * 64, os.getpid(), "", owner=("sb", "intruder"))
+    with pytest.raises(LeaseConflictError):
+        svc.release(rec.lease_id, "poststop", owner=("other-sandbox", "app"))
+    assert svc.bind(rec.lease_id, "c" * 64, os.getpid(), "", owner=("sb", "app")).state is LeaseState.BOUND
+    assert svc.release(rec.lease_id, "poststop", owner=("sb", "app")) is True
+
+
+def test_bind_without_a_pid_or_container_is_refused(svc: LeaseService) -> None:
+    rec = acquire(svc, "sb/app/0", memory=10 * GI)
+    for container_id, pid in (("c" * 64, 0), ("", os.getpid())):
+        with pytest.raises(BadAnnotation, match="needs the container's id and pid"):
+            svc.bind(rec.lease_id, container_id, pid, "")
+    assert svc.leases()[0].state is LeaseState.ACQUIRED
+
+
+@pytest.mark.parametrize(
+    "line",
+    [b'{"op": "bind", "lease_id": "x", "pid": 1e400}\n', b'{"op": "bind", "lease_id": "x", "pid": [1]}\n',
+     b'{"op": "release"}\n', b'[1, 2]\n', b"\xff\xfe\n"],
+    ids=["huge-pid", "pid-not-a-number", "no-lease-id", "not-an-object", "not-utf8"],
+)
+def test_malformed_hook_lines_get_a_clear_answer(svc: LeaseService, line: bytes) -> None:
+    from shim.broker.server import _answer
+
+    answer = _answer(svc, line)
+    assert answer["ok"] is False and answer["code"] == "INVALID_ARGUMENT" and answer["error"]

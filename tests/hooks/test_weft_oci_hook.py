@@ -155,14 +155,15 @@ def test_create_runtime_binds_the_lease_to_pid_cgroup_and_container(server: Fake
     err = io.StringIO()
     assert hook.run(["createRuntime", "--broker-socket", str(server.broker_socket)], state(), err) == 0
     assert server.requests == [{"op": "bind", "lease_id": LEASE, "container_id": CONTAINER, "pid": os.getpid(),
-                                "cgroup": own_cgroup()}]
+                                "cgroup": own_cgroup(), "sandbox_id": "", "container": "app"}]
     assert own_cgroup() != ""
     assert err.getvalue() == ""
 
 
 def test_poststop_releases_the_lease(server: FakeHookServer) -> None:
     assert hook.run(["poststop", "--broker-socket", str(server.broker_socket)], state(), io.StringIO()) == 0
-    assert server.requests == [{"op": "release", "lease_id": LEASE, "reason": "poststop"}]
+    assert server.requests == [{"op": "release", "lease_id": LEASE, "reason": "poststop", "sandbox_id": "",
+                                "container": "app"}]
 
 
 REFUSAL = {"ok": False, "code": "FAILED_PRECONDITION", "error": "lease is bound to container aaaaaaaaaaaa"}
