@@ -383,3 +383,13 @@ def test_kubelet_retrying_a_create_that_succeeded_keeps_the_lease(node: Node) ->
     [bound] = node.broker.leases()
     assert (bound.state, bound.container_id) == ("bound", cid)
     assert [p["container_id"] for p in node.status()["placements"]] == [cid]
+
+
+def test_remove_by_id_prefix_forgets_the_placement_and_its_lease(node: Node) -> None:
+    node.start_agent()
+    sb, cfg = node.pod("prefix", {"weft.io/gpu-memory.model": "10Gi"})
+    cid = node.create(sb, cfg, "model", GPU_ENV, start=False)  # never started: no poststop to release it
+    assert len(node.broker.leases()) == 1
+    node.rt().RemoveContainer(cri.RemoveContainerRequest(container_id=cid[:12]))  # as `crictl rm` may send
+    assert node.broker.leases() == []
+    assert node.status()["placements"] == []

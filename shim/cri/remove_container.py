@@ -25,7 +25,9 @@ def handler(fabric: Fabric):
             container_id = cri.RemoveContainerRequest.FromString(request).container_id
         except DecodeError:
             container_id = ""
-        placed = fabric.store.remove_container(container_id) if container_id else None
+        # containerd accepts a unique ID prefix (crictl rm abc123); so does weft's lookup.
+        known = fabric.store.placement(container_id) if container_id else None
+        placed = fabric.store.remove_container(known.container_id) if known and known.container_id else None
         if placed is not None and placed.lease_id:
             fabric.release_quietly(placed.lease_id, "container-removed")
         if placed is not None:
