@@ -68,12 +68,14 @@ class Agent:
     def _mesh(self, cfg: Config):
         if not cfg.mesh.address:
             return None
+        from shim.cri.shadows import ShadowHost
         from shim.mesh.node import MeshNode
 
         m = cfg.mesh
+        host = ShadowHost(self.fabric, cfg.agent.state_dir / "shadow-logs")
         mesh = MeshNode(node=m.node_name or socketlib.gethostname(), role={"both": "gpu,cpu"}.get(m.role, m.role),
                         address=m.address, peers=m.peers, tls_dir=m.tls_dir, hello_interval=m.hello_interval,
-                        namespace=m.namespace, service=m.service, metrics=self.metrics)
+                        namespace=m.namespace, service=m.service, metrics=self.metrics, host=host)
         self.fabric.mesh = mesh
         return mesh
 

@@ -69,3 +69,45 @@ class AdmitResponse(_message.Message):
     detail: str
     free_after: Resources
     def __init__(self, admitted: _Optional[bool] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., free_after: _Optional[_Union[Resources, _Mapping]] = ...) -> None: ...
+
+class RunShadowRequest(_message.Message):
+    __slots__ = ("origin_node", "origin_sandbox_id", "key", "sandbox_config", "container_config", "auth")
+    ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    CONTAINER_CONFIG_FIELD_NUMBER: _ClassVar[int]
+    AUTH_FIELD_NUMBER: _ClassVar[int]
+    origin_node: str
+    origin_sandbox_id: str
+    key: str
+    sandbox_config: bytes
+    container_config: bytes
+    auth: bytes
+    def __init__(self, origin_node: _Optional[str] = ..., origin_sandbox_id: _Optional[str] = ..., key: _Optional[str] = ..., sandbox_config: _Optional[bytes] = ..., container_config: _Optional[bytes] = ..., auth: _Optional[bytes] = ...) -> None: ...
+
+class ShadowRef(_message.Message):
+    __slots__ = ("origin_node", "key")
+    ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    origin_node: str
+    key: str
+    def __init__(self, origin_node: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
+
+class ShadowState(_message.Message):
+    __slots__ = ("key", "shadow_sandbox_id", "shadow_container_id", "status")
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
+    SHADOW_CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
+    STATUS_FIELD_NUMBER: _ClassVar[int]
+    key: str
+    shadow_sandbox_id: str
+    shadow_container_id: str
+    status: bytes
+    def __init__(self, key: _Optional[str] = ..., shadow_sandbox_id: _Optional[str] = ..., shadow_container_id: _Optional[str] = ..., status: _Optional[bytes] = ...) -> None: ...
+
+class RemoveShadowResponse(_message.Message):
+    __slots__ = ("removed",)
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    removed: bool
+    def __init__(self, removed: _Optional[bool] = ...) -> None: ...

@@ -45,6 +45,21 @@ class MeshStub:
                 request_serializer=mesh__pb2.AdmitRequest.SerializeToString,
                 response_deserializer=mesh__pb2.AdmitResponse.FromString,
                 _registered_method=True)
+        self.RunShadow = channel.unary_unary(
+                '/weft.mesh.v1.Mesh/RunShadow',
+                request_serializer=mesh__pb2.RunShadowRequest.SerializeToString,
+                response_deserializer=mesh__pb2.ShadowState.FromString,
+                _registered_method=True)
+        self.ShadowStatus = channel.unary_unary(
+                '/weft.mesh.v1.Mesh/ShadowStatus',
+                request_serializer=mesh__pb2.ShadowRef.SerializeToString,
+                response_deserializer=mesh__pb2.ShadowState.FromString,
+                _registered_method=True)
+        self.RemoveShadow = channel.unary_unary(
+                '/weft.mesh.v1.Mesh/RemoveShadow',
+                request_serializer=mesh__pb2.ShadowRef.SerializeToString,
+                response_deserializer=mesh__pb2.RemoveShadowResponse.FromString,
+                _registered_method=True)
 
 
 class MeshServicer:
@@ -67,6 +82,30 @@ class MeshServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RunShadow(self, request, context):
+        """Run a container of an origin's pod here: a shadow sandbox per origin
+        sandbox (made on first use), the image pulled with the origin's
+        credentials, the container created and started at low CPU weight. Shadows
+        carry the labels weft.io/origin-node and weft.io/origin-key and are hidden
+        from this node's kubelet. Idempotent by key.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShadowStatus(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveShadow(self, request, context):
+        """Stop and remove the shadow container, and its sandbox with its last container.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeshServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -79,6 +118,21 @@ def add_MeshServicer_to_server(servicer, server):
                     servicer.Admit,
                     request_deserializer=mesh__pb2.AdmitRequest.FromString,
                     response_serializer=mesh__pb2.AdmitResponse.SerializeToString,
+            ),
+            'RunShadow': grpc.unary_unary_rpc_method_handler(
+                    servicer.RunShadow,
+                    request_deserializer=mesh__pb2.RunShadowRequest.FromString,
+                    response_serializer=mesh__pb2.ShadowState.SerializeToString,
+            ),
+            'ShadowStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShadowStatus,
+                    request_deserializer=mesh__pb2.ShadowRef.FromString,
+                    response_serializer=mesh__pb2.ShadowState.SerializeToString,
+            ),
+            'RemoveShadow': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveShadow,
+                    request_deserializer=mesh__pb2.ShadowRef.FromString,
+                    response_serializer=mesh__pb2.RemoveShadowResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -135,6 +189,87 @@ class Mesh:
             '/weft.mesh.v1.Mesh/Admit',
             mesh__pb2.AdmitRequest.SerializeToString,
             mesh__pb2.AdmitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunShadow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.mesh.v1.Mesh/RunShadow',
+            mesh__pb2.RunShadowRequest.SerializeToString,
+            mesh__pb2.ShadowState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShadowStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.mesh.v1.Mesh/ShadowStatus',
+            mesh__pb2.ShadowRef.SerializeToString,
+            mesh__pb2.ShadowState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveShadow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.mesh.v1.Mesh/RemoveShadow',
+            mesh__pb2.ShadowRef.SerializeToString,
+            mesh__pb2.RemoveShadowResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -44,6 +44,10 @@ class PeerUnavailable(WeftError):
         self.status = status
 
 
+# Creating a shadow may pull an image: minutes, not the seconds of a Hello.
+SHADOW_TIMEOUT_S = 300.0
+
+
 class PeerClient:
     def __init__(
         self,
@@ -75,6 +79,17 @@ class PeerClient:
 
     def admit(self, request: pb.AdmitRequest) -> pb.AdmitResponse:
         return self._call("Admit", self._stub.Admit, request, self.admit_timeout)
+
+    def run_shadow(self, request: pb.RunShadowRequest) -> pb.ShadowState:
+        return self._call("RunShadow", self._stub.RunShadow, request, SHADOW_TIMEOUT_S)
+
+    def shadow_status(self, origin: str, key: str) -> pb.ShadowState:
+        return self._call("ShadowStatus", self._stub.ShadowStatus, pb.ShadowRef(origin_node=origin, key=key),
+                          self.hello_timeout)
+
+    def remove_shadow(self, origin: str, key: str) -> bool:
+        return self._call("RemoveShadow", self._stub.RemoveShadow, pb.ShadowRef(origin_node=origin, key=key),
+                          SHADOW_TIMEOUT_S).removed
 
     def close(self) -> None:
         self._channel.close()

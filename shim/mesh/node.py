@@ -42,7 +42,7 @@ class PeerRecord:
 
 class MeshNode:
     def __init__(self, *, node: str, role: str, address: str, peers: str, tls_dir: str, hello_interval: float,
-                 namespace: str, service: str, metrics: Any) -> None:
+                 namespace: str, service: str, metrics: Any, host: Any = None) -> None:
         self.node, self.role, self.hello_interval, self.metrics = node, role, hello_interval, metrics
         self.tls = load_node_tls(tls_dir, node)
         self.discovery: Discovery
@@ -54,7 +54,9 @@ class MeshNode:
             self.discovery = StaticDiscovery(found)
         self.probe = CapacityProbe(role)
         self.policy = PeerPolicy(set())
-        self.server = MeshServer(node, address, self.tls, self.policy, self.probe)
+        # A node that offers CPU runs shadows for its peers' pods.
+        self.server = MeshServer(node, address, self.tls, self.policy, self.probe,
+                                 host=host if "cpu" in role.split(",") else None)
         self._declared = declared
         self._lock = threading.Lock()
         self._records: dict[str, PeerRecord] = {}

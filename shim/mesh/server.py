@@ -45,7 +45,10 @@ def _mapped(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class MeshServicer(pb_grpc.MeshServicer):
-    def __init__(self, node: str, policy: PeerPolicy, probe: CapacityProbe, admit: Admit | None = None) -> None:
+    def __init__(self, node: str, policy: PeerPolicy, probe: CapacityProbe, admit: Admit | None = None,
+                 host: Any = None) -> None:
+        # ``host`` runs shadows (``shim.cri.shadows.ShadowHost``); None on a node that hosts nothing.
+        self.host = host
         self.node = node
         self.policy = policy
         self.probe = probe
@@ -71,6 +74,28 @@ class MeshServicer(pb_grpc.MeshServicer):
         state.node = self.node
         return state
 
+    def _host(self, context, claimed: str, method: str):
+        node = self.policy.check(context.auth_context())
+        self.policy.check_claim(node, claimed, method)
+        if self.host is None:
+            raise PeerRefused(f"node {self.node} does not host containers", node=node)
+        return node
+
+    @_mapped
+    def RunShadow(self, request, context):  # noqa: N802
+        node = self._host(context, request.origin_node, "RunShadow")
+        return self.host.run(node, request)
+
+    @_mapped
+    def ShadowStatus(self, request, context):  # noqa: N802
+        node = self._host(context, request.origin_node, "ShadowStatus")
+        return self.host.status(node, request.key)
+
+    @_mapped
+    def RemoveShadow(self, request, context):  # noqa: N802
+        node = self._host(context, request.origin_node, "RemoveShadow")
+        return pb.RemoveShadowResponse(removed=self.host.remove(node, request.key))
+
     @_mapped
     def Admit(self, request, context):  # noqa: N802
         node = self.policy.check(context.auth_context())
@@ -94,6 +119,7 @@ class MeshServer:
         admit: Admit | None = None,
         *,
         max_workers: int = 8,
+        host: Any = None,
     ) -> None:
         key_pem, cert_pem, ca_pem = tls
         # Peers dial us by node name and check that our certificate names it;
@@ -103,7 +129,7 @@ class MeshServer:
         self.node = node
         self.address = address
         self.port: int | None = None
-        self.servicer = MeshServicer(node, policy, probe, admit)
+        self.servicer = MeshServicer(node, policy, probe, admit, host=host)
         self._credentials = grpc.ssl_server_credentials(
             [(key_pem, cert_pem)], root_certificates=ca_pem, require_client_auth=True)
         self._server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weft-mesh"))
