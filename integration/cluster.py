@@ -28,7 +28,6 @@ the cgroup mounts) and is killed when the node is killed or the cluster closed.
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 import signal
@@ -40,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from integration.harness import SLOT_DIR, Containerd, RuntimeHandler
+from integration.harness import Containerd, RuntimeHandler, claim_slot
 
 MAX_MESH_SLOTS = 255
 BRIDGE_HOST = 254  # the root namespace's address on every mesh subnet
@@ -208,22 +207,8 @@ class Cluster:
                 subprocess.run(["iptables", "-D", *rule], capture_output=True, check=False)
 
     def _claim_mesh(self) -> None:
-        SLOT_DIR.mkdir(parents=True, exist_ok=True)
-        if not 0 <= self.mesh < MAX_MESH_SLOTS:
-            raise ValueError(f"mesh slot {self.mesh}: want 0 (any free one) or 1..{MAX_MESH_SLOTS - 1}")
-        for k in [self.mesh] if self.mesh else range(1, MAX_MESH_SLOTS):
-            fd = os.open(SLOT_DIR / f"mesh{k}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self.mesh, self._lock_fd = k, fd
-            self._reap_previous()
-            return
-        if self.mesh:
-            raise RuntimeError(f"mesh slot {self.mesh} is held by a live cluster")
-        raise RuntimeError(f"no free mesh slot under {SLOT_DIR}")
+        self.mesh, self._lock_fd = claim_slot("mesh", self.mesh, MAX_MESH_SLOTS)
+        self._reap_previous()
 
     def _reap_previous(self) -> None:
         """Remove what an earlier holder of this mesh slot left when it was killed outright.

@@ -67,6 +67,28 @@ def cgroup_hierarchies() -> list[Path]:
     return found
 
 
+def claim_slot(kind: str, wanted: int, limit: int) -> tuple[int, int]:
+    """An exclusive slot number (``wanted``, or the lowest free one for 0) and the fd holding its flock.
+
+    The lock dies with its holder, so a slot is free exactly when nobody alive holds it, whichever
+    process or test session that was.
+    """
+    SLOT_DIR.mkdir(parents=True, exist_ok=True)
+    if not 0 <= wanted < limit:
+        raise ValueError(f"{kind} slot {wanted}: want 0 (any free one) or 1..{limit - 1}")
+    for slot in [wanted] if wanted else range(1, limit):
+        fd = os.open(SLOT_DIR / f"{kind}{slot}.lock", os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            continue
+        return slot, fd
+    if wanted:
+        raise RuntimeError(f"{kind} slot {wanted} is held by a live holder")
+    raise RuntimeError(f"no free {kind} slot under {SLOT_DIR}")
+
+
 @dataclass
 class RuntimeHandler:
     """An extra CRI runtime handler (for example weft's, with OCI hooks)."""
@@ -182,22 +204,8 @@ class Containerd:
         self._import_images()
 
     def _claim_slot(self) -> None:
-        SLOT_DIR.mkdir(parents=True, exist_ok=True)
-        if not 0 <= self.slot < MAX_SLOTS:
-            raise ValueError(f"harness slot {self.slot}: want 0 (any free one) or 1..{MAX_SLOTS - 1}")
-        for slot in [self.slot] if self.slot else range(1, MAX_SLOTS):
-            fd = os.open(SLOT_DIR / f"slot{slot}.lock", os.O_RDWR | os.O_CREAT, 0o600)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue
-            self.slot, self._lock_fd = slot, fd
-            self._reap_previous()
-            return
-        if self.slot:
-            raise RuntimeError(f"harness slot {self.slot} is held by a live instance")
-        raise RuntimeError(f"no free harness slot under {SLOT_DIR}")
+        self.slot, self._lock_fd = claim_slot("slot", self.slot, MAX_SLOTS)
+        self._reap_previous()
 
     def _reap_previous(self) -> None:
         """Remove what an earlier holder of this slot left when it was killed outright."""
