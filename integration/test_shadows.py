@@ -56,7 +56,9 @@ def test_a_shadow_runs_hidden_from_the_hosts_kubelet_and_goes_away(host) -> None
     agent, client, node = host
     state = client.run_shadow(_request(node, "origin-sb-1/tokenize/0"))
     status = cri.ContainerStatus.FromString(state.status)
-    assert status.state == cri.CONTAINER_RUNNING
+    assert status.state == cri.CONTAINER_CREATED  # as after CreateContainer: kubelet starts it next
+    started = client.start_shadow("gpu-1", "origin-sb-1/tokenize/0")
+    assert cri.ContainerStatus.FromString(started.status).state == cri.CONTAINER_RUNNING
     assert status.labels["weft.io/origin-node"] == "gpu-1"
     # Idempotent: the origin retrying gets the same shadow.
     assert client.run_shadow(_request(node, "origin-sb-1/tokenize/0")).shadow_container_id == state.shadow_container_id

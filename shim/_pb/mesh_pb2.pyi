@@ -71,20 +71,22 @@ class AdmitResponse(_message.Message):
     def __init__(self, admitted: _Optional[bool] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., free_after: _Optional[_Union[Resources, _Mapping]] = ...) -> None: ...
 
 class RunShadowRequest(_message.Message):
-    __slots__ = ("origin_node", "origin_sandbox_id", "key", "sandbox_config", "container_config", "auth")
+    __slots__ = ("origin_node", "origin_sandbox_id", "key", "sandbox_config", "container_config", "auth", "start")
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_CONFIG_FIELD_NUMBER: _ClassVar[int]
     CONTAINER_CONFIG_FIELD_NUMBER: _ClassVar[int]
     AUTH_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
     origin_node: str
     origin_sandbox_id: str
     key: str
     sandbox_config: bytes
     container_config: bytes
     auth: bytes
-    def __init__(self, origin_node: _Optional[str] = ..., origin_sandbox_id: _Optional[str] = ..., key: _Optional[str] = ..., sandbox_config: _Optional[bytes] = ..., container_config: _Optional[bytes] = ..., auth: _Optional[bytes] = ...) -> None: ...
+    start: bool
+    def __init__(self, origin_node: _Optional[str] = ..., origin_sandbox_id: _Optional[str] = ..., key: _Optional[str] = ..., sandbox_config: _Optional[bytes] = ..., container_config: _Optional[bytes] = ..., auth: _Optional[bytes] = ..., start: _Optional[bool] = ...) -> None: ...
 
 class ShadowRef(_message.Message):
     __slots__ = ("origin_node", "key")

@@ -50,6 +50,11 @@ class MeshStub:
                 request_serializer=mesh__pb2.RunShadowRequest.SerializeToString,
                 response_deserializer=mesh__pb2.ShadowState.FromString,
                 _registered_method=True)
+        self.StartShadow = channel.unary_unary(
+                '/weft.mesh.v1.Mesh/StartShadow',
+                request_serializer=mesh__pb2.ShadowRef.SerializeToString,
+                response_deserializer=mesh__pb2.ShadowState.FromString,
+                _registered_method=True)
         self.ShadowStatus = channel.unary_unary(
                 '/weft.mesh.v1.Mesh/ShadowStatus',
                 request_serializer=mesh__pb2.ShadowRef.SerializeToString,
@@ -83,12 +88,19 @@ class MeshServicer:
         raise NotImplementedError('Method not implemented!')
 
     def RunShadow(self, request, context):
-        """Run a container of an origin's pod here: a shadow sandbox per origin
+        """Create a container of an origin's pod here: a shadow sandbox per origin
         sandbox (made on first use), the image pulled with the origin's
-        credentials, the container created and started at low CPU weight. Shadows
-        carry the labels weft.io/origin-node and weft.io/origin-key and are hidden
-        from this node's kubelet. Idempotent by key.
+        credentials, the container created at low CPU weight (and started too when
+        asked; otherwise StartShadow starts it, as kubelet's StartContainer does).
+        Shadows carry the labels weft.io/origin-node and weft.io/origin-key and are
+        hidden from this node's kubelet. Idempotent by key.
         """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StartShadow(self, request, context):
+        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -122,6 +134,11 @@ def add_MeshServicer_to_server(servicer, server):
             'RunShadow': grpc.unary_unary_rpc_method_handler(
                     servicer.RunShadow,
                     request_deserializer=mesh__pb2.RunShadowRequest.FromString,
+                    response_serializer=mesh__pb2.ShadowState.SerializeToString,
+            ),
+            'StartShadow': grpc.unary_unary_rpc_method_handler(
+                    servicer.StartShadow,
+                    request_deserializer=mesh__pb2.ShadowRef.FromString,
                     response_serializer=mesh__pb2.ShadowState.SerializeToString,
             ),
             'ShadowStatus': grpc.unary_unary_rpc_method_handler(
@@ -215,6 +232,33 @@ class Mesh:
             target,
             '/weft.mesh.v1.Mesh/RunShadow',
             mesh__pb2.RunShadowRequest.SerializeToString,
+            mesh__pb2.ShadowState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StartShadow(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.mesh.v1.Mesh/StartShadow',
+            mesh__pb2.ShadowRef.SerializeToString,
             mesh__pb2.ShadowState.FromString,
             options,
             channel_credentials,

@@ -102,14 +102,29 @@ class ShadowHost:
                 config.linux.resources.cpu_shares = HOSTED_CPU_SHARES
                 created = self._call(_RT + "CreateContainer", cri.CreateContainerRequest(
                     pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox), cri.CreateContainerResponse)
-                self._call(_RT + "StartContainer", cri.StartContainerRequest(container_id=created.container_id),
-                           cri.StartContainerResponse)
+                if req.start:
+                    self._call(_RT + "StartContainer", cri.StartContainerRequest(container_id=created.container_id),
+                               cri.StartContainerResponse)
             except grpc.RpcError as exc:
                 raise self.fabric.upstream.translate(exc) from None
             self.fabric.shadows_present = True
-        _log.info("shadow.started", origin=origin, key=req.key, sandbox_id=sandbox_id,
-                  container_id=created.container_id, image=config.image.image)
+        _log.info("shadow.created", origin=origin, key=req.key, sandbox_id=sandbox_id,
+                  container_id=created.container_id, image=config.image.image, started=req.start)
         return self._state(req.key, sandbox_id, created.container_id)
+
+    def start(self, origin: str, key: str) -> pb.ShadowState:
+        found = self._find({ORIGIN_LABEL: origin, KEY_LABEL: _label(key)}, containers=True)
+        if not found:
+            raise UnknownContainer(f"no shadow {key} for {origin} on this host")
+        c = found[0]
+        if c.state == cri.CONTAINER_CREATED:
+            try:
+                self._call(_RT + "StartContainer", cri.StartContainerRequest(container_id=c.id),
+                           cri.StartContainerResponse)
+            except grpc.RpcError as exc:
+                raise self.fabric.upstream.translate(exc) from None
+            _log.info("shadow.started", origin=origin, key=key, container_id=c.id)
+        return self._state(key, c.pod_sandbox_id, c.id)
 
     def _sandbox(self, origin: str, req: pb.RunShadowRequest, sandbox: cri.PodSandboxConfig,
                  origin_labels: dict[str, str]) -> str:

@@ -83,6 +83,10 @@ class PeerClient:
     def run_shadow(self, request: pb.RunShadowRequest) -> pb.ShadowState:
         return self._call("RunShadow", self._stub.RunShadow, request, SHADOW_TIMEOUT_S)
 
+    def start_shadow(self, origin: str, key: str) -> pb.ShadowState:
+        return self._call("StartShadow", self._stub.StartShadow, pb.ShadowRef(origin_node=origin, key=key),
+                          SHADOW_TIMEOUT_S)
+
     def shadow_status(self, origin: str, key: str) -> pb.ShadowState:
         return self._call("ShadowStatus", self._stub.ShadowStatus, pb.ShadowRef(origin_node=origin, key=key),
                           self.hello_timeout)

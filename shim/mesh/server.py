@@ -87,6 +87,11 @@ class MeshServicer(pb_grpc.MeshServicer):
         return self.host.run(node, request)
 
     @_mapped
+    def StartShadow(self, request, context):  # noqa: N802
+        node = self._host(context, request.origin_node, "StartShadow")
+        return self.host.start(node, request.key)
+
+    @_mapped
     def ShadowStatus(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "ShadowStatus")
         return self.host.status(node, request.key)
