@@ -22,17 +22,15 @@ import gc
 import json
 import os
 import shutil
-import signal
-import statistics
 import sys
 import tempfile
 import time
-import traceback
 from pathlib import Path
 
 import grpc
 import psutil
 
+from bench.running import guarded, summary
 from integration.broker import BrokerProcess
 from shim._pb import broker_pb2 as pb
 from shim._pb import broker_pb2_grpc as pb_grpc
@@ -49,22 +47,9 @@ MB = 1024 * 1024
 GI = 1 << 30
 
 
-class _Terminated(BaseException):
-    """SIGTERM, turned into an exception so every ``finally`` still cleans up."""
-
-
 def _say(msg: str) -> None:
     # stdout is reserved for the figures (one JSON object with --json).
     print(f"weft bench broker: {msg}", file=sys.stderr, flush=True)
-
-
-def _ms(ns: float) -> float:
-    return round(ns / 1e6, 4)
-
-
-def _summary(ns: list[int]) -> dict[str, float | int]:
-    q = statistics.quantiles(ns, n=100, method="inclusive")
-    return {"p50_ms": _ms(q[49]), "p99_ms": _ms(q[98]), "max_ms": _ms(max(ns)), "n": len(ns)}
 
 
 def _fill(stub: pb_grpc.BrokerStub) -> list[str]:
@@ -136,7 +121,7 @@ def _measure(samples: int, warmup: int, workdir: Path) -> dict:
 
 
 def _figures(raw: dict, samples: int, warmup: int, workdir: str) -> dict:
-    acquire, release, listing = (_summary(raw["times"][k]) for k in ("acquire", "release", "list"))
+    acquire, release, listing = (summary(raw["times"][k]) for k in ("acquire", "release", "list"))
     listing["leases"] = LIVE_LEASES
     rss_start, rss_filled, rss_after = raw["rss"]
     targets = {"acquire_p99": acquire["p99_ms"] <= LIMITS["acquire_p99_ms"]}
@@ -183,32 +168,18 @@ def _table(f: dict) -> str:
     return "\n".join(lines)
 
 
-def _terminate(*_: object) -> None:
-    # A second TERM must not cut the teardown that the first one started.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise _Terminated
-
-
 def main(*, as_json: bool, samples: int = 2000) -> int:
     if samples < 10:
         raise WeftError("need --samples >= 10")
     warmup = min(100, max(10, samples // 10))
-    previous = signal.signal(signal.SIGTERM, _terminate)
     workdir = Path(tempfile.mkdtemp(prefix="weft-bench-broker-"))
+    _say(f"broker and work files in {workdir}")
     try:
-        _say(f"broker and work files in {workdir}")
-        figures = _figures(_measure(samples, warmup, workdir), samples, warmup, str(workdir))
-    except _Terminated:
-        _say("terminated; cleaned up")
-        return 143
-    except KeyboardInterrupt:
-        _say("interrupted; cleaned up")
-        return 130
-    except Exception:  # noqa: BLE001 - any failure is reported, after cleanup, as exit code 1
-        _say(f"failed:\n{traceback.format_exc()}")
-        return 1
+        code, figures = guarded(_say, lambda: _figures(_measure(samples, warmup, workdir), samples, warmup,
+                                                       str(workdir)))
     finally:
-        signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(workdir, ignore_errors=True)
+    if figures is None:
+        return code
     print(json.dumps(figures, indent=2) if as_json else _table(figures), flush=True)
     return 0

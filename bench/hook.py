@@ -30,16 +30,14 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
-import traceback
 from collections.abc import Callable
 from pathlib import Path
 
+from bench.running import guarded, summary
 from integration.broker import HOOK_SCRIPT, BrokerProcess
 from shim._pb import broker_pb2 as pb
 from shim.errors import WeftError
@@ -53,22 +51,9 @@ HOOK_TIMEOUT = 30.0
 KINDS = ("fast_path", "fast_path_console_script", "python_floor", "bind", "release")
 
 
-class _Terminated(BaseException):
-    """SIGTERM, turned into an exception so every ``finally`` still cleans up."""
-
-
 def _say(msg: str) -> None:
     # stdout is reserved for the figures (one JSON object with --json).
     print(f"weft bench hook: {msg}", file=sys.stderr, flush=True)
-
-
-def _ms(ns: float) -> float:
-    return round(ns / 1e6, 3)
-
-
-def _summary(ns: list[int]) -> dict[str, float | int]:
-    q = statistics.quantiles(ns, n=100, method="inclusive")
-    return {"p50_ms": _ms(q[49]), "p99_ms": _ms(q[98]), "max_ms": _ms(max(ns)), "n": len(ns)}
 
 
 def _console_script() -> str | None:
@@ -154,7 +139,7 @@ def _measure(runs: int, warmup: int, workdir: Path) -> dict[str, list[int]]:
 
 
 def _figures(raw: dict[str, list[int]], samples: int, runs: int, warmup: int, workdir: str) -> dict:
-    f: dict = {name: _summary(ns) for name, ns in raw.items()}
+    f: dict = {name: summary(ns, 3) for name, ns in raw.items()}
     f.setdefault("fast_path_console_script", None)
     targets = {"fast_path_p99": f["fast_path"]["p99_ms"] <= LIMITS["fast_path_p99_ms"],
                "bind_p99": f["bind"]["p99_ms"] <= LIMITS["bind_p99_ms"]}
@@ -205,34 +190,20 @@ def _table(f: dict) -> str:
     return "\n".join(lines)
 
 
-def _terminate(*_: object) -> None:
-    # A second TERM must not cut the teardown that the first one started.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise _Terminated
-
-
 def main(*, as_json: bool, samples: int = 2000) -> int:
     if samples < 10:
         raise WeftError("need --samples >= 10")
     runs = min(samples, MAX_RUNS)
     warmup = min(20, max(3, runs // 10))
-    previous = signal.signal(signal.SIGTERM, _terminate)
     workdir = Path(tempfile.mkdtemp(prefix="weft-bench-hook-"))
+    _say(f"{runs} runs{' (capped)' if runs < samples else ''} after {warmup} warm-up, each a fresh process "
+         f"per kind, interleaved; broker and work files in {workdir}")
     try:
-        _say(f"{runs} runs{' (capped)' if runs < samples else ''} after {warmup} warm-up, each a fresh process "
-             f"per kind, interleaved; broker and work files in {workdir}")
-        figures = _figures(_measure(runs, warmup, workdir), samples, runs, warmup, str(workdir))
-    except _Terminated:
-        _say("terminated; cleaned up")
-        return 143
-    except KeyboardInterrupt:
-        _say("interrupted; cleaned up")
-        return 130
-    except Exception:  # noqa: BLE001 - any failure is reported, after cleanup, as exit code 1
-        _say(f"failed:\n{traceback.format_exc()}")
-        return 1
+        code, figures = guarded(_say, lambda: _figures(_measure(runs, warmup, workdir), samples, runs, warmup,
+                                                       str(workdir)))
     finally:
-        signal.signal(signal.SIGTERM, previous)
         shutil.rmtree(workdir, ignore_errors=True)
+    if figures is None:
+        return code
     print(json.dumps(figures, indent=2) if as_json else _table(figures), flush=True)
     return 0

@@ -26,12 +26,10 @@ import contextlib
 import gc
 import json
 import os
-import signal
 import statistics
 import subprocess
 import sys
 import time
-import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -42,6 +40,7 @@ import psutil
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
+from bench.running import guarded, ms
 from integration.agent import AgentProcess
 from integration.harness import Containerd
 from integration.pods import container_config, sandbox_config
@@ -59,22 +58,14 @@ MB = 1024 * 1024
 Cases = dict[str, tuple[bytes, dict[str, Callable[..., bytes]]]]
 
 
-class _Terminated(BaseException):
-    """SIGTERM, turned into an exception so every ``finally`` still cleans up."""
-
-
 def _say(msg: str) -> None:
     # stdout is reserved for the figures (one JSON object with --json).
     print(f"weft bench proxy: {msg}", file=sys.stderr, flush=True)
 
 
-def _ms(ns: float) -> float:
-    return round(ns / 1e6, 4)
-
-
 def _p50_p99(ns: list[int]) -> tuple[float, float]:
     q = statistics.quantiles(ns, n=100, method="inclusive")
-    return _ms(q[49]), _ms(q[98])
+    return ms(q[49]), ms(q[98])
 
 
 # -- pods --------------------------------------------------------------------
@@ -319,8 +310,8 @@ def _figures(raw: _Raw, pods: int, samples: int, load_seconds: float) -> dict:
                   "splice_added_p50_ms": round(s50 - version["direct_p50_ms"], 4),
                   "splice_added_p99_ms": round(s99 - version["direct_p99_ms"], 4)})
     floor["agent_over_splice_p50_ms"] = round(version["added_p50_ms"] - floor["splice_added_p50_ms"], 4)
-    d_med = _ms(statistics.median(raw.pod_start_ns["direct"]))
-    a_med = _ms(statistics.median(raw.pod_start_ns["agent"]))
+    d_med = ms(statistics.median(raw.pod_start_ns["direct"]))
+    a_med = ms(statistics.median(raw.pod_start_ns["agent"]))
     pod_start = {"direct_median_ms": d_med, "agent_median_ms": a_med, "ratio": round(a_med / d_med, 4),
                  "n": len(raw.pod_start_ns["direct"])}
     load = raw.load
@@ -395,29 +386,13 @@ def _table(f: dict) -> str:
     return "\n".join(lines)
 
 
-def _terminate(*_: object) -> None:
-    # A second TERM must not cut the teardown that the first one started.
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    raise _Terminated
-
-
 def main(*, as_json: bool, pods: int, samples: int, load_seconds: float, output: Path | None) -> int:
     if pods < 1 or samples < 10 or load_seconds < 0:
         raise WeftError("need --pods >= 1, --samples >= 10 and --load-seconds >= 0")
-    previous = signal.signal(signal.SIGTERM, _terminate)
-    try:
-        figures = _figures(_measure(pods, samples, load_seconds), pods, samples, load_seconds)
-    except _Terminated:
-        _say("terminated; cleaned up")
-        return 143
-    except KeyboardInterrupt:
-        _say("interrupted; cleaned up")
-        return 130
-    except Exception:  # noqa: BLE001 - any failure is reported, after cleanup, as exit code 1
-        _say(f"failed:\n{traceback.format_exc()}")
-        return 1
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    code, figures = guarded(_say, lambda: _figures(_measure(pods, samples, load_seconds), pods, samples,
+                                                   load_seconds))
+    if figures is None:
+        return code
     text = json.dumps(figures, indent=2)
     if output is not None:
         output.parent.mkdir(parents=True, exist_ok=True)

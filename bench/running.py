@@ -1,0 +1,53 @@
+"""What every ``weft bench`` shares: cleanup on SIGTERM, exit codes, percentile summaries.
+
+A benchmark starts daemons and makes namespaces; SIGTERM is turned into an
+exception so every ``finally`` still tears them down. Exit codes: 0 measured
+(whether or not targets were met), 1 failed, 130 interrupted, 143 terminated.
+"""
+
+from __future__ import annotations
+
+import signal
+import statistics
+import traceback
+from collections.abc import Callable
+from typing import TypeVar
+
+T = TypeVar("T")
+
+
+class Terminated(BaseException):
+    """SIGTERM, turned into an exception so every ``finally`` still cleans up."""
+
+
+def _terminate(*_: object) -> None:
+    # A second TERM must not cut the teardown that the first one started.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    raise Terminated
+
+
+def guarded(say: Callable[[str], None], measure: Callable[[], T]) -> tuple[int, T | None]:
+    """Run ``measure``; (0, its result), or (exit code, None) after saying what happened."""
+    previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        return 0, measure()
+    except Terminated:
+        say("terminated; cleaned up")
+        return 143, None
+    except KeyboardInterrupt:
+        say("interrupted; cleaned up")
+        return 130, None
+    except Exception:  # noqa: BLE001 - any failure is reported, after cleanup, as exit code 1
+        say(f"failed:\n{traceback.format_exc()}")
+        return 1, None
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def ms(ns: float, digits: int = 4) -> float:
+    return round(ns / 1e6, digits)
+
+
+def summary(ns: list[int], digits: int = 4) -> dict[str, float | int]:
+    q = statistics.quantiles(ns, n=100, method="inclusive")
+    return {"p50_ms": ms(q[49], digits), "p99_ms": ms(q[98], digits), "max_ms": ms(max(ns), digits), "n": len(ns)}
