@@ -49,6 +49,7 @@ class LeaseService:
         self._devices = backend.devices()
         self._by_uuid = {d.uuid: d for d in self._devices}
         self._live: dict[str, LeaseRecord] = {r.lease_id: r for r in store.all()}
+        self._dead_since: dict[str, float] = {}  # lease -> when its container was first seen gone
 
     @property
     def devices(self) -> list[GpuDevice]:
@@ -185,9 +186,18 @@ class LeaseService:
                 if self.release(lease_id, reason="unknown-to-agent",
                                 only_if=lambda r: r.state is LeaseState.ACQUIRED and r.key not in live)]
 
-    def release_dead(self) -> list[str]:
-        """Release bound leases whose container is gone (the poststop hook may never have run)."""
+    def release_dead(self, grace: float = 0.0) -> list[str]:
+        """Release bound leases whose container is gone (the poststop hook may never have run).
+
+        With ``grace``, a lease is released only once its container has been seen gone for that
+        long across calls: the poststop hook, which runs when containerd deletes the task, stays
+        the normal path and this sweep the fallback.
+        """
+        now = time.monotonic()
         dead = [r for r in self.leases() if r.state is LeaseState.BOUND and not _alive(r.pid, r.cgroup)]
+        first = {r.lease_id: self._dead_since.get(r.lease_id, now) for r in dead}
+        self._dead_since = first
+        dead = [r for r in dead if now - first[r.lease_id] >= grace]
         return [r.lease_id for r in dead
                 if self.release(r.lease_id, reason="container-gone",
                                 only_if=lambda now, was=r: now.state is LeaseState.BOUND and now.pid == was.pid)]

@@ -29,6 +29,9 @@ from shim.state.leases import LeaseRecord
 
 _log = log.get("weft.broker.watchdog")
 CGROUP_ROOT = Path("/sys/fs/cgroup")
+# How long a bound lease's container must have been gone before the watchdog releases it:
+# long enough for the poststop hook (the normal path) to do it first.
+DEAD_GRACE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -106,7 +109,7 @@ class Watchdog:
     def tick(self) -> list[Violation]:
         now = time.monotonic()
         elapsed, self._last = now - self._last, now
-        self.service.release_dead()
+        self.service.release_dead(grace=DEAD_GRACE_S)
         if self.mps is not None:
             self.mps.check()
         leases = [r for r in self.service.leases() if r.state is LeaseState.BOUND and r.cgroup]

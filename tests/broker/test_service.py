@@ -289,6 +289,14 @@ def test_release_dead_releases_bound_leases_whose_process_is_gone(svc: LeaseServ
     assert sorted(r.lease_id for r in svc.leases()) == sorted([alive.lease_id, unbound.lease_id])
 
 
+def test_release_dead_with_grace_leaves_the_poststop_hook_time(svc: LeaseService) -> None:
+    gone = acquire(svc, "sb/gone/0", memory=GI, compute=10)
+    svc.bind(gone.lease_id, "g" * 64, dead_pid(), "/whatever")
+    assert svc.release_dead(grace=60) == []  # seen gone just now: the hook may still release it
+    assert [r.lease_id for r in svc.leases()] == [gone.lease_id]
+    assert svc.release_dead(grace=0) == [gone.lease_id]
+
+
 # -- restart -------------------------------------------------------------------------------------
 def test_leases_survive_a_restart_and_still_hold_capacity(tmp_path: Path, mps: FakeMps) -> None:
     first = make(tmp_path, mps)
