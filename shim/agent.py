@@ -72,7 +72,9 @@ class Agent:
         from shim.mesh.node import MeshNode
 
         m = cfg.mesh
-        host = ShadowHost(self.fabric, cfg.agent.state_dir / "shadow-logs")
+        host = ShadowHost(self.fabric, cfg.agent.state_dir, fence_timeout=m.fence_timeout,
+                          heartbeat_interval=m.heartbeat_interval)
+        self.host = host
         mesh = MeshNode(node=m.node_name or socketlib.gethostname(), role={"both": "gpu,cpu"}.get(m.role, m.role),
                         address=m.address, peers=m.peers, tls_dir=m.tls_dir, hello_interval=m.hello_interval,
                         namespace=m.namespace, service=m.service, metrics=self.metrics, host=host)
@@ -83,6 +85,7 @@ class Agent:
         self.server.start()
         self.reconciler.start()
         if self.mesh is not None:
+            self.host.open()
             self.mesh.start()
         if self.cfg.agent.metrics_address:
             try:
@@ -105,6 +108,7 @@ class Agent:
         self.server.stop(grace)
         if self.mesh is not None:
             self.mesh.stop()
+            self.host.close()
         self.reconciler.stop()
         self.upstream.close()
         if self.broker is not None:

@@ -78,15 +78,33 @@ class MeshConfig:
     address: str = ""  # HOST:PORT the mesh listens on
     peers: str = ""  # a static peers file (TOML, [[peer]] tables), or "kubernetes"
     tls_dir: str = ""  # ca.crt and <node>.crt/.key, as `weft mesh-certs` writes them
-    hello_interval: float = 5.0
+    hello_interval: float = 2.0
     namespace: str = "weft-system"  # kubernetes discovery: the DaemonSet's namespace
     service: str = "weft-mesh"  # ... and its headless Service
+    # At most one live copy (DESIGN 2.3): a host kills an origin's shadows after
+    # fence_timeout without a Hello or Watch from it; the origin reports them
+    # exited (WeftPeerLost) only after loss_timeout without hearing from the
+    # host. loss_timeout - fence_timeout is the margin the kill has. The
+    # defaults let kubelet's restart run again within 30 s of a host dying.
+    fence_timeout: float = 8.0
+    loss_timeout: float = 16.0
+    # How often a host's Watch stream says it is alive.
+    heartbeat_interval: float = 1.0
 
     def validate(self) -> None:
         if self.role not in MESH_ROLES:
             raise ConfigError(f"mesh.role: {self.role!r} is not one of {', '.join(MESH_ROLES)}")
-        if self.hello_interval <= 0:
-            raise ConfigError(f"mesh.hello_interval: {self.hello_interval} must be positive")
+        for name in ("hello_interval", "fence_timeout", "loss_timeout", "heartbeat_interval"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"mesh.{name}: {getattr(self, name)} must be positive")
+        if self.fence_timeout < 2 * max(self.hello_interval, self.heartbeat_interval):
+            raise ConfigError(f"mesh.fence_timeout: {self.fence_timeout} s must be at least two Hello intervals "
+                              f"({self.hello_interval} s) and two heartbeats ({self.heartbeat_interval} s), "
+                              "or a healthy origin's shadows would be fenced")
+        if self.loss_timeout < self.fence_timeout + 2:
+            raise ConfigError(f"mesh.loss_timeout: {self.loss_timeout} s must exceed mesh.fence_timeout "
+                              f"({self.fence_timeout} s) by at least 2 s, the time a host has to kill a fenced "
+                              "shadow before the origin starts another copy")
         if not self.address:
             return
         try:

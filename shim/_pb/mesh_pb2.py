@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmesh.proto\x12\x0cweft.mesh.v1\"4\n\tResources\x12\x11\n\tcpu_cores\x18\x01 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x04\"\xe2\x02\n\tPeerState\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12,\n\x0b\x61llocatable\x18\x03 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12-\n\x0cown_requests\x18\x04 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12.\n\rhosted_limits\x18\x05 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12.\n\rmeasured_used\x18\x06 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12%\n\x04\x66ree\x18\x07 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12\x0f\n\x07healthy\x18\x08 \x01(\x08\x12\x15\n\rhealth_detail\x18\t \x01(\t\x12\x19\n\x11hosted_containers\x18\n \x01(\r\x12\x12\n\nsampled_at\x18\x0b \x01(\x01\"7\n\x0cHelloRequest\x12\'\n\x06origin\x18\x01 \x01(\x0b\x32\x17.weft.mesh.v1.PeerState\"h\n\x0c\x41\x64mitRequest\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\'\n\x06limits\x18\x03 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12\r\n\x05image\x18\x04 \x01(\t\"n\n\rAdmitResponse\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12+\n\nfree_after\x18\x04 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\"\x9e\x01\n\x10RunShadowRequest\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x19\n\x11origin_sandbox_id\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x16\n\x0esandbox_config\x18\x04 \x01(\x0c\x12\x18\n\x10\x63ontainer_config\x18\x05 \x01(\x0c\x12\x0c\n\x04\x61uth\x18\x06 \x01(\x0c\x12\r\n\x05start\x18\x07 \x01(\x08\"-\n\tShadowRef\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"b\n\x0bShadowState\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x19\n\x11shadow_sandbox_id\x18\x02 \x01(\t\x12\x1b\n\x13shadow_container_id\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\x0c\"\'\n\x14RemoveShadowResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\x32\xa2\x03\n\x04Mesh\x12<\n\x05Hello\x12\x1a.weft.mesh.v1.HelloRequest\x1a\x17.weft.mesh.v1.PeerState\x12@\n\x05\x41\x64mit\x12\x1a.weft.mesh.v1.AdmitRequest\x1a\x1b.weft.mesh.v1.AdmitResponse\x12\x46\n\tRunShadow\x12\x1e.weft.mesh.v1.RunShadowRequest\x1a\x19.weft.mesh.v1.ShadowState\x12\x41\n\x0bStartShadow\x12\x17.weft.mesh.v1.ShadowRef\x1a\x19.weft.mesh.v1.ShadowState\x12\x42\n\x0cShadowStatus\x12\x17.weft.mesh.v1.ShadowRef\x1a\x19.weft.mesh.v1.ShadowState\x12K\n\x0cRemoveShadow\x12\x17.weft.mesh.v1.ShadowRef\x1a\".weft.mesh.v1.RemoveShadowResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nmesh.proto\x12\x0cweft.mesh.v1\"4\n\tResources\x12\x11\n\tcpu_cores\x18\x01 \x01(\x01\x12\x14\n\x0cmemory_bytes\x18\x02 \x01(\x04\"\xe2\x02\n\tPeerState\x12\x0c\n\x04node\x18\x01 \x01(\t\x12\x0c\n\x04role\x18\x02 \x01(\t\x12,\n\x0b\x61llocatable\x18\x03 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12-\n\x0cown_requests\x18\x04 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12.\n\rhosted_limits\x18\x05 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12.\n\rmeasured_used\x18\x06 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12%\n\x04\x66ree\x18\x07 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12\x0f\n\x07healthy\x18\x08 \x01(\x08\x12\x15\n\rhealth_detail\x18\t \x01(\t\x12\x19\n\x11hosted_containers\x18\n \x01(\r\x12\x12\n\nsampled_at\x18\x0b \x01(\x01\"7\n\x0cHelloRequest\x12\'\n\x06origin\x18\x01 \x01(\x0b\x32\x17.weft.mesh.v1.PeerState\"h\n\x0c\x41\x64mitRequest\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\'\n\x06limits\x18\x03 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\x12\r\n\x05image\x18\x04 \x01(\t\"n\n\rAdmitResponse\x12\x10\n\x08\x61\x64mitted\x18\x01 \x01(\x08\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0e\n\x06\x64\x65tail\x18\x03 \x01(\t\x12+\n\nfree_after\x18\x04 \x01(\x0b\x32\x17.weft.mesh.v1.Resources\"\xc5\x01\n\x10RunShadowRequest\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x19\n\x11origin_sandbox_id\x18\x02 \x01(\t\x12\x0b\n\x03key\x18\x03 \x01(\t\x12\x16\n\x0esandbox_config\x18\x04 \x01(\x0c\x12\x18\n\x10\x63ontainer_config\x18\x05 \x01(\x0c\x12\x0c\n\x04\x61uth\x18\x06 \x01(\x0c\x12\r\n\x05start\x18\x07 \x01(\x08\x12%\n\x07volumes\x18\x08 \x03(\x0b\x32\x14.weft.mesh.v1.Volume\"6\n\nVolumeFile\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\x12\x0c\n\x04mode\x18\x03 \x01(\r\"^\n\x06Volume\x12\x16\n\x0e\x63ontainer_path\x18\x01 \x01(\t\x12\'\n\x05\x66iles\x18\x02 \x03(\x0b\x32\x18.weft.mesh.v1.VolumeFile\x12\x13\n\x0bsingle_file\x18\x03 \x01(\x08\"-\n\tShadowRef\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\"\x83\x01\n\x0bShadowState\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\x19\n\x11shadow_sandbox_id\x18\x02 \x01(\t\x12\x1b\n\x13shadow_container_id\x18\x03 \x01(\t\x12\x0e\n\x06status\x18\x04 \x01(\x0c\x12\x11\n\theartbeat\x18\x05 \x01(\x08\x12\x0c\n\x04gone\x18\x06 \x01(\x08\"F\n\x0cWatchRequest\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x0c\n\x04keys\x18\x02 \x03(\t\x12\x13\n\x0bheartbeat_s\x18\x03 \x01(\x01\"V\n\x11ShadowCallRequest\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06method\x18\x03 \x01(\t\x12\x0f\n\x07request\x18\x04 \x01(\x0c\"&\n\x12ShadowCallResponse\x12\x10\n\x08response\x18\x01 \x01(\x0c\">\n\nLogRequest\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\"(\n\x08LogChunk\x12\x0e\n\x06offset\x18\x01 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"]\n\x12SyncVolumesRequest\x12\x13\n\x0borigin_node\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12%\n\x07volumes\x18\x03 \x03(\x0b\x32\x14.weft.mesh.v1.Volume\"&\n\x13SyncVolumesResponse\x12\x0f\n\x07\x63hanged\x18\x01 \x01(\r\"\'\n\x14RemoveShadowResponse\x12\x0f\n\x07removed\x18\x01 \x01(\x08\x32\xca\x05\n\x04Mesh\x12<\n\x05Hello\x12\x1a.weft.mesh.v1.HelloRequest\x1a\x17.weft.mesh.v1.PeerState\x12@\n\x05\x41\x64mit\x12\x1a.weft.mesh.v1.AdmitRequest\x1a\x1b.weft.mesh.v1.AdmitResponse\x12\x46\n\tRunShadow\x12\x1e.weft.mesh.v1.RunShadowRequest\x1a\x19.weft.mesh.v1.ShadowState\x12\x41\n\x0bStartShadow\x12\x17.weft.mesh.v1.ShadowRef\x1a\x19.weft.mesh.v1.ShadowState\x12\x42\n\x0cShadowStatus\x12\x17.weft.mesh.v1.ShadowRef\x1a\x19.weft.mesh.v1.ShadowState\x12K\n\x0cRemoveShadow\x12\x17.weft.mesh.v1.ShadowRef\x1a\".weft.mesh.v1.RemoveShadowResponse\x12@\n\x05Watch\x12\x1a.weft.mesh.v1.WatchRequest\x1a\x19.weft.mesh.v1.ShadowState0\x01\x12O\n\nShadowCall\x12\x1f.weft.mesh.v1.ShadowCallRequest\x1a .weft.mesh.v1.ShadowCallResponse\x12?\n\tStreamLog\x12\x18.weft.mesh.v1.LogRequest\x1a\x16.weft.mesh.v1.LogChunk0\x01\x12R\n\x0bSyncVolumes\x12 .weft.mesh.v1.SyncVolumesRequest\x1a!.weft.mesh.v1.SyncVolumesResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,13 +43,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_ADMITRESPONSE']._serialized_start=602
   _globals['_ADMITRESPONSE']._serialized_end=712
   _globals['_RUNSHADOWREQUEST']._serialized_start=715
-  _globals['_RUNSHADOWREQUEST']._serialized_end=873
-  _globals['_SHADOWREF']._serialized_start=875
-  _globals['_SHADOWREF']._serialized_end=920
-  _globals['_SHADOWSTATE']._serialized_start=922
-  _globals['_SHADOWSTATE']._serialized_end=1020
-  _globals['_REMOVESHADOWRESPONSE']._serialized_start=1022
-  _globals['_REMOVESHADOWRESPONSE']._serialized_end=1061
-  _globals['_MESH']._serialized_start=1064
-  _globals['_MESH']._serialized_end=1482
+  _globals['_RUNSHADOWREQUEST']._serialized_end=912
+  _globals['_VOLUMEFILE']._serialized_start=914
+  _globals['_VOLUMEFILE']._serialized_end=968
+  _globals['_VOLUME']._serialized_start=970
+  _globals['_VOLUME']._serialized_end=1064
+  _globals['_SHADOWREF']._serialized_start=1066
+  _globals['_SHADOWREF']._serialized_end=1111
+  _globals['_SHADOWSTATE']._serialized_start=1114
+  _globals['_SHADOWSTATE']._serialized_end=1245
+  _globals['_WATCHREQUEST']._serialized_start=1247
+  _globals['_WATCHREQUEST']._serialized_end=1317
+  _globals['_SHADOWCALLREQUEST']._serialized_start=1319
+  _globals['_SHADOWCALLREQUEST']._serialized_end=1405
+  _globals['_SHADOWCALLRESPONSE']._serialized_start=1407
+  _globals['_SHADOWCALLRESPONSE']._serialized_end=1445
+  _globals['_LOGREQUEST']._serialized_start=1447
+  _globals['_LOGREQUEST']._serialized_end=1509
+  _globals['_LOGCHUNK']._serialized_start=1511
+  _globals['_LOGCHUNK']._serialized_end=1551
+  _globals['_SYNCVOLUMESREQUEST']._serialized_start=1553
+  _globals['_SYNCVOLUMESREQUEST']._serialized_end=1646
+  _globals['_SYNCVOLUMESRESPONSE']._serialized_start=1648
+  _globals['_SYNCVOLUMESRESPONSE']._serialized_end=1686
+  _globals['_REMOVESHADOWRESPONSE']._serialized_start=1688
+  _globals['_REMOVESHADOWRESPONSE']._serialized_end=1727
+  _globals['_MESH']._serialized_start=1730
+  _globals['_MESH']._serialized_end=2444
 # @@protoc_insertion_point(module_scope)

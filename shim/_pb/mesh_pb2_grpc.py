@@ -65,6 +65,26 @@ class MeshStub:
                 request_serializer=mesh__pb2.ShadowRef.SerializeToString,
                 response_deserializer=mesh__pb2.RemoveShadowResponse.FromString,
                 _registered_method=True)
+        self.Watch = channel.unary_stream(
+                '/weft.mesh.v1.Mesh/Watch',
+                request_serializer=mesh__pb2.WatchRequest.SerializeToString,
+                response_deserializer=mesh__pb2.ShadowState.FromString,
+                _registered_method=True)
+        self.ShadowCall = channel.unary_unary(
+                '/weft.mesh.v1.Mesh/ShadowCall',
+                request_serializer=mesh__pb2.ShadowCallRequest.SerializeToString,
+                response_deserializer=mesh__pb2.ShadowCallResponse.FromString,
+                _registered_method=True)
+        self.StreamLog = channel.unary_stream(
+                '/weft.mesh.v1.Mesh/StreamLog',
+                request_serializer=mesh__pb2.LogRequest.SerializeToString,
+                response_deserializer=mesh__pb2.LogChunk.FromString,
+                _registered_method=True)
+        self.SyncVolumes = channel.unary_unary(
+                '/weft.mesh.v1.Mesh/SyncVolumes',
+                request_serializer=mesh__pb2.SyncVolumesRequest.SerializeToString,
+                response_deserializer=mesh__pb2.SyncVolumesResponse.FromString,
+                _registered_method=True)
 
 
 class MeshServicer:
@@ -118,6 +138,46 @@ class MeshServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Watch(self, request, context):
+        """The origin's view of its shadows here, pushed: first every shadow of the
+        origin, then each one whose state changes, as it changes, and a heartbeat
+        (a ShadowState with heartbeat set and no key) every heartbeat_s. The
+        request lists the keys the origin still owns; any other shadow of that
+        origin is an orphan (the origin removed or never finished it while the two
+        were apart) and is removed. While no Hello or Watch arrives from an origin
+        for the host's fence timeout, the host kills that origin's shadows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ShadowCall(self, request, context):
+        """A CRI call on a shadow, as kubelet made it to the origin: ExecSync,
+        ContainerStats, UpdateContainerResources, StopContainer or
+        ReopenContainerLog (no other method). The host puts its shadow's
+        container ID in the request and keeps the shadow's low CPU weight.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StreamLog(self, request, context):
+        """The shadow's log (CRI log format, as the host's containerd writes it)
+        from byte offset on, as it grows. Ends once the container has exited and
+        everything it wrote was sent.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SyncVolumes(self, request, context):
+        """Replace the files of the shadow's copied read-only volumes (ConfigMap,
+        Secret, projected) with these: how an update on the origin follows.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeshServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -150,6 +210,26 @@ def add_MeshServicer_to_server(servicer, server):
                     servicer.RemoveShadow,
                     request_deserializer=mesh__pb2.ShadowRef.FromString,
                     response_serializer=mesh__pb2.RemoveShadowResponse.SerializeToString,
+            ),
+            'Watch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Watch,
+                    request_deserializer=mesh__pb2.WatchRequest.FromString,
+                    response_serializer=mesh__pb2.ShadowState.SerializeToString,
+            ),
+            'ShadowCall': grpc.unary_unary_rpc_method_handler(
+                    servicer.ShadowCall,
+                    request_deserializer=mesh__pb2.ShadowCallRequest.FromString,
+                    response_serializer=mesh__pb2.ShadowCallResponse.SerializeToString,
+            ),
+            'StreamLog': grpc.unary_stream_rpc_method_handler(
+                    servicer.StreamLog,
+                    request_deserializer=mesh__pb2.LogRequest.FromString,
+                    response_serializer=mesh__pb2.LogChunk.SerializeToString,
+            ),
+            'SyncVolumes': grpc.unary_unary_rpc_method_handler(
+                    servicer.SyncVolumes,
+                    request_deserializer=mesh__pb2.SyncVolumesRequest.FromString,
+                    response_serializer=mesh__pb2.SyncVolumesResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -314,6 +394,114 @@ class Mesh:
             '/weft.mesh.v1.Mesh/RemoveShadow',
             mesh__pb2.ShadowRef.SerializeToString,
             mesh__pb2.RemoveShadowResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Watch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weft.mesh.v1.Mesh/Watch',
+            mesh__pb2.WatchRequest.SerializeToString,
+            mesh__pb2.ShadowState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ShadowCall(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.mesh.v1.Mesh/ShadowCall',
+            mesh__pb2.ShadowCallRequest.SerializeToString,
+            mesh__pb2.ShadowCallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StreamLog(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weft.mesh.v1.Mesh/StreamLog',
+            mesh__pb2.LogRequest.SerializeToString,
+            mesh__pb2.LogChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncVolumes(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.mesh.v1.Mesh/SyncVolumes',
+            mesh__pb2.SyncVolumesRequest.SerializeToString,
+            mesh__pb2.SyncVolumesResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
 from pathlib import Path
 
 import grpc
@@ -58,10 +59,24 @@ def _unsafe(sandbox: cri.PodSandboxConfig, config: cri.ContainerConfig) -> str:
 
 
 class ShadowHost:
-    def __init__(self, fabric: Fabric, log_root: Path) -> None:
+    def __init__(self, fabric: Fabric, state_dir: Path, *, fence_timeout: float = 8.0,
+                 heartbeat_interval: float = 1.0) -> None:
         self.fabric = fabric
-        self.log_root = log_root
+        self.log_root = state_dir / "shadow-logs"
+        self.fence_timeout = fence_timeout
+        self.heartbeat_interval = heartbeat_interval
         self._lock = threading.Lock()  # one RunShadow at a time per host: sandbox reuse stays simple
+        self._contact: dict[str, float] = {}
+
+    def open(self) -> None:
+        """Start the fencer (a thread that kills the shadows of origins not heard from in time)."""
+
+    def close(self) -> None:
+        """Stop the fencer."""
+
+    def touch(self, origin: str) -> None:
+        """The origin was heard from (Hello or any shadow call): its shadows are not fenced yet."""
+        self._contact[origin] = time.monotonic()
 
     def _call(self, path: str, request, response_type):
         return response_type.FromString(self.fabric.upstream.channel.unary_unary(path)(

@@ -24,6 +24,7 @@ from shim._pb import mesh_pb2_grpc as pb_grpc
 from shim.errors import WeftError
 from shim.mesh.certs import MeshTls
 from shim.mesh.identity import PeerRefused
+from shim.mesh.server import KEEPALIVE_OPTIONS
 
 HELLO_TIMEOUT_S = 2.0
 ADMIT_TIMEOUT_S = 2.0
@@ -70,6 +71,9 @@ class PeerClient:
             # A peer that restarts should be found again within a Hello period or two,
             # not after gRPC's default two-minute backoff.
             ("grpc.max_reconnect_backoff_ms", 5000),
+            ("grpc.max_receive_message_length", 64 << 20),
+            ("grpc.max_send_message_length", 64 << 20),
+            *KEEPALIVE_OPTIONS,
         ])
         self._stub = pb_grpc.MeshStub(self._channel)
 
@@ -95,6 +99,32 @@ class PeerClient:
         return self._call("RemoveShadow", self._stub.RemoveShadow, pb.ShadowRef(origin_node=origin, key=key),
                           SHADOW_TIMEOUT_S).removed
 
+    def call(self, origin: str, key: str, method: str, request: bytes, timeout: float) -> bytes:
+        """A CRI call on the shadow of ``key`` (ExecSync, ContainerStats, ...): the host's containerd answers."""
+        req = pb.ShadowCallRequest(origin_node=origin, key=key, method=method, request=request)
+        return self._call(method, self._stub.ShadowCall, req, timeout).response
+
+    def sync_volumes(self, origin: str, key: str, volumes) -> int:
+        req = pb.SyncVolumesRequest(origin_node=origin, key=key, volumes=volumes)
+        return self._call("SyncVolumes", self._stub.SyncVolumes, req, SHADOW_TIMEOUT_S).changed
+
+    def watch(self, origin: str, keys: list[str], heartbeat_s: float):
+        """The host's pushed shadow states; a ``grpc`` call object (iterate it, ``cancel()`` it)."""
+        return self._stub.Watch(pb.WatchRequest(origin_node=origin, keys=keys, heartbeat_s=heartbeat_s))
+
+    def stream_log(self, origin: str, key: str, offset: int):
+        """The shadow's log from ``offset``; a ``grpc`` call object (iterate it, ``cancel()`` it)."""
+        return self._stub.StreamLog(pb.LogRequest(origin_node=origin, key=key, offset=offset))
+
+    def unavailable(self, method: str, exc: grpc.RpcError) -> WeftError:
+        """The typed error for a failed stream, as ``_call`` gives for unary calls."""
+        code, details = exc.code(), exc.details() or ""
+        if code in _REFUSALS:
+            return PeerRefused(f"peer {self.node} at {self.address} refused {method}: {details}", node=self.node,
+                               code=code)
+        return PeerUnavailable(f"peer {self.node} at {self.address} did not answer {method} ({code.name}): "
+                               f"{details}", node=self.node, status=code)
+
     def close(self) -> None:
         self._channel.close()
 
@@ -108,9 +138,4 @@ class PeerClient:
         try:
             return fn(request, timeout=timeout)
         except grpc.RpcError as exc:
-            code, details = exc.code(), exc.details() or ""
-            if code in _REFUSALS:
-                raise PeerRefused(f"peer {self.node} at {self.address} refused {method}: {details}",
-                                  node=self.node, code=code) from exc
-            raise PeerUnavailable(f"peer {self.node} at {self.address} did not answer {method} "
-                                  f"({code.name}): {details}", node=self.node, status=code) from exc
+            raise self.unavailable(method, exc) from exc

@@ -44,6 +44,20 @@ def _mapped(fn: Callable[..., Any]) -> Callable[..., Any]:
     return handler
 
 
+def _mapped_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
+    def handler(self, request, context):
+        try:
+            yield from fn(self, request, context)
+        except PeerRefused as exc:
+            _log.warning("peer.refused", method=fn.__name__, peer=context.peer(), node=exc.node, detail=exc.message)
+            context.abort(exc.code, exc.message)
+        except WeftError as exc:
+            context.abort(exc.code, exc.message)
+
+    handler.__name__ = fn.__name__
+    return handler
+
+
 class MeshServicer(pb_grpc.MeshServicer):
     def __init__(self, node: str, policy: PeerPolicy, probe: CapacityProbe, admit: Admit | None = None,
                  host: Any = None) -> None:
@@ -68,6 +82,8 @@ class MeshServicer(pb_grpc.MeshServicer):
         with self._lock:
             known = node in self._peers
             self._peers[node] = _copy(request.origin)
+        if self.host is not None:
+            self.host.touch(node)  # an origin that says Hello keeps its shadows from being fenced
         if not known:
             _log.info("peer.hello", peer=node, role=request.origin.role)
         state = self.probe.sample()
@@ -79,6 +95,7 @@ class MeshServicer(pb_grpc.MeshServicer):
         self.policy.check_claim(node, claimed, method)
         if self.host is None:
             raise PeerRefused(f"node {self.node} does not host containers", node=node)
+        self.host.touch(node)
         return node
 
     @_mapped
@@ -102,6 +119,28 @@ class MeshServicer(pb_grpc.MeshServicer):
         return pb.RemoveShadowResponse(removed=self.host.remove(node, request.key))
 
     @_mapped
+    def ShadowCall(self, request, context):  # noqa: N802
+        node = self._host(context, request.origin_node, "ShadowCall")
+        return self.host.call(node, request)
+
+    @_mapped
+    def SyncVolumes(self, request, context):  # noqa: N802
+        node = self._host(context, request.origin_node, "SyncVolumes")
+        return self.host.sync_volumes(node, request)
+
+    # The two streams: the checks run before the first message, and an error
+    # after that ends the stream with its status as the unary calls do.
+    @_mapped_stream
+    def Watch(self, request, context):  # noqa: N802
+        node = self._host(context, request.origin_node, "Watch")
+        return self.host.watch(node, request, context)
+
+    @_mapped_stream
+    def StreamLog(self, request, context):  # noqa: N802
+        node = self._host(context, request.origin_node, "StreamLog")
+        return self.host.stream_log(node, request, context)
+
+    @_mapped
     def Admit(self, request, context):  # noqa: N802
         node = self.policy.check(context.auth_context())
         self.policy.check_claim(node, request.origin_node, "Admit")
@@ -123,7 +162,7 @@ class MeshServer:
         probe: CapacityProbe,
         admit: Admit | None = None,
         *,
-        max_workers: int = 8,
+        max_workers: int = 64,
         host: Any = None,
     ) -> None:
         key_pem, cert_pem, ca_pem = tls
@@ -137,7 +176,9 @@ class MeshServer:
         self.servicer = MeshServicer(node, policy, probe, admit, host=host)
         self._credentials = grpc.ssl_server_credentials(
             [(key_pem, cert_pem)], root_certificates=ca_pem, require_client_auth=True)
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weft-mesh"))
+        # Every origin holds a Watch and a log stream per hosted container open, each a worker.
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weft-mesh"),
+                                   options=KEEPALIVE_OPTIONS)
         pb_grpc.add_MeshServicer_to_server(self.servicer, self._server)
 
     def start(self) -> None:
@@ -160,6 +201,16 @@ class MeshServer:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+# A cut link must end the streams on both sides within seconds, not after TCP's own timeouts.
+KEEPALIVE_OPTIONS = (
+    ("grpc.keepalive_time_ms", 2000),
+    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
+    ("grpc.http2.max_pings_without_data", 0),
+)
 
 
 def _copy(state: pb.PeerState) -> pb.PeerState:
