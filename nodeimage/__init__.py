@@ -1,0 +1,1 @@
+"""The weft node image build (build.py), manifests, dashboards and rules."""
