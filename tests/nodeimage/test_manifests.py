@@ -1,0 +1,169 @@
+"""The Kubernetes manifests in nodeimage/manifests: valid, least-privilege, and what weft's code expects.
+
+Schema validation uses kubernetes-validate (the OpenAPI schemas of each
+Kubernetes release, bundled), in strict mode so a misspelt field fails. The
+cross-checks read the names from weft's own code (mesh config defaults,
+discovery's port name, the image build's name) so the manifests cannot drift
+from what the agent looks for.
+"""
+
+from __future__ import annotations
+
+import base64
+from pathlib import Path
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from nodeimage import build
+from shim.config import MeshConfig
+from shim.mesh import discovery
+from shim.mesh.certs import load_node_tls, write_mesh_certs
+
+MANIFESTS = Path(__file__).resolve().parents[2] / "nodeimage" / "manifests"
+# Oldest still-common release, a recent one, the newest the library bundles.
+K8S_VERSIONS = ("1.29.0", "1.33.0", kubernetes_validate.latest_version())
+
+
+def _docs(path: Path) -> list[dict]:
+    return [d for d in yaml.safe_load_all(path.read_text()) if d]
+
+
+def _resource_files() -> list[Path]:
+    return sorted(p for p in MANIFESTS.glob("*.yaml") if p.name != "kustomization.yaml")
+
+
+ALL = [(p.name, i, d) for p in _resource_files() for i, d in enumerate(_docs(p))]
+
+
+def _one(kind: str) -> dict:
+    found = [d for _, _, d in ALL if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+@pytest.mark.parametrize("version", K8S_VERSIONS)
+@pytest.mark.parametrize(("name", "index", "doc"), ALL, ids=[f"{n}[{i}]-{d['kind']}" for n, i, d in ALL])
+def test_every_manifest_is_valid_against_the_kubernetes_api_schema(name, index, doc, version):
+    kubernetes_validate.validate(doc, version, strict=True)
+
+
+def test_the_schema_check_catches_a_misspelt_field():
+    ds = yaml.safe_load((MANIFESTS / "daemonset.yaml").read_text())
+    ds["spec"]["template"]["spec"]["hostNetwrk"] = True
+    with pytest.raises(kubernetes_validate.ValidationError, match="hostNetwrk"):
+        kubernetes_validate.validate(ds, K8S_VERSIONS[-1], strict=True)
+
+
+def test_kustomization_lists_exactly_the_manifests_present_and_each_loads():
+    kust = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
+    assert kust["kind"] == "Kustomization"
+    listed = kust["resources"]
+    present = [p.name for p in _resource_files() if not p.name.endswith(".example.yaml")]
+    assert sorted(listed) == present
+    assert len(listed) == len(set(listed))
+    for name in listed:
+        assert _docs(MANIFESTS / name), f"{name} holds no object"
+    assert {i["name"] for i in kust.get("images", [])} == {build.DEFAULT_NAME.rsplit(":", 1)[0]}
+
+
+def test_the_mesh_secret_is_never_applied_by_the_kustomization():
+    kust = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
+    applied = [d for name in kust["resources"] for d in _docs(MANIFESTS / name)]
+    assert not [d for d in applied if d["kind"] == "Secret"]
+
+
+def test_rbac_grants_only_get_list_watch_on_endpointslices_and_nodes():
+    rules = {}
+    for _, _, d in ALL:
+        if d["kind"] in ("Role", "ClusterRole"):
+            assert "aggregationRule" not in d
+            for r in d["rules"]:
+                assert "nonResourceURLs" not in r and "resourceNames" not in r
+                for group in r["apiGroups"]:
+                    for res in r["resources"]:
+                        rules.setdefault((d["kind"], group, res), set()).update(r["verbs"])
+    assert rules == {
+        ("Role", "discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
+        ("ClusterRole", "", "nodes"): {"get", "list", "watch"},
+    }
+
+
+def test_rbac_reaches_only_the_daemonsets_service_account_and_endpointslices_only_in_its_namespace():
+    ds = _one("DaemonSet")
+    sa = (ds["metadata"]["namespace"], ds["spec"]["template"]["spec"]["serviceAccountName"])
+    assert sa == (_one("ServiceAccount")["metadata"]["namespace"], _one("ServiceAccount")["metadata"]["name"])
+    roles = {(d["kind"], d["metadata"]["name"]): d for _, _, d in ALL if d["kind"] in ("Role", "ClusterRole")}
+    for _, _, b in ALL:
+        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+            continue
+        assert [(s["kind"], s["namespace"], s["name"]) for s in b["subjects"]] == [("ServiceAccount", *sa)]
+        assert (b["roleRef"]["kind"], b["roleRef"]["name"]) in roles
+        if b["kind"] == "RoleBinding":
+            assert b["metadata"]["namespace"] == MeshConfig().namespace
+    role = _one("Role")
+    assert role["metadata"]["namespace"] == MeshConfig().namespace
+
+
+def test_headless_service_is_the_one_mesh_discovery_reads():
+    svc, ds = _one("Service"), _one("DaemonSet")
+    mesh = MeshConfig()
+    assert (svc["metadata"]["namespace"], svc["metadata"]["name"]) == (mesh.namespace, mesh.service)
+    assert svc["spec"]["clusterIP"] == "None"
+    assert [(p["name"], p["port"]) for p in svc["spec"]["ports"]] == [
+        (discovery.DEFAULT_PORT_NAME, discovery.DEFAULT_PORT)]
+    pod_labels = ds["spec"]["template"]["metadata"]["labels"]
+    assert svc["spec"]["selector"].items() <= pod_labels.items()
+    assert ds["spec"]["selector"]["matchLabels"].items() <= pod_labels.items()
+
+
+def test_runtime_class_weft_uses_handler_weft():
+    rc = _one("RuntimeClass")
+    assert (rc["metadata"]["name"], rc["handler"]) == ("weft", "weft")
+
+
+def test_daemonset_runs_the_installer_with_the_host_root_at_host_and_mounts_nothing_else_from_the_host():
+    spec = _one("DaemonSet")["spec"]["template"]["spec"]
+    host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
+    assert host_paths == {"host-root": "/"}
+    (init,) = spec["initContainers"]
+    assert init["args"][:3] == ["install", "--root", "/host"]
+    assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["host-root"] == "/host"
+    for c in spec["containers"]:
+        assert "host-root" not in {m["name"] for m in c.get("volumeMounts", [])}
+        assert c["securityContext"]["runAsNonRoot"] is True
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    assert spec["hostNetwork"] is True  # the pod's IP is the node's, where the host agent's mesh listens
+    for c in (init, *spec["containers"]):
+        assert c["image"] == build.DEFAULT_NAME
+
+
+def test_daemonset_lands_on_gpu_and_cpu_nodes():
+    spec = _one("DaemonSet")["spec"]["template"]["spec"]
+    assert spec["nodeSelector"] == {"kubernetes.io/os": "linux"}
+    tolerated = {(t["key"], t.get("effect")) for t in spec["tolerations"] if t["operator"] == "Exists"}
+    assert ("nvidia.com/gpu", "NoSchedule") in tolerated
+    assert ("weft.io/role", "NoSchedule") in tolerated
+
+
+def test_mesh_tls_secret_keys_are_the_files_tls_dir_reads(tmp_path):
+    """A Secret laid out as the example says, mounted as kubelet mounts it, is a --tls-dir the agent loads."""
+    example = _one("Secret")
+    ds = _one("DaemonSet")["spec"]["template"]["spec"]
+    (vol,) = [v for v in ds["volumes"] if "secret" in v]
+    assert vol["secret"]["secretName"] == example["metadata"]["name"]
+    assert set(example["data"]) == {"ca.crt", "gpu-1.crt", "gpu-1.key"}
+
+    issued = write_mesh_certs(tmp_path / "issued", ["gpu-1", "cpu-1"])
+    secret = {**example, "data": {name: base64.b64encode(path.read_bytes()).decode()
+                                  for name, path in issued.items() if name != "ca.key"}}
+    kubernetes_validate.validate(secret, K8S_VERSIONS[-1], strict=True)
+    mounted = tmp_path / "mounted"  # a secret volume: one file per key
+    mounted.mkdir()
+    for key, value in secret["data"].items():
+        (mounted / key).write_bytes(base64.b64decode(value))
+    for node in ("gpu-1", "cpu-1"):
+        tls = load_node_tls(mounted, node)
+        assert tls.ca_pem == (tmp_path / "issued" / "ca.crt").read_bytes()
+    assert not (mounted / "ca.key").exists()
