@@ -33,6 +33,9 @@ from shim.unixsock import SocketClaim
 
 _log = log.get("weft.broker")
 
+# A hook request is a few hundred bytes; a longer line is refused (and skipped) rather than buffered whole.
+MAX_HOOK_LINE = 64 << 10
+
 
 def lease_pb(rec: LeaseRecord) -> pb.Lease:
     return pb.Lease(
@@ -128,8 +131,15 @@ class HookEndpoint:
 
         class Handler(socketserver.StreamRequestHandler):
             def handle(self) -> None:
-                for line in self.rfile:
-                    self.wfile.write(json.dumps(_answer(svc, line)).encode() + b"\n")
+                while line := self.rfile.readline(MAX_HOOK_LINE + 1):
+                    if len(line) > MAX_HOOK_LINE and not line.endswith(b"\n"):
+                        while (rest := self.rfile.readline(MAX_HOOK_LINE)) and not rest.endswith(b"\n"):
+                            pass  # the rest of the line, never held whole
+                        answer = {"ok": False, "code": "INVALID_ARGUMENT",
+                                  "error": f"hook request longer than {MAX_HOOK_LINE} bytes"}
+                    else:
+                        answer = _answer(svc, line)
+                    self.wfile.write(json.dumps(answer).encode() + b"\n")
                     self.wfile.flush()
 
         self.claim.acquire()
@@ -168,6 +178,8 @@ def _answer(service: LeaseService, line: bytes) -> dict[str, Any]:
         return {"ok": False, "code": exc.code.name, "error": exc.message}
     except (ValueError, KeyError, TypeError, OverflowError, AttributeError) as exc:
         return {"ok": False, "code": "INVALID_ARGUMENT", "error": f"malformed hook request: {exc!r}"}
+    except RecursionError:  # JSON nested deeper than the parser goes: not a hook request
+        return {"ok": False, "code": "INVALID_ARGUMENT", "error": "malformed hook request: nested too deeply"}
     except sqlite3.Error as exc:
         return {"ok": False, "code": "INTERNAL", "error": f"the broker's state store failed: {exc}"}
 
