@@ -6,6 +6,8 @@
 ``weft explain ID``   why a container was placed where it is
 ``weft mesh-certs``   a mesh CA and node certificates for tests and small clusters
 ``weft simulate``     a fleet simulation: bundled pods against weft, on public traces
+``weft install``      install weft onto the node's host (``weft uninstall`` restores it)
+``weft report``       did opting a workload in pay off: its GPUs held vs active before and since, from Prometheus
 ``weft demo``         a throwaway fabric on this machine, end to end
 ``weft bench ...``    benchmarks that compare side by side in one run
 
@@ -183,6 +185,12 @@ def parser() -> argparse.ArgumentParser:
     from shim.sim import cli as sim_cli
 
     sim_cli.add_parser(sub)
+    from shim.install import cli as install_cli
+
+    install_cli.add_parser(sub)
+    from shim.report import cli as report_cli
+
+    report_cli.add_parser(sub)
 
     d = sub.add_parser("demo", help="run a throwaway containerd and agent, start a pod through it, clean up")
     d.add_argument("--keep", action="store_true", help="leave the pod running until Enter is pressed")

@@ -14,6 +14,8 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── LeaseConflictError         the lease is bound to another container (FAILED_PRECONDITION)
     ├── UnknownContainer           weft placed no such container (NOT_FOUND)
     ├── CreateInProgress           the same CreateContainer is already being served (ABORTED)
+    ├── InstallError               install/uninstall stopped; the message says what was undone (FAILED_PRECONDITION)
+    │   └── UnrecognisedHost       a containerd/kubelet file it cannot parse or does not know; nothing changed
     └── UpstreamError              containerd answered with a status (any code)
         └── UpstreamUnavailable    containerd's socket is missing or dead (UNAVAILABLE)
 
@@ -84,6 +86,16 @@ class SocketInUse(WeftError):
     """Another live process already serves the socket we were asked to serve."""
 
     code = grpc.StatusCode.ALREADY_EXISTS
+
+
+class InstallError(WeftError):
+    """``weft install``/``uninstall`` stopped; the message says what failed and what state the host is in."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class UnrecognisedHost(InstallError):
+    """A host file the installer cannot parse or does not recognise; the message names it. Nothing was changed."""
 
 
 class UpstreamError(WeftError):

@@ -1,0 +1,7 @@
+"""The host installer: weft onto a node as systemd services, kubelet switched to the agent, all undoable.
+
+``plan``, ``containerd``, ``kubelet`` and ``tomlw`` are pure (host files in,
+bytes out); ``host`` (atomic files, journal, backups), ``services``
+(systemctl, health checks), ``bundle`` (the self-contained copy) do the I/O;
+``run`` orders the steps; ``cli`` is the command line. DESIGN 2.7.
+"""

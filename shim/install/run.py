@@ -1,0 +1,286 @@
+"""``weft install`` / ``weft uninstall``: the steps, their order, the journal around them, rollback.
+
+Install, after a plan that reads everything and changes nothing (an
+unrecognised host is refused here)::
+
+    backups, journal -> bundle -> units -> containerd-config -> containerd-restart
+      -> weft-start -> agent-verify -> kubelet-config -> kubelet-restart -> kubelet-health
+
+kubelet is switched only after the agent answers CRI ``Version``; if kubelet
+is not healthy within ``--kubelet-timeout`` after its restart, or any step
+fails, everything is undone by the uninstall steps. Uninstall puts kubelet
+back on containerd *first* and waits for it, and only then stops the agent, so
+kubelet never points at a dead socket::
+
+    kubelet-config -> kubelet-restart -> kubelet-health -> weft-stop -> units
+      -> containerd-config -> containerd-restart -> bundle -> journal
+
+Every step converges (writes the planned bytes, removes what weft added,
+restarts a service) and is marked begun in the journal before it runs, so
+after ``kill -9`` at any point a re-run of either command finishes the job.
+``WEFT_FAILPOINTS=install.<step>`` / ``uninstall.<step>`` kills the process
+right after that step (and ``install.backups`` before the journal exists).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from shim import failpoint
+from shim.errors import InstallError, UnrecognisedHost
+from shim.install import bundle, containerd, kubelet, services
+from shim.install.host import JOURNAL, Host, Journal, OriginalFiles
+from shim.install.plan import AGENT_SOCKET, AGENT_UNIT, BROKER_UNIT, INSTALL_DIR, OPT, Options, Plan, make
+
+INSTALL_STEPS = ("bundle", "units", "containerd-config", "containerd-restart", "weft-start", "agent-verify",
+                 "kubelet-config", "kubelet-restart", "kubelet-health")
+UNINSTALL_STEPS = ("kubelet-config", "kubelet-restart", "kubelet-health", "weft-stop", "units",
+                   "containerd-config", "containerd-restart", "bundle", "journal")
+KUBELET_FILES = (kubelet.CONFIG_YAML, *kubelet.FLAG_FILES)
+
+
+@dataclass
+class Settings:
+    root: Path = Path("/")
+    services: services.Services = field(default_factory=services.NoServices)
+    agent_socket: Path | None = None  # as the installer sees it; default <root>/run/weft/cri.sock
+    containerd_socket: Path | None = None  # for uninstall's pod check; default <root>/<containerd's socket>
+    kubelet_health_url: str = "http://127.0.0.1:10248/healthz"
+    kubelet_timeout: float = 120.0
+    agent_timeout: float = 60.0
+    source: Path | None = None
+    options: Options = field(default_factory=Options)
+    say: Callable[[str], None] = print
+
+
+def _created_dirs(host: Host, paths: list[str]) -> list[str]:
+    out: list[str] = []
+    for p in paths:
+        chain = []
+        d = os.path.dirname(p)
+        while d not in ("/", "") and not host.exists(d):
+            chain.append(d)
+            d = os.path.dirname(d)
+        out += [c for c in reversed(chain) if c not in out]
+    return out
+
+
+class _Installer:
+    def __init__(self, s: Settings) -> None:
+        self.s = s
+        self.host = Host(s.root)
+        self.say = s.say
+
+    @property
+    def agent_socket(self) -> Path:
+        return self.s.agent_socket or self.host.path("/run/weft/cri.sock")
+
+    # -- install -------------------------------------------------------------
+    def install(self) -> None:
+        j = Journal.load(self.host)
+        plan = make(OriginalFiles(self.host, j), self.s.options)
+        files = bundle.source_files(self.s.source)
+        stamp = bundle.digest(files)
+        if j is None:
+            foreign = [p for p in [*plan.added, OPT] if self.host.exists(p)]
+            if foreign:
+                raise UnrecognisedHost(f"{foreign[0]}: exists, but no weft install journal does ({JOURNAL}): "
+                                       "remove what was installed by hand first; nothing was changed")
+        elif j.state == "installed" and self._converged(plan, stamp):
+            self.say("weft is already installed; nothing changed")
+            return
+        if j is None:
+            self._clear_leftovers()
+            j = Journal(created_dirs=_created_dirs(self.host, [*plan.added, f"{OPT}/bin", JOURNAL]))
+            for path in plan.modified:
+                j.backup(self.host, path)
+            failpoint.hit("install.backups")
+        else:
+            for path in plan.modified:
+                if path not in j.originals:  # never changed by weft: what is there is the original
+                    j.backup(self.host, path)
+        j.state = "installing"
+        j.added = sorted(set(j.added) | set(plan.added))
+        j.containerd_socket = plan.containerd_socket
+        j.save(self.host)
+        failpoint.hit("install.journal")
+        step = ""
+        try:
+            for step in INSTALL_STEPS:
+                j.begin(self.host, step)
+                self._install_step(step, plan, j, files, stamp)
+                failpoint.hit(f"install.{step}")
+        except (InstallError, OSError) as exc:
+            why = exc.message if isinstance(exc, InstallError) else str(exc)
+            self.say(f"step {step} failed: {why}; rolling back")
+            self._uninstall(j)
+            raise InstallError(f"{step} failed: {why}; rolled back, containerd and kubelet are as before") from exc
+        j.state = "installed"
+        j.save(self.host)
+        self.say(f"installed: kubelet -> weft agent (unix://{AGENT_SOCKET}) -> containerd ({plan.containerd_socket})")
+
+    def _converged(self, plan: Plan, stamp: str) -> bool:
+        want = {**plan.modified, **plan.added}
+        return all(self.host.read(p) == c for p, c in want.items()) and \
+            self.host.read(f"{OPT}/{bundle.MARKER}") == (stamp + "\n").encode()
+
+    def _write_all(self, wanted: dict[str, bytes], j: Journal) -> None:
+        for path, content in wanted.items():
+            if self.host.read(path) != content:
+                o = j.originals.get(path)
+                self.host.write(path, content, o.mode if o else 0o644, (o.uid, o.gid) if o else None)
+                self.say(f"wrote {path}")
+
+    def _install_step(self, step: str, plan: Plan, j: Journal, files: list, stamp: str) -> None:
+        sv = self.s.services
+        if step == "bundle":
+            self._bundle(files, stamp)
+        elif step in ("units", "containerd-config", "kubelet-config"):
+            self._write_all(plan.step_files(step), j)
+        elif step == "containerd-restart":
+            sv.systemctl("daemon-reload")
+            sv.systemctl("restart", "containerd.service")
+        elif step == "weft-start":
+            sv.systemctl("enable", *plan.units)
+            sv.systemctl("restart", *plan.units)
+        elif step == "agent-verify":
+            if sv.active:
+                version = services.agent_version(self.agent_socket, self.s.agent_timeout)
+                self.say(f"the weft agent answers CRI on {self.agent_socket} ({version})")
+            else:
+                self.say("no service manager (--root without --systemctl): services not restarted, agent not checked")
+        elif step == "kubelet-restart":
+            sv.systemctl("restart", "kubelet.service")
+        elif step == "kubelet-health" and sv.active and not services.wait_healthy(
+                self.s.kubelet_health_url, self.s.kubelet_timeout):
+            raise InstallError(f"kubelet did not come back healthy at {self.s.kubelet_health_url} "
+                               f"within {self.s.kubelet_timeout:g}s on the weft agent")
+
+    def _bundle(self, files: list, stamp: str) -> None:
+        new, old = f"{OPT}.new", f"{OPT}.old"
+        self.host.remove(new)
+        if self.host.read(f"{OPT}/{bundle.MARKER}") != (stamp + "\n").encode():
+            bundle.build(files, self.host.path(new), stamp, launchers=self.s.source is None)
+            if self.host.exists(OPT):
+                os.replace(self.host.path(OPT), self.host.path(old))
+            os.replace(self.host.path(new), self.host.path(OPT))
+            Host.sync_dir(self.host.path(OPT).parent)
+            self.say(f"copied weft to {OPT}")
+        self.host.remove(old)
+
+    # -- uninstall -----------------------------------------------------------
+    def uninstall(self) -> None:
+        j = Journal.load(self.host)
+        if j is None:
+            left = self._clear_leftovers()
+            self.say("weft is not installed here (no install journal); nothing to undo"
+                     + (f" (removed leftovers: {', '.join(left)})" if left else ""))
+            return
+        self._warn_pods(j)
+        self._uninstall(j)
+        self.say("uninstalled: kubelet -> containerd, as before weft")
+
+    def _clear_leftovers(self) -> list[str]:
+        """What a crash left with no journal: backups written before it (install) or after it was removed."""
+        left = [p for p in (INSTALL_DIR, f"{OPT}.new") if self.host.exists(p)]
+        for p in left:
+            self.host.remove(p)
+        state = self.host.path(os.path.dirname(INSTALL_DIR))  # made with the journal, which is gone
+        if INSTALL_DIR in left and state.is_dir() and not any(state.iterdir()):
+            state.rmdir()
+        return left
+
+    def _warn_pods(self, j: Journal) -> None:
+        sockets = [self.agent_socket, self.s.containerd_socket or self.host.path(j.containerd_socket or
+                                                                                 containerd.DEFAULT_SOCKET)]
+        for sock in sockets:
+            pods = services.weft_pods(sock)
+            if pods is not None:
+                break
+        if pods:
+            self.say(f"{len(pods)} pod(s) run on the 'weft' runtime handler: {', '.join(pods)}. They keep running "
+                     "on containerd, but once weft is gone their GPU leases are no longer enforced (the broker "
+                     "stops), kubelet cannot start new containers in them (containerd loses the 'weft' handler) "
+                     "and runc warns that their stop hook is missing. Delete them, or install weft again.")
+
+    def _restore(self, j: Journal, paths: list[str]) -> bool:
+        changed = False
+        for path in paths:
+            if path in j.originals:
+                data, o = j.original(self.host, path), j.originals[path]
+                if self.host.read(path) != data:
+                    self.host.write(path, data, o.mode, (o.uid, o.gid))
+                    self.say(f"restored {path}")
+                    changed = True
+        return changed
+
+    def _uninstall(self, j: Journal) -> None:
+        sv = self.s.services
+        j.state = "uninstalling"
+        j.save(self.host)
+        ours = [*j.added]
+        for step in UNINSTALL_STEPS:
+            j.begin(self.host, step, undo=True)
+            if step == "kubelet-config":
+                self._restore(j, [p for p in j.originals if p in KUBELET_FILES])
+            elif step == "kubelet-restart" and "kubelet-config" in j.started:
+                sv.systemctl("restart", "kubelet.service")
+            elif step == "kubelet-health" and "kubelet-config" in j.started and sv.active:
+                if not services.wait_healthy(self.s.kubelet_health_url, self.s.kubelet_timeout):
+                    self.say(f"warning: kubelet is not healthy at {self.s.kubelet_health_url} on containerd either")
+            elif step == "weft-stop" and "weft-start" in j.started:
+                sv.systemctl("disable", "--now", BROKER_UNIT, AGENT_UNIT, check=False)
+            elif step == "units":
+                for p in ours:
+                    if p.startswith("/etc/systemd/") and self.host.remove(p):
+                        self.say(f"removed {p}")
+                if "units" in j.started:
+                    sv.systemctl("daemon-reload")
+            elif step == "containerd-config":
+                self._restore(j, [p for p in j.originals if p.startswith("/etc/containerd/")])
+                for p in ours:
+                    if p.startswith("/etc/containerd/") and self.host.remove(p):
+                        self.say(f"removed {p}")
+            elif step == "containerd-restart" and "containerd-config" in j.started:
+                sv.systemctl("restart", "containerd.service")
+            elif step == "bundle":
+                for p in (f"{OPT}.new", f"{OPT}.old", OPT):
+                    self.host.remove(p)
+            elif step == "journal":
+                self._restore(j, list(j.originals))  # anything else weft changed (none today)
+                self._remove_dirs(j)
+            failpoint.hit(f"uninstall.{step}")
+
+    def _remove_dirs(self, j: Journal) -> None:
+        """The directories weft created, deepest first; the journal's own last, so a crash here is repaired too."""
+        holds_journal = {d for d in j.created_dirs if JOURNAL.startswith(d + "/")}
+        for d in reversed(j.created_dirs):
+            if d in holds_journal:
+                p = self.host.path(d)
+                for child in p.iterdir() if p.is_dir() else ():
+                    if not INSTALL_DIR.startswith(f"{d}/{child.name}"):
+                        self.host.remove(f"{d}/{child.name}")  # e.g. the agent's state under /var/lib/weft
+            else:
+                self._remove_dir(d)
+        self.host.remove(JOURNAL)
+        self.host.remove(INSTALL_DIR)
+        for d in reversed([d for d in j.created_dirs if d in holds_journal]):
+            self._remove_dir(d)
+
+    def _remove_dir(self, d: str) -> None:
+        p = self.host.path(d)
+        if "weft" in os.path.basename(d):
+            self.host.remove(d)
+        elif p.is_dir() and not any(p.iterdir()):
+            p.rmdir()
+
+
+def install(settings: Settings) -> None:
+    _Installer(settings).install()
+
+
+def uninstall(settings: Settings) -> None:
+    _Installer(settings).uninstall()
