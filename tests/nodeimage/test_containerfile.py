@@ -1,0 +1,134 @@
+"""The image nodeimage/build.py writes is the one nodeimage/Containerfile describes.
+
+The build runs here on the Debian-packages base (apt's mirror is reachable
+wherever the tests run; Docker Hub may not be), cached under
+/var/cache/weft/nodeimage, so after the first run it takes a few seconds. What
+it adds on top of the base is the same whichever base: that is what these
+tests hold against the Containerfile.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import re
+import tarfile
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+from nodeimage import build
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def plan() -> build.Plan:
+    return build.parse_containerfile(build.CONTAINERFILE.read_text())
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> build.Built:
+    try:
+        return build.build(tmp_path_factory.mktemp("image"), base="debian-packages")
+    except build.BuildError as exc:
+        pytest.fail(f"the image build failed (the first build downloads Debian packages with apt-get and the "
+                    f"locked wheels with pip, so it needs apt's mirror and the package index): {exc}")
+
+
+def _layout_json(built: build.Built, digest: str) -> dict:
+    return json.loads(build.Layout(built.layout).read_blob(digest))
+
+
+def _layer_members(built: build.Built) -> dict[str, tarfile.TarInfo]:
+    with tarfile.open(fileobj=io.BytesIO(built.layer)) as tar:
+        return {m.name: m for m in tar.getmembers()}
+
+
+def test_containerfile_pins_a_python_311_slim_base_by_digest(plan):
+    assert re.fullmatch(r"docker\.io/library/python:3\.11-slim-bookworm@sha256:[0-9a-f]{64}", plan.base)
+
+
+def test_image_config_is_the_containerfiles_user_entrypoint_env_and_labels(built, plan):
+    c = built.config["config"]
+    assert c["User"] == plan.user == "65532:65532"  # non-root
+    assert c["Entrypoint"] == plan.entrypoint == ["/opt/weft/bin/weft"]
+    assert c["Cmd"] == plan.cmd
+    env = dict(e.split("=", 1) for e in c["Env"])
+    assert {k: env[k] for k in plan.env} == plan.env
+    assert env["PYTHONPATH"] == "/opt/weft/lib"
+    assert c["Labels"].items() >= plan.labels.items()
+    assert c["Labels"]["org.opencontainers.image.version"] == build.DEFAULT_NAME.rsplit(":", 1)[1]
+
+
+def test_manifest_config_and_layers_carry_correct_digests_and_diff_ids(built):
+    index = json.loads((built.layout / "index.json").read_text())
+    (desc,) = index["manifests"]
+    assert desc["annotations"]["io.containerd.image.name"] == build.DEFAULT_NAME
+    manifest = _layout_json(built, desc["digest"])  # read_blob checks every digest
+    config = _layout_json(built, manifest["config"]["digest"])
+    assert config == built.config
+    assert config["rootfs"]["diff_ids"][-1] == "sha256:" + hashlib.sha256(built.layer).hexdigest()
+    assert len(config["rootfs"]["diff_ids"]) == len(manifest["layers"])
+    for layer in manifest["layers"]:
+        assert build.Layout(built.layout).blob_path(layer["digest"]).stat().st_size == layer["size"]
+
+
+def test_the_layer_holds_what_the_containerfile_copies_and_installs(built, plan):
+    members = _layer_members(built)
+    files = {n for n, m in members.items() if m.isfile()}
+    for src, dest in plan.copies:
+        for p in (ROOT / src).rglob("*") if (ROOT / src).is_dir() else [ROOT / src]:
+            rel = p.relative_to(ROOT / src).as_posix() if (ROOT / src).is_dir() else ""
+            if p.is_file() and not build._ignored(rel, build.ignore_patterns()):
+                target = f"{dest.strip('/')}/{rel}" if rel else dest.strip("/")
+                assert target in files, f"COPY {src} {dest}: {target} missing"
+    assert not [n for n in files if "__pycache__" in n or n.endswith(".pyc") or "/." in n]
+    for exe in ("opt/weft/bin/weft", "opt/weft/bin/weft-oci-hook"):
+        assert members[exe].mode & 0o111
+    assert "opt/weft/lib/shim/cli.py" in files and "opt/weft/lib/hooks/weft_oci_hook.py" in files
+    assert not [n for n in members if n.startswith("opt/weft/lib/bin")]  # the RUN line removes pip's scripts
+    # Every locked distribution installed, compiled parts for CPython 3.11 on x86-64.
+    installed = {n.split("/")[3].split("-")[0].lower().replace("_", "-")
+                 for n in members if n.startswith("opt/weft/lib/") and n.endswith(".dist-info/METADATA")}
+    assert installed == set(_lock())
+    assert [n for n in files if n.startswith("opt/weft/lib/grpc/_cython/cygrpc.cpython-311-x86_64-linux-gnu")]
+    assert all(m.uid == 0 and m.mtime == 0 for m in members.values())
+
+
+def test_the_build_is_reproducible(built, tmp_path):
+    again = build.build(tmp_path, base="debian-packages")
+    assert again.manifest_digest == built.manifest_digest
+
+
+def _lock() -> dict[str, str]:
+    pins = {}
+    for line in build.LOCKFILE.read_text().splitlines():
+        if line and not line.startswith("#"):
+            name, _, rest = line.partition("==")
+            assert "--hash=sha256:" in rest, f"{name} is not hash-pinned"
+            pins[name.lower()] = rest.split()[0]
+    return pins
+
+
+def test_the_lock_pins_every_runtime_dependency_within_pyprojects_ranges():
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    pins = _lock()
+    for dep in map(Requirement, deps):
+        name = re.sub(r"[-_.]+", "-", dep.name).lower()
+        assert name in pins, f"{dep.name} is not in nodeimage/requirements.lock (python -m nodeimage.build lock)"
+        assert dep.specifier.contains(pins[name]), f"lock has {name}=={pins[name]}, pyproject wants {dep}"
+
+
+def test_the_build_refuses_a_run_line_it_would_not_reproduce():
+    text = build.CONTAINERFILE.read_text().replace("RUN pip install", "RUN apt-get update && pip install", 1)
+    with pytest.raises(build.BuildError, match="only runs"):
+        build.parse_containerfile(text)
+
+
+def test_an_unpinned_base_is_refused():
+    with pytest.raises(build.BuildError, match="not pinned by digest"):
+        build.fetch_registry_base("docker.io/library/python:3.11-slim-bookworm")
