@@ -21,6 +21,14 @@ Example file::
     tls_dir = "/etc/weft/mesh"
     log_level = "info"
     workers = 64                          # threads for intercepted calls
+
+    [report]                              # weft report (flags override)
+    prometheus = "http://prometheus.monitoring:9090"
+    timeout = 10.0                        # seconds per Prometheus request
+    default_node_type = "p4d.24xlarge"    # for nodes without an instance-type label
+    [report.prices."p4d.24xlarge"]        # per node type (node.kubernetes.io/instance-type)
+    gpu_hour = 4.10
+    vcpu_hour = 0.05
 """
 
 from __future__ import annotations
@@ -90,6 +98,10 @@ class MeshConfig:
     loss_timeout: float = 16.0
     # How often a host's Watch stream says it is alive.
     heartbeat_interval: float = 1.0
+    # Where kubelet keeps pods' volumes: which mounts are ConfigMaps/Secrets to copy, which are host paths.
+    kubelet_pods_dir: str = "/var/lib/kubelet/pods"
+    # How often a remote container's read-only volumes are compared and their changes sent to the host.
+    volume_sync_interval: float = 5.0
 
     def validate(self) -> None:
         if self.role not in MESH_ROLES:
@@ -117,9 +129,35 @@ class MeshConfig:
 
 
 @dataclass(frozen=True)
+class ReportConfig:
+    """``weft report``: where Prometheus is, and what GPU-hours and vCPU-hours cost per node type."""
+
+    prometheus: str = ""  # http://HOST:PORT of the Prometheus server
+    timeout: float = 10.0  # seconds per request
+    default_node_type: str = ""
+    currency: str = "$"
+    prices: dict = field(default_factory=dict)  # node type -> {gpu_hour, vcpu_hour}
+
+    def validate(self) -> None:
+        if self.timeout <= 0:
+            raise ConfigError(f"report.timeout: {self.timeout} must be positive")
+        for node_type, price in self.prices.items():
+            where = f'report.prices."{node_type}"'
+            if not isinstance(price, dict):
+                raise ConfigError(f"{where}: expected a table with gpu_hour and vcpu_hour, got {price!r}")
+            for key in sorted(set(price) | {"gpu_hour", "vcpu_hour"}):
+                value = price.get(key)
+                if key not in ("gpu_hour", "vcpu_hour"):
+                    raise ConfigError(f"{where}.{key}: unknown setting (known: gpu_hour, vcpu_hour)")
+                if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+                    raise ConfigError(f"{where}.{key}: expected a price of zero or more, got {value!r}")
+
+
+@dataclass(frozen=True)
 class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    report: ReportConfig = field(default_factory=ReportConfig)
 
 
 def _build(cls: type, table: Mapping[str, Any], section: str) -> Any:
@@ -131,6 +169,8 @@ def _build(cls: type, table: Mapping[str, Any], section: str) -> Any:
             raise ConfigError(f"{section}.{key}: unknown setting (known: {known})")
         default = fields[key].default
         want = type(default) if default is not dataclasses.MISSING else str
+        if fields[key].default_factory is dict:  # a table of tables, checked by the section's validate()
+            want = dict
         if want is Path or isinstance(default, Path):
             if not isinstance(value, str):
                 raise ConfigError(f"{section}.{key}: expected a path string, got {value!r}")
@@ -166,4 +206,5 @@ def load(path: Path | None = None, overrides: Mapping[str, Mapping[str, Any]] | 
     cfg = Config(**sections)
     cfg.agent.validate()
     cfg.mesh.validate()
+    cfg.report.validate()
     return cfg

@@ -14,6 +14,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 # pod starts and image operations take seconds.
 _CRI_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
+# Opt-in timestamps kept per agent: far more than a node runs pods at once.
+_OPT_IN_SERIES = 1024
+
 
 class Metrics:
     """The agent's metrics, on a registry of its own (tests make fresh ones)."""
@@ -52,9 +55,39 @@ class Metrics:
         )
         self.opted_in = Gauge("weft_opted_in_sandboxes", "Opted-in pod sandboxes this agent knows.",
                               registry=self.registry)
+        # When each opted-in sandbox was recorded: `weft report` splits its
+        # windows at a workload's earliest. Prometheus keeps the history, so
+        # only the newest _OPT_IN_SERIES pods stay exported (bounded memory
+        # without hooking sandbox removal).
+        self.sandbox_opted_in_at = Gauge(
+            "weft_sandbox_opted_in_timestamp_seconds",
+            "Unix time the agent recorded each opted-in pod sandbox (runtimeClassName: weft).",
+            ["namespace", "pod"], registry=self.registry)
+        self._opted_in_pods: dict[tuple[str, str], None] = {}
+        self.remote_lost = Counter(
+            "weft_remote_lost",
+            "Remote containers reported exited with reason WeftPeerLost (their host silent past the loss timeout).",
+            registry=self.registry)
+        self.remote_containers = Gauge(
+            "weft_remote_containers", "Containers this origin runs on peers now.", registry=self.registry)
         self.mesh_peer_up = Gauge("weft_mesh_peer_up", "1 while a mesh peer answers Hello and says it is healthy.",
                                   ["peer"], registry=self.registry)
+        self.shadows_fenced = Counter("weft_shadows_fenced", "Shadows this host killed because their origin "
+                                      "was silent for the fence timeout, by origin.", ["peer"],
+                                      registry=self.registry)
+        self.shadows_hosted = Gauge("weft_shadows_hosted", "Shadows (other nodes' containers) running on this host.",
+                                    registry=self.registry)
         self._children: dict[tuple[str, str, str], tuple[object, object]] = {}
+
+    def sandbox_opted_in(self, namespace: str, pod: str, at: float) -> None:
+        key = (namespace, pod)
+        self._opted_in_pods.pop(key, None)
+        self._opted_in_pods[key] = None
+        self.sandbox_opted_in_at.labels(namespace, pod).set(at)
+        while len(self._opted_in_pods) > _OPT_IN_SERIES:
+            oldest = next(iter(self._opted_in_pods))
+            del self._opted_in_pods[oldest]
+            self.sandbox_opted_in_at.remove(*oldest)
 
     def observe_cri(self, method: str, code: str, kind: str, seconds: float) -> None:
         # labels() takes a lock and builds a tuple on every call; the hot path

@@ -38,6 +38,7 @@ def handler(fabric: Fabric):
             id=sandbox_id, name=meta.name, namespace=meta.namespace, uid=meta.uid,
             runtime_handler=req.runtime_handler, opted_in=True, annotations=dict(req.config.annotations),
             created_at=time.time()))
+        fabric.metrics.sandbox_opted_in(meta.namespace, meta.name, time.time())
         _log.info("sandbox.opted_in", sandbox_id=sandbox_id, pod=meta.name, namespace=meta.namespace)
         return response
 
