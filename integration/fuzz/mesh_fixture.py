@@ -1,0 +1,81 @@
+"""A real CPU host agent (cpu-1) serving the mesh over mutual TLS, and raw mesh channels to it.
+
+Its peers file knows two origins, gpu-1 and gpu-2. Certificates for both, for
+``stranger`` (signed by the cluster CA but in no peers file) and for a node
+signed by another CA are at hand, so tests can speak as any of them with raw
+request bytes.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+
+from integration import pods
+from integration.agent import AgentProcess, free_port
+from integration.harness import Containerd
+from shim._pb import mesh_pb2 as pb
+from shim.mesh import certs
+from shim.mesh.certs import MeshTls, load_node_tls
+
+REPO = Path(__file__).resolve().parents[2]
+MESH = "/weft.mesh.v1.Mesh/"
+ORIGINS = ("gpu-1", "gpu-2")
+
+
+@dataclass
+class MeshHost:
+    agent: AgentProcess
+    containerd: Containerd
+    port: int
+    tls: dict[str, MeshTls]
+
+    def channel(self, as_node: str, dial: str = "cpu-1") -> grpc.Channel:
+        key, cert, ca = self.tls[as_node]
+        creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert)
+        return grpc.secure_channel(f"127.0.0.1:{self.port}", creds, options=[
+            ("grpc.ssl_target_name_override", dial), ("grpc.max_send_message_length", 64 << 20)])
+
+    def shadows(self) -> tuple[set[str], set[str]]:
+        """(sandbox ids, container ids) in the host's containerd, asked directly."""
+        from cri_api.v1 import api_pb2_grpc as cri_grpc
+
+        with self.containerd.channel() as ch:
+            rt = cri_grpc.RuntimeServiceStub(ch)
+            return ({s.id for s in rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=10).items},
+                    {c.id for c in rt.ListContainers(cri.ListContainersRequest(), timeout=10).containers})
+
+
+def run_shadow_request(node: Containerd, origin: str, key: str, sandbox: str = "origin-sb-1",
+                       **container) -> pb.RunShadowRequest:
+    sandbox_cfg = pods.sandbox_config("infer", node.pod_log_dir, cgroup_parent=node.cgroup_root)
+    config = pods.container_config("tokenize", ["sh", "-c", "exec sleep 3600"], **container)
+    return pb.RunShadowRequest(origin_node=origin, origin_sandbox_id=sandbox, key=key,
+                               sandbox_config=sandbox_cfg.SerializeToString(),
+                               container_config=config.SerializeToString())
+
+
+def mesh_host(containerd: Containerd, workdir: Path) -> Iterator[MeshHost]:
+    cert_dir = workdir / "certs"
+    subprocess.run([sys.executable, "-m", "shim", "mesh-certs", "--out", str(cert_dir), "--nodes",
+                    ",".join((*ORIGINS, "cpu-1", "stranger"))], check=True, capture_output=True, cwd=REPO)
+    tls = {n: load_node_tls(cert_dir, n) for n in (*ORIGINS, "cpu-1", "stranger")}
+    ca_key, ca_pem = certs.generate_ca("another cluster")
+    key, cert = certs.issue_node_cert(ca_key, ca_pem, "gpu-1")
+    tls["foreign-gpu-1"] = MeshTls(key, cert, tls["gpu-1"].ca_pem)  # trusts our CA, signed by another
+    port = free_port()
+    peers = workdir / "peers.toml"
+    listed = [(o, free_port(), "gpu") for o in ORIGINS] + [("cpu-1", port, "cpu")]
+    peers.write_text("".join(f'[[peer]]\nname = "{name}"\naddress = "127.0.0.1:{p}"\nrole = "{role}"\n\n'
+                             for name, p, role in listed))
+    agent = AgentProcess(containerd, workdir / "cpu-1", name="cpu-1", extra_args=[
+        "--node-name", "cpu-1", "--role", "cpu", "--mesh-address", f"127.0.0.1:{port}", "--peers", str(peers),
+        "--tls-dir", str(cert_dir)])
+    with agent:
+        yield MeshHost(agent, containerd, port, tls)
