@@ -114,7 +114,8 @@ def _yaml(path: str, text: str) -> dict[str, Any]:
 def _edit_yaml(path: str, text: str, doc: dict[str, Any], changes: dict[str, str]) -> str:
     new = text
     for key, value in changes.items():
-        line = re.compile(rf"^{key}:[ \t]*(\"[^\"\n]*\"|'[^'\n]*'|[^\s#\"'][^\n#]*?)?([ \t]*#[^\n]*)?[ \t]*$", re.MULTILINE)
+        value_re = r"(\"[^\"\n]*\"|'[^'\n]*'|[^\s#\"'][^\n#]*?)?"
+        line = re.compile(rf"^{key}:[ \t]*{value_re}([ \t]*#[^\n]*)?[ \t]*$", re.MULTILINE)
         if key in doc:
             new = line.sub(lambda m, v=value, k=key: f"{k}: {v}" + (m.group(2) or ""), new)
         else:

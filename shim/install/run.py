@@ -116,8 +116,14 @@ class _Installer:
         except (InstallError, OSError) as exc:
             why = exc.message if isinstance(exc, InstallError) else str(exc)
             self.say(f"step {step} failed: {why}; rolling back")
-            self._uninstall(j)
-            raise InstallError(f"{step} failed: {why}; rolled back, containerd and kubelet are as before") from exc
+            try:
+                problems = self._uninstall(j)
+            except (InstallError, OSError) as again:
+                raise InstallError(f"{step} failed: {why}; the rollback stopped too ({again}): run weft uninstall "
+                                   "again to finish it") from exc
+            also = f" (but: {'; '.join(problems)})" if problems else ""
+            raise InstallError(f"{step} failed: {why}; rolled back, containerd's and kubelet's files are as "
+                               f"before{also}") from exc
         j.state = "installed"
         j.save(self.host)
         self.say(f"installed: kubelet -> weft agent (unix://{AGENT_SOCKET}) -> containerd ({plan.containerd_socket})")
@@ -180,7 +186,9 @@ class _Installer:
                      + (f" (removed leftovers: {', '.join(left)})" if left else ""))
             return
         self._warn_pods(j)
-        self._uninstall(j)
+        problems = self._uninstall(j)
+        if problems:
+            raise InstallError(f"files restored and weft removed, but: {'; '.join(problems)}")
         self.say("uninstalled: kubelet -> containerd, as before weft")
 
     def _clear_leftovers(self) -> list[str]:
@@ -217,8 +225,21 @@ class _Installer:
                     changed = True
         return changed
 
-    def _uninstall(self, j: Journal) -> None:
+    def _uninstall(self, j: Journal) -> list[str]:
+        """The uninstall steps; returns the service actions that failed (all but kubelet's restart go on).
+
+        A failed kubelet restart stops here, before the agent is stopped: kubelet may still be on the agent.
+        """
         sv = self.s.services
+        problems: list[str] = []
+
+        def attempt(*args: str) -> None:
+            try:
+                sv.systemctl(*args)
+            except InstallError as exc:
+                problems.append(exc.message)
+                self.say(f"warning: {exc.message}")
+
         j.state = "uninstalling"
         j.save(self.host)
         ours = [*j.added]
@@ -238,14 +259,14 @@ class _Installer:
                     if p.startswith("/etc/systemd/") and self.host.remove(p):
                         self.say(f"removed {p}")
                 if "units" in j.started:
-                    sv.systemctl("daemon-reload")
+                    attempt("daemon-reload")
             elif step == "containerd-config":
                 self._restore(j, [p for p in j.originals if p.startswith("/etc/containerd/")])
                 for p in ours:
                     if p.startswith("/etc/containerd/") and self.host.remove(p):
                         self.say(f"removed {p}")
             elif step == "containerd-restart" and "containerd-config" in j.started:
-                sv.systemctl("restart", "containerd.service")
+                attempt("restart", "containerd.service")
             elif step == "bundle":
                 for p in (f"{OPT}.new", f"{OPT}.old", OPT):
                     self.host.remove(p)
@@ -253,6 +274,7 @@ class _Installer:
                 self._restore(j, list(j.originals))  # anything else weft changed (none today)
                 self._remove_dirs(j)
             failpoint.hit(f"uninstall.{step}")
+        return problems
 
     def _remove_dirs(self, j: Journal) -> None:
         """The directories weft created, deepest first; the journal's own last, so a crash here is repaired too."""

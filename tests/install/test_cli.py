@@ -1,0 +1,223 @@
+"""``weft install --root`` / ``weft uninstall --root`` on host roots of the shapes real nodes have."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+import yaml
+
+from shim.cli import main
+from tests.install.conftest import SHAPES, copy_shape, snapshot, stamps
+
+AGENT = "unix:///run/weft/cri.sock"
+CRI = "io.containerd.grpc.v1.cri"
+
+
+def _kubelet_endpoints(root: Path) -> list[str]:
+    """Every runtime endpoint kubelet would read, flags last (they win)."""
+    found = []
+    cfg = root / "var/lib/kubelet/config.yaml"
+    if cfg.exists():
+        doc = yaml.safe_load(cfg.read_text())
+        found += [doc[k] for k in ("containerRuntimeEndpoint", "imageServiceEndpoint") if k in doc]
+    flags = root / "var/lib/kubelet/kubeadm-flags.env"
+    if flags.exists():
+        found += [w.split("=", 1)[1] for w in flags.read_text().replace('"', " ").split()
+                  if w.startswith(("--container-runtime-endpoint=", "--image-service-endpoint="))]
+    return found
+
+
+def _effective_cri(root: Path) -> dict:
+    """The CRI section containerd 1.6 ends up with: each import's plugin section replaces the one before."""
+    main_doc = tomllib.loads((root / "etc/containerd/config.toml").read_text())
+    cri = main_doc.get("plugins", {}).get(CRI, {})
+    for imp in main_doc.get("imports", []):
+        for f in sorted(root.glob(imp.lstrip("/"))):
+            cri = tomllib.loads(f.read_text()).get("plugins", {}).get(CRI, cri)
+    return cri
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_install_switches_kubelet_adds_the_weft_handler_and_uninstall_restores_every_byte(
+        shape: str, tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = copy_shape(shape, tmp_path / "host")
+    before = snapshot(root)
+    cri_before = _effective_cri(root)
+
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 0
+    assert _kubelet_endpoints(root) and set(_kubelet_endpoints(root)) == {AGENT}
+    cri = _effective_cri(root)
+    weft = cri["containerd"]["runtimes"].pop("weft")
+    assert cri == cri_before or (not cri_before.get("containerd", {}).get("runtimes") and cri["containerd"]["runtimes"]
+                                 == {"runc": {"runtime_type": "io.containerd.runc.v2"}})
+    runc = cri_before["containerd"]["runtimes"]["runc"]
+    assert weft["options"] == runc.get("options", {}), "weft pods get the same runc options (cgroup driver)"
+    assert weft["pod_annotations"] == weft["container_annotations"] == ["weft.io/*"]
+    spec = json.loads((root / weft["base_runtime_spec"].lstrip("/")).read_text())
+    assert "hostname" not in spec
+    for stage in ("createRuntime", "poststop"):
+        assert [h["args"] for h in spec["hooks"][stage]] == [["/opt/weft/bin/weft-oci-hook", stage]]
+    unit = (root / "etc/systemd/system/weft-agent.service").read_text()
+    assert "Before=kubelet.service" in unit and "Restart=always" in unit
+    assert "ExecStart=/opt/weft/bin/weft agent --socket /run/weft/cri.sock" in unit
+    assert (root / "opt/weft/bin/weft").exists()
+
+    installed, installed_stamps = snapshot(root), stamps(root)
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 0
+    assert "nothing changed" in capsys.readouterr().out
+    assert snapshot(root) == installed and stamps(root) == installed_stamps
+
+    assert main(["uninstall", "--root", str(root)]) == 0
+    assert snapshot(root) == before
+    assert main(["uninstall", "--root", str(root)]) == 0
+    assert "not installed" in capsys.readouterr().out
+    assert snapshot(root) == before
+
+
+def test_kubelet_yaml_keeps_comments_order_and_everything_else(tmp_path: Path, source: Path) -> None:
+    root = copy_shape("imports", tmp_path / "host")
+    original = (root / "var/lib/kubelet/config.yaml").read_text().splitlines()
+    main(["install", "--root", str(root), "--source", str(source)])
+    after = (root / "var/lib/kubelet/config.yaml").read_text().splitlines()
+    changed = [(a, b) for a, b in zip(original, after, strict=True) if a != b]
+    assert changed == [
+        ('containerRuntimeEndpoint: "unix:///run/containerd/containerd.sock"   # containerd\'s CRI',
+         "containerRuntimeEndpoint: unix:///run/weft/cri.sock   # containerd's CRI"),
+        ("imageServiceEndpoint: unix:///run/containerd/containerd.sock",
+         "imageServiceEndpoint: unix:///run/weft/cri.sock"),
+    ]
+
+
+def test_kubeadm_flags_win_so_the_flag_is_switched(tmp_path: Path, source: Path) -> None:
+    root = copy_shape("kubeadm-flags", tmp_path / "host")
+    cfg = (root / "var/lib/kubelet/config.yaml").read_bytes()
+    main(["install", "--root", str(root), "--source", str(source)])
+    assert (root / "var/lib/kubelet/kubeadm-flags.env").read_text() == (
+        'KUBELET_KUBEADM_ARGS="--container-runtime-endpoint=unix:///run/weft/cri.sock '
+        '--pod-infra-container-image=registry.k8s.io/pause:3.6"\n')
+    assert (root / "var/lib/kubelet/config.yaml").read_bytes() == cfg
+
+
+def test_config_without_imports_gains_one_line_and_nothing_else(tmp_path: Path, source: Path) -> None:
+    root = copy_shape("kubeadm-flags", tmp_path / "host")
+    before = (root / "etc/containerd/config.toml").read_text()
+    main(["install", "--root", str(root), "--source", str(source)])
+    after = (root / "etc/containerd/config.toml").read_text()
+    added = [line for line in after.splitlines() if line not in before.splitlines()]
+    assert added == ['imports = ["/etc/containerd/weft/runtime.toml"]  # added by weft install']
+    assert after.replace(added[0] + "\n", "") == before
+
+
+def _bad(root: Path, path: str, text: str) -> None:
+    p = root / path.lstrip("/")
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text(text)
+
+
+REFUSALS = {
+    "containerd config is not TOML": ("kubeadm", "/etc/containerd/config.toml", "version = 2\n[plugins\n",
+                                      "/etc/containerd/config.toml: not valid TOML"),
+    "containerd config version 1": ("kubeadm", "/etc/containerd/config.toml", "root = \"/var/lib/containerd\"\n",
+                                    "config version 1 is not understood"),
+    "containerd 2.x config version 3": ("kubeadm", "/etc/containerd/config.toml", "version = 3\n",
+                                        "version 3 (containerd 2.x) is not supported"),
+    "CRI plugin disabled": ("kubeadm", "/etc/containerd/config.toml",
+                            'version = 2\ndisabled_plugins = ["io.containerd.grpc.v1.cri"]\n',
+                            "the CRI plugin is disabled"),
+    "default runtime is not runc": ("kubeadm", "/etc/containerd/config.toml",
+                                    'version = 2\n[plugins."io.containerd.grpc.v1.cri".containerd.runtimes.runc]\n'
+                                    'runtime_type = "io.containerd.kata.v2"\n', "needs io.containerd.runc.v2"),
+    "an imported file is not TOML": ("imports", "/etc/containerd/conf.d/20-broken.toml", "[[[",
+                                     "/etc/containerd/conf.d/20-broken.toml: not valid TOML"),
+    "kubelet config is not YAML": ("kubeadm", "/var/lib/kubelet/config.yaml", "kind: [\n",
+                                   "/var/lib/kubelet/config.yaml: not valid YAML"),
+    "kubelet config is another kind": ("kubeadm", "/var/lib/kubelet/config.yaml",
+                                       "apiVersion: v1\nkind: ConfigMap\n",
+                                       "not a KubeletConfiguration (kind: ConfigMap)"),
+    "kubelet config in flow style": ("kubeadm", "/var/lib/kubelet/config.yaml",
+                                     '{"apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration", '
+                                     '"containerRuntimeEndpoint": "unix:///run/containerd/containerd.sock"}\n',
+                                     "cannot switch containerRuntimeEndpoint by editing one line"),
+    "kubelet on another runtime": ("kubeadm-flags", "/var/lib/kubelet/kubeadm-flags.env",
+                                   'KUBELET_KUBEADM_ARGS="--container-runtime-endpoint=unix:///var/run/crio/crio.sock"\n',
+                                   "is unix:///var/run/crio/crio.sock, not containerd's socket"),
+    "flags file not NAME=value": ("kubeadm-flags", "/var/lib/kubelet/kubeadm-flags.env", "--foo bar\n",
+                                  "/var/lib/kubelet/kubeadm-flags.env: line 1 is not NAME="),
+}
+
+
+@pytest.mark.parametrize(("shape", "path", "text", "words"), REFUSALS.values(), ids=REFUSALS.keys())
+def test_unrecognised_host_is_refused_naming_the_file_and_nothing_changes(
+        shape: str, path: str, text: str, words: str, tmp_path: Path, source: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    root = copy_shape(shape, tmp_path / "host")
+    _bad(root, path, text)
+    before = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("weft install: ") and words in err and "nothing was changed" in err
+    assert snapshot(root) == before
+
+
+@pytest.mark.parametrize("missing", ["etc/containerd/config.toml", "var/lib/kubelet"])
+def test_a_host_without_containerd_or_kubelet_config_is_refused(
+        missing: str, tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = copy_shape("kubeadm", tmp_path / "host")
+    target = root / missing
+    target.unlink() if target.is_file() else __import__("shutil").rmtree(target)
+    before = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert snapshot(root) == before
+
+
+def test_weft_files_installed_by_hand_are_not_overwritten(
+        tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = copy_shape("kubeadm", tmp_path / "host")
+    _bad(root, "/etc/systemd/system/weft-agent.service", "[Service]\nExecStart=/usr/local/bin/weft agent\n")
+    before = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 2
+    assert "weft-agent.service: exists, but no weft install journal does" in capsys.readouterr().err
+    assert snapshot(root) == before
+
+
+def test_a_failed_step_undoes_the_steps_before_it(
+        tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """containerd does not restart: the units, drop-in and /opt/weft written before are removed again."""
+    root = copy_shape("kubeadm", tmp_path / "host")
+    log = tmp_path / "systemctl.log"
+    systemctl = tmp_path / "systemctl"
+    systemctl.write_text(f'#!/bin/sh\necho "$*" >> {log}\n'
+                         'if [ "$*" = "restart containerd.service" ]; then echo "Job failed" >&2; exit 1; fi\n')
+    systemctl.chmod(0o755)
+    before = snapshot(root)
+    rc = main(["install", "--root", str(root), "--source", str(source), "--systemctl", str(systemctl)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "containerd-restart failed" in err and "Job failed" in err and "rolled back" in err
+    assert snapshot(root) == before
+    assert log.read_text().splitlines() == [
+        "daemon-reload", "restart containerd.service",  # the failed step
+        "daemon-reload", "restart containerd.service",  # rollback: units gone, containerd on its own config
+    ]
+
+
+def test_the_copied_weft_runs_on_its_own(tmp_path: Path) -> None:
+    """The default bundle: the running Python, its stdlib, weft and its dependencies under /opt/weft."""
+    root = copy_shape("kubeadm", tmp_path / "host")
+    assert main(["install", "--root", str(root)]) == 0
+    weft = root / "opt/weft/bin/weft"
+    out = subprocess.run([str(weft), "--version"], capture_output=True, text=True, check=True, env={"PATH": "/bin"})
+    assert out.stdout.strip() == "weft 0.1.0"
+    where = subprocess.run([str(weft.with_name("python3")), "-I", "-c", "import sys, grpc, yaml, shim; "
+                            "print(sys.prefix); print(shim.__file__)"], capture_output=True, text=True, check=True,
+                           env={"LD_LIBRARY_PATH": str(root / "opt/weft/lib")}).stdout.split()
+    assert all(w.startswith(str(root / "opt/weft")) for w in where), where
+    hook = subprocess.run([str(weft.with_name("weft-oci-hook")), "createRuntime"], input='{"annotations": {}}',
+                          capture_output=True, text=True, env={"PATH": "/bin"})
+    assert hook.returncode == 0, hook.stderr
+    assert sys.executable  # the test ran the copy, not this interpreter
