@@ -265,12 +265,13 @@ def fetch_registry_base(ref: str, cache: Path = CACHE) -> Layout:
 # standard library, a shell and coreutils; what they need is added by apt's
 # dependency closure, minus what a container never runs (dpkg, perl, debconf).
 DEBIAN_ROOTS = ("base-files", "netbase", "dash", "coreutils", "python3.11-minimal", "libpython3.11-stdlib",
-                "libstdc++6")  # grpcio's wheel links libstdc++ (manylinux leaves it to the system)
+                "libstdc++6",  # grpcio's wheel links libstdc++ (manylinux leaves it to the system)
+                "util-linux")  # nsenter: the installer runs the host's systemctl through it
 DEBIAN_EXCLUDE = frozenset({
     "debconf", "cdebconf", "dpkg", "perl", "perl-base", "perl-modules-5.36", "libperl5.36", "install-info",
     "gawk", "mawk", "original-awk", "tar", "libdebian-installer4", "libnewt0.52", "libslang2", "libtextwrap1",
     "mailcap", "mime-support", "libgdbm-compat4", "libmpfr6", "libsigsegv2", "tzdata", "ca-certificates",
-    "openssl", "debconf-2.0",
+    "openssl", "debconf-2.0", "libelogind0",
 })
 _DROP_PREFIXES = ("usr/share/doc/", "usr/share/man/", "usr/share/info/", "usr/share/lintian/", "usr/share/locale/")
 _MERGED = {"bin": "usr/bin", "sbin": "usr/sbin", "lib": "usr/lib", "lib64": "usr/lib64"}

@@ -128,7 +128,8 @@ def test_daemonset_runs_the_installer_with_the_host_root_at_host_and_mounts_noth
     host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
     assert host_paths == {"host-root": "/"}
     (init,) = spec["initContainers"]
-    assert init["args"][:3] == ["install", "--root", "/host"]
+    assert init["args"] == ["install", "--root", "/host", "--systemctl", "nsenter -t 1 -m -- systemctl"]
+    assert spec["hostPID"] is True  # nsenter -t 1 reaches the host's systemd
     assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["host-root"] == "/host"
     for c in spec["containers"]:
         assert "host-root" not in {m["name"] for m in c.get("volumeMounts", [])}
