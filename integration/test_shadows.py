@@ -7,8 +7,10 @@ its containerd, the shadow sandbox and container, and its kubelet's view.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -29,27 +31,85 @@ from shim.mesh.client import PeerClient
 REPO = Path(__file__).resolve().parent.parent
 
 
-@pytest.fixture
-def host(containerd: Containerd, tmp_path: Path) -> Iterator[tuple[AgentProcess, PeerClient, Containerd]]:
+@contextlib.contextmanager
+def _host_agent(containerd: Containerd, tmp_path: Path, origins: tuple[str, ...] = ("gpu-1",),
+                mesh_config: str = "") -> Iterator[tuple[AgentProcess, dict[str, PeerClient]]]:
+    """A real CPU host agent (cpu-1) and a mesh client for each origin, as that origin's agent dials it."""
     certs = tmp_path / "certs"
-    subprocess.run([sys.executable, "-m", "shim", "mesh-certs", "--out", str(certs), "--nodes", "gpu-1,cpu-1"],
-                   check=True, capture_output=True, cwd=REPO)
+    subprocess.run([sys.executable, "-m", "shim", "mesh-certs", "--out", str(certs), "--nodes",
+                    ",".join((*origins, "cpu-1"))], check=True, capture_output=True, cwd=REPO)
     port = free_port()
     peers = tmp_path / "peers.toml"
-    peers.write_text(f'[[peer]]\nname = "gpu-1"\naddress = "127.0.0.1:{free_port()}"\nrole = "gpu"\n\n'
-                     f'[[peer]]\nname = "cpu-1"\naddress = "127.0.0.1:{port}"\nrole = "cpu"\n')
+    listed = [(o, free_port(), "gpu") for o in origins] + [("cpu-1", port, "cpu")]
+    peers.write_text("".join(f'[[peer]]\nname = "{name}"\naddress = "127.0.0.1:{p}"\nrole = "{role}"\n\n'
+                             for name, p, role in listed))
+    extra = []
+    if mesh_config:
+        config = tmp_path / "weft.toml"
+        config.write_text(f"[mesh]\n{mesh_config}")
+        extra = ["--config", str(config)]
     agent = AgentProcess(containerd, tmp_path / "cpu-1", name="cpu-1", extra_args=[
         "--node-name", "cpu-1", "--role", "cpu", "--mesh-address", f"127.0.0.1:{port}", "--peers", str(peers),
-        "--tls-dir", str(certs)])
-    with agent, PeerClient("cpu-1", f"127.0.0.1:{port}", load_node_tls(certs, "gpu-1")) as client:
-        yield agent, client, containerd
+        "--tls-dir", str(certs), *extra])
+    with agent, contextlib.ExitStack() as stack:
+        clients = {o: stack.enter_context(PeerClient("cpu-1", f"127.0.0.1:{port}", load_node_tls(certs, o)))
+                   for o in origins}
+        yield agent, clients
 
 
-def _request(node: Containerd, key: str, **container) -> pb.RunShadowRequest:
+@pytest.fixture
+def host(containerd: Containerd, tmp_path: Path) -> Iterator[tuple[AgentProcess, PeerClient, Containerd]]:
+    with _host_agent(containerd, tmp_path) as (agent, clients):
+        yield agent, clients["gpu-1"], containerd
+
+
+def _request(node: Containerd, key: str, command: list[str] | None = None, **container) -> pb.RunShadowRequest:
     sandbox = pods.sandbox_config("infer", node.pod_log_dir, cgroup_parent=node.cgroup_root)
-    config = pods.container_config("tokenize", ["sh", "-c", "echo tokenizing; exec sleep 3600"], **container)
+    config = pods.container_config(key.split("/")[1], command or ["sh", "-c", "echo tokenizing; exec sleep 3600"],
+                                   **container)
     return pb.RunShadowRequest(origin_node="gpu-1", origin_sandbox_id="origin-sb-1", key=key,
                                sandbox_config=sandbox.SerializeToString(), container_config=config.SerializeToString())
+
+
+def _state(message: pb.ShadowState) -> cri.ContainerStatus:
+    return cri.ContainerStatus.FromString(message.status)
+
+
+class _Stream:
+    """A server stream read on a thread of its own, so the test can wait for what it should bring."""
+
+    def __init__(self, call) -> None:
+        self.call = call
+        self.messages: list = []
+        self.error: grpc.RpcError | None = None
+        self.ended = threading.Event()
+        self._seen = 0
+        self._thread = threading.Thread(target=self._read, daemon=True)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for m in self.call:
+                self.messages.append(m)
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.ended.set()
+
+    def next(self, pred, what: str, timeout: float = 20.0):
+        """The first message after the last one returned that ``pred`` accepts."""
+        def found():
+            for i in range(self._seen, len(self.messages)):
+                if pred(self.messages[i]):
+                    self._seen = i + 1
+                    return self.messages[i]
+            return None
+
+        return wait_for(found, timeout=timeout, what=what)
+
+    def close(self) -> None:
+        self.call.cancel()
+        self.ended.wait(10)
 
 
 def test_a_shadow_runs_hidden_from_the_hosts_kubelet_and_goes_away(host) -> None:
@@ -109,3 +169,101 @@ def test_a_peer_cannot_ask_in_another_origins_name(host) -> None:
     with pytest.raises(WeftError) as err:
         client.run_shadow(req)
     assert err.value.code is grpc.StatusCode.PERMISSION_DENIED
+
+
+def _shadow_ids(node: Containerd) -> set[str]:
+    with node.channel() as direct:
+        listed = cri_grpc.RuntimeServiceStub(direct).ListContainers(cri.ListContainersRequest())
+        return {c.id for c in listed.containers}
+
+
+def _exec(client: PeerClient, key: str, cmd: list[str]) -> cri.ExecSyncResponse:
+    req = cri.ExecSyncRequest(container_id="origin-virtual-id", cmd=cmd, timeout=10)
+    return cri.ExecSyncResponse.FromString(client.call("gpu-1", key, "ExecSync", req.SerializeToString(), 30))
+
+
+WAIT_FOR_GO = ["sh", "-c", "echo started; while [ ! -e /tmp/go ]; do sleep 0.1; done; exit 3"]
+
+
+def test_watch_sends_every_shadow_then_each_change_as_it_happens_and_heartbeats(host) -> None:
+    _, client, node = host
+    key = "origin-sb-1/tokenize/0"
+    client.run_shadow(_request(node, key, WAIT_FOR_GO))
+    started = client.start_shadow("gpu-1", key)
+    watch = _Stream(client.watch("gpu-1", [key], 0.2))
+    try:
+        first = watch.next(lambda m: True, "the snapshot")
+        assert (first.key, first.shadow_container_id) == (key, started.shadow_container_id)
+        assert _state(first).state == cri.CONTAINER_RUNNING
+        watch.next(lambda m: m.heartbeat and not m.key, "the heartbeat that closes the snapshot")
+        watch.next(lambda m: m.heartbeat, "another heartbeat")
+        assert _exec(client, key, ["touch", "/tmp/go"]).exit_code == 0
+        exited = watch.next(lambda m: m.key == key, "the shadow's exit")
+        assert _state(exited).state == cri.CONTAINER_EXITED
+        assert _state(exited).exit_code == 3
+        assert client.remove_shadow("gpu-1", key) is True
+        gone = watch.next(lambda m: m.key == key, "the shadow gone")
+        assert gone.gone and gone.shadow_container_id == started.shadow_container_id
+        watch.next(lambda m: m.heartbeat, "heartbeats after the last shadow went")
+    finally:
+        watch.close()
+    assert watch.error is not None and watch.error.code() is grpc.StatusCode.CANCELLED
+
+
+def test_watch_removes_the_shadows_an_origin_no_longer_owns(host) -> None:
+    agent, client, node = host
+    kept, orphan = "origin-sb-1/tokenize/0", "origin-sb-1/detok/0"
+    kept_id = client.run_shadow(_request(node, kept)).shadow_container_id
+    orphan_id = client.run_shadow(_request(node, orphan)).shadow_container_id
+    client.start_shadow("gpu-1", orphan)
+    watch = _Stream(client.watch("gpu-1", [kept], 0.2))
+    try:
+        watch.next(lambda m: m.heartbeat, "the end of the snapshot")
+        assert [m.key for m in watch.messages if not m.heartbeat] == [kept]
+    finally:
+        watch.close()
+    assert kept_id in _shadow_ids(node)
+    assert orphan_id not in _shadow_ids(node)
+    assert any(e.get("event") == "shadow.orphan_removed" and e.get("key") == orphan for e in agent.events())
+    with pytest.raises(WeftError) as err:
+        client.shadow_status("gpu-1", orphan)
+    assert err.value.status is grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+
+
+def test_shadow_calls_reach_the_shadow_and_keep_its_low_cpu_weight(host) -> None:
+    _, client, node = host
+    key = "origin-sb-1/tokenize/0"
+    client.run_shadow(_request(node, key))
+    shadow = client.start_shadow("gpu-1", key).shadow_container_id
+
+    out = _exec(client, key, ["sh", "-c", "echo hello from the host; exit 4"])
+    assert (out.stdout, out.exit_code) == (b"hello from the host\n", 4)
+
+    stats = cri.ContainerStatsResponse.FromString(client.call(
+        "gpu-1", key, "ContainerStats", cri.ContainerStatsRequest(container_id="v").SerializeToString(), 30))
+    assert stats.stats.attributes.id == shadow
+    assert stats.stats.memory.working_set_bytes.value > 0
+
+    update = cri.UpdateContainerResourcesRequest(container_id="v", linux=cri.LinuxContainerResources(
+        cpu_shares=1024, memory_limit_in_bytes=128 << 20, cpu_period=100000, cpu_quota=50000))
+    client.call("gpu-1", key, "UpdateContainerResources", update.SerializeToString(), 30)
+    assert node_exec(node, shadow, ["cat", "/sys/fs/cgroup/cpu/cpu.shares"]).strip() == b"2"
+    assert node_exec(node, shadow, ["cat", "/sys/fs/cgroup/memory/memory.limit_in_bytes"]).strip() == \
+        str(128 << 20).encode()
+
+    client.call("gpu-1", key, "ReopenContainerLog",
+                cri.ReopenContainerLogRequest(container_id="v").SerializeToString(), 30)
+    client.call("gpu-1", key, "StopContainer", cri.StopContainerRequest(container_id="v", timeout=0)
+                .SerializeToString(), 30)
+    assert _state(client.shadow_status("gpu-1", key)).state == cri.CONTAINER_EXITED
+
+    with pytest.raises(WeftError) as err:
+        client.call("gpu-1", key, "RemoveContainer", cri.RemoveContainerRequest(container_id="v")
+                    .SerializeToString(), 30)
+    assert err.value.code is grpc.StatusCode.PERMISSION_DENIED
+    assert "RemoveContainer" in err.value.message
+    assert shadow in _shadow_ids(node)
+    with pytest.raises(WeftError) as err:
+        client.call("gpu-1", "origin-sb-1/nothing/0", "ExecSync", cri.ExecSyncRequest(cmd=["true"])
+                    .SerializeToString(), 30)
+    assert err.value.status is grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]

@@ -52,7 +52,9 @@ class MeshNode:
         else:
             found, declared = load_peers_file(peers, self_node=node)
             self.discovery = StaticDiscovery(found)
-        self.probe = CapacityProbe(role)
+        # A host's books: its own pods' requests and what it hosts, from its containerd (cached there).
+        self.probe = CapacityProbe(role) if host is None else CapacityProbe(
+            role, own_requests=host.own_requests, hosted_limits=host.hosted_limits)
         self.policy = PeerPolicy(set())
         # A node that offers CPU runs shadows for its peers' pods.
         self.server = MeshServer(node, address, self.tls, self.policy, self.probe,

@@ -1,0 +1,234 @@
+"""A shadow's copied read-only volumes: checked, written under the host's state directory, bound read-only.
+
+A rerouted container's ConfigMap, Secret and projected volumes stay on the
+origin; the origin sends their files (``RunShadowRequest.volumes``) and this
+module writes them on the host::
+
+    <root>/<origin>/<key digest>/
+        volumes.json      what was mounted: [{container_path, single_file}], for SyncVolumes to check
+        0/                a directory volume: its files, bound at its container_path
+        1/file            a single-file volume (a subPath, /etc/hosts): this one file is bound
+
+Everything the origin sends is untrusted: a relative path may not be
+absolute, hold ``.``/``..``/empty components or NUL, and nothing is written
+through a symlink (there are none unless someone else made one; we check
+anyway, with ``O_NOFOLLOW`` and ``lstat``). A container's volumes are capped
+at ``MAX_BYTES`` and ``MAX_FILES`` in all.
+
+``plan`` is pure (the checks); ``write`` and ``sync`` touch the disk. A file
+is replaced atomically (a temporary file in the same directory, then
+``rename``), so a container reading through its directory bind mount sees the
+old content or the new, never half. A single-file volume is bound by inode,
+so like a Kubernetes subPath mount it does not see later updates.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import secrets
+import shutil
+import stat
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path, PurePosixPath
+
+import grpc
+
+from shim.errors import WeftError
+
+MAX_BYTES = 64 << 20
+MAX_FILES = 4096
+MAX_PATH = 4096
+DEFAULT_MODE = 0o644
+SINGLE = "file"
+MANIFEST = "volumes.json"
+_TMP = ".weft-tmp-"
+
+
+class BadVolume(WeftError):
+    """The origin sent a volume this host will not write: a path that escapes, a conflict, a bad shape."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class VolumesTooLarge(BadVolume):
+    """A container's volumes exceed what a host keeps for one container."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class VolumesChanged(BadVolume):
+    """SyncVolumes asked for other mounts than the container was created with (mounts are fixed at create)."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclass(frozen=True)
+class VolumePlan:
+    container_path: str
+    single_file: bool
+    # relative path ("file" for a single-file volume) -> (data, mode)
+    files: dict[str, tuple[bytes, int]]
+
+
+def relative(path: str) -> str:
+    """``path`` if it is a plain relative path inside a volume; BadVolume naming it otherwise."""
+    if not path or len(path) > MAX_PATH or "\0" in path:
+        raise BadVolume(f"volume file path {path!r} is empty, too long or holds NUL")
+    if path.startswith("/"):
+        raise BadVolume(f"volume file path {path!r} is absolute")
+    if any(part in ("", ".", "..") for part in path.split("/")):
+        raise BadVolume(f"volume file path {path!r} has an empty, '.' or '..' component")
+    return path
+
+
+def container_path(path: str) -> str:
+    if not path.startswith("/") or len(path) > MAX_PATH or "\0" in path:
+        raise BadVolume(f"volume container_path {path!r} must be an absolute path without NUL")
+    parts = path.split("/")[1:]
+    if path == "/" or any(part in (".", "..") for part in parts):
+        raise BadVolume(f"volume container_path {path!r} is the root or has a '.' or '..' component")
+    return str(PurePosixPath(path))
+
+
+def plan(volumes: Sequence) -> list[VolumePlan]:
+    """Check what the origin sent (``mesh_pb2.Volume`` messages); the plans to write, or BadVolume."""
+    out: list[VolumePlan] = []
+    total = count = 0
+    seen: set[str] = set()
+    for v in volumes:
+        where = container_path(v.container_path)
+        if where in seen:
+            raise BadVolume(f"two volumes are mounted at {where}")
+        seen.add(where)
+        files: dict[str, tuple[bytes, int]] = {}
+        if v.single_file:
+            if len(v.files) != 1 or v.files[0].path:
+                raise BadVolume(f"single-file volume at {where} must carry exactly one file with path ''")
+            files[SINGLE] = (v.files[0].data, _mode(v.files[0].mode))
+        else:
+            for f in v.files:
+                rel = relative(f.path)
+                if rel in files:
+                    raise BadVolume(f"volume at {where} lists {rel!r} twice")
+                files[rel] = (f.data, _mode(f.mode))
+            for rel in files:  # "a" and "a/b": a file cannot also be a directory
+                for parent in PurePosixPath(rel).parents:
+                    if str(parent) != "." and str(parent) in files:
+                        raise BadVolume(f"volume at {where} has {str(parent)!r} both as a file and a directory")
+        for data, _ in files.values():
+            total += len(data)
+        count += len(files)
+        if total > MAX_BYTES or count > MAX_FILES:
+            raise VolumesTooLarge(f"a hosted container's volumes may hold at most {MAX_BYTES >> 20} MiB in "
+                                  f"{MAX_FILES} files; these hold more ({total} bytes so far, {count} files)")
+        out.append(VolumePlan(where, bool(v.single_file), files))
+    return out
+
+
+def _mode(mode: int) -> int:
+    # proto3 cannot tell 0 from unset: 0 means the default, as kubelet's defaultMode does.
+    return (mode & 0o777) or DEFAULT_MODE
+
+
+def manifest(plans: Iterable[VolumePlan]) -> list[dict]:
+    return [{"container_path": p.container_path, "single_file": p.single_file} for p in plans]
+
+
+def host_path(root: Path, index: int, p: VolumePlan) -> Path:
+    """What is bound at ``p.container_path``."""
+    return root / str(index) / SINGLE if p.single_file else root / str(index)
+
+
+def write(root: Path, plans: list[VolumePlan]) -> None:
+    """Write a new container's volumes under ``root`` (made here; must not exist)."""
+    root.mkdir(parents=True, mode=0o755)
+    for i, p in enumerate(plans):
+        _sync_one(root / str(i), p)
+    (root / MANIFEST).write_text(json.dumps(manifest(plans)))
+
+
+def sync(root: Path, plans: list[VolumePlan]) -> int:
+    """Make the files under ``root`` what ``plans`` say; the number of files written or removed."""
+    try:
+        mounted = json.loads((root / MANIFEST).read_text())
+    except FileNotFoundError:
+        mounted = []
+    if mounted != manifest(plans):
+        raise VolumesChanged(f"SyncVolumes must send the volumes the container was created with "
+                             f"({[m['container_path'] for m in mounted]}), not "
+                             f"{[p.container_path for p in plans]}")
+    return sum(_sync_one(root / str(i), p) for i, p in enumerate(plans))
+
+
+def _sync_one(vdir: Path, p: VolumePlan) -> int:
+    _real_dir(vdir)
+    changed = 0
+    # Remove what is no longer wanted first: a path may turn from a file into a directory.
+    for dirpath, dirnames, filenames in os.walk(vdir, topdown=False, followlinks=False):
+        base = Path(dirpath)
+        for name in filenames + [d for d in dirnames if (base / d).is_symlink()]:
+            rel = (base / name).relative_to(vdir).as_posix()
+            if rel not in p.files:
+                os.unlink(base / name)
+                changed += 0 if name.startswith(_TMP) else 1
+        for name in dirnames:
+            full = base / name
+            if not full.is_symlink() and not any(f.startswith(full.relative_to(vdir).as_posix() + "/")
+                                                 for f in p.files):
+                shutil.rmtree(full)
+    for rel, (data, mode) in sorted(p.files.items()):
+        target = vdir / rel
+        parent = vdir
+        for part in PurePosixPath(rel).parts[:-1]:
+            parent = parent / part
+            _real_dir(parent)
+        try:
+            st = os.lstat(target)
+        except FileNotFoundError:
+            st = None
+        if st is not None and stat.S_ISREG(st.st_mode) and stat.S_IMODE(st.st_mode) == mode \
+                and st.st_size == len(data) and target.read_bytes() == data:
+            continue
+        if st is not None and stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(target)
+        _replace(target, data, mode)
+        changed += 1
+    return changed
+
+
+def _real_dir(path: Path) -> None:
+    """``path`` exists as a directory of its own, not a symlink to somewhere else."""
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        os.mkdir(path, 0o755)
+        return
+    if stat.S_ISDIR(st.st_mode):
+        return
+    if stat.S_ISLNK(st.st_mode):
+        raise BadVolume(f"{path} is a symlink; volumes are never written through one")
+    os.unlink(path)  # was a file, is now a directory
+    os.mkdir(path, 0o755)
+
+
+def _replace(target: Path, data: bytes, mode: int) -> None:
+    tmp = target.with_name(f"{_TMP}{target.name[:64]}-{secrets.token_hex(4)}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            os.fchmod(f.fileno(), mode)
+        os.rename(tmp, target)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def remove(root: Path) -> None:
+    """Delete a container's volumes, and its origin's directory once it is empty."""
+    shutil.rmtree(root, ignore_errors=True)
+    with contextlib.suppress(OSError):
+        root.parent.rmdir()
