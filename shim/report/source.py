@@ -99,7 +99,8 @@ class FakeSource:
         for s in self.data.get(signal, ()):
             if s.get("pod") and s.get("pod") not in pods:
                 continue
-            points = tuple((t, v) for t, v in s.points if window.start <= t <= window.end)
+            # As Prometheus' source asks: a point stands for the step before it, so none at the start.
+            points = tuple((t, v) for t, v in s.points if window.start < t <= window.end)
             if points:
                 out.append(Series(s.labels, points))
         return out
