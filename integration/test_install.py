@@ -1,0 +1,253 @@
+"""``weft install``/``uninstall`` against real processes: containerd loading the drop-in, a real agent verified
+before kubelet is switched, a real health endpoint standing in for kubelet, and ``kill -9`` at every step.
+
+kubelet and systemd are the two things a test machine cannot offer for real: systemctl is a small program that
+records its calls (``--systemctl``), and kubelet's ``/healthz`` is an HTTP server in the test that answers from
+the host root's kubelet files, so "kubelet on the agent is unhealthy" is a real answer on a real port.
+"""
+
+from __future__ import annotations
+
+import http.server
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+import yaml
+from cri_api.v1 import api_pb2 as cri
+from cri_api.v1 import api_pb2_grpc as cri_grpc
+
+from integration import pods
+from integration.agent import AgentProcess
+from integration.harness import Containerd
+from shim.install.run import INSTALL_STEPS, UNINSTALL_STEPS
+from tests.install.conftest import copy_shape, snapshot
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+class Health:
+    """kubelet's /healthz: 200 while ``check()`` holds."""
+
+    def __init__(self) -> None:
+        self.check: Callable[[], bool] = lambda: True
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                self.send_response(200 if outer.check() else 500)
+                self.end_headers()
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/healthz"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread.start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def health() -> Iterator[Health]:
+    h = Health()
+    yield h
+    h.close()
+
+
+@pytest.fixture(scope="module")
+def module_agent(containerd_session: Containerd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentProcess]:
+    with AgentProcess(containerd_session, tmp_path_factory.mktemp("install-agent")) as a:
+        yield a
+
+
+def _systemctl(tmp: Path) -> tuple[Path, Path]:
+    log, prog = tmp / "systemctl.log", tmp / "systemctl"
+    prog.write_text(f'#!/bin/sh\necho "$*" >> {log}\n')
+    prog.chmod(0o755)
+    return prog, log
+
+
+def _calls(log: Path) -> list[str]:
+    return log.read_text().splitlines() if log.exists() else []
+
+
+def _weft(cmd: str, root: Path, *args: str, failpoint: str = "") -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "WEFT_FAILPOINTS": failpoint}
+    return subprocess.run([sys.executable, "-m", "shim", cmd, "--root", str(root), *args],
+                          capture_output=True, text=True, env=env, cwd=REPO, timeout=300)
+
+
+def _source(tmp: Path) -> Path:
+    src = tmp / "weft-src"
+    (src / "bin").mkdir(parents=True, exist_ok=True)
+    (src / "bin" / "weft").write_text("#!/bin/sh\necho weft\n")
+    return src
+
+
+def _kubelet_on_agent(root: Path) -> bool:
+    return "weft/cri.sock" in (root / "var/lib/kubelet/config.yaml").read_text()
+
+
+def test_real_containerd_loads_the_dropin_and_uninstall_with_weft_pods_puts_kubelet_back_on_containerd(
+        fresh_containerd: Containerd, tmp_path: Path, health: Health) -> None:
+    ctrd = fresh_containerd
+    root = tmp_path / "host"
+    (root / "etc/containerd").mkdir(parents=True)
+    shutil.copy(ctrd.workdir / "config.toml", root / "etc/containerd/config.toml")  # type: ignore[operator]
+    (root / "var/lib/kubelet").mkdir(parents=True)
+    (root / "var/lib/kubelet/config.yaml").write_text(
+        "apiVersion: kubelet.config.k8s.io/v1beta1\nkind: KubeletConfiguration\n"
+        f"containerRuntimeEndpoint: unix://{ctrd.socket}\n")
+    before = snapshot(root)
+    systemctl, log = _systemctl(tmp_path)
+    flags = ["--systemctl", str(systemctl), "--kubelet-health-url", health.url]
+    with AgentProcess(ctrd, tmp_path / "agent") as agent:
+        res = _weft("install", root, *flags, "--agent-socket", str(agent.socket))
+        assert res.returncode == 0, res.stderr
+        assert f"the weft agent answers CRI on {agent.socket} (containerd" in res.stdout
+        assert _calls(log) == ["daemon-reload", "restart containerd.service", "enable weft-agent.service",
+                               "restart weft-agent.service", "restart kubelet.service"]
+
+        # This containerd reads its files from the real /, the installer wrote under the root: give it the
+        # root's files with the root's prefix on the host paths they name, then restart it (the test's
+        # "systemctl restart containerd").
+        def rooted(text: str) -> str:
+            for host_path in ("/etc/containerd/weft/", "/opt/weft/"):
+                text = text.replace(f'"{host_path}', f'"{root}{host_path}')
+            return text
+        for rel in ("etc/containerd/weft/runtime.toml", "etc/containerd/weft/base-spec.json"):
+            (root / rel).write_text(rooted((root / rel).read_text()))
+        (ctrd.workdir / "config.toml").write_text(rooted((root / "etc/containerd/config.toml").read_text()))
+        ctrd.restart()
+
+        with agent.channel() as ch:
+            rt = cri_grpc.RuntimeServiceStub(ch)
+            cfg = json.loads(rt.Status(cri.StatusRequest(verbose=True)).info["config"])
+            runtimes = cfg["containerd"]["runtimes"]
+            assert runtimes["weft"]["baseRuntimeSpec"] == f"{root}/etc/containerd/weft/base-spec.json"
+            assert runtimes["weft"]["PodAnnotations"] == runtimes["weft"]["ContainerAnnotations"] == ["weft.io/*"]
+            assert runtimes["runc"]["options"]["Root"] == str(ctrd.runc_root), "the host's CRI section is kept"
+            assert cfg["sandboxImage"].endswith(":weft-test") and cfg["restrictOOMScoreAdj"] is True
+
+            # A pod on the weft handler runs with the copied weft's OCI hook (runc fails it if the hook fails).
+            sb_cfg = pods.sandbox_config("weft-pod", ctrd.pod_log_dir, cgroup_parent=ctrd.cgroup_root)
+            sb = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sb_cfg, runtime_handler="weft")).pod_sandbox_id
+            cid = rt.CreateContainer(cri.CreateContainerRequest(
+                pod_sandbox_id=sb, config=pods.container_config("main", ["sleep", "3600"]),
+                sandbox_config=sb_cfg)).container_id
+            rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+            assert rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status.state == \
+                cri.CONTAINER_RUNNING
+
+        log.unlink()
+        res = _weft("uninstall", root, *flags, "--agent-socket", str(agent.socket))
+        assert res.returncode == 0, res.stderr
+        assert "1 pod(s) run on the 'weft' runtime handler: default/weft-pod. They keep running" in res.stdout
+        calls = _calls(log)
+        assert calls.index("restart kubelet.service") < calls.index(
+            "disable --now weft-broker.service weft-agent.service"), "kubelet leaves the agent before it stops"
+    assert snapshot(root) == before
+    endpoint = yaml.safe_load((root / "var/lib/kubelet/config.yaml").read_text())["containerRuntimeEndpoint"]
+    with grpc.insecure_channel(endpoint) as ch:  # kubelet's endpoint is containerd, alive
+        assert cri_grpc.RuntimeServiceStub(ch).Version(cri.VersionRequest(), timeout=5).runtime_name == "containerd"
+
+
+def test_kubelet_unhealthy_on_the_agent_rolls_everything_back(
+        module_agent: AgentProcess, tmp_path: Path, health: Health) -> None:
+    root = copy_shape("kubeadm", tmp_path / "host")
+    health.check = lambda: not _kubelet_on_agent(root)
+    before = snapshot(root)
+    systemctl, log = _systemctl(tmp_path)
+    res = _weft("install", root, "--systemctl", str(systemctl), "--kubelet-health-url", health.url,
+                "--kubelet-timeout", "2", "--agent-socket", str(module_agent.socket),
+                "--source", str(_source(tmp_path)))
+    assert res.returncode == 2
+    assert "weft install: kubelet-health failed: kubelet did not come back healthy" in res.stderr
+    assert "rolled back" in res.stderr
+    assert snapshot(root) == before
+    calls = _calls(log)  # after the switch: back on containerd first, then the agent stops
+    assert calls.count("restart kubelet.service") == 2
+    assert calls[calls.index("restart kubelet.service") + 1:] == [
+        "restart kubelet.service", "disable --now weft-broker.service weft-agent.service", "daemon-reload",
+        "restart containerd.service"]
+
+
+def test_an_agent_that_does_not_answer_cri_never_gets_kubelet(tmp_path: Path, health: Health) -> None:
+    root = copy_shape("kubeadm-flags", tmp_path / "host")
+    before = snapshot(root)
+    systemctl, log = _systemctl(tmp_path)
+    res = _weft("install", root, "--systemctl", str(systemctl), "--kubelet-health-url", health.url,
+                "--agent-socket", str(tmp_path / "no-agent.sock"), "--agent-timeout", "1",
+                "--source", str(_source(tmp_path)))
+    assert res.returncode == 2
+    assert f"agent-verify failed: the weft agent does not answer CRI on {tmp_path / 'no-agent.sock'}" in res.stderr
+    assert snapshot(root) == before
+    assert "restart kubelet.service" not in _calls(log)
+
+
+def _flags(tmp: Path, agent: AgentProcess, health: Health) -> list[str]:
+    systemctl, _ = _systemctl(tmp)
+    return ["--systemctl", str(systemctl), "--kubelet-health-url", health.url, "--agent-socket", str(agent.socket)]
+
+
+INSTALL_POINTS = ["backups", "journal", *INSTALL_STEPS]
+
+
+@pytest.mark.parametrize("step", INSTALL_POINTS)
+def test_install_killed_after_each_step_is_repaired_by_install_or_by_uninstall(
+        step: str, module_agent: AgentProcess, tmp_path: Path, health: Health) -> None:
+    root = copy_shape("kubeadm", tmp_path / "host")
+    before = snapshot(root)
+    flags = _flags(tmp_path, module_agent, health)
+    src = ["--source", str(_source(tmp_path))]
+    res = _weft("install", root, *flags, *src, failpoint=f"install.{step}")
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    other = tmp_path / "host-uninstalled"
+    shutil.copytree(root, other, symlinks=True)
+
+    res = _weft("install", root, *flags, *src)
+    assert res.returncode == 0, res.stderr
+    assert _kubelet_on_agent(root)
+    assert "nothing changed" in _weft("install", root, *flags, *src).stdout
+    assert _weft("uninstall", root, *flags).returncode == 0
+    assert snapshot(root) == before
+
+    res = _weft("uninstall", other, *flags)
+    assert res.returncode == 0, res.stderr
+    assert snapshot(other) == before
+
+
+@pytest.mark.parametrize("step", UNINSTALL_STEPS)
+def test_uninstall_killed_after_each_step_is_repaired_by_uninstall_or_by_install(
+        step: str, module_agent: AgentProcess, tmp_path: Path, health: Health) -> None:
+    root = copy_shape("imports", tmp_path / "host")
+    before = snapshot(root)
+    flags = _flags(tmp_path, module_agent, health)
+    src = ["--source", str(_source(tmp_path))]
+    assert _weft("install", root, *flags, *src).returncode == 0
+    res = _weft("uninstall", root, *flags, failpoint=f"uninstall.{step}")
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    other = tmp_path / "host-reinstalled"
+    shutil.copytree(root, other, symlinks=True)
+
+    res = _weft("uninstall", root, *flags)
+    assert res.returncode == 0, res.stderr
+    assert snapshot(root) == before
+
+    res = _weft("install", other, *flags, *src)
+    assert res.returncode == 0, res.stderr
+    assert _kubelet_on_agent(other)
+    assert _weft("uninstall", other, *flags).returncode == 0
+    assert snapshot(other) == before
