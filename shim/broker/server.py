@@ -161,18 +161,30 @@ class HookEndpoint:
         self.claim.release()
 
 
+# Only a pod's own containers hold leases, and containerd names the sandbox and the container of each; a
+# request without both (a pause container, which has no container name, or a hand-made line) could otherwise
+# bind or release any lease.
+_NO_OWNER = {"ok": False, "code": "PERMISSION_DENIED",
+             "error": "hook request names no owner (sandbox_id and container are both required)"}
+
+
 def _answer(service: LeaseService, line: bytes) -> dict[str, Any]:
     try:
         req = json.loads(line)
         op = req["op"]
         owner = (str(req.get("sandbox_id", "")), str(req.get("container", "")))
         if op == "bind":
-            rec = service.bind(str(req["lease_id"]), str(req.get("container_id", "")), int(req.get("pid", 0)),
-                               str(req.get("cgroup", "")), owner=owner)
+            args = (str(req["lease_id"]), str(req.get("container_id", "")), int(req.get("pid", 0)),
+                    str(req.get("cgroup", "")))
+            if not all(owner):
+                return dict(_NO_OWNER)
+            rec = service.bind(*args, owner=owner)
             return {"ok": True, "state": rec.state.value, "devices": list(rec.device_uuids)}
         if op == "release":
-            released = service.release(str(req["lease_id"]), str(req.get("reason", "poststop")), owner=owner)
-            return {"ok": True, "released": released}
+            lease_id, reason = str(req["lease_id"]), str(req.get("reason", "poststop"))
+            if not all(owner):
+                return dict(_NO_OWNER)
+            return {"ok": True, "released": service.release(lease_id, reason, owner=owner)}
         return {"ok": False, "code": "INVALID_ARGUMENT", "error": f"unknown op {op!r} (bind, release)"}
     except WeftError as exc:
         return {"ok": False, "code": exc.code.name, "error": exc.message}

@@ -39,7 +39,8 @@ def svc(tmp_path: Path) -> Iterator[LeaseService]:
 def _verdict(answer: dict) -> None:
     assert isinstance(answer["ok"], bool)
     if not answer["ok"]:
-        assert answer["code"] in ("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "INTERNAL")
+        assert answer["code"] in ("INVALID_ARGUMENT", "NOT_FOUND", "FAILED_PRECONDITION", "PERMISSION_DENIED",
+                                  "INTERNAL")
         assert answer["error"]
 
 
@@ -61,3 +62,19 @@ def test_deeply_nested_json_is_refused_as_malformed(svc: LeaseService, depth: in
     answer = _answer(svc, b"[" * depth + b"]" * depth)
     assert answer["ok"] is False and answer["code"] == "INVALID_ARGUMENT"
     assert "malformed hook request" in answer["error"]
+
+
+@pytest.mark.parametrize("owner", [{}, {"sandbox_id": "sb"}, {"container": "app"}, {"sandbox_id": "", "container": ""}],
+                         ids=["none", "no-container", "no-sandbox", "empty"])
+@pytest.mark.parametrize("op", ["bind", "release"])
+def test_a_hook_request_that_names_no_owner_touches_no_lease(svc: LeaseService, op: str, owner: dict) -> None:
+    """A pause container (no container name) or a hand-made line must not bind or release a pod's lease."""
+    rec = svc.acquire(key="sb/app/0", namespace="ns", pod="p", pod_uid="u", container="app", sandbox_id="sb",
+                      memory_bytes=1 << 30, compute_percent=10, count=0, allowed=[])
+    line = json.dumps({"op": op, "lease_id": rec.lease_id, "container_id": "c" * 64, "pid": 1, **owner})
+    answer = _answer(svc, line.encode())
+    assert (answer["ok"], answer["code"]) == (False, "PERMISSION_DENIED")
+    assert [(r.lease_id, r.state.value) for r in svc.leases()] == [(rec.lease_id, "acquired")]
+    ok = _answer(svc, json.dumps({"op": "release", "lease_id": rec.lease_id, "sandbox_id": "sb",
+                                  "container": "app"}).encode())
+    assert ok == {"ok": True, "released": True}
