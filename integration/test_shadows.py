@@ -267,3 +267,207 @@ def test_shadow_calls_reach_the_shadow_and_keep_its_low_cpu_weight(host) -> None
         client.call("gpu-1", "origin-sb-1/nothing/0", "ExecSync", cri.ExecSyncRequest(cmd=["true"])
                     .SerializeToString(), 30)
     assert err.value.status is grpc.StatusCode.NOT_FOUND  # type: ignore[attr-defined]
+
+
+LINES_THEN_WAIT = ["sh", "-c", 'i=0; while [ $i -lt 3000 ]; do echo "line $i"; i=$((i+1)); done; '
+                   'while [ ! -e /tmp/go ]; do sleep 0.1; done; '
+                   'i=0; while [ $i -lt 500 ]; do echo "after $i"; i=$((i+1)); done']
+
+
+def _joined(chunks: list[pb.LogChunk], start: int) -> bytes:
+    """The chunks' bytes, checked to follow each other from ``start`` with nothing missing or repeated."""
+    at = start
+    for c in chunks:
+        assert c.offset == at
+        at += len(c.data)
+    return b"".join(c.data for c in chunks)
+
+
+def _messages(log: bytes) -> list[str]:
+    """What the container printed, from CRI log lines (``<time> <stream> <tag> <message>``)."""
+    return [line.split(b" ", 3)[3].decode() for line in log.splitlines()]
+
+
+def test_the_log_streams_as_it_grows_from_any_offset_and_ends_after_the_exit(host) -> None:
+    _, client, node = host
+    key = "origin-sb-1/tokenize/0"
+    client.run_shadow(_request(node, key, LINES_THEN_WAIT))
+    client.start_shadow("gpu-1", key)
+    stream = _Stream(client.stream_log("gpu-1", key, 0))
+    try:
+        wait_for(lambda: b"line 2999\n" in b"".join(c.data for c in stream.messages), what="the first 3000 lines")
+        assert not stream.ended.is_set()  # still running: the stream waits for more
+        assert _exec(client, key, ["touch", "/tmp/go"]).exit_code == 0
+        wait_for(stream.ended.is_set, what="the log stream to end after the container exited")
+    finally:
+        stream.close()
+    assert stream.error is None
+    whole = _joined(stream.messages, 0)
+    assert _messages(whole) == [f"line {i}" for i in range(3000)] + [f"after {i}" for i in range(500)]
+    assert _state(client.shadow_status("gpu-1", key)).state == cri.CONTAINER_EXITED
+
+    middle = whole.index(b"\n", len(whole) // 2) + 1
+    rest = _Stream(client.stream_log("gpu-1", key, middle))
+    wait_for(rest.ended.is_set, what="a stream of an exited container's log to end")
+    assert rest.error is None
+    assert _joined(rest.messages, middle) == whole[middle:]
+
+
+def _volumes(config: bytes = b"level=info\n") -> list[pb.Volume]:
+    return [pb.Volume(container_path="/etc/app", files=[
+                pb.VolumeFile(path="app.conf", data=config, mode=0o644),
+                pb.VolumeFile(path="keys/token", data=b"s3cret", mode=0o600)]),
+            pb.Volume(container_path="/etc/motd", single_file=True, files=[pb.VolumeFile(data=b"hello\n")])]
+
+
+def _files_under(path: Path) -> list[Path]:
+    return [p for p in path.rglob("*") if not p.is_dir()] if path.exists() else []
+
+
+def test_copied_volumes_are_mounted_read_only_and_follow_updates(host) -> None:
+    agent, client, node = host
+    key = "origin-sb-1/tokenize/0"
+    req = _request(node, key)
+    req.volumes.extend(_volumes())
+    client.run_shadow(req)
+    client.start_shadow("gpu-1", key)
+
+    assert _exec(client, key, ["cat", "/etc/app/app.conf"]).stdout == b"level=info\n"
+    assert _exec(client, key, ["cat", "/etc/motd"]).stdout == b"hello\n"
+    assert _exec(client, key, ["stat", "-c", "%a", "/etc/app/keys/token"]).stdout.strip() == b"600"
+    refused = _exec(client, key, ["sh", "-c", "echo x > /etc/app/app.conf"])
+    assert refused.exit_code != 0 and b"Read-only file system" in refused.stderr
+
+    updated = _volumes(b"level=debug\n")
+    updated[0].files[1].CopyFrom(pb.VolumeFile(path="extra.conf", data=b"new\n"))  # keys/token goes
+    assert client.sync_volumes("gpu-1", key, updated) == 3
+    assert _exec(client, key, ["cat", "/etc/app/app.conf"]).stdout == b"level=debug\n"
+    assert _exec(client, key, ["cat", "/etc/app/extra.conf"]).stdout == b"new\n"
+    assert _exec(client, key, ["ls", "/etc/app"]).stdout.split() == [b"app.conf", b"extra.conf"]
+
+    assert client.remove_shadow("gpu-1", key) is True
+    assert _files_under(agent.state_dir / "shadow-volumes") == []
+    assert _files_under(agent.state_dir / "shadow-logs") == []
+
+
+@pytest.mark.parametrize(("path", "where"), [
+    ("../escape", "/etc/app"), ("/etc/shadow", "/etc/app"), ("a/../../escape", "/etc/app"), ("a\0b", "/etc/app"),
+    ("ok", "etc/relative"), ("ok", "/etc/../root")],
+    ids=["dotdot", "absolute", "dotdot-inside", "nul", "relative-mount", "dotdot-mount"])
+def test_volume_paths_that_escape_are_refused(host, path: str, where: str) -> None:
+    agent, client, node = host
+    req = _request(node, "origin-sb-1/tokenize/0")
+    req.volumes.append(pb.Volume(container_path=where, files=[pb.VolumeFile(path=path, data=b"x")]))
+    with pytest.raises(WeftError) as err:
+        client.run_shadow(req)
+    assert err.value.status is grpc.StatusCode.INVALID_ARGUMENT  # type: ignore[attr-defined]
+    assert "volume" in err.value.message
+    assert _shadow_ids(node) == set()
+    assert _files_under(agent.state_dir / "shadow-volumes") == []
+    assert not (agent.state_dir / "escape").exists() and not (agent.state_dir.parent / "escape").exists()
+
+
+def test_a_mount_in_the_container_config_is_still_refused(host) -> None:
+    _, client, node = host
+    req = _request(node, "origin-sb-1/tokenize/0")
+    config = cri.ContainerConfig.FromString(req.container_config)
+    config.mounts.append(cri.Mount(container_path="/host", host_path="/"))
+    req.container_config = config.SerializeToString()
+    with pytest.raises(WeftError) as err:
+        client.run_shadow(req)
+    assert err.value.code is grpc.StatusCode.PERMISSION_DENIED
+    assert _shadow_ids(node) == set()
+
+
+def test_a_hosts_hello_counts_its_own_pods_requests_and_what_it_hosts(host) -> None:
+    agent, client, node = host
+    me = pb.PeerState(node="gpu-1", role="gpu")
+    assert client.hello(me).hosted_limits.memory_bytes == 0
+    with node.channel() as direct:  # one of the host's own pods: 0.5 core requested, 32 MiB limit
+        rt = cri_grpc.RuntimeServiceStub(direct)
+        sandbox = pods.sandbox_config("own", node.pod_log_dir, cgroup_parent=node.cgroup_root)
+        sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox)).pod_sandbox_id
+        config = pods.container_config("own", ["sleep", "3600"])
+        config.linux.resources.cpu_shares = 512
+        config.linux.resources.memory_limit_in_bytes = 32 << 20
+        cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=config,
+                                                            sandbox_config=sandbox)).container_id
+        rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+    key = "origin-sb-1/tokenize/0"
+    req = _request(node, key)
+    config = cri.ContainerConfig.FromString(req.container_config)
+    config.linux.resources.cpu_quota, config.linux.resources.cpu_period = 150000, 100000
+    config.linux.resources.memory_limit_in_bytes = 256 << 20
+    req.container_config = config.SerializeToString()
+    client.run_shadow(req)
+    client.start_shadow("gpu-1", key)
+
+    state = wait_for(lambda: (s := client.hello(me)).hosted_limits.memory_bytes and s,
+                     what="the hosted shadow in the host's books")
+    assert (state.hosted_limits.cpu_cores, state.hosted_limits.memory_bytes) == (1.5, 256 << 20)
+    assert (state.own_requests.cpu_cores, state.own_requests.memory_bytes) == (0.5, 32 << 20)
+    assert "weft_shadows_hosted 1.0" in agent.metrics_text()
+
+
+FAST_FENCE = "fence_timeout = 3\nloss_timeout = 5\nhello_interval = 1\nheartbeat_interval = 0.5\n"
+
+
+def test_an_origin_that_falls_silent_has_its_shadows_killed_and_one_that_talks_keeps_them(
+        containerd: Containerd, tmp_path: Path) -> None:
+    with _host_agent(containerd, tmp_path, ("gpu-1", "gpu-2"), FAST_FENCE) as (agent, clients):
+        talking, silent = clients["gpu-1"], clients["gpu-2"]
+        stop = threading.Event()
+
+        def hello_loop() -> None:  # what gpu-1's agent does every hello_interval
+            while not stop.is_set():
+                with contextlib.suppress(WeftError):
+                    talking.hello(pb.PeerState(node="gpu-1", role="gpu"))
+                stop.wait(0.5)
+
+        hellos = threading.Thread(target=hello_loop, daemon=True)
+        hellos.start()
+        try:
+            kept = talking.run_shadow(_request(containerd, "origin-sb-1/tokenize/0"))
+            talking.start_shadow("gpu-1", "origin-sb-1/tokenize/0")
+            req = _request(containerd, "origin-sb-2/tokenize/0")
+            req.origin_node, req.origin_sandbox_id = "gpu-2", "origin-sb-2"
+            fenced = silent.run_shadow(req)
+            silent.start_shadow("gpu-2", "origin-sb-2/tokenize/0")
+            # gpu-2 listens to its Watch but says nothing: the host's heartbeats are no sign of gpu-2.
+            watch = _Stream(silent.watch("gpu-2", ["origin-sb-2/tokenize/0"], 0.2))
+            try:
+                exited = watch.next(lambda m: m.key and _state(m).state == cri.CONTAINER_EXITED,
+                                    "gpu-2's shadow killed for its silence", timeout=30)
+            finally:
+                watch.close()
+            assert exited.shadow_container_id == fenced.shadow_container_id
+            assert _state(exited).exit_code == 137  # SIGKILL: no grace for a fenced copy
+            # gpu-1's shadow is older than gpu-2's: only gpu-1's Hellos kept it alive.
+            assert _node_state(containerd, kept.shadow_container_id) == cri.CONTAINER_RUNNING
+        finally:
+            stop.set()
+            hellos.join()
+        assert fenced.shadow_container_id in _shadow_ids(containerd)  # killed, not removed: the origin removes it
+        events = [e for e in agent.events() if e.get("event") == "shadow.fenced"]
+        assert [(e["origin"], e["key"], e["container_id"]) for e in events] == [
+            ("gpu-2", "origin-sb-2/tokenize/0", fenced.shadow_container_id)]
+        assert events[0]["silent_s"] > 3
+        assert 'weft_shadows_fenced_total{peer="gpu-2"} 1.0' in agent.metrics_text()
+
+
+def _node_state(node: Containerd, cid: str) -> int:
+    with node.channel() as direct:
+        return cri_grpc.RuntimeServiceStub(direct).ContainerStatus(
+            cri.ContainerStatusRequest(container_id=cid)).status.state
+
+
+def test_a_restarted_host_still_fences_the_shadows_of_an_origin_that_never_comes_back(
+        containerd: Containerd, tmp_path: Path) -> None:
+    with _host_agent(containerd, tmp_path, mesh_config=FAST_FENCE) as (agent, clients):
+        state = clients["gpu-1"].run_shadow(_request(containerd, "origin-sb-1/tokenize/0"))
+        clients["gpu-1"].start_shadow("gpu-1", "origin-sb-1/tokenize/0")
+        agent.stop()
+        agent.start()
+        wait_for(lambda: _node_state(containerd, state.shadow_container_id) == cri.CONTAINER_EXITED, timeout=30,
+                 what="the shadow of an origin silent since before the restart to be fenced")
+        assert [e["key"] for e in agent.events() if e.get("event") == "shadow.fenced"] == ["origin-sb-1/tokenize/0"]
