@@ -145,6 +145,8 @@ def _as(origin: str, method: str, mesh: MeshHost, key: str = "origin-sb-1/tokeni
     message.origin_node = origin
     if "key" in message.DESCRIPTOR.fields_by_name:
         message.key = key
+    if "method" in message.DESCRIPTOR.fields_by_name:  # ShadowCall: a verb an origin may call
+        message.method = "ContainerStats"
     return message
 
 
