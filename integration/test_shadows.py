@@ -471,3 +471,21 @@ def test_a_restarted_host_still_fences_the_shadows_of_an_origin_that_never_comes
         wait_for(lambda: _node_state(containerd, state.shadow_container_id) == cri.CONTAINER_EXITED, timeout=30,
                  what="the shadow of an origin silent since before the restart to be fenced")
         assert [e["key"] for e in agent.events() if e.get("event") == "shadow.fenced"] == ["origin-sb-1/tokenize/0"]
+
+
+def test_the_host_keeps_answering_after_many_origin_streams_come_and_go(host) -> None:
+    _, client, node = host
+    key = "origin-sb-1/tokenize/0"
+    client.run_shadow(_request(node, key))
+    client.start_shadow("gpu-1", key)
+    # More streams than the mesh server has workers: each one must end when its origin hangs up.
+    for _ in range(40):
+        watch = _Stream(client.watch("gpu-1", [key], 5.0))
+        watch.next(lambda m: m.heartbeat, "a Watch's snapshot")
+        watch.close()
+        log = _Stream(client.stream_log("gpu-1", key, 0))
+        log.next(lambda m: m.data, "the log's first chunk")
+        log.close()
+        assert watch.ended.is_set() and log.ended.is_set()
+    assert client.hello(pb.PeerState(node="gpu-1", role="gpu")).node == "cpu-1"
+    assert _state(client.shadow_status("gpu-1", key)).state == cri.CONTAINER_RUNNING

@@ -12,12 +12,31 @@ was admitted by ride along as annotations. A host never runs what is unsafe
 to reroute (privileged, host namespaces, host paths, devices), whatever the
 origin asks. The pod's read-only volumes come copied (``shadow_volumes``).
 
-What the origin sees of its shadows afterwards:
+What the origin sees of its shadows afterwards (the contract it relies on):
 
-- ``watch``: orphans removed, then a snapshot, then changes and heartbeats;
-- ``call``: the five CRI verbs kubelet may make on a running container;
-- ``stream_log``: the shadow's log from an offset, until it has exited;
-- ``sync_volumes``: new contents of its copied volumes.
+- ``watch``: first the shadows of the origin not among ``keys`` are removed
+  (so ``keys`` must hold every key the origin owns, a RunShadow in flight
+  included); then one ShadowState per remaining shadow (key, ids, status);
+  then a heartbeat, which marks the end of that snapshot; then, every
+  interval (``heartbeat_s`` or the host's, within 0.2-5 s), a ShadowState
+  for each shadow that appeared or whose state, exit code or finish time
+  changed, ``gone`` (with key and ids, no status) for each that disappeared,
+  and a heartbeat. A failure to read containerd ends the stream with its
+  status; the origin watches again.
+- ``call``: ExecSync, ContainerStats, UpdateContainerResources,
+  StopContainer, ReopenContainerLog; any other method is PERMISSION_DENIED,
+  an unknown key NOT_FOUND, a malformed request INVALID_ARGUMENT, and
+  containerd's own status comes back unchanged. Responses are containerd's,
+  so they name the shadow (ContainerStats' attributes: its id, labels and
+  annotations); the origin puts its own back.
+- ``stream_log``: the log file from the offset on, in chunks of at most
+  256 KiB that end at a line end (only the last, after the exit, may not);
+  it ends (OK) once the container has exited or is gone and the file is read
+  to its end. An unknown key is NOT_FOUND.
+- ``sync_volumes``: the same volumes as at RunShadow (same container paths,
+  same order; FAILED_PRECONDITION otherwise), files replaced atomically;
+  single-file volumes are bound by inode and, as a Kubernetes subPath, do
+  not see updates inside a running container.
 
 Fencing (at most one live copy, DESIGN 2.3): a thread kills the running
 shadows of an origin that sent nothing (Hello, Watch, any shadow call) for
@@ -29,6 +48,7 @@ stays until the origin removes it or a Watch finds it orphaned.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import shutil
@@ -63,6 +83,7 @@ HOSTED_CPU_SHARES = 2
 FENCE_TICK_S = 0.5
 HEARTBEAT_BOUNDS_S = (0.2, 5.0)
 CAPACITY_TTL_S = 2.0
+OWN_RESOURCES_TTL_S = 30.0
 _RT = "/runtime.v1.RuntimeService/"
 _IMG = "/runtime.v1.ImageService/"
 
@@ -140,13 +161,17 @@ def _safe_component(value: str, what: str) -> str:
 
 class ShadowHost:
     def __init__(self, fabric: Fabric, state_dir: Path, *, fence_timeout: float = 8.0,
-                 heartbeat_interval: float = 1.0) -> None:
+                 heartbeat_interval: float = 1.0, cgroup_parent: str = "/weft-shadows") -> None:
         self.fabric = fabric
+        # Shadows live under a cgroup of this host's choosing: the origin's pod cgroup path means
+        # nothing here, and one under kubelet's own tree would be cleaned up by it as an orphaned pod.
+        self.cgroup_parent = cgroup_parent
         self.log_root = state_dir / "shadow-logs"
         self.volume_root = state_dir / "shadow-volumes"
         self.fence_timeout = fence_timeout
         self.heartbeat_interval = heartbeat_interval
-        self._lock = threading.Lock()  # one RunShadow/RemoveShadow at a time per host: sandbox reuse stays simple
+        # Creating and removing shadows (and their sandboxes) one at a time: sandbox reuse stays simple.
+        self._lock = threading.Lock()
         self._volume_lock = threading.Lock()
         self._contact_lock = threading.Lock()
         self._contact: dict[str, float] = {}  # origin -> monotonic time it was last heard from
@@ -156,6 +181,7 @@ class ShadowHost:
         # Limits set by UpdateContainerResources since this agent started (the annotations hold the first ones).
         self._updated: dict[str, tuple[float, int]] = {}
         self._cache: dict[str, tuple[float, Resources]] = {}
+        self._own: dict[str, tuple[float, int, int]] = {}  # container id -> (asked at, cpu.shares, memory limit)
         self._cache_lock = threading.Lock()
 
     # -- fencing -------------------------------------------------------------------
@@ -293,6 +319,8 @@ class ShadowHost:
         plans = shadow_volumes.plan(req.volumes)
         volumes = self._volume_dir(origin, req.key)
         origin_labels = {ORIGIN_LABEL: origin, SANDBOX_LABEL: req.origin_sandbox_id}
+        # The pull may take minutes: outside the lock, so Watch, RemoveShadow and other RunShadows go on.
+        self._pull(config.image, auth)
         with self._lock:
             existing = self._find({ORIGIN_LABEL: origin, KEY_LABEL: _label(req.key)}, containers=True)
             if existing:  # idempotent: the origin retried
@@ -304,22 +332,24 @@ class ShadowHost:
                 for i, p in enumerate(plans):
                     config.mounts.append(cri.Mount(container_path=p.container_path, readonly=True,
                                                    host_path=str(shadow_volumes.host_path(volumes, i, p))))
-                sandbox_id = self._sandbox(origin, req, sandbox, origin_labels)
-                self._pull(config.image, auth)
+                shadow_sandbox = self._shadow_sandbox(origin, req, sandbox, origin_labels)
+                sandbox_id = self._sandbox(shadow_sandbox, origin_labels)
                 cpu, memory = _limits(config.linux.resources)
                 config.labels.update({**origin_labels, KEY_LABEL: _label(req.key)})
                 config.annotations.update({KEY_ANNOTATION: req.key, CPU_LIMIT_ANNOTATION: repr(cpu),
                                            MEMORY_LIMIT_ANNOTATION: str(memory)})
                 config.linux.resources.cpu_shares = HOSTED_CPU_SHARES
                 created = self._call(_RT + "CreateContainer", cri.CreateContainerRequest(
-                    pod_sandbox_id=sandbox_id, config=config, sandbox_config=sandbox), cri.CreateContainerResponse)
+                    pod_sandbox_id=sandbox_id, config=config, sandbox_config=shadow_sandbox),
+                    cri.CreateContainerResponse)
                 self.fabric.shadows_present = True
                 if req.start:
                     self._call(_RT + "StartContainer", cri.StartContainerRequest(container_id=created.container_id),
                                cri.StartContainerResponse)
             except BaseException:
-                if not self._find({ORIGIN_LABEL: origin, KEY_LABEL: _label(req.key)}, containers=True):
-                    shadow_volumes.remove(volumes)
+                with contextlib.suppress(WeftError):  # the original error is the one to report
+                    if plans and not self._find({ORIGIN_LABEL: origin, KEY_LABEL: _label(req.key)}, containers=True):
+                        shadow_volumes.remove(volumes)
                 raise
         self._forget_capacity()
         _log.info("shadow.created", origin=origin, key=req.key, sandbox_id=sandbox_id,
@@ -336,17 +366,27 @@ class ShadowHost:
             _log.info("shadow.started", origin=origin, key=key, container_id=c.id)
         return self._state(key, c.pod_sandbox_id, c.id)
 
-    def _sandbox(self, origin: str, req: pb.RunShadowRequest, sandbox: cri.PodSandboxConfig,
-                 origin_labels: dict[str, str]) -> str:
-        found = [s for s in self._find(origin_labels, containers=False) if s.state == cri.SANDBOX_READY]
-        if found:
-            return found[0].id
+    def _shadow_sandbox(self, origin: str, req: pb.RunShadowRequest, sandbox: cri.PodSandboxConfig,
+                        origin_labels: dict[str, str]) -> cri.PodSandboxConfig:
+        """The origin's sandbox config as this host runs it: its own log directory, cgroup and labels.
+
+        CreateContainer must be given this one too: containerd takes a
+        container's log directory and cgroup from the request's sandbox config.
+        """
         shadow = cri.PodSandboxConfig()
         shadow.CopyFrom(sandbox)
         shadow.metadata.uid = f"{sandbox.metadata.uid}-shadow"
         shadow.labels.update(origin_labels)
         shadow.log_directory = str(self._sandbox_logs(origin, req.origin_sandbox_id))
+        shadow.linux.cgroup_parent = shadow_cgroup(self.cgroup_parent, shadow.metadata.uid,
+                                                   systemd=sandbox.linux.cgroup_parent.endswith(".slice"))
         del shadow.port_mappings[:]  # the pod's ports are the origin's; the mesh stitches what is needed
+        return shadow
+
+    def _sandbox(self, shadow: cri.PodSandboxConfig, origin_labels: dict[str, str]) -> str:
+        found = [s for s in self._find(origin_labels, containers=False) if s.state == cri.SANDBOX_READY]
+        if found:
+            return found[0].id
         return self._call(_RT + "RunPodSandbox", cri.RunPodSandboxRequest(config=shadow),
                           cri.RunPodSandboxResponse).pod_sandbox_id
 
@@ -526,10 +566,16 @@ class ShadowHost:
 
     def _own_requests(self) -> Resources:
         cpu, memory = 0.0, 0
+        now = time.monotonic()
+        known, self._own = self._own, {}
         for c in self._list(cri.CONTAINER_RUNNING):
             if ORIGIN_LABEL in c.labels:
                 continue
-            shares, limit = self._resources(c.id)
+            # Resources change only by an in-place resize: each container is asked again now and then, not each time.
+            at, shares, limit = known.get(c.id) or (now, *self._resources(c.id))
+            if now - at > OWN_RESOURCES_TTL_S:
+                at, shares, limit = now, *self._resources(c.id)
+            self._own[c.id] = (at, shares, limit)
             cpu += shares / 1024
             memory += limit
         return Resources(cpu, memory)
@@ -607,3 +653,11 @@ def _rmdir_up(path: Path, stop: Path) -> None:
 
 def _rmtree_quietly(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def shadow_cgroup(parent: str, uid: str, *, systemd: bool) -> str:
+    """The shadow sandbox's cgroup parent under ``parent``, in the cgroup driver's own spelling."""
+    if systemd:  # a slice: "weft_shadows-pod<uid>.slice" nests under weft_shadows.slice
+        base = parent.strip("/").removesuffix(".slice").replace("-", "_") or "weft_shadows"
+        return f"{base}-pod{uid.replace('-', '_')}.slice"
+    return f"{parent.rstrip('/')}/pod{uid}"
