@@ -39,6 +39,10 @@ class AgentProcess:
     metrics_port: int = 0
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
+    # Run inside this network namespace (``ip netns exec``), as on a node; its metrics then listen on
+    # ``metrics_host``, an address of that namespace the test can reach.
+    netns: str = ""
+    metrics_host: str = "127.0.0.1"
 
     @property
     def socket(self) -> Path:
@@ -58,15 +62,16 @@ class AgentProcess:
 
     @property
     def metrics_url(self) -> str:
-        return f"http://127.0.0.1:{self.metrics_port}"
+        return f"http://{self.metrics_host}:{self.metrics_port}"
 
     def argv(self) -> list[str]:
         return [
+            *(["ip", "netns", "exec", self.netns] if self.netns else []),
             sys.executable, "-m", "shim", "agent",
             "--socket", str(self.socket),
             "--containerd-socket", str(self.containerd.socket),
             "--state-dir", str(self.state_dir),
-            "--metrics-address", f"127.0.0.1:{self.metrics_port}",
+            "--metrics-address", f"{self.metrics_host}:{self.metrics_port}",
             *self.extra_args,
         ]
 

@@ -26,6 +26,7 @@ from shim.cri.instrument import Instrument
 from shim.cri.passthrough import Upstream
 from shim.cri.recovery import Reconciler
 from shim.cri.relay import RelayServer
+from shim.cri.remote_supervisor import RemoteSupervisor
 from shim.httpd import HttpEndpoint
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore
@@ -73,12 +74,17 @@ class Agent:
 
         m = cfg.mesh
         host = ShadowHost(self.fabric, cfg.agent.state_dir, fence_timeout=m.fence_timeout,
-                          heartbeat_interval=m.heartbeat_interval)
+                          heartbeat_interval=m.heartbeat_interval, cgroup_parent=m.shadow_cgroup_parent)
         self.host = host
         mesh = MeshNode(node=m.node_name or socketlib.gethostname(), role={"both": "gpu,cpu"}.get(m.role, m.role),
                         address=m.address, peers=m.peers, tls_dir=m.tls_dir, hello_interval=m.hello_interval,
-                        namespace=m.namespace, service=m.service, metrics=self.metrics, host=host)
+                        namespace=m.namespace, service=m.service, metrics=self.metrics, host=host,
+                        fixed_capacity=m.fixed_capacity)
         self.fabric.mesh = mesh
+        self.fabric.pods_dir = m.kubelet_pods_dir
+        self.fabric.peer_max_age_s = max(30.0, 3 * m.hello_interval)
+        self.supervisor = RemoteSupervisor(self.fabric, loss_timeout=m.loss_timeout,
+                                           heartbeat=m.heartbeat_interval, volume_interval=m.volume_sync_interval)
         return mesh
 
     def start(self) -> None:
@@ -87,6 +93,7 @@ class Agent:
         if self.mesh is not None:
             self.host.open()
             self.mesh.start()
+            self.supervisor.start()
         if self.cfg.agent.metrics_address:
             try:
                 self.http = HttpEndpoint(self.cfg.agent.metrics_address, self.metrics, _probe(self.upstream))
@@ -107,6 +114,7 @@ class Agent:
             self.http.stop()
         self.server.stop(grace)
         if self.mesh is not None:
+            self.supervisor.stop()
             self.mesh.stop()
             self.host.close()
         self.reconciler.stop()

@@ -102,6 +102,10 @@ class MeshConfig:
     kubelet_pods_dir: str = "/var/lib/kubelet/pods"
     # How often a remote container's read-only volumes are compared and their changes sent to the host.
     volume_sync_interval: float = 5.0
+    # Where a host puts the cgroups of the shadows it runs (a path, or a slice with the systemd driver).
+    shadow_cgroup_parent: str = "/weft-shadows"
+    # "CORES,MEMORY" to advertise instead of measuring (test and demo nodes sharing one machine); "" measures.
+    fixed_capacity: str = ""
 
     def validate(self) -> None:
         if self.role not in MESH_ROLES:

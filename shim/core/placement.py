@@ -29,12 +29,19 @@ class PlacementReason(enum.Enum):
     GPU_LEASED = "gpu-leased"  # gpu stage: runs here on devices the broker leased
     PINNED_LOCAL = "pinned-local"  # weft.io/stage.<c>: local
     NO_MESH = "no-mesh"  # cpu stage, but this node has no peer mesh: runs here
+    # A CPU stage on a node with a mesh (shim.core.reroute decides; shim.cri.place_remote asks the peers):
+    REROUTED = "rerouted"  # runs on a peer (target "remote:<node>")
+    NO_PEERS = "no-peers"  # no fresh, healthy CPU host known: runs here
+    NO_PEER_FITS = "no-peer-fits"  # CPU hosts known, none with room: runs here
+    UNSAFE = "unsafe"  # privileged, host namespace, host path, device, shared volume or no limits: runs here
+    PEERS_REFUSED = "peers-refused"  # every candidate refused at Admit or failed to create it: runs here
+    VOLUMES_TOO_LARGE = "volumes-too-large"  # its read-only volumes are too large (or unreadable) to copy
 
 
 @dataclass(frozen=True)
 class Placement:
     stage: Stage
-    target: str  # "local", or a peer node name once the mesh exists
+    target: str  # "local", or "remote:<node>"
     reason: PlacementReason
     detail: str
 

@@ -2,7 +2,9 @@
 
 For a pod that did not opt in the request is forwarded byte for byte. For an
 opted-in pod each container is classified (``shim.core.classify``) and placed
-(``shim.core.placement``); a GPU container gets a lease from the broker and
+(``shim.core.placement``); on a node with a mesh a CPU container may go to a
+peer (``shim.cri.place_remote``), and kubelet gets a virtual container ID; a
+GPU container gets a lease from the broker and
 its request is rewritten so it sees exactly the leased devices (device nodes,
 CDI devices, visible-devices variables, and for a shared device the MPS
 environment and pipe directory). The decision is shown to crictl as
@@ -28,13 +30,18 @@ from shim._pb import broker_pb2 as pb
 from shim.core.classify import ContainerAsk, Stage, StageAnnotationError, classify, requested_gpus
 from shim.core.placement import (
     LEASE_ANNOTATION,
+    LOCAL,
     PLACEMENT_ANNOTATION,
     PLACEMENT_REASON_ANNOTATION,
+    Placement,
+    PlacementReason,
     gpu_ask,
     place,
 )
 from shim.core.quantity import AnnotationError
 from shim.cri.fabric import Fabric
+from shim.cri.place_remote import place_remote
+from shim.cri.remote import REMOTE_PREFIX as PLACEMENT_REMOTE
 from shim.errors import BadAnnotation, CreateInProgress
 from shim.state.agent import PlacementRecord
 
@@ -103,6 +110,9 @@ def _create_opted_in(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, c
         # Only weft writes this annotation; one a user set could name another container's lease.
         config.annotations.pop(LEASE_ANNOTATION, None)
     done = fabric.store.placement_by_key(key)
+    if done is not None and done.state == "created" and done.remote and done.container_id:
+        # kubelet retrying a create whose answer it lost: the container is on its host already.
+        return cri.CreateContainerResponse(container_id=done.container_id).SerializeToString()
     if done is not None and done.state == "created":
         # kubelet retrying a create that succeeded: containerd answers as it would without
         # weft (the name is taken); weft's records and the lease stay as they are.
@@ -120,6 +130,17 @@ def _lease_and_create(fabric: Fabric, req, sandbox, key: str, ask: ContainerAsk,
                       placement, context) -> bytes:
     config = req.config
     name, attempt = config.metadata.name, config.metadata.attempt
+    if classification.stage is Stage.CPU and fabric.mesh is not None:
+        remote, local = place_remote(fabric, req, sandbox, key, classification)
+        if remote is not None:
+            fabric.metrics.placements.labels(classification.stage.value, "remote",
+                                             PlacementReason.REROUTED.value).inc()
+            _log.info("placement.decided", pod=sandbox.name, namespace=sandbox.namespace, container=name,
+                      sandbox_id=sandbox.id, container_id=remote.id, stage=classification.stage.value,
+                      stage_reason=classification.reason.value, placement=PLACEMENT_REMOTE + remote.node,
+                      reason=PlacementReason.REROUTED.value)
+            return cri.CreateContainerResponse(container_id=remote.id).SerializeToString()
+        placement = Placement(classification.stage, LOCAL, local.reason, local.detail)
     lease: pb.Lease | None = None
     if classification.stage is Stage.GPU:
         with fabric.lease_gate:

@@ -14,6 +14,7 @@ from shim import log
 from shim._pb import broker_pb2 as pb
 from shim.broker.client import BrokerClient
 from shim.cri.passthrough import Upstream
+from shim.cri.remote import PulledImages, RemoteContainers
 from shim.errors import BrokerUnavailable, WeftError
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore, SandboxRecord
@@ -33,6 +34,15 @@ class Fabric:
         self._inventory: pb.DevicesResponse | None = None
         # The peer mesh (shim.mesh.node.MeshNode) when this node has one.
         self.mesh = None
+        # Containers this node rerouted to peers (virtual IDs), and what they need for it.
+        self.remotes = RemoteContainers(store)
+        self.images = PulledImages()
+        self.pods_dir = "/var/lib/kubelet/pods"
+        self.peer_max_age_s = 30.0
+        # Told when a remote container starts (the supervisor copies its log) and when kubelet rotates its log.
+        self.on_remote: list = []
+        self.on_reopen: list = []
+        self.on_remote_removed: list = []
         # Whether containerd holds shadows (labelled weft.io/origin-node) that
         # kubelet must not see; set by the reconciler, read on every List call.
         self.shadows_present = False

@@ -1,4 +1,4 @@
-"""ListPodSandbox, ListContainers and their stats: a host's shadows are not its kubelet's business.
+"""ListPodSandbox, ListContainers and their stats: a host's shadows hidden, an origin's remote containers shown.
 
 A shadow sandbox or container (one this node runs for another node's pod) is
 labelled ``weft.io/origin-node``. kubelet would take it for an unknown pod and
@@ -6,6 +6,10 @@ kill it, so the agent leaves shadows out of what these four verbs return. They
 are intercepted only while this node hosts shadows at all (``Fabric.
 shadows_present``): on every other node they stay plain pass-through, at no
 cost, which keeps kubelet's hottest polling path untouched.
+
+The other way round, an origin's remote containers (ones it rerouted to a
+host) belong to its kubelet's pods: ListContainers and ListContainerStats add
+them, filtered as containerd filters its own, while the node has any.
 """
 
 from __future__ import annotations
@@ -15,8 +19,12 @@ from typing import Any
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
+from google.protobuf.message import DecodeError
 
+from shim.cri.container_stats import stats_of
 from shim.cri.fabric import Fabric
+from shim.cri.remote import matches
+from shim.errors import WeftError
 
 ORIGIN_LABEL = "weft.io/origin-node"
 
@@ -48,12 +56,46 @@ def without_shadows(response: bytes, path: str) -> bytes:
     return msg.SerializeToString()
 
 
+_CONTAINERS = "/runtime.v1.RuntimeService/ListContainers"
+_STATS = "/runtime.v1.RuntimeService/ListContainerStats"
+
+
+def with_remotes(fabric: Fabric, path: str, request: bytes, response: bytes) -> bytes:
+    """Add this node's remote containers that pass the request's filter (ListContainers and its stats)."""
+    remotes = fabric.remotes.all()
+    if not remotes or path not in (_CONTAINERS, _STATS):
+        return response
+    try:
+        req = (cri.ListContainersRequest if path == _CONTAINERS else cri.ListContainerStatsRequest).FromString(request)
+    except DecodeError:
+        return response
+    f = req.filter
+    ids = fabric.remotes.resolve(f.id) if f.id else ()
+    picked = [r for r in remotes if matches(r, f, ids)]
+    if not picked:
+        return response
+    if path == _CONTAINERS:
+        out = cri.ListContainersResponse.FromString(response)
+        out.containers.extend(r.list_item() for r in picked)
+    else:
+        out = cri.ListContainerStatsResponse.FromString(response)
+        for r in picked:
+            try:
+                out.stats.append(stats_of(fabric, r))
+            except WeftError:  # a host away for a moment: its containers have no usage to show this time
+                out.stats.add().attributes.CopyFrom(r.attributes())
+    return out.SerializeToString()
+
+
 def handlers(fabric: Fabric) -> dict[str, Callable[..., bytes]]:
     def make(path: str) -> Callable[..., bytes]:
         def hide(request: bytes, context: grpc.ServicerContext) -> bytes:
-            return without_shadows(fabric.upstream.unary(path, request, context), path)
+            response = fabric.upstream.unary(path, request, context)
+            if fabric.shadows_present:
+                response = without_shadows(response, path)
+            return with_remotes(fabric, path, request, response)
 
-        hide.when = lambda: fabric.shadows_present  # type: ignore[attr-defined]
+        hide.when = lambda: fabric.shadows_present or fabric.remotes.present  # type: ignore[attr-defined]
         return hide
 
     return {path: make(path) for path in PATHS}

@@ -1,5 +1,7 @@
 """RemoveContainer: after containerd removes it, weft forgets its placement and releases its lease.
 
+A remote container is removed on its host instead (``remove_remote``).
+
 The poststop hook usually released the lease already; releasing again is
 harmless (Release is idempotent). A container weft never placed costs one
 primary-key lookup.
@@ -13,18 +15,47 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim.cri.fabric import Fabric
+from shim.cri.remote import Remote
+from shim.errors import WeftError
 
 PATH = "/runtime.v1.RuntimeService/RemoveContainer"
 _log = log.get("weft.cri")
 
 
+def remove_remote(fabric: Fabric, r: Remote, why: str) -> None:
+    """Remove a remote container: its shadow on the host, its log copy, and weft's records.
+
+    A host that cannot be reached now does not keep kubelet's removal from
+    finishing: the shadow is fenced by the host if the two stay apart, and
+    removed as an orphan by the host's next Watch from this origin, which no
+    longer lists its key.
+    """
+    client = fabric.mesh.client(r.node) if fabric.mesh is not None else None
+    removed = False
+    if client is not None:
+        try:
+            removed = client.remove_shadow(fabric.mesh.node, r.key)
+        except WeftError as exc:
+            _log.warning("remote.remove_deferred", container_id=r.id, node=r.node, key=r.key, error=exc.message)
+    for fn in fabric.on_remote_removed:
+        fn(r)
+    fabric.remotes.drop(r.id)
+    fabric.store.remove_container(r.id)
+    _log.info("placement.removed", container_id=r.id, container=r.config.metadata.name, sandbox_id=r.sandbox_id,
+              node=r.node, shadow_removed=removed, why=why)
+
+
 def handler(fabric: Fabric):
     def remove_container(request: bytes, context: grpc.ServicerContext) -> bytes:
-        response, gone = fabric.upstream.unary_or_missing(PATH, request, context)
         try:
             container_id = cri.RemoveContainerRequest.FromString(request).container_id
         except DecodeError:
             container_id = ""
+        r = fabric.remotes.get(container_id)
+        if r is not None:
+            remove_remote(fabric, r, "container-removed")
+            return cri.RemoveContainerResponse().SerializeToString()
+        response, gone = fabric.upstream.unary_or_missing(PATH, request, context)
         # containerd accepts a unique ID prefix (crictl rm abc123); so does weft's lookup.
         known = fabric.store.placement(container_id) if container_id else None
         placed = fabric.store.remove_container(known.container_id) if known and known.container_id else None

@@ -1,6 +1,7 @@
 """RemovePodSandbox: once containerd removed the sandbox, everything weft kept for it goes too.
 
-The sandbox's record, its containers' placements (cascade) and their leases.
+The sandbox's record, its containers' placements (cascade) and their leases,
+and its remote containers on their hosts.
 Only after containerd succeeded (or says the sandbox is unknown), so a failed
 removal that kubelet retries still finds weft's records.
 """
@@ -13,6 +14,7 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim.cri.fabric import Fabric
+from shim.cri.remove_container import remove_remote
 
 PATH = "/runtime.v1.RuntimeService/RemovePodSandbox"
 _log = log.get("weft.cri")
@@ -26,6 +28,8 @@ def handler(fabric: Fabric):
         except DecodeError:
             sandbox_id = ""
         if sandbox_id in fabric.opted_in:
+            for r in fabric.remotes.in_sandbox(sandbox_id):  # the remote parts go too
+                remove_remote(fabric, r, "sandbox-removed")
             owned = fabric.store.remove_sandbox(sandbox_id)
             fabric.forget(sandbox_id)
             for placed in owned:

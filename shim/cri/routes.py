@@ -12,7 +12,22 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from shim.cri import admin, create_container, hide_shadows, remove_container, remove_pod_sandbox, run_pod_sandbox
+from shim.cri import (
+    admin,
+    container_stats,
+    container_status,
+    create_container,
+    exec_sync,
+    hide_shadows,
+    pull_image,
+    remove_container,
+    remove_pod_sandbox,
+    reopen_container_log,
+    run_pod_sandbox,
+    start_container,
+    stop_container,
+    update_container_resources,
+)
 from shim.cri.fabric import Fabric
 
 
@@ -23,8 +38,19 @@ def intercepted(fabric: Fabric) -> dict[str, Callable[..., object]]:
         create_container.PATH: create_container.handler(fabric),
         remove_container.PATH: remove_container.handler(fabric),
         remove_pod_sandbox.PATH: remove_pod_sandbox.handler(fabric),
+        # Only while this node has remote containers (each handler's ``when``); a local container's
+        # request passes through unchanged even then.
+        container_status.PATH: container_status.handler(fabric),
+        start_container.PATH: start_container.handler(fabric),
+        stop_container.PATH: stop_container.handler(fabric),
+        exec_sync.PATH: exec_sync.handler(fabric),
+        container_stats.PATH: container_stats.handler(fabric),
+        update_container_resources.PATH: update_container_resources.handler(fabric),
+        reopen_container_log.PATH: reopen_container_log.handler(fabric),
+        # Only on a node with a mesh: the credentials a host's pull needs.
+        pull_image.PATH: pull_image.handler(fabric),
         admin.STATUS: admin.status_handler(fabric),
         admin.EXPLAIN: admin.explain_handler(fabric),
-        # Only while this node hosts shadows (each handler's ``when``); pass-through otherwise.
+        # Only while this node hosts shadows or has remote containers; pass-through otherwise.
         **hide_shadows.handlers(fabric),
     }

@@ -94,6 +94,24 @@ class FixedHost:
         return self.memory_total, self.memory_available
 
 
+def fixed_host(spec: str) -> FixedHost | None:
+    """``"CORES,MEMORY"`` (e.g. ``"4,8Gi"``): a node that advertises this and measures nothing; "" measures.
+
+    For test and demo nodes that share one machine, where psutil would report
+    the machine's load to every one of them. A real node measures.
+    """
+    if not spec:
+        return None
+    from shim.core.quantity import AnnotationError, parse_memory
+
+    try:
+        cores, memory = (part.strip() for part in spec.split(","))
+        total = parse_memory("mesh.fixed_capacity", memory)
+        return FixedHost(cores=int(cores), memory_total=total, memory_available=total)
+    except (ValueError, AnnotationError) as exc:
+        raise ConfigError(f"mesh.fixed_capacity: {spec!r} is not CORES,MEMORY (e.g. 4,8Gi): {exc}") from None
+
+
 def _total(t) -> float:
     # On Linux guest time is already counted in user and nice.
     return sum(t) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)

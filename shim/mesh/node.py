@@ -11,6 +11,7 @@ logged again when it is back (``peer.up``).
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -20,7 +21,7 @@ from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import PeerView, Resources
 from shim.errors import WeftError
-from shim.mesh.capacity import CapacityProbe
+from shim.mesh.capacity import CapacityProbe, fixed_host
 from shim.mesh.certs import load_node_tls
 from shim.mesh.client import PeerClient
 from shim.mesh.discovery import Discovery, EndpointSliceDiscovery, Peer, StaticDiscovery, load_peers_file
@@ -42,7 +43,7 @@ class PeerRecord:
 
 class MeshNode:
     def __init__(self, *, node: str, role: str, address: str, peers: str, tls_dir: str, hello_interval: float,
-                 namespace: str, service: str, metrics: Any, host: Any = None) -> None:
+                 namespace: str, service: str, metrics: Any, host: Any = None, fixed_capacity: str = "") -> None:
         self.node, self.role, self.hello_interval, self.metrics = node, role, hello_interval, metrics
         self.tls = load_node_tls(tls_dir, node)
         self.discovery: Discovery
@@ -53,8 +54,8 @@ class MeshNode:
             found, declared = load_peers_file(peers, self_node=node)
             self.discovery = StaticDiscovery(found)
         # A host's books: its own pods' requests and what it hosts, from its containerd (cached there).
-        self.probe = CapacityProbe(role) if host is None else CapacityProbe(
-            role, own_requests=host.own_requests, hosted_limits=host.hosted_limits)
+        books = {} if host is None else {"own_requests": host.own_requests, "hosted_limits": host.hosted_limits}
+        self.probe = CapacityProbe(role, host=fixed_host(fixed_capacity), **books)
         self.policy = PeerPolicy(set())
         # A node that offers CPU runs shadows for its peers' pods.
         self.server = MeshServer(node, address, self.tls, self.policy, self.probe,
@@ -65,6 +66,9 @@ class MeshNode:
         self._clients: dict[str, PeerClient] = {}
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
+        # Last time each peer was heard from (monotonic); a restarted origin gives every host the loss timeout.
+        self._contact: dict[str, float] = {}
+        self._started = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -129,6 +133,7 @@ class MeshNode:
             was = rec.healthy
             if state is not None:
                 rec.state, rec.seen_at, rec.role, rec.error = state, time.monotonic(), state.role, ""
+                self._contact[node] = rec.seen_at
                 rec.healthy = state.healthy
             else:
                 rec.healthy, rec.error = False, error
@@ -138,6 +143,27 @@ class MeshNode:
             _log.info("peer.up", peer=node, role=rec.role)
         self.metrics.mesh_peer_up.labels(node).set(1 if rec.healthy else 0)
 
+    # -- what the origin's remote containers use ----------------------------------------
+    def client(self, node: str) -> PeerClient | None:
+        with self._lock:
+            return self._clients.get(node)
+
+    def hosts(self) -> list[str]:
+        """Peers that may host containers: CPU hosts as they said or as declared, and those not yet heard."""
+        with self._lock:
+            return sorted(n for n, rec in self._records.items() if not rec.role or "cpu" in rec.role.split(","))
+
+    def heard(self, node: str) -> None:
+        """A message from ``node`` arrived (a Watch heartbeat or state): it is alive."""
+        now = time.monotonic()
+        with self._lock:
+            self._contact[node] = now
+
+    def silent_for(self, node: str) -> float:
+        """Seconds since ``node`` was last heard from (by Hello or Watch); counted from start at first."""
+        with self._lock:
+            return time.monotonic() - self._contact.get(node, self._started)
+
     # -- what placement and status read -----------------------------------------------
     def views(self) -> list[PeerView]:
         now = time.monotonic()
@@ -145,9 +171,11 @@ class MeshNode:
             out = []
             for node, rec in self._records.items():
                 free = rec.state.free if rec.state is not None else None
+                # A peer's numbers are only claims: one that is not a finite, non-negative amount counts as none.
+                cpu = free.cpu_cores if free is not None and math.isfinite(free.cpu_cores) else 0.0
                 out.append(PeerView(
                     node=node, cpu_host="cpu" in rec.role.split(","), healthy=rec.healthy,
-                    free=Resources(free.cpu_cores, free.memory_bytes) if free is not None else Resources(0.0, 0),
+                    free=Resources(max(0.0, cpu), free.memory_bytes if free is not None else 0),
                     sampled_age_s=(now - rec.seen_at) if rec.seen_at else float("inf")))
             return sorted(out, key=lambda v: v.node)
 

@@ -40,6 +40,18 @@ MIGRATIONS = (
     );
     CREATE INDEX placements_sandbox ON placements(sandbox_id)
     """,
+    # Remote containers (DESIGN 2.3): the host, kubelet's own config (its labels,
+    # annotations, mounts and log path are what ContainerStatus shows), the last
+    # status the host pushed, and how far its log has been copied.
+    """
+    ALTER TABLE placements ADD COLUMN remote_node TEXT NOT NULL DEFAULT '';
+    ALTER TABLE placements ADD COLUMN config BLOB;
+    ALTER TABLE placements ADD COLUMN sandbox_id_remote TEXT NOT NULL DEFAULT '';
+    ALTER TABLE placements ADD COLUMN status BLOB;
+    ALTER TABLE placements ADD COLUMN log_path TEXT NOT NULL DEFAULT '';
+    ALTER TABLE placements ADD COLUMN log_offset INTEGER NOT NULL DEFAULT 0;
+    ALTER TABLE placements ADD COLUMN log_size INTEGER NOT NULL DEFAULT 0
+    """,
 )
 
 
@@ -71,6 +83,21 @@ class PlacementRecord:
     lease_id: str
     state: str  # "pending" or "created"
     created_at: float
+    # A remote container: the host it runs on ("" when local), kubelet's
+    # ContainerConfig as weft answered it (bytes), the shadow sandbox on the
+    # host, the host's last ContainerStatus (bytes), kubelet's log file and how
+    # far the shadow's log has been copied into it (host offset, local size).
+    remote_node: str = ""
+    config: bytes | None = None
+    sandbox_id_remote: str = ""
+    status: bytes | None = None
+    log_path: str = ""
+    log_offset: int = 0
+    log_size: int = 0
+
+    @property
+    def remote(self) -> bool:
+        return bool(self.remote_node)
 
 
 class AgentStore:
@@ -108,17 +135,44 @@ class AgentStore:
 
     # -- placements ------------------------------------------------------------
     def add_pending(self, rec: PlacementRecord) -> None:
+        """A placement about to be created; a remote one carries its (virtual) container ID already."""
         with self.db.transaction() as conn:
             conn.execute(
-                "INSERT OR REPLACE INTO placements VALUES (?, NULL, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?)",
-                (rec.key, rec.sandbox_id, rec.name, rec.attempt, rec.stage, rec.stage_reason, rec.stage_detail,
-                 rec.placement, rec.reason, rec.detail, rec.lease_id, rec.created_at or time.time()),
+                "INSERT OR REPLACE INTO placements (key, container_id, sandbox_id, name, attempt, stage, "
+                "stage_reason, stage_detail, placement, reason, detail, lease_id, state, created_at, remote_node, "
+                "config, sandbox_id_remote, status, log_path, log_offset, log_size) "
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?, 0, 0)",
+                (rec.key, rec.container_id, rec.sandbox_id, rec.name, rec.attempt, rec.stage, rec.stage_reason,
+                 rec.stage_detail, rec.placement, rec.reason, rec.detail, rec.lease_id,
+                 rec.created_at or time.time(), rec.remote_node, rec.config, rec.sandbox_id_remote, rec.status,
+                 rec.log_path),
             )
 
-    def mark_created(self, key: str, container_id: str) -> None:
+    def set_status(self, container_id: str, status: bytes) -> None:
+        """The host's latest ContainerStatus of a remote container (or the origin's own verdict on it)."""
         with self.db.transaction() as conn:
-            conn.execute("UPDATE placements SET container_id = ?, state = 'created' WHERE key = ?",
-                         (container_id, key))
+            conn.execute("UPDATE placements SET status = ? WHERE container_id = ?", (status, container_id))
+
+    def set_log_progress(self, container_id: str, offset: int, size: int, log_path: str | None = None) -> None:
+        with self.db.transaction() as conn:
+            if log_path is None:
+                conn.execute("UPDATE placements SET log_offset = ?, log_size = ? WHERE container_id = ?",
+                             (offset, size, container_id))
+            else:
+                conn.execute("UPDATE placements SET log_offset = ?, log_size = ?, log_path = ? "
+                             "WHERE container_id = ?", (offset, size, log_path, container_id))
+
+    def remote_placements(self) -> list[PlacementRecord]:
+        return [self._placement(r) for r in
+                self.db.query("SELECT * FROM placements WHERE remote_node != '' ORDER BY created_at")]
+
+    def mark_created(self, key: str, container_id: str, *, sandbox_id_remote: str = "",
+                     status: bytes | None = None) -> None:
+        with self.db.transaction() as conn:
+            conn.execute("UPDATE placements SET container_id = ?, state = 'created', "
+                         "sandbox_id_remote = CASE WHEN ? != '' THEN ? ELSE sandbox_id_remote END, "
+                         "status = COALESCE(?, status) WHERE key = ?",
+                         (container_id, sandbox_id_remote, sandbox_id_remote, status, key))
 
     def drop_placement(self, key: str) -> None:
         with self.db.transaction() as conn:

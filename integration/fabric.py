@@ -1,0 +1,145 @@
+"""The three-node fabric: a GPU origin and two CPU hosts, each a real containerd and weft agent in its own netns.
+
+``gpu-1`` has a GPU broker on simulated devices and the ``weft`` runtime
+handler; ``cpu-1`` and ``cpu-2`` host rerouted containers. The agents run
+inside their nodes' network namespaces (``ip netns exec``), mesh over the
+cluster bridge with certificates from ``weft mesh-certs`` and a static peers
+file, and serve their CRI sockets in the fabric's work directory. Timeouts are
+short so that fencing and loss happen within a test: ``FENCE_S`` on the hosts,
+``LOSS_S`` on the origin.
+
+Used by the mesh integration tests, ``weft bench mesh`` and ``weft demo``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from cri_api.v1 import api_pb2_grpc as cri_grpc
+
+from integration.agent import AgentProcess, free_port
+from integration.broker import BrokerProcess, weft_handler
+from integration.cluster import Cluster, Node
+from integration.waiting import wait_for
+
+NAMES = ("gpu-1", "cpu-1", "cpu-2")
+ROLES = {"gpu-1": "gpu", "cpu-1": "cpu", "cpu-2": "cpu"}
+MESH_PORT = 7443
+HELLO_S = 0.5
+FENCE_S = 3.0
+LOSS_S = 6.0
+# Each node advertises this instead of measuring the one machine they all share.
+HOST_CORES = 4
+HOST_MEMORY = "8Gi"
+
+
+@dataclass
+class Fabric3:
+    workdir: Path
+    fence_s: float = FENCE_S
+    loss_s: float = LOSS_S
+    cluster: Cluster | None = None
+    broker: BrokerProcess | None = None
+    agents: dict[str, AgentProcess] = field(default_factory=dict)
+
+    @property
+    def pods_dir(self) -> Path:
+        """Where the test's "kubelet" keeps pods' volumes (the origin's kubelet_pods_dir)."""
+        return self.workdir / "kubelet" / "pods"
+
+    def node(self, name: str) -> Node:
+        assert self.cluster is not None
+        return next(n for n in self.cluster.nodes if n.name == name)
+
+    def __enter__(self) -> Fabric3:
+        try:
+            self.open()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def open(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.pods_dir.mkdir(parents=True, exist_ok=True)
+        self.broker = BrokerProcess(self.workdir / "broker").start()
+        self.cluster = Cluster(n=3, names=list(NAMES),
+                               handlers_for=lambda i, d: [weft_handler(d, self.broker.socket)] if i == 0 else None)
+        self.cluster.open()
+        certs = self.workdir / "certs"
+        subprocess.run([sys.executable, "-m", "shim", "mesh-certs", "--out", str(certs), "--nodes",
+                        ",".join(NAMES)], check=True, capture_output=True)
+        peers = self.workdir / "peers.toml"
+        peers.write_text("".join(f'[[peer]]\nname = "{n.name}"\naddress = "{n.mesh_ip}:{MESH_PORT}"\n'
+                                 f'role = "{ROLES[n.name]}"\n\n' for n in self.cluster.nodes))
+        common = (f"[mesh]\nhello_interval = {HELLO_S}\nheartbeat_interval = {HELLO_S}\n"
+                  f"fence_timeout = {self.fence_s}\nloss_timeout = {self.loss_s}\n"
+                  f'kubelet_pods_dir = "{self.pods_dir}"\nvolume_sync_interval = 0.5\n'
+                  f'fixed_capacity = "{HOST_CORES},{HOST_MEMORY}"\n')
+        for node in self.cluster.nodes:
+            # Shadows under the node's own cgroup root, which its harness removes at the end.
+            conf = self.workdir / f"{node.name}.toml"
+            conf.write_text(common + f'shadow_cgroup_parent = "{node.containerd.cgroup_root}/shadows"\n')
+            extra = ["--config", str(conf), "--node-name", node.name, "--role", ROLES[node.name],
+                     "--mesh-address", f"{node.mesh_ip}:{MESH_PORT}", "--peers", str(peers), "--tls-dir", str(certs),
+                     "--log-level", "debug"]
+            if node.name == "gpu-1":
+                extra += ["--broker-socket", str(self.broker.socket)]
+            self.agents[node.name] = AgentProcess(node.containerd, self.workdir / node.name, name=node.name,
+                                                  extra_args=extra, netns=node.netns, metrics_host=node.mesh_ip,
+                                                  metrics_port=free_port())
+        for agent in self.agents.values():
+            agent.start()
+        self.wait_meshed()
+
+    def wait_meshed(self, timeout: float = 30.0) -> None:
+        """Until the origin sees both hosts healthy (placement needs fresh Hellos)."""
+        def healthy() -> bool:
+            with contextlib.suppress(grpc.RpcError, ValueError):
+                peers = self.status("gpu-1").get("peers", [])
+                return len(peers) == 2 and all(p["healthy"] for p in peers)
+            return False
+
+        wait_for(healthy, timeout=timeout, what="gpu-1 to see cpu-1 and cpu-2 healthy")
+
+    def status(self, name: str) -> dict:
+        import json
+
+        with self.agents[name].channel() as ch:
+            raw = ch.unary_unary("/weft.agent.v1.Admin/Status")(b"", timeout=10)
+        return json.loads(raw)
+
+    def runtime(self, name: str) -> tuple[grpc.Channel, cri_grpc.RuntimeServiceStub]:
+        """kubelet's view of node ``name``: CRI through its agent."""
+        ch = self.agents[name].channel()
+        return ch, cri_grpc.RuntimeServiceStub(ch)
+
+    def direct(self, name: str) -> tuple[grpc.Channel, cri_grpc.RuntimeServiceStub]:
+        """containerd of node ``name`` without weft."""
+        ch = self.node(name).containerd.channel()
+        return ch, cri_grpc.RuntimeServiceStub(ch)
+
+    def shadows(self, name: str, running_only: bool = False) -> list[cri.Container]:
+        ch, rt = self.direct(name)
+        with ch:
+            found = rt.ListContainers(cri.ListContainersRequest(filter=cri.ContainerFilter(
+                label_selector={"weft.io/origin-node": "gpu-1"}))).containers
+        return [c for c in found if not running_only or c.state == cri.CONTAINER_RUNNING]
+
+    def close(self) -> None:
+        for agent in self.agents.values():
+            with contextlib.suppress(Exception):
+                agent.stop()
+        if self.cluster is not None:
+            self.cluster.close()
+        if self.broker is not None:
+            self.broker.stop()

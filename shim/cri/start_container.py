@@ -1,0 +1,34 @@
+"""StartContainer: a remote container is started on its host (StartShadow), then its log is copied here.
+
+The host's answer carries the shadow's new status, so the ContainerStatus
+kubelet sends next already shows it running.
+"""
+
+from __future__ import annotations
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+
+from shim.cri.by_container import client_for, handler_for
+from shim.cri.fabric import Fabric
+from shim.errors import WeftError
+
+PATH = "/runtime.v1.RuntimeService/StartContainer"
+
+
+class CannotStart(WeftError):
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+def handler(fabric: Fabric):
+    def remote(r, req: cri.StartContainerRequest, context) -> bytes:
+        if r.lost:
+            raise CannotStart(f"weft: container {r.id[:13]} was lost with its host {r.node}; it cannot be started")
+        state = client_for(fabric, r).start_shadow(fabric.mesh.node, r.key)
+        if state.status:
+            fabric.remotes.update(r, cri.ContainerStatus.FromString(state.status))
+        for fn in fabric.on_remote:
+            fn(r)
+        return cri.StartContainerResponse().SerializeToString()
+
+    return handler_for(fabric, PATH, cri.StartContainerRequest, remote)

@@ -1,0 +1,20 @@
+"""UpdateContainerResources: a remote container's limits change on its host (its CPU weight stays low there)."""
+
+from __future__ import annotations
+
+from cri_api.v1 import api_pb2 as cri
+
+from shim.cri.by_container import call_host, handler_for
+from shim.cri.fabric import Fabric
+from shim.cri.start_container import CannotStart
+
+PATH = "/runtime.v1.RuntimeService/UpdateContainerResources"
+
+
+def handler(fabric: Fabric):
+    def remote(r, req: cri.UpdateContainerResourcesRequest, context) -> bytes:
+        if r.lost:
+            raise CannotStart(f"weft: container {r.id[:13]} was lost with its host {r.node}")
+        return call_host(fabric, r, "UpdateContainerResources", req, timeout=30)
+
+    return handler_for(fabric, PATH, cri.UpdateContainerResourcesRequest, remote)
