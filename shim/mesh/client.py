@@ -24,7 +24,7 @@ from shim._pb import mesh_pb2_grpc as pb_grpc
 from shim.errors import WeftError
 from shim.mesh.certs import MeshTls
 from shim.mesh.identity import PeerRefused
-from shim.mesh.server import KEEPALIVE_OPTIONS
+from shim.mesh.server import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
 
 HELLO_TIMEOUT_S = 2.0
 ADMIT_TIMEOUT_S = 2.0
@@ -71,8 +71,8 @@ class PeerClient:
             # A peer that restarts should be found again within a Hello period or two,
             # not after gRPC's default two-minute backoff.
             ("grpc.max_reconnect_backoff_ms", 5000),
-            ("grpc.max_receive_message_length", 64 << 20),
-            ("grpc.max_send_message_length", 64 << 20),
+            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             *KEEPALIVE_OPTIONS,
         ])
         self._stub = pb_grpc.MeshStub(self._channel)

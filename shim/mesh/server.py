@@ -178,7 +178,10 @@ class MeshServer:
             [(key_pem, cert_pem)], root_certificates=ca_pem, require_client_auth=True)
         # Every origin holds a Watch and a log stream per hosted container open, each a worker.
         self._server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weft-mesh"),
-                                   options=KEEPALIVE_OPTIONS)
+                                   options=(*KEEPALIVE_OPTIONS,
+                                            # RunShadow carries copied volumes (up to 64 MiB, see shadow_volumes).
+                                            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                                            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)))
         pb_grpc.add_MeshServicer_to_server(self.servicer, self._server)
 
     def start(self) -> None:
@@ -202,6 +205,8 @@ class MeshServer:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+
+MAX_MESSAGE_BYTES = 80 << 20
 
 # A cut link must end the streams on both sides within seconds, not after TCP's own timeouts.
 KEEPALIVE_OPTIONS = (
