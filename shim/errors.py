@@ -6,6 +6,7 @@ gRPC status, so the mapping lives here and nowhere else::
     WeftError                      (UNKNOWN)
     ├── ConfigError                configuration file or flag is invalid (INVALID_ARGUMENT)
     ├── BadAnnotation              a weft.io/ annotation holds a bad value (INVALID_ARGUMENT)
+    ├── MalformedRequest           a request weft must read does not parse (INVALID_ARGUMENT)
     ├── SocketInUse                another process serves the socket (ALREADY_EXISTS)
     ├── StateError                 the state database cannot be used (shim.state.db; INTERNAL)
     ├── BrokerUnavailable          the GPU broker cannot be reached (UNAVAILABLE)
@@ -48,6 +49,12 @@ class ConfigError(WeftError):
 
 class BadAnnotation(WeftError):
     """A ``weft.io/`` annotation the agent must read holds a bad value; the message names both."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+class MalformedRequest(WeftError):
+    """A request weft must read (a container of an opted-in pod) does not parse."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 

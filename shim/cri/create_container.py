@@ -42,10 +42,12 @@ from shim.core.quantity import AnnotationError
 from shim.cri.fabric import Fabric
 from shim.cri.place_remote import place_remote
 from shim.cri.remote import REMOTE_PREFIX as PLACEMENT_REMOTE
-from shim.errors import BadAnnotation, CreateInProgress
+from shim.cri.wire import string_field
+from shim.errors import BadAnnotation, CreateInProgress, MalformedRequest
 from shim.state.agent import PlacementRecord
 
 PATH = "/runtime.v1.RuntimeService/CreateContainer"
+SANDBOX_ID_FIELD = cri.CreateContainerRequest.DESCRIPTOR.fields_by_name["pod_sandbox_id"].number
 _log = log.get("weft.cri")
 
 # Every GPU node the device plugin may have given; after leasing the container
@@ -84,7 +86,13 @@ def handler(fabric: Fabric):
     def create_container(request: bytes, context: grpc.ServicerContext) -> bytes:
         try:
             req = cri.CreateContainerRequest.FromString(request)
-        except DecodeError:
+        except DecodeError as exc:
+            # containerd may accept what protobuf refuses (it does not check UTF-8); a container of an
+            # opted-in pod must never be created without weft placing it, so that one is refused.
+            sandbox_id = string_field(request, SANDBOX_ID_FIELD)
+            if sandbox_id and sandbox_id in fabric.opted_in:
+                raise MalformedRequest(f"weft: CreateContainer in opted-in sandbox {sandbox_id[:13]} does not "
+                                       f"parse ({exc}); weft places every container of an opted-in pod") from None
             return fabric.upstream.unary(PATH, request, context)
         sandbox = fabric.opted_in.get(req.pod_sandbox_id)
         if sandbox is None:

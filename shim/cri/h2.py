@@ -51,20 +51,30 @@ def parse_header(buf: bytes | bytearray | memoryview, at: int) -> tuple[int, int
     return (hi << 8) | lo, ftype, flags, sid & 0x7FFFFFFF
 
 
+class ProtocolError(ValueError):
+    """A frame that breaks RFC 7540 (e.g. padding longer than the frame): the connection ends with GOAWAY."""
+
+
 def header_fragment(ftype: int, flags: int, payload: bytes) -> bytes:
     """The header block fragment of a HEADERS or CONTINUATION frame (padding and priority removed)."""
     if ftype == CONTINUATION:
         return payload
     start, end = 0, len(payload)
     if flags & FLAG_PADDED:
+        if not payload:
+            raise ProtocolError("padded HEADERS frame without a pad length")
         start, end = 1, end - payload[0]
     if flags & FLAG_PRIORITY:
         start += 5
+    if start > end:  # RFC 7540 6.2: padding (and priority) longer than the frame is a PROTOCOL_ERROR
+        raise ProtocolError(f"HEADERS frame of {len(payload)} bytes is shorter than its padding and priority")
     return payload[start:end]
 
 
 def data_payload(flags: int, payload: bytes) -> bytes:
     if flags & FLAG_PADDED:
+        if not payload or payload[0] >= len(payload):
+            raise ProtocolError(f"DATA frame of {len(payload)} bytes is shorter than its padding")
         return payload[1:len(payload) - payload[0]]
     return payload
 

@@ -267,6 +267,10 @@ class _Connection:
                 self._drain()
         except (ConnectionError, HPACKError, asyncio.IncompleteReadError) as exc:
             _log.debug("relay.kubelet_closed", error=repr(exc))
+        except h2.ProtocolError as exc:
+            _log.warning("relay.protocol_error", side="kubelet", error=str(exc))
+            with contextlib.suppress(Exception):
+                self.down_w.write(h2.goaway(self.last_sid, h2.ERROR_PROTOCOL, str(exc).encode()))
         except Exception:  # noqa: BLE001 - a frame we could not make sense of: end this connection, not the agent
             _log.exception("relay.kubelet_failed")
         finally:

@@ -57,7 +57,7 @@ def handler(fabric: Fabric):
             return cri.RemoveContainerResponse().SerializeToString()
         response, gone = fabric.upstream.unary_or_missing(PATH, request, context)
         # containerd accepts a unique ID prefix (crictl rm abc123); so does weft's lookup.
-        known = fabric.store.placement(container_id) if container_id else None
+        known = fabric.store.placement(container_id, by_key=False) if container_id else None
         placed = fabric.store.remove_container(known.container_id) if known and known.container_id else None
         if placed is not None and placed.lease_id:
             fabric.release_quietly(placed.lease_id, "container-removed")

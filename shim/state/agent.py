@@ -191,11 +191,16 @@ class AgentStore:
     def placements(self) -> list[PlacementRecord]:
         return [self._placement(r) for r in self.db.query("SELECT * FROM placements ORDER BY created_at")]
 
-    def placement(self, container_id: str) -> PlacementRecord | None:
+    def placement(self, container_id: str, *, by_key: bool = True) -> PlacementRecord | None:
+        """By container ID, a unique prefix of one, or (``by_key``) a placement key, as ``weft explain`` takes.
+
+        Verbs kubelet sends name containers by ID only: they pass ``by_key=False``, so a key-shaped ID
+        (which containerd knows nothing of) never matches another container's placement.
+        """
         if not container_id:
             return None
-        rows = self.db.query("SELECT * FROM placements WHERE container_id = ? OR key = ?",
-                             (container_id, container_id))
+        rows = self.db.query("SELECT * FROM placements WHERE container_id = ? OR (? AND key = ?)",
+                             (container_id, by_key, container_id))
         if not rows:  # a unique prefix of the ID, as crictl accepts; matched literally, not as a LIKE pattern
             rows = self.db.query("SELECT * FROM placements WHERE substr(container_id, 1, length(?)) = ?",
                                  (container_id, container_id))
