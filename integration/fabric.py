@@ -44,6 +44,7 @@ class Fabric3:
     workdir: Path
     fence_s: float = FENCE_S
     loss_s: float = LOSS_S
+    hello_s: float = HELLO_S
     cluster: Cluster | None = None
     broker: BrokerProcess | None = None
     agents: dict[str, AgentProcess] = field(default_factory=dict)
@@ -81,7 +82,7 @@ class Fabric3:
         peers = self.workdir / "peers.toml"
         peers.write_text("".join(f'[[peer]]\nname = "{n.name}"\naddress = "{n.mesh_ip}:{MESH_PORT}"\n'
                                  f'role = "{ROLES[n.name]}"\n\n' for n in self.cluster.nodes))
-        common = (f"[mesh]\nhello_interval = {HELLO_S}\nheartbeat_interval = {HELLO_S}\n"
+        common = (f"[mesh]\nhello_interval = {self.hello_s}\nheartbeat_interval = {min(self.hello_s, 1.0)}\n"
                   f"fence_timeout = {self.fence_s}\nloss_timeout = {self.loss_s}\n"
                   f'kubelet_pods_dir = "{self.pods_dir}"\nvolume_sync_interval = 0.5\n'
                   f'fixed_capacity = "{HOST_CORES},{HOST_MEMORY}"\n')

@@ -24,6 +24,10 @@ class Registry:
     password: str = "weft-test-secret"
     port: int = 5000
     proc: subprocess.Popen[bytes] | None = None
+    # For several nodes (the mesh tests): listen on this address of the root namespace, which every node
+    # reaches over the cluster bridge, and point each of these nodes' containerd at it.
+    address: str = ""
+    clients: tuple[Containerd, ...] = ()
 
     @property
     def workdir(self) -> Path:
@@ -32,11 +36,13 @@ class Registry:
 
     @property
     def host(self) -> str:
-        return f"127.0.0.1:{self.port}"
+        return f"{self.address or '127.0.0.1'}:{self.port}"
+
+    def _netns(self) -> list[str]:
+        return [] if self.address else ["nsenter", f"--net={self.node.netns_path}"]
 
     def _in_node(self, *argv: str, **kw) -> subprocess.CompletedProcess[str]:
-        return subprocess.run(["nsenter", f"--net={self.node.netns_path}", *argv], capture_output=True, text=True,
-                              **kw)
+        return subprocess.run([*self._netns(), *argv], capture_output=True, text=True, **kw)
 
     def start(self, timeout: float = 20.0) -> Registry:
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -60,18 +66,19 @@ auth:
     realm: weft-test
     path: {htpasswd}
 """)
-        hosts = self.node.registry_config_dir / self.host
-        hosts.mkdir(parents=True, exist_ok=True)
-        (hosts / "hosts.toml").write_text(f"""server = "http://{self.host}"
+        for node in (self.node, *self.clients):
+            hosts = node.registry_config_dir / self.host
+            hosts.mkdir(parents=True, exist_ok=True)
+            (hosts / "hosts.toml").write_text(f"""server = "http://{self.host}"
 
 [host."http://{self.host}"]
   capabilities = ["pull", "resolve"]
 """)
         with open(self.workdir / "registry.log", "ab") as log:
-            self.proc = subprocess.Popen(["nsenter", f"--net={self.node.netns_path}", "docker-registry", "serve",
-                                          str(config)], stdout=log, stderr=log, start_new_session=True)
+            self.proc = subprocess.Popen([*self._netns(), "docker-registry", "serve", str(config)], stdout=log,
+                                         stderr=log, start_new_session=True)
         deadline = time.monotonic() + timeout
-        probe = f"import socket; socket.create_connection(('127.0.0.1', {self.port}), 1)"
+        probe = f"import socket; socket.create_connection(('{self.address or '127.0.0.1'}', {self.port}), 1)"
         while self._in_node("python3", "-c", probe).returncode != 0:
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()

@@ -20,9 +20,13 @@ from pathlib import Path
 import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
+from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import pods
+from integration import images, pods
+from integration.agent import free_port
 from integration.fabric import Fabric3
+from integration.harness import IMAGE_CACHE
+from integration.registry import Registry
 from integration.waiting import wait_for
 
 WEFT = "weft"
@@ -299,3 +303,77 @@ def test_kill_9_of_either_agent_keeps_the_same_containers(fabric: Fabric3) -> No
     numbers = wait_for(complete, timeout=20, what="the log copy to catch up")
     assert numbers == list(range(1, len(numbers) + 1))
     no_two_live_copies(f)
+
+
+def _configmap(root: Path, files: dict[str, str], generation: int) -> None:
+    """A ConfigMap volume as kubelet's atomic writer lays it out: files behind a ..data link swapped at once."""
+    root.mkdir(parents=True, exist_ok=True)
+    gen = root / f"..gen{generation}"
+    gen.mkdir()
+    for name, text in files.items():
+        (gen / name).write_text(text)
+        link = root / name
+        if not link.is_symlink():
+            link.symlink_to(f"..data/{name}")
+    tmp = root / "..data_tmp"
+    tmp.symlink_to(gen.name)
+    tmp.rename(root / "..data")
+
+
+def test_a_host_pulls_with_the_origins_credentials_and_mounts_its_volumes(fabric: Fabric3) -> None:
+    f = fabric
+    gpu = f.node("gpu-1")
+    hosts = tuple(f.node(n).containerd for n in ("cpu-1", "cpu-2"))
+    with Registry(gpu.containerd, address=f.cluster.bridge_ip, port=free_port(), clients=hosts) as reg:
+        archive = next(a for a in images.cached_archives(IMAGE_CACHE) if "busybox" in a.name)
+        ref = reg.push(archive, "weft/remote-pull:1")
+        auth = cri.AuthConfig(username=reg.user, password=reg.password)
+        with f.agents["gpu-1"].channel() as ch:
+            image_ref = cri_grpc.ImageServiceStub(ch).PullImage(
+                cri.PullImageRequest(image=cri.ImageSpec(image=ref), auth=auth), timeout=60).image_ref
+        sid, sandbox = run_pod(f)
+        volume = f.pods_dir / sandbox.metadata.uid / "volumes" / "kubernetes.io~configmap" / "settings"
+        _configmap(volume, {"greeting": "hello"}, 1)
+        config = cpu_container("reader", ["sleep", "3600"])
+        # As kubelet does: the image by the ID PullImage returned, the name the user wrote beside it.
+        config.image.CopyFrom(cri.ImageSpec(image=image_ref, user_specified_image=ref))
+        config.mounts.add(container_path="/etc/settings", host_path=str(volume), readonly=True)
+        cid = create(f, sid, sandbox, config)
+        st = wait_for(lambda: (s := status(f, cid)).state == cri.CONTAINER_RUNNING and s, what="running remotely")
+        host = st.annotations[PLACEMENT].removeprefix("remote:")
+        assert host in ("cpu-1", "cpu-2"), _explain(f, cid)
+        ch, rt = f.runtime("gpu-1")
+        with ch:
+            def read() -> bytes:
+                return rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["cat", "/etc/settings/greeting"],
+                                                       timeout=10)).stdout
+
+            assert read() == b"hello"
+            denied = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["touch", "/etc/settings/x"], timeout=10))
+            assert denied.exit_code != 0  # read-only, as on the origin
+            _configmap(volume, {"greeting": "bonjour"}, 2)  # the ConfigMap changed
+            wait_for(lambda: read() == b"bonjour", timeout=20, what="the volume update to reach the host")
+        # The host pulled the image itself, with credentials that were never written down there.
+        ch, _ = f.direct(host)
+        with ch:
+            found = cri_grpc.ImageServiceStub(ch).ImageStatus(cri.ImageStatusRequest(
+                image=cri.ImageSpec(image=ref))).image
+        assert ref in found.repo_tags
+        for name in ("gpu-1", host):
+            agent = f.agents[name]
+            assert reg.password not in agent.log_text()
+            for path in agent.state_dir.rglob("*"):
+                if path.is_file():
+                    assert reg.password.encode() not in path.read_bytes(), path
+
+
+def test_a_host_that_filled_up_refuses_at_admit_and_the_next_one_takes_it(tmp_path: Path) -> None:
+    # Hellos 5 s apart: the origin's view of a host is old when the second container comes.
+    with Fabric3(tmp_path / "fabric", hello_s=5.0, fence_s=10.0, loss_s=13.0) as f:
+        sid, sandbox = run_pod(f)
+        first = create(f, sid, sandbox, cpu_container("a", ["sleep", "3600"], memory=5 << 30))
+        second = create(f, sid, sandbox, cpu_container("b", ["sleep", "3600"], memory=5 << 30))
+        where = {c: status(f, c).annotations[PLACEMENT] for c in (first, second)}
+        assert where == {first: "remote:cpu-1", second: "remote:cpu-2"}, where
+        detail = json.loads(_explain(f, second))["detail"]
+        assert "cpu-1: insufficient-memory" in detail, detail
