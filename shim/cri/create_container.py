@@ -40,6 +40,7 @@ from shim.core.placement import (
 )
 from shim.core.quantity import AnnotationError
 from shim.cri.fabric import Fabric
+from shim.cri.passthrough import timeout_of
 from shim.cri.place_remote import place_remote
 from shim.cri.remote import REMOTE_PREFIX as PLACEMENT_REMOTE
 from shim.cri.wire import string_field
@@ -139,7 +140,7 @@ def _lease_and_create(fabric: Fabric, req, sandbox, key: str, ask: ContainerAsk,
     config = req.config
     name, attempt = config.metadata.name, config.metadata.attempt
     if classification.stage is Stage.CPU and fabric.mesh is not None:
-        remote, local = place_remote(fabric, req, sandbox, key, classification)
+        remote, local = place_remote(fabric, req, sandbox, key, classification, timeout_of(context))
         if remote is not None:
             fabric.metrics.placements.labels(classification.stage.value, "remote",
                                              PlacementReason.REROUTED.value).inc()

@@ -20,6 +20,7 @@ used for that image (from ``pull_image``, memory only).
 
 from __future__ import annotations
 
+import contextlib
 import os
 import stat
 import time
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from cri_api.v1 import api_pb2 as cri
+from google.protobuf.message import DecodeError
 
 from shim import failpoint, log
 from shim._pb import mesh_pb2 as pb
@@ -48,6 +50,12 @@ _log = log.get("weft.cri")
 
 # Copied volumes travel in one RunShadow message: large volumes are what hostPath or a PVC are for.
 MAX_VOLUME_BYTES = 32 << 20
+# A shadow may take minutes to create (the host pulls the image), but kubelet's CreateContainer has a
+# deadline (runtimeRequestTimeout, 2 min by default): a host may use half of what is left, so that running
+# the container here still fits in the rest.
+MAX_SHADOW_WAIT_S = 300.0
+MIN_SHADOW_WAIT_S = 5.0
+_CREATED_OR_LATER = (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING, cri.CONTAINER_EXITED)
 
 
 @dataclass(frozen=True)
@@ -165,8 +173,13 @@ def pullable(fabric: Fabric, image: cri.ImageSpec) -> tuple[cri.ImageSpec, cri.A
 
 
 def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: str,
-                 classification: Classification) -> tuple[Remote | None, LocalBecause | None]:
-    """Run the container on a peer: the Remote kubelet now knows, or why it stays here."""
+                 classification: Classification, budget_s: float | None = None) -> tuple[
+                     Remote | None, LocalBecause | None]:
+    """Run the container on a peer: the Remote kubelet now knows, or why it stays here.
+
+    ``budget_s`` is what is left of kubelet's deadline for the call (None: no deadline).
+    """
+    started = time.monotonic()
     mesh = fabric.mesh
     config, sandbox_config = req.config, req.sandbox_config
     facts = facts_of(config, sandbox_config, fabric.pods_dir)
@@ -203,8 +216,12 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
             tried.append(f"{node}: {answer.reason} ({answer.detail})")
             continue
         detail = f"{decision.detail}; runs on {node}" + (f" after {'; '.join(tried)}" if tried else "")
+        left = MAX_SHADOW_WAIT_S if budget_s is None else (budget_s - (time.monotonic() - started)) / 2
+        if left < MIN_SHADOW_WAIT_S:
+            tried.append(f"{node}: not asked, too little of kubelet's deadline left ({left:.1f} s)")
+            break
         remote = _create_on(fabric, node, req, sandbox, key, classification, detail, shadow_config, auth, volumes,
-                            tried)
+                            tried, min(left, MAX_SHADOW_WAIT_S))
         if remote is not None:
             return remote, None
     return None, LocalBecause(PlacementReason.PEERS_REFUSED, "; ".join(tried))
@@ -212,7 +229,8 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
 
 def _create_on(fabric: Fabric, node: str, req: cri.CreateContainerRequest, sandbox, key: str,
                classification: Classification, detail: str, shadow_config: cri.ContainerConfig,
-               auth: cri.AuthConfig | None, volumes: list[pb.Volume], tried: list[str]) -> Remote | None:
+               auth: cri.AuthConfig | None, volumes: list[pb.Volume], tried: list[str],
+               timeout: float) -> Remote | None:
     config = cri.ContainerConfig()
     config.CopyFrom(req.config)
     config.annotations[PLACEMENT_ANNOTATION] = REMOTE_PREFIX + node
@@ -238,15 +256,22 @@ def _create_on(fabric: Fabric, node: str, req: cri.CreateContainerRequest, sandb
             origin_node=mesh.node, origin_sandbox_id=record.sandbox_id, key=key,
             sandbox_config=req.sandbox_config.SerializeToString(),
             container_config=shadow_config.SerializeToString(),
-            auth=auth.SerializeToString() if auth is not None else b"", start=False, volumes=volumes))
+            auth=auth.SerializeToString() if auth is not None else b"", start=False, volumes=volumes),
+            timeout=timeout)
         failpoint.hit("place_remote.created")
-    except WeftError as exc:
+        status = cri.ContainerStatus.FromString(state.status) if state.status else None
+        if not state.shadow_container_id or (status is not None and status.state not in _CREATED_OR_LATER):
+            raise DecodeError("no shadow container in the answer")
+    except (WeftError, DecodeError) as exc:
         fabric.store.drop_placement(key)
-        tried.append(f"{node}: {exc.message}")
-        # The shadow may exist though the answer was lost: the host's Watch removes it as an orphan.
-        _log.warning("remote.create_failed", node=node, key=key, error=exc.message)
+        error = exc.message if isinstance(exc, WeftError) else f"answered RunShadow with garbage ({exc})"
+        tried.append(f"{node}: {error}")
+        # The shadow may exist though the answer was lost or unreadable: ask for its removal now; the
+        # host's Watch also removes it as an orphan, since this origin no longer lists its key.
+        with contextlib.suppress(WeftError):
+            client.remove_shadow(mesh.node, key)
+        _log.warning("remote.create_failed", node=node, key=key, error=error)
         return None
-    status = cri.ContainerStatus.FromString(state.status) if state.status else None
     fabric.store.mark_created(key, record.container_id, sandbox_id_remote=state.shadow_sandbox_id,
                               status=state.status or None)
     remote = Remote(id=record.container_id or "", key=key, node=node, sandbox_id=record.sandbox_id, config=config,

@@ -29,6 +29,7 @@ from typing import Any
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
+from google.protobuf.message import DecodeError
 
 from shim import log
 from shim.core.reroute import classify_mounts
@@ -266,7 +267,11 @@ class RemoteSupervisor:
                 _log.warning("remote.gone", container_id=r.id, node=node, key=r.key)
                 self.fabric.metrics.remote_lost.inc()
             return
-        status = cri.ContainerStatus.FromString(state.status)
+        try:
+            status = cri.ContainerStatus.FromString(state.status)
+        except DecodeError:
+            _log.warning("remote.garbage_status", container_id=r.id, node=node, key=r.key)
+            return
         if not remotes.update(r, status) and status.state == cri.CONTAINER_RUNNING:
             # Declared lost here, yet running there: the fence did not happen; make it so now.
             _log.warning("remote.kill_lost_copy", container_id=r.id, node=node, key=r.key)

@@ -84,8 +84,8 @@ class PeerClient:
     def admit(self, request: pb.AdmitRequest) -> pb.AdmitResponse:
         return self._call("Admit", self._stub.Admit, request, self.admit_timeout)
 
-    def run_shadow(self, request: pb.RunShadowRequest) -> pb.ShadowState:
-        return self._call("RunShadow", self._stub.RunShadow, request, SHADOW_TIMEOUT_S)
+    def run_shadow(self, request: pb.RunShadowRequest, timeout: float = SHADOW_TIMEOUT_S) -> pb.ShadowState:
+        return self._call("RunShadow", self._stub.RunShadow, request, timeout)
 
     def start_shadow(self, origin: str, key: str) -> pb.ShadowState:
         return self._call("StartShadow", self._stub.StartShadow, pb.ShadowRef(origin_node=origin, key=key),
