@@ -14,6 +14,8 @@ Used by the mesh integration tests, ``weft bench mesh`` and ``weft demo``.
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass, field
@@ -26,6 +28,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 from integration.agent import AgentProcess, free_port
 from integration.broker import BrokerProcess, weft_handler
 from integration.cluster import Cluster, Node
+from integration.harness import Containerd
 from integration.waiting import wait_for
 
 NAMES = ("gpu-1", "cpu-1", "cpu-2")
@@ -135,6 +138,53 @@ class Fabric3:
             found = rt.ListContainers(cri.ListContainersRequest(filter=cri.ContainerFilter(
                 label_selector={"weft.io/origin-node": "gpu-1"}))).containers
         return [c for c in found if not running_only or c.state == cri.CONTAINER_RUNNING]
+
+    def detach_info(self) -> dict:
+        """What a fresh process needs to remove this fabric should this one die (``remove_detached``)."""
+        assert self.cluster is not None
+        return {"workdir": str(self.workdir), "mesh_slot": self.cluster.mesh,
+                "cluster_workdir": str(self.cluster.workdir),
+                "nodes": [{"name": n.name, "slot": n.containerd.slot, "containerd_workdir": str(n.containerd.workdir)}
+                          for n in self.cluster.nodes]}
+
+    @staticmethod
+    def remove_detached(info: dict) -> list[str]:
+        """Remove a fabric whose holder is gone, from its ``detach_info``; returns what could not be removed.
+
+        Its processes (agents and broker name the fabric's work directory,
+        containerd and shims their own) are killed; then each slot is claimed
+        again, which reaps what its last holder left (``Containerd._reap_previous``,
+        ``Cluster._reap_previous``: runc containers, mounts, cgroups, the
+        bridge), and the node namespaces go. A slot someone else holds by now
+        is theirs, and left alone.
+        """
+        left: list[str] = []
+        Containerd._kill_processes_mentioning(info["workdir"])
+        for node in info["nodes"]:
+            Containerd._kill_processes_mentioning(node["containerd_workdir"])
+            try:
+                ctrd = Containerd(slot=node["slot"])
+                ctrd._claim_slot()
+            except RuntimeError:
+                left.append(f"{node['name']}: slot {node['slot']} is held by another process now")
+                continue
+            try:
+                subprocess.run(["ip", "netns", "delete", ctrd.netns], capture_output=True, check=False)
+                shutil.rmtree(node["containerd_workdir"], ignore_errors=True)
+            finally:
+                assert ctrd._lock_fd is not None
+                os.close(ctrd._lock_fd)
+        try:
+            cluster = Cluster(mesh=info["mesh_slot"])
+            cluster._claim_mesh()
+        except RuntimeError:
+            left.append(f"mesh slot {info['mesh_slot']} is held by another process now")
+        else:
+            assert cluster._lock_fd is not None
+            os.close(cluster._lock_fd)
+        shutil.rmtree(info["cluster_workdir"], ignore_errors=True)
+        shutil.rmtree(info["workdir"], ignore_errors=True)
+        return left
 
     def close(self) -> None:
         for agent in self.agents.values():

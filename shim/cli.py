@@ -8,7 +8,7 @@
 ``weft simulate``     a fleet simulation: bundled pods against weft, on public traces
 ``weft install``      install weft onto the node's host (``weft uninstall`` restores it)
 ``weft report``       did opting a workload in pay off: its GPUs held vs active before and since, from Prometheus
-``weft demo``         a throwaway fabric on this machine, end to end
+``weft demo``         three test nodes on this machine, a two-stage pod through them, end to end
 ``weft bench ...``    benchmarks that compare side by side in one run
 
 Errors weft raises on purpose are printed as one line naming what to fix, with
@@ -100,11 +100,19 @@ def _mesh_certs(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    import os
+
     try:
-        from integration import demo
+        from integration import demo, demo_keep
     except ImportError:
         raise WeftError("weft demo runs from a source checkout (it uses integration/harness.py)") from None
-    return demo.main(keep_going=args.keep)
+    if args.down:
+        return demo_keep.down(args.state_file)
+    if args.keep and demo_keep.KEEPER_ENV not in os.environ:
+        demo_keep.refuse_if_kept(args.state_file)
+        return demo_keep.launch(["demo", "--keep", *(["--json"] if args.json else []),
+                                 *(["--state-file", str(args.state_file)] if args.state_file else [])])
+    return demo.main(keep=args.keep, as_json=args.json, state_file=args.state_file)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -124,6 +132,16 @@ def _bench(args: argparse.Namespace) -> int:
         from bench import packing
 
         return packing.main(as_json=args.json)
+    if args.what == "mesh":
+        from bench import mesh
+
+        return mesh.main(as_json=args.json, starts=3 if args.quick else args.starts,
+                         samples=50 if args.quick else args.samples, output=args.output)
+    if args.what == "e2e":
+        from bench import e2e
+
+        return e2e.main(as_json=args.json, quick=args.quick, starts=args.starts, samples=args.samples,
+                        pods=args.pods, churn_seconds=args.churn_seconds, output=args.output)
     if args.what == "proxy":
         return proxy.main(
             as_json=args.json, pods=args.pods, samples=args.samples, load_seconds=args.load_seconds,
@@ -192,17 +210,27 @@ def parser() -> argparse.ArgumentParser:
 
     report_cli.add_parser(sub)
 
-    d = sub.add_parser("demo", help="run a throwaway containerd and agent, start a pod through it, clean up")
-    d.add_argument("--keep", action="store_true", help="leave the pod running until Enter is pressed")
+    d = sub.add_parser("demo", help="three test nodes (a GPU origin, two CPU hosts), a two-stage pod through them, "
+                       "then clean up")
+    dm = d.add_mutually_exclusive_group()
+    dm.add_argument("--keep", action="store_true", help="leave it all running (for crictl) until 'weft demo --down'")
+    dm.add_argument("--down", action="store_true", help="remove a demo left by --keep (nothing to do is fine)")
+    d.add_argument("--json", action="store_true", help="end with one JSON line: nodes, the pod's sandbox, containers")
+    d.add_argument("--state-file", type=Path, help="where --keep describes the fabric for --down "
+                   "(default /run/weft-demo/state.json)")
     d.set_defaults(fn=_demo)
 
     b = sub.add_parser("bench", help="benchmarks that compare side by side in one run")
-    b.add_argument("what", choices=("proxy", "hook", "broker", "packing"))
+    b.add_argument("what", choices=("proxy", "hook", "broker", "packing", "mesh", "e2e"))
     b.add_argument("--json", action="store_true", help="print machine-readable figures")
     b.add_argument("--pods", type=int, default=50, help="running pods during the list and load phases")
     b.add_argument("--samples", type=int, default=2000, help="calls per method and path for latency")
     b.add_argument("--load-seconds", type=float, default=60.0, help="length of the kubelet-like load phase")
-    b.add_argument("--output", type=Path, help="also write the JSON figures to this file")
+    b.add_argument("--output", type=Path, help="also write the JSON figures to this file "
+                   "(e2e: a directory for e2e.json and e2e.md, default bench/results/)")
+    b.add_argument("--starts", type=int, default=20, help="mesh, e2e: container and pod starts per side")
+    b.add_argument("--churn-seconds", type=float, default=30.0, help="e2e: length of the 50-pod churn")
+    b.add_argument("--quick", action="store_true", help="mesh, e2e: a reduced run (few samples, short phases)")
     b.set_defaults(fn=_bench)
     return p
 
