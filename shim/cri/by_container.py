@@ -4,8 +4,9 @@ Each verb module that serves remote containers (``container_status``,
 ``start_container``, ``stop_container``, ``exec_sync``, ...) hands this its
 remote branch. The verb is intercepted only while this node has remote
 containers at all (``when``), so on every other node it stays plain
-pass-through at no cost; and while it is intercepted, a request for a local
-container (or one that does not parse) is forwarded unchanged.
+pass-through at no cost; and even then the relay reads the request body
+first (``pick``): a call for a local container (or one that does not parse)
+goes to containerd frame by frame, and only a remote one's reaches weft.
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ def handler_for(fabric: Fabric, path: str, request_type: Any,
             return fabric.upstream.unary(path, request, context)
         return remote(r, req, context)
 
+    def pick(body: bytes) -> bool:
+        return fabric.remotes.get(request_type.FromString(body).container_id) is not None
+
     handle.when = lambda: fabric.remotes.present  # type: ignore[attr-defined]
+    # The relay reads the body first: a local container's call then passes to containerd frame by frame,
+    # as if weft were not there, and only a remote one's comes here.
+    handle.pick = pick  # type: ignore[attr-defined]
     return handle
 
 

@@ -108,6 +108,11 @@ class _Stream:
     window: int = h2.DEFAULT_WINDOW  # kubelet's receive window for this stream (intercepted only)
     responded: bool = False  # response HEADERS went to kubelet
     ctx: RelayContext | None = None
+    # A verb whose handler decides by the request body (``pick``): the HEADERS went to containerd, the
+    # DATA frames wait here until the body is whole, then go to containerd or the handler answers.
+    pick: Callable[[bytes], bool] | None = None
+    held: list[bytes] = field(default_factory=list)
+    held_wire: int = 0
 
 
 def _metadata(headers: list[tuple[bytes, bytes]]) -> list[tuple[str, str | bytes]]:
@@ -291,7 +296,13 @@ class _Connection:
             return
         st = self.streams.get(sid) if sid else None
         if ftype == h2.DATA:
-            if st is not None and st.intercepted:
+            if st is not None and st.pick is not None:
+                st.body += h2.data_payload(flags, payload)
+                st.held.append(raw)
+                st.held_wire += len(payload)
+                if flags & h2.FLAG_END_STREAM:
+                    self._decide(st, up)
+            elif st is not None and st.intercepted:
                 st.body += h2.data_payload(flags, payload)
                 self._credit(sid, len(payload))
                 if flags & h2.FLAG_END_STREAM:
@@ -337,6 +348,25 @@ class _Connection:
         elif self.up_w is not None:  # PING, PRIORITY, GOAWAY and anything newer: not ours to judge
             up.append(raw)
 
+    def _decide(self, st: _Stream, up: list[bytes]) -> None:
+        """The body of a ``pick`` stream is whole: weft answers it, or containerd gets it as it came."""
+        pick, st.pick = st.pick, None
+        messages = h2.split_grpc_messages(bytes(st.body))
+        try:
+            ours = messages is not None and len(messages) == 1 and pick(messages[0])
+        except Exception:  # noqa: BLE001 - a body the handler cannot read is containerd's to answer
+            ours = False
+        if ours:
+            st.intercepted = True
+            up.append(h2.rst_stream(st.sid))
+            self._credit(st.sid, st.held_wire)
+            self._dispatch(st)
+        else:
+            if st.method.shape is Shape.SERVER_STREAM:
+                self.relay.instrument.stream_opened(st.method)
+            up.extend(st.held)
+        st.held = []
+
     def _kubelet_settings(self, settings: Mapping[int, int]) -> None:
         if h2.SETTINGS_INITIAL_WINDOW_SIZE in settings:
             delta = settings[h2.SETTINGS_INITIAL_WINDOW_SIZE] - self.k_initial
@@ -378,8 +408,15 @@ class _Connection:
         handler = self.relay.intercepted.get(path)
         when = getattr(handler, "when", None)
         intercepted = handler is not None and (when is None or when())
-        st = _Stream(sid, method, intercepted, time.perf_counter(), headers, window=self.k_initial)
+        pick = getattr(handler, "pick", None) if intercepted and self.up_w is not None else None
+        st = _Stream(sid, method, intercepted and pick is None, time.perf_counter(), headers,
+                     window=self.k_initial, pick=pick)
         self.streams[sid] = st
+        if pick is not None:
+            up.append(raw)  # containerd decodes this block now, in kubelet's order (HPACK); the body waits
+            if flags & h2.FLAG_END_STREAM:
+                self._decide(st, up)
+            return
         if method.shape is Shape.SERVER_STREAM and not intercepted:
             self.relay.instrument.stream_opened(method)
         if intercepted:
