@@ -73,6 +73,18 @@ def status(f: Fabric3, cid: str) -> cri.ContainerStatus:
         return rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status
 
 
+def _passthrough_count(f: Fabric3, method: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    for family in text_string_to_metric_families(f.agents["gpu-1"].metrics_text()):
+        for sample in family.samples:
+            if (sample.name == "weft_cri_requests_total" and sample.labels.get("method") == method
+                    and sample.labels.get("kind") == "passthrough"):
+                return sum(s.value for s in family.samples if s.name == sample.name
+                           and s.labels.get("method") == method and s.labels.get("kind") == "passthrough")
+    return 0.0
+
+
 def log_path(sandbox: cri.PodSandboxConfig, config: cri.ContainerConfig) -> Path:
     return Path(sandbox.log_directory) / config.log_path
 
@@ -104,6 +116,12 @@ def test_a_cpu_container_runs_on_a_host_and_kubelet_cannot_tell(fabric: Fabric3)
     assert {k: v for k, v in st.annotations.items() if not k.startswith("weft.io/")} == dict(config.annotations)
     assert st.log_path == str(log_path(sandbox, config))
     assert status(f, gid).annotations[PLACEMENT] == "local"
+    # While remote containers exist, a local container's call still goes to containerd as it came.
+    before = _passthrough_count(f, "ContainerStatus")
+    ch, direct = f.direct("gpu-1")
+    with ch:
+        assert status(f, gid) == direct.ContainerStatus(cri.ContainerStatusRequest(container_id=gid)).status
+    assert _passthrough_count(f, "ContainerStatus") == before + 1
     # It is a shadow on the host, and only there.
     shadows = f.shadows(host)
     assert len(shadows) == 1 and shadows[0].state == cri.CONTAINER_RUNNING
