@@ -13,6 +13,7 @@ import os
 import signal
 import socket as socketlib
 import threading
+from pathlib import Path
 
 import grpc
 from cri_api.v1 import api_pb2
@@ -79,7 +80,7 @@ class Agent:
         mesh = MeshNode(node=m.node_name or socketlib.gethostname(), role={"both": "gpu,cpu"}.get(m.role, m.role),
                         address=m.address, peers=m.peers, tls_dir=m.tls_dir, hello_interval=m.hello_interval,
                         namespace=m.namespace, service=m.service, metrics=self.metrics, host=host,
-                        fixed_capacity=m.fixed_capacity)
+                        fixed_capacity=m.fixed_capacity, drain_file=Path(cfg.agent.state_dir) / "draining")
         self.fabric.mesh = mesh
         self.fabric.pods_dir = m.kubelet_pods_dir
         self.fabric.peer_max_age_s = max(30.0, 3 * m.hello_interval)

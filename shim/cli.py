@@ -4,6 +4,7 @@
 ``weft broker``       serve the node's GPU leases (NVML or simulated devices)
 ``weft status``       sandboxes, placements and leases, as JSON or a table
 ``weft explain ID``   why a container was placed where it is
+``weft drain``        a host takes no new containers and waits until those it hosts are gone
 ``weft mesh-certs``   a mesh CA and node certificates for tests and small clusters
 ``weft simulate``     a fleet simulation: bundled pods against weft, on public traces
 ``weft install``      install weft onto the node's host (``weft uninstall`` restores it)
@@ -83,6 +84,41 @@ def _explain(args: argparse.Namespace) -> int:
 
     doc = _status_doc(args, explain=args.container_id)
     print(json.dumps(doc, indent=2) if args.json else status.explain_text(doc))
+    return 0
+
+
+def _drain(args: argparse.Namespace) -> int:
+    import time
+
+    from shim import status
+
+    doc = status.drain(args.socket, not args.undo)
+    if args.undo:
+        print(json.dumps(doc) if args.json else f"{doc['node']}: no longer draining; admits new containers again")
+        return 0
+    if not args.json:
+        print(f"{doc['node']}: draining: admits no new containers; waiting for the {len(doc['hosted'])} it hosts "
+              f"to be removed by their origins (at most {args.timeout:g}s)", flush=True)
+    deadline = time.monotonic() + args.timeout
+    tty = sys.stdout.isatty() and not args.json
+    while isinstance(doc["hosted"], str) or doc["hosted"]:
+        if time.monotonic() >= deadline:
+            left = doc["hosted"] if isinstance(doc["hosted"], str) else ", ".join(
+                f"{h['name']} ({h['id'][:13]}, {h['state']}, for {h['origin']})" for h in doc["hosted"])
+            print(json.dumps({**doc, "done": False}) if args.json else
+                  f"\n{doc['node']}: still hosting after {args.timeout:g}s: {left}; the node stays draining "
+                  "('weft drain --undo' ends it)", flush=True)
+            return 1
+        if not args.json:
+            hosted = doc["hosted"]
+            text = (f"  {len(hosted)} hosted ({sum(h['state'] == 'running' for h in hosted)} running): "
+                    + ", ".join(h["name"] for h in hosted[:5]) if not isinstance(hosted, str) else f"  {hosted}")
+            print(("\r" + text + " " * 10) if tty else text, end="" if tty else "\n", flush=True)
+        time.sleep(args.interval)
+        doc = status.drain(args.socket, True)
+    print(json.dumps({**doc, "done": True}) if args.json else
+          ("\n" if tty else "") + f"{doc['node']}: drained: hosts nothing; 'weft drain --undo' admits again",
+          flush=True)
     return 0
 
 
@@ -192,6 +228,14 @@ def parser() -> argparse.ArgumentParser:
         src.add_argument("--socket", type=Path, help="ask the running agent on this socket")
         sp.add_argument("--json", action="store_true", help="one JSON object")
         sp.set_defaults(fn=fn)
+
+    dr = sub.add_parser("drain", help="a host stops admitting new containers and waits until those it hosts are gone")
+    dr.add_argument("--socket", type=Path, default=Path("/run/weft/cri.sock"), help="the host agent's socket")
+    dr.add_argument("--undo", action="store_true", help="admit new containers again")
+    dr.add_argument("--timeout", type=float, default=600.0, help="seconds to wait for hosted containers to go")
+    dr.add_argument("--interval", type=float, default=1.0, help=argparse.SUPPRESS)
+    dr.add_argument("--json", action="store_true", help="one JSON object at the end")
+    dr.set_defaults(fn=_drain)
 
     mc = sub.add_parser("mesh-certs", help="make a mesh CA (or reuse one) and node certificates")
     mc.add_argument("--out", type=Path, required=True, help="directory for ca.crt/ca.key and <node>.crt/.key")

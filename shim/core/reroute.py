@@ -265,6 +265,8 @@ class AdmitReason(enum.Enum):
     # The peer does not trust the origin's safety check: a zero limit is
     # "unlimited" in CRI and would fit anywhere.
     NO_LIMITS = "no-limits"
+    # ``weft drain`` on the peer: it keeps what it hosts and takes nothing new.
+    DRAINING = "draining"
 
 
 @dataclass(frozen=True)
@@ -278,7 +280,8 @@ class AdmitDecision:
         return self.reason is AdmitReason.ADMITTED
 
 
-def admit(limits: Resources, free: Resources, *, healthy: bool = True, cpu_host: bool = True) -> AdmitDecision:
+def admit(limits: Resources, free: Resources, *, healthy: bool = True, cpu_host: bool = True,
+          draining: bool = False) -> AdmitDecision:
     """Would this peer host a container with these limits now?
 
     The limits are checked before the host (a request no peer could take says
@@ -293,6 +296,9 @@ def admit(limits: Resources, free: Resources, *, healthy: bool = True, cpu_host:
         return AdmitDecision(AdmitReason.NOT_A_CPU_HOST, "this node's role does not include cpu", free)
     if not healthy:
         return AdmitDecision(AdmitReason.UNHEALTHY, "this node reports itself unhealthy", free)
+    if draining:
+        return AdmitDecision(AdmitReason.DRAINING, "this node is draining (weft drain): it takes no new containers",
+                             free)
     cpu_short = limits.cpu_cores > free.cpu_cores + _CPU_SLACK
     memory_short = limits.memory_bytes > free.memory_bytes
     if cpu_short or memory_short:
@@ -321,6 +327,7 @@ class PeerView:
     healthy: bool
     free: Resources
     sampled_age_s: float
+    draining: bool = False
 
 
 class PeerRejection(enum.Enum):
@@ -332,6 +339,7 @@ class PeerRejection(enum.Enum):
     INSUFFICIENT_CPU = AdmitReason.INSUFFICIENT_CPU.value
     INSUFFICIENT_MEMORY = AdmitReason.INSUFFICIENT_MEMORY.value
     NO_LIMITS = AdmitReason.NO_LIMITS.value
+    DRAINING = AdmitReason.DRAINING.value
 
 
 @dataclass(frozen=True)
@@ -355,7 +363,7 @@ def choose_peers(limits: Resources, peers: Iterable[PeerView], *, max_age_s: flo
         if peer.sampled_age_s > max_age_s:
             rejected.append((peer.node, PeerRejection.STALE.value))
             continue
-        decision = admit(limits, peer.free, healthy=peer.healthy, cpu_host=peer.cpu_host)
+        decision = admit(limits, peer.free, healthy=peer.healthy, cpu_host=peer.cpu_host, draining=peer.draining)
         if decision.admitted:
             after = decision.free_after
             fits.append((-after.cpu_cores, -after.memory_bytes, peer.node))
@@ -386,7 +394,9 @@ class RerouteDecision:
 
 # Peers rejected for these are not live CPU hosts; any other rejection came
 # from a live host's Admit rules, i.e. the container did not fit.
-_NOT_LIVE = frozenset({PeerRejection.STALE.value, PeerRejection.UNHEALTHY.value, PeerRejection.NOT_A_CPU_HOST.value})
+# A draining host counts as not live: it takes nothing new, however much room it has.
+_NOT_LIVE = frozenset({PeerRejection.STALE.value, PeerRejection.UNHEALTHY.value, PeerRejection.NOT_A_CPU_HOST.value,
+                       PeerRejection.DRAINING.value})
 
 
 def decide(

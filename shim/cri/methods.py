@@ -51,11 +51,13 @@ def _known() -> dict[str, Method]:
 # weft's own admin calls on the agent socket (JSON bodies; see shim.cri.admin).
 ADMIN_STATUS = "/weft.agent.v1.Admin/Status"
 ADMIN_EXPLAIN = "/weft.agent.v1.Admin/Explain"
+ADMIN_DRAIN = "/weft.agent.v1.Admin/Drain"
 
 KNOWN: dict[str, Method] = {
     **_known(),
     ADMIN_STATUS: Method(ADMIN_STATUS, "WeftStatus", Shape.UNARY, True),
     ADMIN_EXPLAIN: Method(ADMIN_EXPLAIN, "WeftExplain", Shape.UNARY, True),
+    ADMIN_DRAIN: Method(ADMIN_DRAIN, "WeftDrain", Shape.UNARY, False),
 }
 _V1_SERVICES = ("/runtime.v1.RuntimeService/", "/runtime.v1.ImageService/")
 

@@ -51,6 +51,7 @@ def intercepted(fabric: Fabric) -> dict[str, Callable[..., object]]:
         pull_image.PATH: pull_image.handler(fabric),
         admin.STATUS: admin.status_handler(fabric),
         admin.EXPLAIN: admin.explain_handler(fabric),
+        admin.DRAIN: admin.drain_handler(fabric),
         # Only while this node hosts shadows or has remote containers; pass-through otherwise.
         **hide_shadows.handlers(fabric),
     }

@@ -10,9 +10,13 @@ for the moment.
 
 The arithmetic and the admission rule are ``shim.core.reroute``'s (pure, and
 the same ones the origin ranks peers with); this module feeds them this
-node's counters. Those sit behind ``Host`` so a probe is tested without a
-real machine: ``PsutilHost`` reads them through psutil, ``FixedHost`` holds
-values a test sets.
+node's counters, and whether the node is draining (``weft drain``): a
+draining node still says it is healthy, with the health detail
+``draining``, so its origins skip it for new containers (and do not take it
+for lost), and it refuses every Admit with the reason ``draining``. The
+counters sit behind ``Host`` so a probe is tested without a real machine:
+``PsutilHost`` reads them through psutil, ``FixedHost`` holds values a test
+sets.
 """
 
 from __future__ import annotations
@@ -30,6 +34,8 @@ from shim.core.reroute import ZERO, Resources
 from shim.errors import ConfigError
 
 MIB = 2**20
+# PeerState.health_detail of a draining node (a detail, not a proto field: see the module docstring).
+DRAINING = reroute.AdmitReason.DRAINING.value
 ROLES = frozenset({"gpu", "cpu", "gpu,cpu"})
 
 Amount = tuple[float, int]  # (cpu cores, memory bytes), accepted wherever Resources is
@@ -155,6 +161,7 @@ class CapacityProbe:
         self._hosted_limits = hosted_limits
         self._host = host or PsutilHost()
         self._clock = clock
+        self.draining = False
 
     @property
     def hosts_cpu(self) -> bool:
@@ -170,6 +177,7 @@ class CapacityProbe:
         return pb.PeerState(
             role=self.role, allocatable=_pb(allocatable), own_requests=_pb(own), hosted_limits=_pb(hosted),
             measured_used=_pb(used), free=_pb(free), healthy=True, sampled_at=self._clock(),
+            health_detail=DRAINING if self.draining else "",
         )
 
     def admit(self, request: pb.AdmitRequest) -> pb.AdmitResponse:
@@ -183,7 +191,8 @@ class CapacityProbe:
         state = self.sample()
         limits = Resources(request.limits.cpu_cores, request.limits.memory_bytes)
         free = Resources(state.free.cpu_cores, state.free.memory_bytes)
-        decision = reroute.admit(limits, free, healthy=state.healthy, cpu_host=self.hosts_cpu)
+        decision = reroute.admit(limits, free, healthy=state.healthy, cpu_host=self.hosts_cpu,
+                                 draining=self.draining)
         return pb.AdmitResponse(admitted=decision.admitted, reason=decision.reason.value, detail=decision.detail,
                                 free_after=_pb(decision.free_after))
 

@@ -15,13 +15,14 @@ import math
 import threading
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import PeerView, Resources
 from shim.errors import WeftError
-from shim.mesh.capacity import CapacityProbe, fixed_host
+from shim.mesh.capacity import DRAINING, CapacityProbe, fixed_host
 from shim.mesh.certs import load_node_tls
 from shim.mesh.client import PeerClient
 from shim.mesh.discovery import Discovery, EndpointSliceDiscovery, Peer, StaticDiscovery, load_peers_file
@@ -43,7 +44,8 @@ class PeerRecord:
 
 class MeshNode:
     def __init__(self, *, node: str, role: str, address: str, peers: str, tls_dir: str, hello_interval: float,
-                 namespace: str, service: str, metrics: Any, host: Any = None, fixed_capacity: str = "") -> None:
+                 namespace: str, service: str, metrics: Any, host: Any = None, fixed_capacity: str = "",
+                 drain_file: Path | None = None) -> None:
         self.node, self.role, self.hello_interval, self.metrics = node, role, hello_interval, metrics
         self.tls = load_node_tls(tls_dir, node)
         self.discovery: Discovery
@@ -56,6 +58,9 @@ class MeshNode:
         # A host's books: its own pods' requests and what it hosts, from its containerd (cached there).
         books = {} if host is None else {"own_requests": host.own_requests, "hosted_limits": host.hosted_limits}
         self.probe = CapacityProbe(role, host=fixed_host(fixed_capacity), **books)
+        # A drain outlives a restart of the agent: it ends with ``weft drain --undo``.
+        self._drain_file = drain_file
+        self.probe.draining = drain_file is not None and drain_file.exists()
         self.policy = PeerPolicy(set())
         # A node that offers CPU runs shadows for its peers' pods.
         self.server = MeshServer(node, address, self.tls, self.policy, self.probe,
@@ -164,6 +169,23 @@ class MeshNode:
         with self._lock:
             return time.monotonic() - self._contact.get(node, self._started)
 
+    # -- drain --------------------------------------------------------------------------
+    @property
+    def draining(self) -> bool:
+        return self.probe.draining
+
+    def set_draining(self, on: bool) -> None:
+        """Stop (or resume) admitting new shadows; peers learn it with the next Hello, Admit at once."""
+        if self._drain_file is not None:
+            if on:
+                self._drain_file.parent.mkdir(parents=True, exist_ok=True)
+                self._drain_file.touch()
+            else:
+                self._drain_file.unlink(missing_ok=True)
+        was, self.probe.draining = self.probe.draining, on
+        if was != on:
+            _log.info("mesh.draining" if on else "mesh.undrained", node=self.node)
+
     # -- what placement and status read -----------------------------------------------
     def views(self) -> list[PeerView]:
         now = time.monotonic()
@@ -176,7 +198,8 @@ class MeshNode:
                 out.append(PeerView(
                     node=node, cpu_host="cpu" in rec.role.split(","), healthy=rec.healthy,
                     free=Resources(max(0.0, cpu), free.memory_bytes if free is not None else 0),
-                    sampled_age_s=(now - rec.seen_at) if rec.seen_at else float("inf")))
+                    sampled_age_s=(now - rec.seen_at) if rec.seen_at else float("inf"),
+                    draining=rec.state is not None and rec.state.health_detail == DRAINING))
             return sorted(out, key=lambda v: v.node)
 
     def status(self) -> list[dict[str, Any]]:
@@ -184,6 +207,7 @@ class MeshNode:
         with self._lock:
             return [{
                 "node": node, "address": rec.peer.target, "role": rec.role, "healthy": rec.healthy,
+                "draining": rec.state is not None and rec.state.health_detail == DRAINING,
                 "free_cpu_cores": round(rec.state.free.cpu_cores, 3) if rec.state else None,
                 "free_memory_bytes": rec.state.free.memory_bytes if rec.state else None,
                 "last_seen_s": round(now - rec.seen_at, 1) if rec.seen_at else None,

@@ -41,8 +41,8 @@ VOL = f"{PODS}/{UID}/volumes"
 
 
 def peer(node: str, cpu: float = 8.0, gib: int = 16, *, cpu_host: bool = True, healthy: bool = True,
-         age: float = 1.0) -> PeerView:
-    return PeerView(node, cpu_host, healthy, Resources(cpu, gib * GI), age)
+         age: float = 1.0, draining: bool = False) -> PeerView:
+    return PeerView(node, cpu_host, healthy, Resources(cpu, gib * GI), age, draining)
 
 
 # -- the vocabulary crictl and `weft explain` show ------------------------------
@@ -52,9 +52,9 @@ def peer(node: str, cpu: float = 8.0, gib: int = 16, *, cpu_host: bool = True, h
         pytest.param(SafetyReason, {"safe", "privileged", "host-network", "host-pid", "host-ipc", "host-path-mount",
                                     "shared-writable-volume", "host-devices", "no-limits"}, id="safety"),
         pytest.param(AdmitReason, {"admitted", "insufficient-cpu", "insufficient-memory", "unhealthy",
-                                   "not-a-cpu-host", "no-limits"}, id="admit"),
+                                   "not-a-cpu-host", "no-limits", "draining"}, id="admit"),
         pytest.param(PeerRejection, {"stale", "unhealthy", "not-a-cpu-host", "insufficient-cpu",
-                                     "insufficient-memory", "no-limits"}, id="peer-rejection"),
+                                     "insufficient-memory", "no-limits", "draining"}, id="peer-rejection"),
         pytest.param(RerouteReason, {"rerouted", "no-peers", "no-peer-fits", "unsafe", "pinned-local"},
                      id="reroute"),
     ],
@@ -333,6 +333,12 @@ FREE = Resources(4.0, 8 * GI)
                      id="role-is-reported-before-health"),
         pytest.param(Resources(9.0, GI), {"healthy": False}, AdmitReason.UNHEALTHY, "unhealthy",
                      id="health-is-reported-before-capacity"),
+        pytest.param(Resources(1.0, GI), {"draining": True}, AdmitReason.DRAINING, "draining",
+                     id="a-draining-host-admits-nothing-new-however-much-room"),
+        pytest.param(Resources(9.0, GI), {"draining": True}, AdmitReason.DRAINING, "draining",
+                     id="draining-is-reported-before-capacity"),
+        pytest.param(Resources(1.0, GI), {"draining": True, "healthy": False}, AdmitReason.UNHEALTHY, "unhealthy",
+                     id="health-is-reported-before-draining"),
         pytest.param(Resources(0.0, GI), {}, AdmitReason.NO_LIMITS, "no CPU limit",
                      id="zero-cpu-limit-is-unlimited-and-refused"),
         pytest.param(ZERO, {"cpu_host": False}, AdmitReason.NO_LIMITS, "no CPU or memory limit",
@@ -381,6 +387,7 @@ def test_choose_peers_orders_by_room_left(peers: list[PeerView], candidates: tup
         pytest.param(peer("p", cpu_host=False), "not-a-cpu-host", id="not-a-cpu-host"),
         pytest.param(peer("p", cpu=1.5), "insufficient-cpu", id="insufficient-cpu"),
         pytest.param(peer("p", gib=3), "insufficient-memory", id="insufficient-memory"),
+        pytest.param(peer("p", draining=True), "draining", id="draining"),
     ],
 )
 def test_choose_peers_rejects_with_a_reason(view: PeerView, why: str) -> None:
@@ -426,6 +433,10 @@ def test_choose_peers_with_no_peers() -> None:
         pytest.param(SAFE, [peer("a", age=60), peer("b", healthy=False), peer("c", cpu_host=False)], False,
                      RerouteReason.NO_PEERS, (), "a stale, b unhealthy, c not-a-cpu-host",
                      id="no-live-cpu-host-is-no-peers"),
+        pytest.param(SAFE, [peer("a", draining=True), peer("b", 4)], False, RerouteReason.REROUTED, ("b",),
+                     "fits on: b", id="a-draining-host-is-skipped-for-the-other"),
+        pytest.param(SAFE, [peer("a", draining=True), peer("b", healthy=False)], False, RerouteReason.NO_PEERS, (),
+                     "a draining, b unhealthy", id="draining-hosts-are-not-live-like-unhealthy-ones"),
         pytest.param(SAFE, [peer("a", 1), peer("b", gib=1)], False, RerouteReason.NO_PEER_FITS, (),
                      "a insufficient-cpu, b insufficient-memory", id="live-peers-without-room"),
         pytest.param(SAFE, [peer("a", age=60), peer("b", 1)], False, RerouteReason.NO_PEER_FITS, (),

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import Resources
 from shim.errors import ConfigError
-from shim.mesh.capacity import MIB, CapacityProbe, FixedHost, PsutilHost
+from shim.mesh.capacity import DRAINING, MIB, CapacityProbe, FixedHost, PsutilHost
 
 GI = 2**30
 
@@ -117,3 +117,16 @@ def test_psutil_host_reads_this_machine() -> None:
     assert 0 < state.measured_used.memory_bytes < state.allocatable.memory_bytes
     assert 0 <= state.free.cpu_cores <= state.allocatable.cpu_cores
     assert 0 < state.free.memory_bytes < state.allocatable.memory_bytes
+
+
+def test_a_draining_node_says_so_in_hello_stays_healthy_and_refuses_every_admit() -> None:
+    probe = _probe()
+    request = pb.AdmitRequest(limits=pb.Resources(cpu_cores=1.0, memory_bytes=GI))
+    assert probe.sample().health_detail == "" and probe.admit(request).admitted
+    probe.draining = True
+    state = probe.sample()
+    assert state.healthy and state.health_detail == DRAINING
+    answer = probe.admit(request)
+    assert not answer.admitted and answer.reason == "draining" and "weft drain" in answer.detail
+    probe.draining = False
+    assert probe.admit(request).admitted
