@@ -86,7 +86,23 @@ class Agent:
         self.fabric.peer_max_age_s = max(30.0, 3 * m.hello_interval)
         self.supervisor = RemoteSupervisor(self.fabric, loss_timeout=m.loss_timeout,
                                            heartbeat=m.heartbeat_interval, volume_interval=m.volume_sync_interval)
+        self._tunnels(cfg, mesh, host)
         return mesh
+
+    def _tunnels(self, cfg: Config, mesh, host) -> None:
+        """Exec/attach relay and the stitched pod network (shim.mesh.tunnel, shim.cri.stitch)."""
+        from shim.core.annotations import parse_host_port
+        from shim.cri.shadow_tunnel import ShadowNet
+        from shim.cri.stitch import OriginNet
+        from shim.cri.stream_relay import StreamRelay
+        from shim.mesh.tunnel import TunnelServer, contexts
+
+        self.tunnel = TunnelServer(parse_host_port(cfg.mesh.address, field="mesh.address")[0], cfg.mesh.tls_dir,
+                                   mesh.node)
+        host.net = ShadowNet(host, self.tunnel)
+        self.fabric.tunnel_tls = contexts(cfg.mesh.tls_dir, mesh.node)[1]
+        self.fabric.streams = StreamRelay(self.fabric, cfg.agent.stream_address)
+        self.stitch = OriginNet(self.fabric)
 
     def start(self) -> None:
         self.server.start()
@@ -95,6 +111,9 @@ class Agent:
             self.host.open()
             self.mesh.start()
             self.supervisor.start()
+            self.tunnel.start()
+            self.fabric.streams.start()
+            self.stitch.start()
         if self.cfg.agent.metrics_address:
             try:
                 self.http = HttpEndpoint(self.cfg.agent.metrics_address, self.metrics, _probe(self.upstream))
@@ -115,6 +134,10 @@ class Agent:
             self.http.stop()
         self.server.stop(grace)
         if self.mesh is not None:
+            self.stitch.stop()
+            self.fabric.streams.stop()
+            self.tunnel.stop()
+            self.host.net.close()
             self.supervisor.stop()
             self.mesh.stop()
             self.host.close()

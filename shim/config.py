@@ -21,6 +21,7 @@ Example file::
     tls_dir = "/etc/weft/mesh"
     log_level = "info"
     workers = 64                          # threads for intercepted calls
+    stream_address = "127.0.0.1:0"        # exec/attach of rerouted containers (beside containerd's)
 
     [report]                              # weft report (flags override)
     prometheus = "http://prometheus.monitoring:9090"
@@ -58,6 +59,9 @@ class AgentConfig:
     broker_socket: str = ""
     # Threads for the calls weft answers itself; pass-through needs none.
     workers: int = 64
+    # The streaming server for Exec/Attach of rerouted containers (HOST:PORT, port 0 picks one): where
+    # kubelet reaches it, as it reaches containerd's own (stream_server_address, 127.0.0.1 by default).
+    stream_address: str = "127.0.0.1:0"
 
     def validate(self) -> None:
         if self.metrics_address:
@@ -65,6 +69,10 @@ class AgentConfig:
                 parse_host_port(self.metrics_address, field="agent.metrics_address")
             except ValueError as exc:
                 raise ConfigError(str(exc)) from None
+        try:
+            parse_host_port(self.stream_address, field="agent.stream_address")
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"agent.log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
         if self.workers < 4:

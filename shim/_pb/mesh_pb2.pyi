@@ -202,3 +202,55 @@ class RemoveShadowResponse(_message.Message):
     REMOVED_FIELD_NUMBER: _ClassVar[int]
     removed: bool
     def __init__(self, removed: _Optional[bool] = ...) -> None: ...
+
+class TunnelRequest(_message.Message):
+    __slots__ = ("origin_node", "key", "stream_url", "port")
+    ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    STREAM_URL_FIELD_NUMBER: _ClassVar[int]
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    origin_node: str
+    key: str
+    stream_url: str
+    port: int
+    def __init__(self, origin_node: _Optional[str] = ..., key: _Optional[str] = ..., stream_url: _Optional[str] = ..., port: _Optional[int] = ...) -> None: ...
+
+class TunnelGrant(_message.Message):
+    __slots__ = ("address", "token", "tls")
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    address: str
+    token: bytes
+    tls: bool
+    def __init__(self, address: _Optional[str] = ..., token: _Optional[bytes] = ..., tls: _Optional[bool] = ...) -> None: ...
+
+class StitchRequest(_message.Message):
+    __slots__ = ("origin_node", "key", "ports", "declared", "has_declared")
+    ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
+    KEY_FIELD_NUMBER: _ClassVar[int]
+    PORTS_FIELD_NUMBER: _ClassVar[int]
+    DECLARED_FIELD_NUMBER: _ClassVar[int]
+    HAS_DECLARED_FIELD_NUMBER: _ClassVar[int]
+    origin_node: str
+    key: str
+    ports: _containers.RepeatedScalarFieldContainer[int]
+    declared: _containers.RepeatedScalarFieldContainer[int]
+    has_declared: bool
+    def __init__(self, origin_node: _Optional[str] = ..., key: _Optional[str] = ..., ports: _Optional[_Iterable[int]] = ..., declared: _Optional[_Iterable[int]] = ..., has_declared: _Optional[bool] = ...) -> None: ...
+
+class StitchEvent(_message.Message):
+    __slots__ = ("listening", "ports", "accepted_port", "token", "address", "problem")
+    LISTENING_FIELD_NUMBER: _ClassVar[int]
+    PORTS_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_PORT_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    listening: _containers.RepeatedScalarFieldContainer[int]
+    ports: bool
+    accepted_port: int
+    token: bytes
+    address: str
+    problem: str
+    def __init__(self, listening: _Optional[_Iterable[int]] = ..., ports: _Optional[bool] = ..., accepted_port: _Optional[int] = ..., token: _Optional[bytes] = ..., address: _Optional[str] = ..., problem: _Optional[str] = ...) -> None: ...

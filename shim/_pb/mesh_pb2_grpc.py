@@ -85,6 +85,16 @@ class MeshStub:
                 request_serializer=mesh__pb2.SyncVolumesRequest.SerializeToString,
                 response_deserializer=mesh__pb2.SyncVolumesResponse.FromString,
                 _registered_method=True)
+        self.OpenTunnel = channel.unary_unary(
+                '/weft.mesh.v1.Mesh/OpenTunnel',
+                request_serializer=mesh__pb2.TunnelRequest.SerializeToString,
+                response_deserializer=mesh__pb2.TunnelGrant.FromString,
+                _registered_method=True)
+        self.Stitch = channel.unary_stream(
+                '/weft.mesh.v1.Mesh/Stitch',
+                request_serializer=mesh__pb2.StitchRequest.SerializeToString,
+                response_deserializer=mesh__pb2.StitchEvent.FromString,
+                _registered_method=True)
 
 
 class MeshServicer:
@@ -178,6 +188,35 @@ class MeshServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def OpenTunnel(self, request, context):
+        """A byte tunnel to something of one of the origin's shadows: the streaming
+        URL the host's containerd gave for an Exec or Attach of that shadow, or a
+        TCP port in the shadow sandbox's network namespace. The answer is a
+        one-time token, valid for seconds, to present on the host's tunnel port
+        (the grant's address): the bytes then flow over that TCP connection, not
+        over gRPC (a gRPC stream in Python carries a fraction of what a socket
+        does; see shim/mesh/tunnel.py). Exec and Attach tunnels are TLS with the
+        mesh certificates (the origin's certificate must name the origin);
+        pod-network tunnels are plain TCP, as the pod network between nodes is.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Stitch(self, request, context):
+        """The stitched pod network of one shadow: the host listens on ``ports``
+        (127.0.0.1 in the shadow sandbox's network namespace; each accepted
+        connection is offered to the origin as a StitchEvent.accepted with a
+        tunnel token), and pushes the TCP ports the shadow's container listens on
+        (sock_diag in that namespace, the host's own mirrors left out) whenever
+        they change. The origin opens it again with a new set when its own pod's
+        listeners change; the host's listeners stay while it is open and go when
+        the last stream of that shadow ends.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_MeshServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -230,6 +269,16 @@ def add_MeshServicer_to_server(servicer, server):
                     servicer.SyncVolumes,
                     request_deserializer=mesh__pb2.SyncVolumesRequest.FromString,
                     response_serializer=mesh__pb2.SyncVolumesResponse.SerializeToString,
+            ),
+            'OpenTunnel': grpc.unary_unary_rpc_method_handler(
+                    servicer.OpenTunnel,
+                    request_deserializer=mesh__pb2.TunnelRequest.FromString,
+                    response_serializer=mesh__pb2.TunnelGrant.SerializeToString,
+            ),
+            'Stitch': grpc.unary_stream_rpc_method_handler(
+                    servicer.Stitch,
+                    request_deserializer=mesh__pb2.StitchRequest.FromString,
+                    response_serializer=mesh__pb2.StitchEvent.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -502,6 +551,60 @@ class Mesh:
             '/weft.mesh.v1.Mesh/SyncVolumes',
             mesh__pb2.SyncVolumesRequest.SerializeToString,
             mesh__pb2.SyncVolumesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def OpenTunnel(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/weft.mesh.v1.Mesh/OpenTunnel',
+            mesh__pb2.TunnelRequest.SerializeToString,
+            mesh__pb2.TunnelGrant.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Stitch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/weft.mesh.v1.Mesh/Stitch',
+            mesh__pb2.StitchRequest.SerializeToString,
+            mesh__pb2.StitchEvent.FromString,
             options,
             channel_credentials,
             insecure,

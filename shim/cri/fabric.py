@@ -43,6 +43,9 @@ class Fabric:
         self.on_remote: list = []
         self.on_reopen: list = []
         self.on_remote_removed: list = []
+        # The origin's streaming relay (shim.cri.stream_relay) and the TLS context its tunnels dial with.
+        self.streams = None
+        self.tunnel_tls = None
         # Whether containerd holds shadows (labelled weft.io/origin-node) that
         # kubelet must not see; set by the reconciler, read on every List call.
         self.shadows_present = False

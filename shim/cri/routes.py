@@ -14,9 +14,11 @@ from collections.abc import Callable
 
 from shim.cri import (
     admin,
+    attach,
     container_stats,
     container_status,
     create_container,
+    exec_stream,
     exec_sync,
     hide_shadows,
     pull_image,
@@ -44,6 +46,8 @@ def intercepted(fabric: Fabric) -> dict[str, Callable[..., object]]:
         start_container.PATH: start_container.handler(fabric),
         stop_container.PATH: stop_container.handler(fabric),
         exec_sync.PATH: exec_sync.handler(fabric),
+        exec_stream.PATH: exec_stream.handler(fabric),
+        attach.PATH: attach.handler(fabric),
         container_stats.PATH: container_stats.handler(fabric),
         update_container_resources.PATH: update_container_resources.handler(fabric),
         reopen_container_log.PATH: reopen_container_log.handler(fabric),

@@ -95,6 +95,9 @@ CALLS: dict[str, tuple[Any, Any]] = {
     "UpdateContainerResources": (cri.UpdateContainerResourcesRequest, cri.UpdateContainerResourcesResponse),
     "StopContainer": (cri.StopContainerRequest, cri.StopContainerResponse),
     "ReopenContainerLog": (cri.ReopenContainerLogRequest, cri.ReopenContainerLogResponse),
+    # A streaming URL of this host's containerd, which the origin may then tunnel to (shadow_tunnel).
+    "Exec": (cri.ExecRequest, cri.ExecResponse),
+    "Attach": (cri.AttachRequest, cri.AttachResponse),
 }
 CALL_TIMEOUT_S = 30.0
 # ExecSync and StopContainer take their own timeout; containerd gets this much more.
@@ -183,6 +186,8 @@ class ShadowHost:
         self._cache: dict[str, tuple[float, Resources]] = {}
         self._own: dict[str, tuple[float, int, int]] = {}  # container id -> (asked at, cpu.shares, memory limit)
         self._cache_lock = threading.Lock()
+        # Tunnels into shadows (shim.cri.shadow_tunnel.ShadowNet), set by the agent when it serves them.
+        self.net: Any = None
 
     # -- fencing -------------------------------------------------------------------
     def open(self) -> None:
@@ -516,6 +521,8 @@ class ShadowHost:
         if req.method == "UpdateContainerResources" and request.HasField("linux"):
             request.linux.cpu_shares = HOSTED_CPU_SHARES  # a hosted container never outweighs the host's own pods
         response = self._raw(_RT + req.method, request.SerializeToString(), timeout)
+        if req.method in ("Exec", "Attach") and self.net is not None:
+            self.net.issued(origin, req.key, req.method, response)
         if req.method == "UpdateContainerResources" and request.HasField("linux"):
             self._updated[c.id] = _limits(request.linux)
             self._forget_capacity()
@@ -545,6 +552,18 @@ class ShadowHost:
 
         for offset, data in follow(Path(status.log_path), req.offset, life, context.is_active, gone.wait):
             yield pb.LogChunk(offset=offset, data=data)
+
+    # -- tunnels (shim.cri.shadow_tunnel) ------------------------------------------------
+    def open_tunnel(self, origin: str, req: pb.TunnelRequest) -> pb.TunnelGrant:
+        return self._net().open_tunnel(origin, req)
+
+    def stitch(self, origin: str, req: pb.StitchRequest, context: grpc.ServicerContext) -> Iterator[pb.StitchEvent]:
+        return self._net().stitch(origin, req, context)
+
+    def _net(self):
+        if self.net is None:
+            raise RefusedCall("this host serves no tunnels")
+        return self.net
 
     # -- SyncVolumes -----------------------------------------------------------------
     def sync_volumes(self, origin: str, req: pb.SyncVolumesRequest) -> pb.SyncVolumesResponse:

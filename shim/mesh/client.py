@@ -116,6 +116,21 @@ class PeerClient:
         """The shadow's log from ``offset``; a ``grpc`` call object (iterate it, ``cancel()`` it)."""
         return self._stub.StreamLog(pb.LogRequest(origin_node=origin, key=key, offset=offset))
 
+    def open_tunnel(self, origin: str, key: str, *, stream_url: str = "", port: int = 0) -> pb.TunnelGrant:
+        """A one-time token for a tunnel to the shadow's stream URL or port (``shim.mesh.tunnel.dial`` it)."""
+        req = pb.TunnelRequest(origin_node=origin, key=key)
+        if stream_url:
+            req.stream_url = stream_url
+        else:
+            req.port = port
+        return self._call("OpenTunnel", self._stub.OpenTunnel, req, self.hello_timeout)
+
+    def stitch(self, origin: str, key: str, ports, declared=None):
+        """The shadow's stitched network; a ``grpc`` call object of StitchEvents (iterate it, ``cancel()`` it)."""
+        req = pb.StitchRequest(origin_node=origin, key=key, ports=sorted(ports), declared=sorted(declared or ()),
+                               has_declared=declared is not None)
+        return self._stub.Stitch(req)
+
     def unavailable(self, method: str, exc: grpc.RpcError) -> WeftError:
         """The typed error for a failed stream, as ``_call`` gives for unary calls."""
         code, details = exc.code(), exc.details() or ""

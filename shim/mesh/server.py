@@ -141,6 +141,16 @@ class MeshServicer(pb_grpc.MeshServicer):
         return self.host.stream_log(node, request, context)
 
     @_mapped
+    def OpenTunnel(self, request, context):  # noqa: N802
+        node = self._host(context, request.origin_node, "OpenTunnel")
+        return self.host.open_tunnel(node, request)
+
+    @_mapped_stream
+    def Stitch(self, request, context):  # noqa: N802
+        node = self._host(context, request.origin_node, "Stitch")
+        return self.host.stitch(node, request, context)
+
+    @_mapped
     def Admit(self, request, context):  # noqa: N802
         node = self.policy.check(context.auth_context())
         self.policy.check_claim(node, request.origin_node, "Admit")

@@ -1,0 +1,164 @@
+"""Exec, attach and the streaming relay on a rerouted container, compared with the same on a local one.
+
+A real WebSocket client (``integration.streams``, ``v4.channel.k8s.io`` as
+kubectl speaks it to containerd's streaming server) uses the URL that the
+origin's CRI socket returns, from inside the origin node's network namespace
+where kubelet would: for a local container that is containerd's own server,
+for a rerouted one the origin's relay, which tunnels to the host's
+containerd. Both must behave the same: TTY with resize, separate stdout and
+stderr, exit codes, attach to a running container, and a client that
+vanishes mid-session leaves nothing behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import time
+from collections.abc import Iterator
+
+import pytest
+from cri_api.v1 import api_pb2 as cri
+
+from integration import pods
+from integration.fabric import Fabric3
+from integration.streams import ChannelStream
+from integration.test_remote import PLACEMENT, cpu_container, create, run_pod, status
+from integration.waiting import wait_for
+from shim.cri.netns import Netns
+
+TICKER = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.2; done"]
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fabric3, str, str]]:
+    with Fabric3(tmp_path_factory.mktemp("streams") / "fabric") as f:
+        sid, sandbox = run_pod(f)
+        remote = create(f, sid, sandbox, cpu_container("ticker", TICKER))
+        local = create(f, sid, sandbox, pods.container_config("gpu", TICKER, envs={"NVIDIA_VISIBLE_DEVICES": "all"}))
+        for cid in (remote, local):
+            wait_for(lambda c=cid: status(f, c).state == cri.CONTAINER_RUNNING, what="running")
+        assert status(f, remote).annotations[PLACEMENT].startswith("remote:")
+        assert status(f, local).annotations[PLACEMENT] == "local"
+        yield f, remote, local
+
+
+def _netns(f: Fabric3) -> str:
+    return str(f.node("gpu-1").containerd.netns_path)
+
+
+def _open(f: Fabric3, verb: str, request) -> ChannelStream:
+    ch, rt = f.runtime("gpu-1")
+    with ch:
+        url = getattr(rt, verb)(request).url
+    return ChannelStream(url, _netns(f))
+
+
+WHICH = pytest.mark.parametrize("which", ["remote", "local"])
+
+
+@WHICH
+def test_interactive_exec_with_a_tty_and_resize(pod, which: str) -> None:
+    f, remote, local = pod
+    cid = remote if which == "remote" else local
+    s = _open(f, "Exec", cri.ExecRequest(container_id=cid, cmd=["sh"], tty=True, stdin=True, stdout=True))
+    try:
+        s.resize(100, 30)
+        time.sleep(0.2)
+        s.send(0, b"stty size; echo hi-$((40+2))\n")
+        out = s.read_until(1, b"hi-42")
+        assert b"30 100" in out
+        s.send(0, b"exit 7\n")
+        assert s.exit_code() == 7
+    finally:
+        s.close()
+
+
+@WHICH
+def test_exec_without_a_tty_keeps_stdout_stderr_and_the_exit_code(pod, which: str) -> None:
+    f, remote, local = pod
+    cid = remote if which == "remote" else local
+    s = _open(f, "Exec", cri.ExecRequest(container_id=cid, cmd=["sh", "-c", "echo out; echo err >&2; exit 3"],
+                                         stdout=True, stderr=True))
+    try:
+        assert s.exit_code() == 3
+        assert s.out.get(1) == b"out\n" and s.out.get(2) == b"err\n"
+    finally:
+        s.close()
+
+
+@WHICH
+def test_attach_to_a_running_container(pod, which: str) -> None:
+    f, remote, local = pod
+    cid = remote if which == "remote" else local
+    s = _open(f, "Attach", cri.AttachRequest(container_id=cid, stdout=True, stderr=True))
+    try:
+        out = s.read_until(1, b"tick", timeout=10)
+        first = int(out.split(b"tick ")[1].split(b"\n")[0])
+        s.read_until(1, f"tick {first + 2}\n".encode(), timeout=10)
+    finally:
+        s.close()
+
+
+def _sockets(pid: int) -> int:
+    n = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return n
+
+
+def _shells(f: Fabric3, cid: str) -> int:
+    ch, rt = f.runtime("gpu-1")
+    with ch:
+        ps = rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["ps"], timeout=10)).stdout.decode()
+    return ps.count(" sh\n")
+
+
+def test_a_client_that_vanishes_leaves_what_it_leaves_locally_and_no_socket(pod) -> None:
+    f, remote, local = pod
+    agent = f.agents["gpu-1"].pid
+    left = {}
+    for cid in (remote, local):
+        before, shells = _sockets(agent), _shells(f, cid)
+        for _ in range(3):
+            s = _open(f, "Exec", cri.ExecRequest(container_id=cid, cmd=["sh"], tty=True, stdin=True, stdout=True))
+            s.send(0, b"echo alive\n")
+            s.read_until(1, b"alive")
+            s.ws.socket.close()  # gone without a close frame, as a killed kubectl
+            s.ns.close()
+        wait_for(lambda b=before: _sockets(agent) <= b, timeout=15, what=f"origin sockets back to {before}")
+        time.sleep(1)
+        left[cid] = _shells(f, cid) - shells
+    # containerd 1.6 does not hang up an exec's terminal when its client goes; the relay changes nothing.
+    assert left[remote] == left[local]
+
+
+def test_an_unknown_or_used_session_is_refused(pod) -> None:
+    f, remote, _ = pod
+    ch, rt = f.runtime("gpu-1")
+    with ch:
+        url = rt.Exec(cri.ExecRequest(container_id=remote, cmd=["true"], stdout=True)).url
+    host, port = url.split("/")[2].split(":")
+    ns = Netns(_netns(f))
+    try:
+        for path in ("/exec/nosuchtoken", "/attach/" + url.rsplit("/", 1)[1], "/"):
+            sock = ns.connect(host, int(port), 5)
+            sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+            assert sock.recv(100).startswith(b"HTTP/1.1 404"), path
+            sock.close()
+        s = ChannelStream(url, _netns(f))
+        assert s.exit_code() == 0
+        s.close()
+        sock = ns.connect(host, int(port), 5)  # the token was used
+        sock.sendall(f"GET /{url.split('/', 3)[3]} HTTP/1.1\r\nHost: x\r\n\r\n".encode())
+        assert sock.recv(100).startswith(b"HTTP/1.1 404")
+        sock.close()
+        # A client that sends half a head and stalls is let go, not held.
+        sock = ns.connect(host, int(port), 5)
+        sock.sendall(b"GET /exec/")
+        sock.settimeout(20)
+        assert sock.recv(100).startswith(b"HTTP/1.1 400")
+        sock.close()
+    finally:
+        ns.close()

@@ -1,0 +1,136 @@
+"""Sockets in a pod's network namespace, and which TCP ports listen there.
+
+``setns`` changes the namespace of the calling *thread* only, and a socket
+belongs to the namespace it was created in for its whole life. So each
+namespace gets a small executor whose threads enter it once, at start
+(``Netns``); sockets made there (listeners, outgoing connections, the
+sock_diag netlink socket) are then used from any thread. The agent's own
+threads never change namespace.
+
+Listening ports come from sock_diag through pyroute2 (one netlink dump of
+TCP sockets in LISTEN state, v4 and v6), not from running ``ss``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import socket
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import TypeVar
+
+from cri_api.v1 import api_pb2 as cri
+
+from shim.errors import WeftError
+
+CLONE_NEWNET = 0x40000000
+_libc = ctypes.CDLL(None, use_errno=True)
+T = TypeVar("T")
+
+
+class NetnsError(WeftError):
+    """A pod's network namespace could not be found or entered."""
+
+
+def _enter(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        if _libc.setns(fd, CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns {path}: {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+class Netns:
+    """Work done inside one network namespace (``path``: a bind mount or ``/proc/<pid>/ns/net``)."""
+
+    def __init__(self, path: str, workers: int = 2) -> None:
+        self.path = path
+        self._ready = threading.Event()
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weft-netns",
+                                        initializer=_enter, initargs=(path,))
+        self._diag = None
+        self._diag_lock = threading.Lock()
+
+    def run(self, fn: Callable[..., T], *args: object) -> T:
+        try:
+            return self._pool.submit(fn, *args).result()
+        except RuntimeError as exc:  # a worker that could not enter the namespace breaks the pool
+            raise NetnsError(f"network namespace {self.path}: {exc}") from exc
+
+    def listen(self, host: str, port: int, backlog: int = 512) -> socket.socket:
+        def make() -> socket.socket:
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind((host, port))
+                s.listen(backlog)
+            except OSError:
+                s.close()
+                raise
+            return s
+
+        return self.run(make)
+
+    def connect(self, host: str, port: int, timeout: float) -> socket.socket:
+        return self.run(socket.create_connection, (host, port), timeout)
+
+    def listening(self) -> dict[int, set[int]]:
+        """TCP port -> inodes of the sockets listening on it, in this namespace."""
+        return self.run(self._listening)
+
+    def _listening(self) -> dict[int, set[int]]:
+        from pyroute2 import DiagSocket
+        from pyroute2.netlink.diag import SS_LISTEN
+
+        with self._diag_lock:
+            if self._diag is None:
+                self._diag = DiagSocket()
+                self._diag.bind()
+            out: dict[int, set[int]] = {}
+            for family in (socket.AF_INET, socket.AF_INET6):
+                for s in self._diag.get_sock_stats(family=family, states=1 << SS_LISTEN):
+                    out.setdefault(s["idiag_sport"], set()).add(s["idiag_inode"])
+            return out
+
+    def close(self) -> None:
+        with self._diag_lock:
+            if self._diag is not None:
+                self._diag.close()
+                self._diag = None
+        self._pool.shutdown(wait=False)
+
+
+def sandbox_netns(call: Callable[[str, object, type], object], sandbox_id: str) -> str:
+    """The network namespace path of a sandbox, from containerd's verbose PodSandboxStatus."""
+    resp = call("/runtime.v1.RuntimeService/PodSandboxStatus",
+                cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id, verbose=True), cri.PodSandboxStatusResponse)
+    try:
+        info = json.loads(resp.info.get("info", "{}"))
+    except ValueError:
+        info = {}
+    for ns in info.get("runtimeSpec", {}).get("linux", {}).get("namespaces", []):
+        if ns.get("type") == "network" and ns.get("path"):
+            return ns["path"]
+    if info.get("pid"):
+        return f"/proc/{info['pid']}/ns/net"
+    raise NetnsError(f"sandbox {sandbox_id[:13]} has no network namespace that containerd tells")
+
+
+def owner_of(inodes: set[int]) -> str:
+    """Which process holds one of these sockets ("pid 123 (nginx)"), for a log line; "" if none is found."""
+    targets = {f"socket:[{i}]" for i in inodes}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        fd_dir = f"/proc/{pid}/fd"
+        try:
+            for fd in os.listdir(fd_dir):
+                if os.readlink(f"{fd_dir}/{fd}") in targets:
+                    with open(f"/proc/{pid}/comm") as f:
+                        return f"pid {pid} ({f.read().strip()})"
+        except OSError:
+            continue
+    return ""
