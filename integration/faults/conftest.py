@@ -1,0 +1,66 @@
+"""One three-node fabric per test module, repaired and emptied between tests.
+
+A fault test breaks things on purpose; the teardown brings every link,
+containerd, agent and the broker back, removes the test's pods through the
+origin and waits until no placement, lease or shadow is left. A fabric that
+cannot be brought back that way is closed, and the next test gets a new one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from integration.fabric import Fabric3
+from integration.faults.checks import HOSTS, ORIGIN, Kubelet, repair
+from integration.waiting import wait_for
+
+
+class FabricHolder:
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.fabric: Fabric3 | None = None
+        self.opened = 0
+
+    def get(self) -> Fabric3:
+        if self.fabric is None:
+            self.opened += 1
+            self.fabric = Fabric3(self.workdir / f"fabric{self.opened}")
+            self.fabric.__enter__()
+        return self.fabric
+
+    def discard(self) -> None:
+        if self.fabric is not None:
+            self.fabric.close()
+            self.fabric = None
+
+
+def empty(f: Fabric3) -> bool:
+    doc = f.status(ORIGIN)
+    assert f.broker is not None
+    return (not doc["placements"] and not doc["sandboxes"] and not f.broker.leases()
+            and not any(f.shadows(h) for h in HOSTS))
+
+
+@pytest.fixture(scope="module")
+def fabric_holder(tmp_path_factory: pytest.TempPathFactory) -> Iterator[FabricHolder]:
+    holder = FabricHolder(tmp_path_factory.mktemp("faults"))
+    try:
+        yield holder
+    finally:
+        holder.discard()
+
+
+@pytest.fixture
+def kube(fabric_holder: FabricHolder) -> Iterator[Kubelet]:
+    k = Kubelet(fabric_holder.get())
+    yield k
+    try:
+        repair(k.f)
+        k.cleanup()
+        wait_for(lambda: empty(k.f), timeout=20, what="the fabric to be empty after the test's pods were removed")
+    except BaseException:
+        fabric_holder.discard()
+        raise
