@@ -95,9 +95,13 @@ def fabric_facts(fabric: Fabric3) -> dict:
             "default_hello_interval_s": MeshConfig().hello_interval}
 
 
+# Ends on SIGTERM as a well-behaved app does (a bare ``sleep`` as PID 1 ignores it and waits out the grace period).
+SLEEPER = ["sh", "-c", 'trap "exit 0" TERM; while :; do sleep 3600 & wait; done']
+
+
 def cpu_container(name: str, attempt: int = 0, *, cpu: float = 0.5, memory: int = 64 << 20) -> cri.ContainerConfig:
     """A CPU-stage container with limits declared, so an opted-in pod may reroute it."""
-    config = pods.container_config(name, ["sleep", "3600"], attempt=attempt)
+    config = pods.container_config(name, SLEEPER, attempt=attempt)
     res = config.linux.resources
     res.cpu_period, res.cpu_quota, res.memory_limit_in_bytes = 100000, int(cpu * 100000), memory
     return config
