@@ -197,6 +197,41 @@ def test_an_agent_that_does_not_answer_cri_never_gets_kubelet(tmp_path: Path, he
     assert "restart kubelet.service" not in _calls(log)
 
 
+@pytest.fixture(scope="module")
+def mesh_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The weft-mesh-tls Secret's files, as `weft mesh-certs` writes them."""
+    out = tmp_path_factory.mktemp("mesh-tls")
+    subprocess.run([sys.executable, "-m", "shim", "mesh-certs", "--out", str(out), "--nodes", "cpu-7,gpu-1"],
+                   check=True, capture_output=True, cwd=REPO)
+    (out / "ca.key").unlink()  # never in the Secret
+    return out
+
+
+def _mesh(certs: Path) -> list[str]:
+    return ["--node-name", "cpu-7", "--mesh-address", "127.0.0.1:0", "--tls-source", str(certs)]
+
+
+def test_the_installed_mesh_config_and_keys_start_a_meshed_agent(
+        containerd_session: Containerd, mesh_certs: Path, tmp_path: Path) -> None:
+    root = copy_shape("kubeadm", tmp_path / "host")
+    peers = tmp_path / "peers.toml"
+    peers.write_text('[[peer]]\nname = "gpu-1"\naddress = "127.0.0.1:1"\nrole = "gpu"\n')
+    res = _weft("install", root, "--source", str(_source(tmp_path)), *_mesh(mesh_certs), "--peers", str(peers))
+    assert res.returncode == 0, res.stderr
+    assert (root / "etc/weft/mesh/cpu-7.key").stat().st_mode & 0o777 == 0o600
+    assert not (root / "etc/weft/mesh/gpu-1.key").exists()
+    exec_start = (root / "etc/systemd/system/weft-agent.service").read_text().split("ExecStart=")[1].split()
+    config = exec_start[exec_start.index("--config") + 1]
+    # The unit's own command, on this machine: the host's paths under the test's root.
+    with AgentProcess(containerd_session, tmp_path / "agent", extra_args=[
+            "--config", f"{root}{config}", "--tls-dir", f"{root}/etc/weft/mesh",
+            "--peers", f"{root}/etc/weft/peers.toml"]) as agent, agent.channel() as ch:
+        doc = json.loads(ch.unary_unary("/weft.agent.v1.Admin/Status")(b"", timeout=10))
+    assert doc["node"]["name"] == "cpu-7" and doc["node"]["role"] == "cpu"
+    assert [p["node"] for p in doc["peers"]] == ["gpu-1"]
+    assert "mesh.serving" in [e["event"] for e in agent.events()]
+
+
 def _flags(tmp: Path, agent: AgentProcess, health: Health) -> list[str]:
     systemctl, _ = _systemctl(tmp)
     return ["--systemctl", str(systemctl), "--kubelet-health-url", health.url, "--agent-socket", str(agent.socket)]
@@ -207,11 +242,11 @@ INSTALL_POINTS = ["backups", "journal", *INSTALL_STEPS]
 
 @pytest.mark.parametrize("step", INSTALL_POINTS)
 def test_install_killed_after_each_step_is_repaired_by_install_or_by_uninstall(
-        step: str, module_agent: AgentProcess, tmp_path: Path, health: Health) -> None:
+        step: str, module_agent: AgentProcess, mesh_certs: Path, tmp_path: Path, health: Health) -> None:
     root = copy_shape("kubeadm", tmp_path / "host")
     before = snapshot(root)
     flags = _flags(tmp_path, module_agent, health)
-    src = ["--source", str(_source(tmp_path))]
+    src = ["--source", str(_source(tmp_path)), *_mesh(mesh_certs)]
     res = _weft("install", root, *flags, *src, failpoint=f"install.{step}")
     assert res.returncode == -signal.SIGKILL, res.stderr
     other = tmp_path / "host-uninstalled"
@@ -231,11 +266,11 @@ def test_install_killed_after_each_step_is_repaired_by_install_or_by_uninstall(
 
 @pytest.mark.parametrize("step", UNINSTALL_STEPS)
 def test_uninstall_killed_after_each_step_is_repaired_by_uninstall_or_by_install(
-        step: str, module_agent: AgentProcess, tmp_path: Path, health: Health) -> None:
+        step: str, module_agent: AgentProcess, mesh_certs: Path, tmp_path: Path, health: Health) -> None:
     root = copy_shape("imports", tmp_path / "host")
     before = snapshot(root)
     flags = _flags(tmp_path, module_agent, health)
-    src = ["--source", str(_source(tmp_path))]
+    src = ["--source", str(_source(tmp_path)), *_mesh(mesh_certs)]
     assert _weft("install", root, *flags, *src).returncode == 0
     res = _weft("uninstall", root, *flags, failpoint=f"uninstall.{step}")
     assert res.returncode == -signal.SIGKILL, res.stderr

@@ -8,8 +8,12 @@ with exit code 2.
 from __future__ import annotations
 
 import argparse
+import os
+import re
 from pathlib import Path
 
+from shim.core.annotations import parse_host_port
+from shim.errors import InstallError
 from shim.install import plan, run, services
 
 _HELP_SYSTEMCTL = ("the systemctl to run (default: systemctl when --root is /; none otherwise, so a --root install "
@@ -23,13 +27,46 @@ def _settings(args: argparse.Namespace) -> run.Settings:
     broker = getattr(args, "broker", "none")
     if broker == "auto":
         broker = "nvml" if (root / "dev/nvidiactl").exists() else "none"
+    mesh = _mesh(args, broker) if getattr(args, "mesh_address", None) else None
     return run.Settings(
         root=root, services=svc, agent_socket=args.agent_socket, containerd_socket=args.containerd_socket,
         kubelet_health_url=args.kubelet_health_url, kubelet_timeout=args.kubelet_timeout,
         agent_timeout=getattr(args, "agent_timeout", 60.0), source=getattr(args, "source", None),
-        options=plan.Options(broker=broker, simulated_devices=getattr(args, "simulated_devices", "2x80GiB")),
+        options=plan.Options(broker=broker, simulated_devices=getattr(args, "simulated_devices", "2x80GiB"),
+                             mesh=mesh),
         say=lambda line: print(f"weft {args.command}: {line}", flush=True),
     )
+
+
+def _mesh(args: argparse.Namespace, broker: str) -> plan.Mesh:
+    """The mesh settings, with this node's TLS files (and a static peers file) read from where the flags name."""
+    if not args.node_name:
+        raise InstallError("--mesh-address needs --node-name (or WEFT_NODE_NAME); nothing was changed")
+    if not args.tls_source:
+        raise InstallError("--mesh-address needs --tls-source (or WEFT_TLS_SOURCE): the directory with ca.crt and "
+                           f"{args.node_name}.crt/.key; nothing was changed")
+    if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", args.node_name):
+        raise InstallError(f"--node-name {args.node_name!r} is not a Kubernetes node name; nothing was changed")
+    try:
+        parse_host_port(args.mesh_address, field="--mesh-address")
+    except ValueError as exc:
+        raise InstallError(f"{exc}; nothing was changed") from None
+    role = args.role if args.role != "auto" else ("gpu" if broker != "none" else "cpu")
+    peers = args.peers or "kubernetes"
+
+    def read(path: Path, what: str) -> bytes:
+        try:
+            return path.read_bytes()
+        except OSError as exc:
+            raise InstallError(f"{path}: cannot read {what} ({exc.strerror}); nothing was changed") from None
+
+    tls = Path(args.tls_source)
+    return plan.Mesh(
+        node_name=args.node_name, role=role, address=args.mesh_address, peers=peers,
+        ca_crt=read(tls / "ca.crt", "the mesh CA certificate"),
+        node_crt=read(tls / f"{args.node_name}.crt", "this node's mesh certificate"),
+        node_key=read(tls / f"{args.node_name}.key", "this node's mesh key"),
+        peers_file=None if peers == "kubernetes" else read(Path(peers), "the static peers file"))
 
 
 def _install(args: argparse.Namespace) -> int:
@@ -64,6 +101,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--broker", choices=("auto", *plan.BROKERS), default="auto",
                    help="GPU broker backend (auto: nvml when the host has /dev/nvidiactl, else no broker)")
     i.add_argument("--simulated-devices", default="2x80GiB", help="with --broker simulated")
+    m = i.add_argument_group("mesh", "the agent's peer mesh (off without --mesh-address); each flag defaults to "
+                             "the DaemonSet's environment variable")
+    m.add_argument("--node-name", default=os.environ.get("WEFT_NODE_NAME") or None,
+                   help="this node's name in the mesh and its certificate (WEFT_NODE_NAME)")
+    m.add_argument("--role", choices=("auto", *plan.MESH_ROLES), default=os.environ.get("WEFT_ROLE") or "auto",
+                   help="what this node offers (WEFT_ROLE; auto: gpu with a GPU broker, else cpu)")
+    m.add_argument("--mesh-address", default=os.environ.get("WEFT_MESH_ADDRESS") or None, metavar="HOST:PORT",
+                   help="where the agent's mesh listens (WEFT_MESH_ADDRESS)")
+    m.add_argument("--peers", default=os.environ.get("WEFT_PEERS") or None,
+                   help="'kubernetes' (default) or a static peers file to copy to /etc/weft/peers.toml (WEFT_PEERS)")
+    m.add_argument("--tls-source", type=Path, default=os.environ.get("WEFT_TLS_SOURCE") or None, metavar="DIR",
+                   help="ca.crt and <node>.crt/.key, copied to /etc/weft/mesh (keys 0600) (WEFT_TLS_SOURCE)")
     i.add_argument("--source", type=Path, help="copy this prepared weft tree to /opt/weft instead of bundling "
                    "the running Python and weft")
     i.set_defaults(fn=_install)

@@ -57,6 +57,13 @@ class Host:
     def exists(self, host_path: str) -> bool:
         return os.path.lexists(self.path(host_path))
 
+    def mode(self, host_path: str) -> int | None:
+        """Permission bits of a file, None if there is none."""
+        try:
+            return self.path(host_path).stat().st_mode & 0o7777
+        except (FileNotFoundError, NotADirectoryError):
+            return None
+
     def write(self, host_path: str, data: bytes, mode: int = 0o644, owner: tuple[int, int] | None = None) -> None:
         target = self.path(host_path)
         target.parent.mkdir(parents=True, exist_ok=True)

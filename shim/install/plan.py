@@ -8,7 +8,7 @@ convergent: a re-run after a crash writes the same bytes again.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from shim.install import containerd, kubelet
 from shim.install.containerd import HostFiles
@@ -25,12 +25,51 @@ UNIT_DIR = "/etc/systemd/system"
 AGENT_UNIT = "weft-agent.service"
 BROKER_UNIT = "weft-broker.service"
 BROKERS = ("nvml", "simulated", "none")
+CONFIG = "/etc/weft/weft.toml"
+MESH_TLS_DIR = "/etc/weft/mesh"
+PEERS_FILE = "/etc/weft/peers.toml"
+MESH_ROLES = ("gpu", "cpu", "both")
+
+
+@dataclass(frozen=True)
+class Mesh:
+    """This node's place in the mesh, and the files it needs (read by the caller: the plan stays pure)."""
+
+    node_name: str
+    role: str  # gpu | cpu | both
+    address: str  # HOST:PORT the agent's mesh listens on
+    peers: str  # "kubernetes", or the contents of a static peers file (peers_file)
+    ca_crt: bytes
+    node_crt: bytes
+    node_key: bytes
+    peers_file: bytes | None = None
+
+    def files(self) -> dict[str, bytes]:
+        out = {f"{MESH_TLS_DIR}/ca.crt": self.ca_crt, f"{MESH_TLS_DIR}/{self.node_name}.crt": self.node_crt,
+               f"{MESH_TLS_DIR}/{self.node_name}.key": self.node_key, CONFIG: self.config()}
+        if self.peers_file is not None:
+            out[PEERS_FILE] = self.peers_file
+        return out
+
+    def config(self) -> bytes:
+        peers = PEERS_FILE if self.peers_file is not None else self.peers
+        q = _toml_string
+        return (f"# Written by `weft install`; `weft uninstall` removes it.\n[mesh]\nnode_name = {q(self.node_name)}\n"
+                f"role = {q(self.role)}\naddress = {q(self.address)}\npeers = {q(peers)}\n"
+                f"tls_dir = {q(MESH_TLS_DIR)}\n").encode()
+
+
+def _toml_string(value: str) -> str:
+    import json
+
+    return json.dumps(value)  # a JSON string is a TOML basic string for the characters these hold
 
 
 @dataclass(frozen=True)
 class Options:
     broker: str = "none"  # nvml | simulated | none
     simulated_devices: str = "2x80GiB"
+    mesh: Mesh | None = None  # no mesh: the agent runs without one (CPU containers stay local)
 
 
 @dataclass(frozen=True)
@@ -40,15 +79,17 @@ class Plan:
     units: tuple[str, ...]  # weft's units, in start order
     containerd_socket: str
     kubelet_endpoint_was: str
+    modes: dict[str, int] = field(default_factory=dict)  # files weft adds with another mode than 0644
 
     def step_files(self, step: str) -> dict[str, bytes]:
-        prefix = {"units": (UNIT_DIR,), "containerd-config": ("/etc/containerd/",),
+        # The agent's configuration and mesh keys are written with its unit.
+        prefix = {"units": (UNIT_DIR, "/etc/weft/"), "containerd-config": ("/etc/containerd/",),
                   "kubelet-config": (kubelet.CONFIG_YAML, *kubelet.FLAG_FILES)}[step]
         return {p: c for p, c in {**self.modified, **self.added}.items() if p.startswith(prefix)}
 
 
-def agent_unit(containerd_socket: str, broker: bool) -> str:
-    extra = f" --broker-socket {BROKER_SOCKET}" if broker else ""
+def agent_unit(containerd_socket: str, broker: bool, config: bool = False) -> str:
+    extra = (f" --broker-socket {BROKER_SOCKET}" if broker else "") + (f" --config {CONFIG}" if config else "")
     after = f" {BROKER_UNIT}" if broker else ""
     return f"""# Written by `weft install`; `weft uninstall` removes it.
 [Unit]
@@ -91,15 +132,19 @@ def make(files: HostFiles, opts: Options) -> Plan:
     kub = kubelet.plan(files, ctr.socket, AGENT_SOCKET)
     broker = opts.broker != "none"
     added = {
-        f"{UNIT_DIR}/{AGENT_UNIT}": agent_unit(ctr.socket, broker).encode(),
+        f"{UNIT_DIR}/{AGENT_UNIT}": agent_unit(ctr.socket, broker, config=opts.mesh is not None).encode(),
         containerd.BASE_SPEC: ctr.base_spec,
         containerd.DROPIN: ctr.dropin,
     }
     if broker:
         added[f"{UNIT_DIR}/{BROKER_UNIT}"] = broker_unit(opts.broker, opts.simulated_devices).encode()
+    modes = {}
+    if opts.mesh is not None:
+        added.update(opts.mesh.files())
+        modes = {p: 0o600 for p in opts.mesh.files() if p.endswith(".key")}
     modified = dict(kub.files)
     original = files.read(containerd.CONFIG)
     if ctr.config != original:
         modified[containerd.CONFIG] = ctr.config
     return Plan(modified=modified, added=added, units=(BROKER_UNIT, AGENT_UNIT) if broker else (AGENT_UNIT,),
-                containerd_socket=ctr.socket, kubelet_endpoint_was=kub.endpoint_was)
+                containerd_socket=ctr.socket, kubelet_endpoint_was=kub.endpoint_was, modes=modes)

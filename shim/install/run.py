@@ -131,21 +131,23 @@ class _Installer:
     def _converged(self, plan: Plan, stamp: str) -> bool:
         want = {**plan.modified, **plan.added}
         return all(self.host.read(p) == c for p, c in want.items()) and \
+            all(self.host.mode(p) == m for p, m in plan.modes.items()) and \
             self.host.read(f"{OPT}/{bundle.MARKER}") == (stamp + "\n").encode()
 
-    def _write_all(self, wanted: dict[str, bytes], j: Journal) -> None:
+    def _write_all(self, wanted: dict[str, bytes], j: Journal, modes: dict[str, int]) -> None:
         for path, content in wanted.items():
-            if self.host.read(path) != content:
-                o = j.originals.get(path)
-                self.host.write(path, content, o.mode if o else 0o644, (o.uid, o.gid) if o else None)
-                self.say(f"wrote {path}")
+            o = j.originals.get(path)
+            mode = o.mode if o else modes.get(path, 0o644)
+            if self.host.read(path) != content or (path in modes and self.host.mode(path) != mode):
+                self.host.write(path, content, mode, (o.uid, o.gid) if o else None)
+                self.say(f"wrote {path}" + (f" (mode {mode:04o})" if path in modes else ""))
 
     def _install_step(self, step: str, plan: Plan, j: Journal, files: list, stamp: str) -> None:
         sv = self.s.services
         if step == "bundle":
             self._bundle(files, stamp)
         elif step in ("units", "containerd-config", "kubelet-config"):
-            self._write_all(plan.step_files(step), j)
+            self._write_all(plan.step_files(step), j, plan.modes)
         elif step == "containerd-restart":
             sv.systemctl("daemon-reload")
             sv.systemctl("restart", "containerd.service")

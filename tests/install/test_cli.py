@@ -221,3 +221,92 @@ def test_the_copied_weft_runs_on_its_own(tmp_path: Path) -> None:
                           capture_output=True, text=True, env={"PATH": "/bin"})
     assert hook.returncode == 0, hook.stderr
     assert sys.executable  # the test ran the copy, not this interpreter
+
+
+# -- the mesh settings (the DaemonSet's WEFT_* environment, as flags) ----------------------------------------
+@pytest.fixture
+def mesh_tls(tmp_path: Path) -> Path:
+    """What the weft-mesh-tls Secret holds, as `weft mesh-certs` writes it (its own CA: nothing is verified here)."""
+    tls = tmp_path / "secret"
+    tls.mkdir()
+    for name, data in (("ca.crt", b"CA"), ("cpu-7.crt", b"CERT cpu-7"), ("cpu-7.key", b"KEY cpu-7"),
+                       ("gpu-1.key", b"KEY gpu-1")):
+        (tls / name).write_bytes(data)
+    return tls
+
+
+def _mesh_flags(tls: Path, *extra: str) -> list[str]:
+    return ["--node-name", "cpu-7", "--mesh-address", "10.0.0.7:7443", "--tls-source", str(tls), *extra]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_mesh_settings_give_the_agent_its_config_and_only_this_nodes_keys_and_uninstall_removes_them(
+        shape: str, tmp_path: Path, source: Path, mesh_tls: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from shim import config
+
+    root = copy_shape(shape, tmp_path / "host")
+    before = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 0
+    unit = (root / "etc/systemd/system/weft-agent.service").read_text()
+    assert " --config /etc/weft/weft.toml" in unit.split("ExecStart=")[1].splitlines()[0]
+    mesh_dir = root / "etc/weft/mesh"
+    assert sorted(p.name for p in mesh_dir.iterdir()) == ["ca.crt", "cpu-7.crt", "cpu-7.key"]  # not gpu-1's key
+    assert (mesh_dir / "cpu-7.key").read_bytes() == b"KEY cpu-7"
+    assert (mesh_dir / "cpu-7.key").stat().st_mode & 0o777 == 0o600
+    assert (mesh_dir / "ca.crt").stat().st_mode & 0o777 == 0o644
+    cfg = config.load(root / "etc/weft/weft.toml")
+    assert (cfg.mesh.node_name, cfg.mesh.role, cfg.mesh.address, cfg.mesh.peers, cfg.mesh.tls_dir) == (
+        "cpu-7", "cpu", "10.0.0.7:7443", "kubernetes", "/etc/weft/mesh")
+
+    installed = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 0
+    assert "nothing changed" in capsys.readouterr().out and snapshot(root) == installed
+    # A key whose mode was loosened by hand is tightened again by a re-install.
+    (mesh_dir / "cpu-7.key").chmod(0o644)
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 0
+    assert (mesh_dir / "cpu-7.key").stat().st_mode & 0o777 == 0o600
+
+    assert main(["uninstall", "--root", str(root)]) == 0
+    assert snapshot(root) == before
+
+
+def test_mesh_flags_default_to_the_daemonsets_environment_and_a_static_peers_file_is_copied(
+        tmp_path: Path, source: Path, mesh_tls: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shim import config
+
+    peers = tmp_path / "peers.toml"
+    peers.write_text('[[peer]]\nname = "gpu-1"\naddress = "10.0.0.1:7443"\nrole = "gpu"\n')
+    for k, v in {"WEFT_NODE_NAME": "cpu-7", "WEFT_MESH_ADDRESS": "10.0.0.7:7443", "WEFT_PEERS": str(peers),
+                 "WEFT_TLS_SOURCE": str(mesh_tls), "WEFT_ROLE": "both"}.items():
+        monkeypatch.setenv(k, v)
+    root = copy_shape(SHAPES[0], tmp_path / "host")
+    before = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 0
+    cfg = config.load(root / "etc/weft/weft.toml")
+    assert (cfg.mesh.node_name, cfg.mesh.role, cfg.mesh.peers) == ("cpu-7", "both", "/etc/weft/peers.toml")
+    assert (root / "etc/weft/peers.toml").read_bytes() == peers.read_bytes()
+    assert main(["uninstall", "--root", str(root)]) == 0
+    assert snapshot(root) == before
+
+
+def test_without_a_mesh_address_no_mesh_files_are_written(tmp_path: Path, source: Path) -> None:
+    root = copy_shape(SHAPES[0], tmp_path / "host")
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 0
+    assert not (root / "etc/weft").exists()
+    assert "--config" not in (root / "etc/systemd/system/weft-agent.service").read_text()
+
+
+@pytest.mark.parametrize(("flags", "says"), [
+    pytest.param(["--node-name", "cpu-8"], "cpu-8.crt", id="no-certificate-for-this-node"),
+    pytest.param(["--node-name", "../etc"], "not a Kubernetes node name", id="node-name-is-not-a-path"),
+    pytest.param(["--mesh-address", "10.0.0.7"], "expected HOST:PORT", id="address-without-port"),
+    pytest.param(["--peers", "/nonexistent/peers.toml"], "static peers file", id="missing-peers-file"),
+])
+def test_bad_mesh_settings_are_refused_before_anything_changes(
+        flags: list[str], says: str, tmp_path: Path, source: Path, mesh_tls: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    root = copy_shape(SHAPES[0], tmp_path / "host")
+    before = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls), *flags]) == 2
+    assert says in capsys.readouterr().err
+    assert snapshot(root) == before

@@ -128,7 +128,7 @@ def test_daemonset_runs_the_installer_with_the_host_root_at_host_and_mounts_noth
     host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
     assert host_paths == {"host-root": "/"}
     (init,) = spec["initContainers"]
-    assert init["args"] == ["install", "--root", "/host", "--systemctl", "nsenter -t 1 -m -- systemctl"]
+    assert init["args"][:5] == ["install", "--root", "/host", "--systemctl", "nsenter -t 1 -m -- systemctl"]
     assert spec["hostPID"] is True  # nsenter -t 1 reaches the host's systemd
     assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["host-root"] == "/host"
     for c in spec["containers"]:
@@ -138,6 +138,23 @@ def test_daemonset_runs_the_installer_with_the_host_root_at_host_and_mounts_noth
     assert spec["hostNetwork"] is True  # the pod's IP is the node's, where the host agent's mesh listens
     for c in (init, *spec["containers"]):
         assert c["image"] == build.DEFAULT_NAME
+
+
+def test_daemonset_passes_its_mesh_environment_to_the_installer_as_flags_it_takes():
+    from shim.cli import parser
+
+    (init,) = _one("DaemonSet")["spec"]["template"]["spec"]["initContainers"]
+    env = {e["name"]: e.get("value", "<from the downward API>") for e in init["env"]}
+    flags = dict(zip(init["args"][5::2], init["args"][6::2], strict=True))
+    assert flags == {"--node-name": "$(WEFT_NODE_NAME)", "--mesh-address": "$(WEFT_MESH_ADDRESS)",
+                     "--peers": "$(WEFT_PEERS)", "--tls-source": "$(WEFT_TLS_SOURCE)", "--role": "$(WEFT_ROLE)"}
+    assert all(v[2:-1] in env for v in flags.values())  # kubelet expands only variables the container declares
+    assert env["WEFT_TLS_SOURCE"] == {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["mesh-tls"]
+    expanded = [env.get(a[2:-1], a) if a.startswith("$(") else a for a in init["args"]]
+    expanded = [a.replace("$(WEFT_NODE_IP)", "10.0.0.7") for a in expanded]
+    args = parser().parse_args([a if a != "<from the downward API>" else "cpu-7" for a in expanded])
+    assert (args.mesh_address, args.peers, args.role, str(args.tls_source)) == (
+        "10.0.0.7:7443", "kubernetes", "auto", "/etc/weft/mesh")
 
 
 def test_daemonset_lands_on_gpu_and_cpu_nodes():
