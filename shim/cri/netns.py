@@ -51,16 +51,23 @@ class Netns:
     def __init__(self, path: str, workers: int = 2) -> None:
         self.path = path
         self._ready = threading.Event()
-        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weft-netns",
-                                        initializer=_enter, initargs=(path,))
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weft-netns")
+        self._entered = threading.local()
         self._diag = None
         self._diag_lock = threading.Lock()
 
     def run(self, fn: Callable[..., T], *args: object) -> T:
-        try:
-            return self._pool.submit(fn, *args).result()
-        except RuntimeError as exc:  # a worker that could not enter the namespace breaks the pool
-            raise NetnsError(f"network namespace {self.path}: {exc}") from exc
+        """``fn(*args)`` in a thread inside the namespace; NetnsError when it cannot be entered."""
+        def inside() -> T:
+            if not getattr(self._entered, "yes", False):
+                try:
+                    _enter(self.path)
+                except OSError as exc:
+                    raise NetnsError(f"network namespace {self.path}: {exc}") from exc
+                self._entered.yes = True
+            return fn(*args)
+
+        return self._pool.submit(inside).result()
 
     def listen(self, host: str, port: int, backlog: int = 512) -> socket.socket:
         def make() -> socket.socket:
@@ -113,11 +120,13 @@ def sandbox_netns(call: Callable[[str, object, type], object], sandbox_id: str) 
         info = json.loads(resp.info.get("info", "{}"))
     except ValueError:
         info = {}
+    # The sandbox's process first: a bind mount under containerd's state directory may not be
+    # visible from the agent's mount namespace (an agent started by ``ip netns exec`` has its own).
+    if info.get("pid") and os.path.exists(f"/proc/{info['pid']}/ns/net"):
+        return f"/proc/{info['pid']}/ns/net"
     for ns in info.get("runtimeSpec", {}).get("linux", {}).get("namespaces", []):
         if ns.get("type") == "network" and ns.get("path"):
             return ns["path"]
-    if info.get("pid"):
-        return f"/proc/{info['pid']}/ns/net"
     raise NetnsError(f"sandbox {sandbox_id[:13]} has no network namespace that containerd tells")
 
 

@@ -1,0 +1,231 @@
+"""The stitched pod network on the three-node fabric: a rerouted container on localhost, both ways.
+
+One pod on ``gpu-1``: ``web`` (rerouted to a CPU host) serves HTTP on 8080 and
+checksums what it is sent on 7000; ``gpu`` (local) serves HTTP on 9090. With
+no configuration, each reaches the other on 127.0.0.1, a Service-like client
+reaches ``web`` at the pod IP, 1 GiB goes each way with its checksum intact,
+200 connections run at once, a port the local container holds already is
+reported and left alone, and a cut link ends a transfer with an error (not a
+hang) while new connections work once it is back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2 as cri
+
+from integration import pods
+from integration.fabric import Fabric3
+from integration.test_remote import PLACEMENT, cpu_container, create, run_pod, status
+from integration.waiting import wait_for
+from shim.cri.netns import Netns, sandbox_netns
+
+GIB = 1 << 30
+WEB = ("mkdir -p /www && echo {text} > /www/index.html && httpd -p {port} -h /www && "
+       "exec nc -ll -p 7000 -e sha256sum")
+
+
+@pytest.fixture(scope="module")
+def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    # Long fence and loss timeouts: the link flap below must not fence the shadow.
+    with Fabric3(tmp_path_factory.mktemp("stitch") / "fabric", fence_s=30.0, loss_s=60.0) as f:
+        sid, sandbox = run_pod(f)
+        web = create(f, sid, sandbox, cpu_container("web", ["sh", "-c", WEB.format(text="remote-ok", port=8080)],
+                                                    memory=256 << 20))
+        gpu = create(f, sid, sandbox, pods.container_config(
+            "gpu", ["sh", "-c", "mkdir -p /www && echo local-ok > /www/index.html && exec httpd -f -p 9090 -h /www"],
+            envs={"NVIDIA_VISIBLE_DEVICES": "all"}))
+        for cid in (web, gpu):
+            wait_for(lambda c=cid: status(f, c).state == cri.CONTAINER_RUNNING, what="running")
+        assert status(f, web).annotations[PLACEMENT].startswith("remote:")
+        ch, direct = f.direct("gpu-1")
+        with ch:
+            call = lambda path, req, typ: typ.FromString(  # noqa: E731
+                ch.unary_unary(path)(req.SerializeToString(), timeout=10))
+            netns = sandbox_netns(call, sid)
+            ip = direct.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=sid)).status.network.ip
+        ns = Netns(netns, workers=8)
+        try:
+            yield {"f": f, "sid": sid, "sandbox": sandbox, "web": web, "gpu": gpu, "ns": ns, "ip": ip,
+                   "host": status(f, web).annotations[PLACEMENT].removeprefix("remote:")}
+        finally:
+            ns.close()
+
+
+def _exec(f: Fabric3, cid: str, cmd: str, timeout: int = 30) -> cri.ExecSyncResponse:
+    ch, rt = f.runtime("gpu-1")
+    with ch:
+        return rt.ExecSync(cri.ExecSyncRequest(container_id=cid, cmd=["sh", "-c", cmd], timeout=timeout),
+                           timeout=timeout + 10)
+
+
+def _get(f: Fabric3, cid: str, port: int) -> bytes:
+    out = _exec(f, cid, f"wget -qO- http://127.0.0.1:{port}/")
+    return out.stdout if out.exit_code == 0 else b""
+
+
+def test_localhost_both_ways_and_the_pod_ip(pod) -> None:
+    f = pod["f"]
+    assert wait_for(lambda: _get(f, pod["gpu"], 8080) == b"remote-ok\n", timeout=20,
+                    what="the local container reaching the rerouted one on localhost")
+    assert wait_for(lambda: _get(f, pod["web"], 9090) == b"local-ok\n", timeout=20,
+                    what="the rerouted container reaching the local one on localhost")
+    # A Service's client: the pod IP, from outside the pod (the root namespace routes to every pod subnet).
+    with urllib.request.urlopen(f"http://{pod['ip']}:8080/", timeout=10) as resp:
+        assert resp.read() == b"remote-ok\n"
+
+
+def _connect(pod, port: int) -> socket.socket:
+    s = pod["ns"].connect("127.0.0.1", port, 10)
+    s.settimeout(60)
+    return s
+
+
+def _send_gib(sock: socket.socket, block: bytes) -> str:
+    h = hashlib.sha256()
+    for _ in range(GIB // len(block)):
+        sock.sendall(block)
+        h.update(block)
+    return h.hexdigest()
+
+
+def test_a_gib_each_way_with_its_checksum(pod) -> None:
+    f = pod["f"]
+    wait_for(lambda: _get(f, pod["gpu"], 8080) == b"remote-ok\n", timeout=20, what="stitched")
+    block = hashlib.sha256(b"weft").digest() * (1 << 15)  # 1 MiB, not all zeros
+    # Origin -> shadow: sha256sum in the rerouted container reads to our half-close and answers.
+    sock = _connect(pod, 7000)
+    sent = _send_gib(sock, block)
+    sock.shutdown(socket.SHUT_WR)
+    answer = b""
+    while chunk := sock.recv(4096):
+        answer += chunk
+    sock.close()
+    assert answer.split()[0].decode() == sent
+    # Shadow -> origin: a listener in the origin pod (as a local container's) is mirrored into the shadow.
+    server = pod["ns"].listen("127.0.0.1", 7100)
+    got: dict[str, object] = {}
+
+    def serve() -> None:
+        conn, _ = server.accept()
+        h, n = hashlib.sha256(), 0
+        while chunk := conn.recv(1 << 20):
+            h.update(chunk)
+            n += len(chunk)
+        got.update(sha=h.hexdigest(), n=n)
+        conn.close()
+
+    t = threading.Thread(target=serve)
+    t.start()
+    try:
+        out = wait_for(lambda: (r := _exec(f, pod["web"], "dd if=/dev/zero bs=1048576 count=1024 2>/dev/null | "
+                                           "nc 127.0.0.1 7100 && echo sent", timeout=120)).stdout == b"sent\n" and r,
+                       timeout=30, what="the shadow reaching the origin's listener")
+        assert out
+        t.join(60)
+        assert got == {"sha": hashlib.sha256(bytes(GIB)).hexdigest(), "n": GIB}
+    finally:
+        server.close()
+
+
+def test_two_hundred_connections_at_once(pod) -> None:
+    wait_for(lambda: _get(pod["f"], pod["gpu"], 8080) == b"remote-ok\n", timeout=20, what="stitched")
+
+    def one(_: int) -> bytes:
+        s = _connect(pod, 8080)
+        try:
+            s.sendall(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+            data = b""
+            while chunk := s.recv(65536):
+                data += chunk
+            return data
+        finally:
+            s.close()
+
+    socks = [_connect(pod, 8080) for _ in range(200)]  # all open at once
+    for s in socks:
+        s.sendall(b"GET / HTTP/1.0\r\nHost: x\r\n\r\n")
+    answers = []
+    for s in socks:
+        data = b""
+        while chunk := s.recv(65536):
+            data += chunk
+        answers.append(data)
+        s.close()
+    assert all(a.endswith(b"remote-ok\n") for a in answers), {a[:40] for a in answers}
+    with ThreadPoolExecutor(50) as pool:
+        assert all(a.endswith(b"remote-ok\n") for a in pool.map(one, range(200)))
+
+
+def test_refused_and_reset_behave_as_direct(pod) -> None:
+    # Nothing listens on 7300 in the pod: refused at once, as on a direct connection.
+    with pytest.raises(ConnectionRefusedError):
+        pod["ns"].connect("127.0.0.1", 7300, 5)
+    # A client that resets mid-request: the next one is served as usual.
+    s = _connect(pod, 8080)
+    s.sendall(b"GET / HTTP/1.0\r\n")
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+    s.close()
+    assert _get(pod["f"], pod["gpu"], 8080) == b"remote-ok\n"
+
+
+def test_a_port_the_local_container_holds_is_reported_not_taken(pod) -> None:
+    f = pod["f"]
+    # A second rerouted container that also serves 9090, which the local container holds.
+    clash = create(f, pod["sid"], pod["sandbox"], cpu_container(
+        "clash", ["sh", "-c", "mkdir -p /www && echo clash > /www/index.html && exec httpd -f -p 9090 -h /www"]))
+    wait_for(lambda: status(f, clash).state == cri.CONTAINER_RUNNING, what="clash running")
+    events = wait_for(lambda: [e for e in f.agents["gpu-1"].events() if e.get("event") == "stitch.port_collision"
+                               and e.get("port") == 9090 and e.get("container") == "clash"],
+                      timeout=20, what="the collision logged")
+    assert "httpd" in events[0]["holder"] and events[0]["side"] == "origin"
+    assert _get(f, pod["gpu"], 9090) == b"local-ok\n"  # the local one keeps its port
+    ch, rt = f.runtime("gpu-1")
+    with ch:
+        rt.StopContainer(cri.StopContainerRequest(container_id=clash, timeout=0))
+        rt.RemoveContainer(cri.RemoveContainerRequest(container_id=clash))
+
+
+def test_a_link_flap_mid_transfer_is_an_error_then_new_connections_work(pod) -> None:
+    f = pod["f"]
+    wait_for(lambda: _get(f, pod["gpu"], 8080) == b"remote-ok\n", timeout=20, what="stitched")
+    i = [n.name for n in f.cluster.nodes].index(pod["host"])
+    sock = _connect(pod, 7000)
+    sock.settimeout(30)
+    block = bytes(1 << 20)
+    for _ in range(16):
+        sock.sendall(block)
+    f.cluster.cut(i)
+    started = time.monotonic()
+    try:
+        with pytest.raises(OSError):
+            while time.monotonic() - started < 60:
+                sock.sendall(block)
+        assert time.monotonic() - started < 30, "the error came late"
+    finally:
+        sock.close()
+        f.cluster.heal(i)
+    f.wait_meshed()
+    assert wait_for(lambda: _get(f, pod["gpu"], 8080) == b"remote-ok\n", timeout=30,
+                    what="a new connection after the flap")
+
+
+def test_nothing_leaks_on_the_origin(pod) -> None:
+    f = pod["f"]
+    time.sleep(1)
+    with contextlib.suppress(grpc.RpcError):
+        f.status("gpu-1")
+    own = set(pod["ns"].listening())
+    # Every pipe of the tests above is closed: the origin agent holds no socket beyond its baseline.
+    # Mirrors: 8080 and 7000 (the shadow's), 9090 the local container's; no stray listener.
+    assert {8080, 7000, 9090} <= own and own <= {8080, 7000, 9090, 80}
