@@ -338,5 +338,6 @@ def _data_path(prepare_log: list[str], placement: str) -> str:
     if prepare_log and all("via localhost" in ln for ln in prepare_log if "sent batch" in ln):
         return (f"localhost:{PORT}: the stitched pod network carried the batches from the CPU stage's node "
                 "to the GPU stage")
-    return (f"pod IP: 127.0.0.1:{PORT} did not reach the GPU stage from the CPU stage's node (no stitched pod "
-            "network on this build), so the batches went to the GPU stage's pod IP over the flat pod network")
+    return (f"pod IP: 127.0.0.1:{PORT} did not reach the GPU stage from the CPU stage's node (no stitched "
+            f"listener for port {PORT} in its shadow sandbox), so the batches went to the GPU stage's pod IP over "
+            "the flat pod network")
