@@ -87,6 +87,17 @@ class Kubelet:
         with ch:
             return getattr(rt, method)(request, timeout=timeout)
 
+    def retry(self, method: str, request, timeout: float = 10.0):
+        """As kubelet does: a call that met UNAVAILABLE (a daemon just back) is tried again after a backoff."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                return self.call(method, request)
+            except grpc.RpcError as exc:
+                if exc.code() is not grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+                time.sleep(0.3)
+
     def run_pod(self, name: str, annotations: dict[str, str] | None = None) -> str:
         node = self.f.node(ORIGIN)
         cfg = pods.sandbox_config(name, node.containerd.pod_log_dir, cgroup_parent=node.containerd.cgroup_root,
