@@ -173,6 +173,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         return mesh.main(as_json=args.json, starts=3 if args.quick else args.starts,
                          samples=50 if args.quick else args.samples, output=args.output)
+    if args.what == "network":
+        from bench import network
+
+        return network.main(as_json=args.json, gib=0.25 if args.quick else 1.0,
+                            samples=1000 if args.quick else 3000, output=args.output)
     if args.what == "e2e":
         from bench import e2e
 
@@ -265,7 +270,7 @@ def parser() -> argparse.ArgumentParser:
     d.set_defaults(fn=_demo)
 
     b = sub.add_parser("bench", help="benchmarks that compare side by side in one run")
-    b.add_argument("what", choices=("proxy", "hook", "broker", "packing", "mesh", "e2e"))
+    b.add_argument("what", choices=("proxy", "hook", "broker", "packing", "mesh", "e2e", "network"))
     b.add_argument("--json", action="store_true", help="print machine-readable figures")
     b.add_argument("--pods", type=int, default=50, help="running pods during the list and load phases")
     b.add_argument("--samples", type=int, default=2000, help="calls per method and path for latency")

@@ -168,7 +168,7 @@ class TlsEnd(SocketEnd):
                     pass
                 except ssl.SSLZeroReturnError:
                     return 0
-                except ssl.SSLEOFError:  # the socket's EOF after all its records: no close_notify is sent
+                except ssl.SSLError:  # the socket's EOF after all its records: no close_notify is sent
                     if self._eof:
                         return 0
                     raise
@@ -284,6 +284,7 @@ def contexts(tls_dir: str | Path, node: str) -> tuple[ssl.SSLContext, ssl.SSLCon
     client.load_verify_locations(ca)
     for ctx in (server, client):
         ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+        ctx.options |= getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)  # EOF ends a stream (see TlsEnd)
     return server, client
 
 

@@ -1,0 +1,223 @@
+"""``weft bench network``: issue 5's figures for the stitched pod network and the exec relay.
+
+One :class:`integration.fabric.Fabric3`; one opted-in pod on ``gpu-1`` whose
+CPU container is rerouted to a host. The bench's own servers (a sink and an
+echo, Python, 1 MiB buffers) listen in the *shadow* sandbox's network
+namespace; its clients run in the *origin* sandbox's. So the two paths
+compared, in one run and interleaved, join the same two namespaces:
+
+- **direct**: the shadow's pod IP, across the nodes' flat pod network (the
+  kernel only);
+- **stitched**: 127.0.0.1 in the origin pod, the origin agent's mirror
+  listener, a plain tunnel to the host agent, 127.0.0.1 in the shadow.
+
+Figures: throughput (``--gib`` GiB per round, 3 rounds each, the median),
+request/response latency (one byte each way on an open connection, p50 and
+p99, and what the stitch adds), the CPU seconds each agent spent per GiB
+(where the time goes), and the exec round trip: one character typed into
+``sh`` through a TTY until its echo comes back, on the rerouted container
+against a local one, over the WebSocket streaming protocol.
+
+It is a measurement, not a test: a missed target is printed, and the exit
+code says only whether the run worked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from cri_api.v1 import api_pb2 as cri
+
+from integration import pods
+from integration.fabric import Fabric3
+from integration.streams import ChannelStream
+from integration.test_remote import PLACEMENT, cpu_container, create, run_pod, status
+from integration.waiting import wait_for
+from shim.cri.netns import Netns, sandbox_netns
+
+SINK_PORT, ECHO_PORT = 7500, 7501
+BUF = 1 << 20
+TARGETS = {"throughput_ratio": 0.5, "throughput_ratio_stretch": 0.9, "added_p50_ms": 0.3, "exec_ratio": 1.5}
+
+
+def _say(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _serve(listener: socket.socket, handler) -> None:
+    while True:
+        try:
+            conn, _ = listener.accept()
+        except OSError:
+            return
+        threading.Thread(target=handler, args=(conn,), daemon=True).start()
+
+
+def _sink(conn: socket.socket) -> None:
+    buf = bytearray(BUF)
+    with conn:
+        while conn.recv_into(buf):
+            pass
+        conn.sendall(b"k")
+
+
+def _echo(conn: socket.socket) -> None:
+    conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    with conn:
+        while data := conn.recv(65536):
+            conn.sendall(data)
+
+
+def _throughput(ns: Netns, host: str, nbytes: int) -> float:
+    s = ns.connect(host, SINK_PORT, 10)
+    block = memoryview(bytes(BUF))
+    t0 = time.perf_counter()
+    sent = 0
+    while sent < nbytes:
+        s.sendall(block)
+        sent += BUF
+    s.shutdown(socket.SHUT_WR)
+    assert s.recv(1) == b"k"
+    elapsed = time.perf_counter() - t0
+    s.close()
+    return nbytes / elapsed / 1e9
+
+
+def _rr(ns: Netns, host: str, samples: int) -> list[float]:
+    s = ns.connect(host, ECHO_PORT, 10)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    out = []
+    for _ in range(samples):
+        t0 = time.perf_counter_ns()
+        s.sendall(b"x")
+        s.recv(1)
+        out.append((time.perf_counter_ns() - t0) / 1e6)
+    s.close()
+    return out
+
+
+def _pct(values: list[float], q: float) -> float:
+    v = sorted(values)
+    return v[min(len(v) - 1, int(q * len(v)))]
+
+
+def _cpu(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def _exec_rtt(f: Fabric3, cid: str, samples: int) -> list[float]:
+    ch, rt = f.runtime("gpu-1")
+    with ch:
+        url = rt.Exec(cri.ExecRequest(container_id=cid, cmd=["sh"], tty=True, stdin=True, stdout=True)).url
+    s = ChannelStream(url, str(f.node("gpu-1").containerd.netns_path))
+    try:
+        s.send(0, b"stty -echo 2>/dev/null; stty echo; echo ready\n")
+        s.read_until(1, b"ready\r\n")
+        out = []
+        for i in range(samples):
+            ch_ = b"abcdefghij"[i % 10:i % 10 + 1]
+            s.out[1] = b""
+            t0 = time.perf_counter_ns()
+            s.send(0, ch_)
+            s.read_until(1, ch_)
+            out.append((time.perf_counter_ns() - t0) / 1e6)
+        s.send(0, b"\x03exit\n")
+    finally:
+        s.close()
+    return out
+
+
+def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path | None = None) -> int:
+    nbytes = int(gib * (1 << 30)) // BUF * BUF
+    with tempfile.TemporaryDirectory(prefix="weft-bench-network-") as tmp, \
+            Fabric3(Path(tmp) / "fabric", fence_s=30.0, loss_s=60.0) as f:
+        _say("fabric up; starting the pod")
+        sid, sandbox = run_pod(f, "bench")
+        remote = create(f, sid, sandbox, cpu_container("cpu", ["sleep", "3600"], memory=128 << 20))
+        local = create(f, sid, sandbox, pods.container_config("gpu", ["sleep", "3600"],
+                                                            envs={"NVIDIA_VISIBLE_DEVICES": "all"}))
+        for cid in (remote, local):
+            wait_for(lambda c=cid: status(f, c).state == cri.CONTAINER_RUNNING, what="running")
+        host = status(f, remote).annotations[PLACEMENT].removeprefix("remote:")
+
+        def netns_of(node: str, sandbox_id: str) -> str:
+            ch, _ = f.direct(node)
+            with ch:
+                return sandbox_netns(lambda p, r, t: t.FromString(ch.unary_unary(p)(r.SerializeToString(),
+                                                                                    timeout=10)), sandbox_id)
+
+        shadow_sid = f.shadows(host)[0].pod_sandbox_id
+        ch, rt = f.direct(host)
+        with ch:
+            shadow_ip = rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=shadow_sid)).status.network.ip
+        shadow_ns, origin_ns = Netns(netns_of(host, shadow_sid)), Netns(netns_of("gpu-1", sid), workers=1)
+        listeners = [shadow_ns.listen("0.0.0.0", SINK_PORT), shadow_ns.listen("0.0.0.0", ECHO_PORT)]
+        for lst, handler in zip(listeners, (_sink, _echo), strict=True):
+            threading.Thread(target=_serve, args=(lst, handler), daemon=True).start()
+        wait_for(lambda: {SINK_PORT, ECHO_PORT} <= set(origin_ns.listening()), timeout=20,
+                 what="the shadow's ports mirrored into the origin pod")
+        paths = {"direct": shadow_ip, "stitched": "127.0.0.1"}
+        agents = {"origin": f.agents["gpu-1"].pid, "host": f.agents[host].pid}
+
+        _say(f"throughput: {3 * len(paths)} rounds of {nbytes / (1 << 30):.2f} GiB")
+        tput: dict[str, list[float]] = {p: [] for p in paths}
+        cpu = {a: 0.0 for a in agents}
+        _throughput(origin_ns, paths["stitched"], 64 * BUF)  # warm up
+        for _ in range(3):
+            for name, addr in paths.items():
+                before = {a: _cpu(pid) for a, pid in agents.items()}
+                tput[name].append(_throughput(origin_ns, addr, nbytes))
+                if name == "stitched":
+                    for a, pid in agents.items():
+                        cpu[a] += _cpu(pid) - before[a]
+        _say(f"request/response: {samples} round trips per path, interleaved in blocks of 500")
+        rr: dict[str, list[float]] = {p: [] for p in paths}
+        for _ in range(max(1, samples // 500)):
+            for name, addr in paths.items():
+                rr[name] += _rr(origin_ns, addr, 500)
+        _say("exec round trip through a TTY: rerouted and local, 200 keystrokes each, twice")
+        ex: dict[str, list[float]] = {"remote": [], "local": []}
+        for _ in range(2):
+            ex["remote"] += _exec_rtt(f, remote, 200)
+            ex["local"] += _exec_rtt(f, local, 200)
+        for lst in listeners:
+            lst.close()
+        shadow_ns.close()
+        origin_ns.close()
+
+    med = {p: statistics.median(v) for p, v in tput.items()}
+    figures = {
+        "throughput_gbytes_s": {p: round(v, 3) for p, v in med.items()},
+        "throughput_ratio": round(med["stitched"] / med["direct"], 3),
+        "rr_ms": {p: {"p50": round(_pct(v, 0.5), 4), "p99": round(_pct(v, 0.99), 4)} for p, v in rr.items()},
+        "added_p50_ms": round(_pct(rr["stitched"], 0.5) - _pct(rr["direct"], 0.5), 4),
+        "added_p99_ms": round(_pct(rr["stitched"], 0.99) - _pct(rr["direct"], 0.99), 4),
+        "agent_cpu_s_per_gib": {a: round(v / (3 * nbytes / (1 << 30)), 3) for a, v in cpu.items()},
+        "exec_rtt_ms": {k: {"p50": round(_pct(v, 0.5), 3), "p99": round(_pct(v, 0.99), 3)} for k, v in ex.items()},
+        "exec_ratio": round(_pct(ex["remote"], 0.5) / _pct(ex["local"], 0.5), 3),
+        "targets": TARGETS,
+    }
+    text = json.dumps(figures, indent=2)
+    if output is not None:
+        output.write_text(text + "\n")
+    if as_json:
+        print(text)
+    else:
+        print(f"throughput: direct {med['direct']:.2f} GB/s, stitched {med['stitched']:.2f} GB/s "
+              f"({figures['throughput_ratio']:.0%} of direct; target >= 50%, stretch >= 90%)")
+        print(f"request/response p50: direct {figures['rr_ms']['direct']['p50']:.3f} ms, stitched "
+              f"{figures['rr_ms']['stitched']['p50']:.3f} ms, added {figures['added_p50_ms']:.3f} ms (target <= 0.3); "
+              f"p99 added {figures['added_p99_ms']:.3f} ms")
+        print(f"agent CPU per GiB stitched: {figures['agent_cpu_s_per_gib']}")
+        print(f"exec echo through a TTY p50: rerouted {figures['exec_rtt_ms']['remote']['p50']:.2f} ms, local "
+              f"{figures['exec_rtt_ms']['local']['p50']:.2f} ms ({figures['exec_ratio']:.2f}x; target <= 1.5x)")
+    return 0
