@@ -392,6 +392,12 @@ def add_loss(f: Fabric3, name: str, percent: int) -> str:
     return f"iptables statistic (tc netem unavailable: {first.stderr.strip()})"
 
 
+def dropped(f: Fabric3, name: str) -> int:
+    """Packets the iptables loss rules on node ``name`` dropped so far (0 with netem or no rules)."""
+    out = f.node(name).run("iptables", "-L", "-v", "-n", "-x", check=False).stdout
+    return sum(int(line.split()[0]) for line in out.splitlines() if LOSS_MARK in line)
+
+
 def clear_loss(f: Fabric3, name: str) -> None:
     assert f.cluster is not None
     node = f.node(name)
