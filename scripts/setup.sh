@@ -14,7 +14,7 @@ if [ "$(id -u)" -ne 0 ]; then
 fi
 
 APT_PACKAGES=(containerd runc containernetworking-plugins busybox-static iproute2 iptables util-linux
-              docker-registry skopeo apache2-utils prometheus
+              docker-registry skopeo apache2-utils prometheus faketime
               python3 python3-venv python3-pip)
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
