@@ -30,9 +30,11 @@ code says only whether the run worked (:mod:`bench.running`).
 
 from __future__ import annotations
 
+import datetime
 import gc
 import json
 import os
+import platform
 import shutil
 import statistics
 import sys
@@ -300,6 +302,7 @@ def loss_replacement(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, pod: Pod,
 
 # -- the run -----------------------------------------------------------------------
 def _measure(starts: int, samples: int, workdir: Path) -> dict:
+    load_before = [round(x, 2) for x in os.getloadavg()]
     fabric = open_fabric(workdir / "fabric")
     try:
         _say(f"fabric up (fence {fabric.fence_s:g} s, loss {fabric.loss_s:g} s)")
@@ -320,7 +323,7 @@ def _measure(starts: int, samples: int, workdir: Path) -> dict:
             # In the cold pod: a pod's replacement lands on a host that has no shadow sandbox for it yet.
             loss = loss_replacement(fabric, rt, pair.cold, attempt + 1)
         return {"start": start, "status": status, "loss": loss, "containerd": version.runtime_version,
-                "fabric": fabric_facts(fabric)}
+                "fabric": fabric_facts(fabric), "load_before": load_before}
     finally:
         fabric.close()
 
@@ -336,8 +339,10 @@ def _figures(raw: dict, starts: int, samples: int) -> dict:
                "replaced_s": loss["replaced_s"] <= LIMITS["replaced_s"]
                and loss["replacement_placement"].startswith(REMOTE)}
     targets["all"] = all(targets.values())
-    environment = {"starts": starts, "samples": samples, "cpu_count": os.cpu_count(),
-                   "containerd_version": raw["containerd"], "python": sys.version.split()[0], **raw["fabric"]}
+    environment = {"starts": starts, "samples": samples, "cpu_count": os.cpu_count(), "kernel": platform.release(),
+                   "containerd_version": raw["containerd"], "python": sys.version.split()[0],
+                   "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC"),
+                   "load_average_before": raw["load_before"], **raw["fabric"]}
     return {"start": start, "status": status, "loss": loss, "targets": targets, "limits": LIMITS,
             "environment": environment}
 
