@@ -24,7 +24,8 @@ What the origin sees of its shadows afterwards (the contract it relies on):
   and a heartbeat. A failure to read containerd ends the stream with its
   status; the origin watches again.
 - ``call``: ExecSync, ContainerStats, UpdateContainerResources,
-  StopContainer, ReopenContainerLog; any other method is PERMISSION_DENIED,
+  StopContainer, ReopenContainerLog, and Exec/Attach (whose URL the origin
+  may then tunnel to once, ``shadow_tunnel``); any other method is PERMISSION_DENIED,
   an unknown key NOT_FOUND, a malformed request INVALID_ARGUMENT, and
   containerd's own status comes back unchanged. Responses are containerd's,
   so they name the shadow (ContainerStats' attributes: its id, labels and
@@ -137,6 +138,21 @@ def _unsafe(sandbox: cri.PodSandboxConfig, config: cri.ContainerConfig) -> str:
     if config.log_path.startswith("/") or ".." in PurePosixPath(config.log_path).parts or "\0" in config.log_path:
         return f"a log path outside the pod's log directory ({config.log_path})"
     return ""
+
+
+def sandbox_to_use(existing: Iterable[cri.PodSandbox]) -> tuple[str | None, int]:
+    """A ready shadow sandbox of the pod to reuse, else None and the attempt a new one must take.
+
+    A sandbox that is no longer ready (its host rebooted, its pause process
+    was killed) keeps its name reserved in containerd until it is removed,
+    which happens with its last shadow; a new one with the same metadata would
+    be refused, so it is the next attempt, as kubelet makes one.
+    """
+    existing = list(existing)
+    ready = [s for s in existing if s.state == cri.SANDBOX_READY]
+    if ready:
+        return ready[0].id, ready[0].metadata.attempt
+    return None, max((s.metadata.attempt + 1 for s in existing), default=0)
 
 
 def orphans(shadows: Iterable[cri.Container], keys: Iterable[str]) -> list[cri.Container]:
@@ -389,9 +405,10 @@ class ShadowHost:
         return shadow
 
     def _sandbox(self, shadow: cri.PodSandboxConfig, origin_labels: dict[str, str]) -> str:
-        found = [s for s in self._find(origin_labels, containers=False) if s.state == cri.SANDBOX_READY]
-        if found:
-            return found[0].id
+        """The pod's ready shadow sandbox, or a new one (``shadow``'s attempt set to follow any dead one)."""
+        ready, shadow.metadata.attempt = sandbox_to_use(self._find(origin_labels, containers=False))
+        if ready:
+            return ready
         return self._call(_RT + "RunPodSandbox", cri.RunPodSandboxRequest(config=shadow),
                           cri.RunPodSandboxResponse).pod_sandbox_id
 
