@@ -140,8 +140,9 @@ def _unsafe(sandbox: cri.PodSandboxConfig, config: cri.ContainerConfig) -> str:
     return ""
 
 
-def sandbox_to_use(existing: Iterable[cri.PodSandbox]) -> tuple[str | None, int]:
-    """A ready shadow sandbox of the pod to reuse, else None and the attempt a new one must take.
+def sandbox_to_use(existing: Iterable[cri.PodSandbox], attempt: int) -> tuple[str | None, int]:
+    """A ready shadow sandbox of the pod to reuse, else None and the attempt a new one takes (``attempt``, the
+    origin's, unless a dead one holds it).
 
     A sandbox that is no longer ready (its host rebooted, its pause process
     was killed) keeps its name reserved in containerd until it is removed,
@@ -152,7 +153,7 @@ def sandbox_to_use(existing: Iterable[cri.PodSandbox]) -> tuple[str | None, int]
     ready = [s for s in existing if s.state == cri.SANDBOX_READY]
     if ready:
         return ready[0].id, ready[0].metadata.attempt
-    return None, max((s.metadata.attempt + 1 for s in existing), default=0)
+    return None, max([attempt, *(s.metadata.attempt + 1 for s in existing)])
 
 
 def orphans(shadows: Iterable[cri.Container], keys: Iterable[str]) -> list[cri.Container]:
@@ -406,7 +407,8 @@ class ShadowHost:
 
     def _sandbox(self, shadow: cri.PodSandboxConfig, origin_labels: dict[str, str]) -> str:
         """The pod's ready shadow sandbox, or a new one (``shadow``'s attempt set to follow any dead one)."""
-        ready, shadow.metadata.attempt = sandbox_to_use(self._find(origin_labels, containers=False))
+        ready, shadow.metadata.attempt = sandbox_to_use(self._find(origin_labels, containers=False),
+                                                        shadow.metadata.attempt)
         if ready:
             return ready
         return self._call(_RT + "RunPodSandbox", cri.RunPodSandboxRequest(config=shadow),

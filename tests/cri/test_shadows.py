@@ -3,7 +3,7 @@
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.shadows import KEY_LABEL, _label, _unsafe, heartbeat_s, orphans
+from shim.cri.shadows import KEY_LABEL, _label, _unsafe, heartbeat_s, orphans, sandbox_to_use
 
 
 def _shadow(cid: str, key: str) -> cri.Container:
@@ -36,3 +36,22 @@ def test_the_watch_interval_is_what_the_origin_asked_within_bounds(asked: float,
     ("a/../../x", True)], ids=["kubelet-style", "flat", "dotdot", "absolute", "dotdot-inside"])
 def test_a_log_path_may_not_leave_the_pods_log_directory(log_path: str, refused: bool) -> None:
     assert bool(_unsafe(cri.PodSandboxConfig(), cri.ContainerConfig(log_path=log_path))) is refused
+
+
+def _sandbox(sid: str, state: int, attempt: int = 0) -> cri.PodSandbox:
+    return cri.PodSandbox(id=sid, state=state, metadata=cri.PodSandboxMetadata(name="p", attempt=attempt))
+
+
+@pytest.mark.parametrize(("existing", "asked", "expected"), [
+    ([], 0, (None, 0)),
+    ([], 2, (None, 2)),
+    ([_sandbox("a", cri.SANDBOX_READY)], 0, ("a", 0)),
+    ([_sandbox("dead", cri.SANDBOX_NOTREADY), _sandbox("a", cri.SANDBOX_READY, 1)], 0, ("a", 1)),
+    ([_sandbox("dead", cri.SANDBOX_NOTREADY)], 0, (None, 1)),
+    ([_sandbox("d0", cri.SANDBOX_NOTREADY), _sandbox("d3", cri.SANDBOX_NOTREADY, 3)], 1, (None, 4)),
+    ([_sandbox("dead", cri.SANDBOX_NOTREADY)], 5, (None, 5)),
+], ids=["none-yet", "none-yet-origin-attempt", "ready-reused", "ready-beside-a-dead-one",
+        "dead-one-takes-the-next-attempt", "after-the-highest-dead-attempt", "origin-attempt-already-higher"])
+def test_a_dead_shadow_sandbox_is_not_reused_and_its_name_not_asked_for_again(existing, asked, expected) -> None:
+    # After a host reboot the pod's shadow sandbox is NOTREADY and its name stays reserved until removed.
+    assert sandbox_to_use(existing, asked) == expected
