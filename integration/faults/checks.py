@@ -349,6 +349,12 @@ class LiveCopies:
                                        f"{running[key]} still runs it")
 
 
+def explain(f: Fabric3, cid: str) -> str:
+    """``weft explain`` of a container on the origin (for failure messages)."""
+    with f.agents[ORIGIN].channel() as ch:
+        return ch.unary_unary("/weft.agent.v1.Admin/Explain")(cid.encode(), timeout=10).decode()
+
+
 # -- faults and repair --------------------------------------------------------------------------
 def restart_agent(f: Fabric3, name: str, env: dict[str, str] | None = None, sig: int = 9) -> None:
     agent = f.agents[name]
@@ -410,30 +416,35 @@ def clear_loss(f: Fabric3, name: str) -> None:
             pass
 
 
-def reboot_host(f: Fabric3, name: str, *, down_s: float = 0.0) -> None:
-    """A host rebooted: agent, containerd, shims and containers killed, its network namespace torn down.
+def power_off(f: Fabric3, name: str) -> None:
+    """A host goes down hard: agent, containerd, shims and containers killed, its network namespace torn down.
 
     What a reboot keeps is kept: containerd's root (its metadata: the
-    shadows are there, exited) and the agent's state directory. After
-    ``down_s`` seconds the namespace is rebuilt and re-attached to the mesh
-    bridge, and containerd and the agent start again.
+    shadows are there, and read as exited once it is back) and the agent's
+    state directory.
     """
     assert f.cluster is not None
-    i = node_index(f, name)
-    node = f.node(name)
-    ctrd = node.containerd
+    ctrd = f.node(name).containerd
     f.agents[name].stop(9)
-    f.cluster.kill_node(i)
-    ctrd._kill_leftovers()  # the shims and every container process: power off
+    f.cluster.kill_node(node_index(f, name))
+    ctrd._kill_leftovers()  # the shims and every container process
     subprocess.run(["ip", "netns", "delete", ctrd.netns], capture_output=True, check=False)
-    time.sleep(down_s)
-    ctrd._make_netns()
+    # The kernel tears a namespace down in the background; its end of the link goes with it.
+    veth = Path(f"/sys/class/net/{f.cluster.veth(node_index(f, name))}")
+    wait_for(lambda: not veth.exists(), what=f"{name}'s namespace and link gone")
+
+
+def power_on(f: Fabric3, name: str) -> None:
+    """The host boots: a new namespace attached to the mesh bridge, routes, containerd, then the agent."""
+    assert f.cluster is not None
+    node = f.node(name)
+    node.containerd._make_netns()
     f.cluster._attach(node)
     for peer in f.cluster.nodes:
         if peer is not node:
             subprocess.run(["ip", "-n", node.netns, "route", "replace", peer.pod_subnet, "via", peer.mesh_ip],
                            capture_output=True, check=True)
-    ctrd.start()
+    node.containerd.start()
     f.agents[name].start()
 
 
