@@ -123,3 +123,19 @@ def test_bad_config_names_the_field(tmp_path: Path) -> None:
     assert res.returncode == 2
     assert "agent.log_level" in res.stderr and "chatty" in res.stderr
     assert not (tmp_path / "a.sock").exists()
+
+
+def test_client_pings_after_answers_weft_gave_do_not_make_containerd_hang_up(containerd: Containerd,
+                                                                              tmp_path: Path) -> None:
+    """gRPC clients send a bandwidth-probe PING after each answer; after calls weft answered itself,
+    containerd would count those as pings without data and end the connection (too_many_pings)."""
+    with AgentProcess(containerd, tmp_path / "agent") as agent, agent.channel() as ch:
+        status = ch.unary_unary("/weft.agent.v1.Admin/Status")
+        version = ch.unary_unary("/runtime.v1.RuntimeService/Version")
+        version(cri.VersionRequest().SerializeToString(), timeout=5)
+        for _ in range(40):
+            status(b"", timeout=5)
+            time.sleep(0.05)
+        version(cri.VersionRequest().SerializeToString(), timeout=5)
+        events = [e.get("event") for e in agent.events()]
+    assert "upstream.unavailable" not in events, events

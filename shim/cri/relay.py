@@ -342,10 +342,15 @@ class _Connection:
                     return
             if self.up_w is not None:
                 up.append(raw)
+        elif ftype == h2.PING and not flags & h2.FLAG_ACK:
+            # kubelet's pings (keepalive, and gRPC's bandwidth probes after each answer) are answered here:
+            # forwarded, those after calls weft answered itself would count against containerd's ping
+            # policy (no data of its own went out), and it would end the connection with GOAWAY
+            # "too_many_pings", failing the calls in flight on it.
+            self.wbuf.append(h2.frame(h2.PING, h2.FLAG_ACK, 0, payload))
         elif ftype == h2.PING and self.up_w is None:
-            if not flags & h2.FLAG_ACK:
-                self.wbuf.append(h2.frame(h2.PING, h2.FLAG_ACK, 0, payload))
-        elif self.up_w is not None:  # PING, PRIORITY, GOAWAY and anything newer: not ours to judge
+            pass  # an ack of a ping containerd sent before it went away
+        elif self.up_w is not None:  # PING acks, PRIORITY, GOAWAY and anything newer: not ours to judge
             up.append(raw)
 
     def _decide(self, st: _Stream, up: list[bytes]) -> None:
