@@ -178,12 +178,17 @@ def test_a_cpu_container_runs_on_a_host_and_kubelet_cannot_tell(fabric: Fabric3)
     wait_for(lambda: not f.shadows(host), what="the shadow removed on the host")
 
     # RemovePodSandbox takes the remote parts too.
-    cid2 = create(f, sid, sandbox, cpu_container("tokenize", ["sleep", "3600"], attempt=1))
+    cid2 = create(f, sid, sandbox, cpu_container("tokenize", ["sleep", "3600"], attempt=1), start=False)
     host2 = status(f, cid2).annotations[PLACEMENT].removeprefix("remote:")
+    wait_for(lambda: status(f, cid2).state == cri.CONTAINER_CREATED, what="the second remote container created")
     ch, rt = f.runtime("gpu-1")
     with ch:
+        rt.StartContainer(cri.StartContainerRequest(container_id=cid2))
         rt.StopContainer(cri.StopContainerRequest(container_id=gid, timeout=0))
+        # StopPodSandbox stops the remote parts too, as containerd does the local ones.
         rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid))
+        assert status(f, cid2).state == cri.CONTAINER_EXITED
+        assert not f.shadows(host2, running_only=True)
         rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid))
     assert not f.shadows(host2)
     ch, direct = f.direct(host2)

@@ -28,6 +28,7 @@ from shim.cri import (
     run_pod_sandbox,
     start_container,
     stop_container,
+    stop_pod_sandbox,
     update_container_resources,
 )
 from shim.cri.fabric import Fabric
@@ -45,6 +46,7 @@ def intercepted(fabric: Fabric) -> dict[str, Callable[..., object]]:
         container_status.PATH: container_status.handler(fabric),
         start_container.PATH: start_container.handler(fabric),
         stop_container.PATH: stop_container.handler(fabric),
+        stop_pod_sandbox.PATH: stop_pod_sandbox.handler(fabric),
         exec_sync.PATH: exec_sync.handler(fabric),
         exec_stream.PATH: exec_stream.handler(fabric),
         attach.PATH: attach.handler(fabric),
