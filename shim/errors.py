@@ -9,6 +9,7 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── MalformedRequest           a request weft must read does not parse (INVALID_ARGUMENT)
     ├── SocketInUse                another process serves the socket (ALREADY_EXISTS)
     ├── StateError                 the state database cannot be used (shim.state.db; INTERNAL)
+    │   └── StateStoreFull         its disk is full: no new opted-in work (RESOURCE_EXHAUSTED)
     ├── BrokerUnavailable          the GPU broker cannot be reached (UNAVAILABLE)
     ├── LeaseRefused               the broker has no room for the GPU ask (RESOURCE_EXHAUSTED)
     ├── LeaseNotFound              no such lease (NOT_FOUND)

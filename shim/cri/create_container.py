@@ -18,6 +18,7 @@ settled on restart (``shim.cri.recovery``).
 
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 
@@ -46,6 +47,7 @@ from shim.cri.remote import REMOTE_PREFIX as PLACEMENT_REMOTE
 from shim.cri.wire import string_field
 from shim.errors import BadAnnotation, CreateInProgress, MalformedRequest
 from shim.state.agent import PlacementRecord
+from shim.state.db import StateError
 
 PATH = "/runtime.v1.RuntimeService/CreateContainer"
 SANDBOX_ID_FIELD = cri.CreateContainerRequest.DESCRIPTOR.fields_by_name["pod_sandbox_id"].number
@@ -170,9 +172,11 @@ def _lease_and_create(fabric: Fabric, req, sandbox, key: str, ask: ContainerAsk,
         container_id = cri.CreateContainerResponse.FromString(response).container_id
         fabric.store.mark_created(key, container_id)
     except BaseException:
-        fabric.store.drop_placement(key)
         if lease is not None:
             fabric.release_quietly(lease.lease_id, "create-failed")
+        # On a full disk even this may fail; a pending row left behind is settled by recovery.
+        with contextlib.suppress(StateError):
+            fabric.store.drop_placement(key)
         raise
     fabric.metrics.placements.labels(record.stage, record.placement, record.reason).inc()
     _log.info("placement.decided", pod=sandbox.name, namespace=sandbox.namespace, container=name,

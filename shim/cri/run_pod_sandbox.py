@@ -18,6 +18,7 @@ from google.protobuf.message import DecodeError
 from shim import log
 from shim.cri.fabric import WEFT_HANDLER, Fabric
 from shim.state.agent import SandboxRecord
+from shim.state.db import StateError
 
 PATH = "/runtime.v1.RuntimeService/RunPodSandbox"
 _log = log.get("weft.cri")
@@ -34,12 +35,32 @@ def handler(fabric: Fabric):
         response = fabric.upstream.unary(PATH, request, context)
         sandbox_id = cri.RunPodSandboxResponse.FromString(response).pod_sandbox_id
         meta = req.config.metadata
-        fabric.remember(SandboxRecord(
-            id=sandbox_id, name=meta.name, namespace=meta.namespace, uid=meta.uid,
-            runtime_handler=req.runtime_handler, opted_in=True, annotations=dict(req.config.annotations),
-            created_at=time.time()))
+        try:
+            fabric.remember(SandboxRecord(
+                id=sandbox_id, name=meta.name, namespace=meta.namespace, uid=meta.uid,
+                runtime_handler=req.runtime_handler, opted_in=True, annotations=dict(req.config.annotations),
+                created_at=time.time()))
+        except StateError:
+            # Unrecorded, weft would pass its containers through unplaced: the sandbox goes, kubelet retries.
+            _remove_quietly(fabric, sandbox_id)
+            raise
         fabric.metrics.sandbox_opted_in(meta.namespace, meta.name, time.time())
         _log.info("sandbox.opted_in", sandbox_id=sandbox_id, pod=meta.name, namespace=meta.namespace)
         return response
 
     return run_pod_sandbox
+
+
+def _remove_quietly(fabric: Fabric, sandbox_id: str) -> None:
+    for verb, request, response in (
+            ("StopPodSandbox", cri.StopPodSandboxRequest, cri.StopPodSandboxResponse),
+            ("RemovePodSandbox", cri.RemovePodSandboxRequest, cri.RemovePodSandboxResponse)):
+        try:
+            fabric.upstream.channel.unary_unary(
+                f"/runtime.v1.RuntimeService/{verb}", request_serializer=request.SerializeToString,
+                response_deserializer=response.FromString)(request(pod_sandbox_id=sandbox_id), timeout=60)
+        except grpc.RpcError as exc:
+            _log.warning("sandbox.undo_failed", sandbox_id=sandbox_id, step=verb, code=exc.code().name,
+                         error=exc.details())
+            return
+    _log.info("sandbox.undone", sandbox_id=sandbox_id)

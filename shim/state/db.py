@@ -25,6 +25,12 @@ class StateError(WeftError):
     code = grpc.StatusCode.INTERNAL
 
 
+class StateStoreFull(StateError):
+    """The state database's disk is full: nothing can be recorded, so no new opted-in work is taken."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
 class Database:
     """A connection shared by the process's threads, serialised by a lock.
 
@@ -73,19 +79,31 @@ class Database:
 
     @contextmanager
     def transaction(self) -> Iterator[sqlite3.Connection]:
+        """One write transaction; a full disk comes out as ``StateStoreFull``, other SQLite errors unchanged."""
         with self._lock:
-            self._conn.execute("BEGIN IMMEDIATE")
             try:
-                yield self._conn
-            except BaseException:
-                self._conn.execute("ROLLBACK")
-                raise
-            try:
-                self._conn.execute("COMMIT")
-            except sqlite3.Error:
-                # A failed COMMIT leaves the transaction open; the shared connection must not stay in it.
-                if self._conn.in_transaction:
-                    self._conn.execute("ROLLBACK")
+                self._conn.execute("BEGIN IMMEDIATE")
+                try:
+                    yield self._conn
+                except BaseException:
+                    # SQLite may have rolled back already (a full disk does that): ROLLBACK would then fail.
+                    if self._conn.in_transaction:
+                        self._conn.execute("ROLLBACK")
+                    raise
+                try:
+                    self._conn.execute("COMMIT")
+                except sqlite3.Error:
+                    # A failed COMMIT leaves the transaction open; the shared connection must not stay in it.
+                    if self._conn.in_transaction:
+                        self._conn.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as exc:
+                if getattr(exc, "sqlite_errorcode", 0) & 0xFF == sqlite3.SQLITE_FULL:
+                    raise StateStoreFull(
+                        f"weft: the state store {self.path} is full ({exc}): weft records every opted-in "
+                        f"sandbox and container before it answers, so it takes no new opted-in work until "
+                        f"space is freed in {self.path.parent}; pods that did not opt in are not affected"
+                    ) from exc
                 raise
 
     def query(self, sql: str, params: Sequence[object] = ()) -> list[sqlite3.Row]:

@@ -5,9 +5,10 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
+import grpc
 import pytest
 
-from shim.state.db import Database, StateError
+from shim.state.db import Database, StateError, StateStoreFull
 
 M1 = "CREATE TABLE things (id TEXT PRIMARY KEY)"
 M2 = "CREATE TABLE more (id TEXT PRIMARY KEY); CREATE INDEX more_id ON more(id)"
@@ -103,5 +104,22 @@ def test_a_failed_transaction_is_rolled_back(path: Path) -> None:
             conn.execute("INSERT INTO things VALUES ('gone')")
             raise RuntimeError("boom")
         assert db.query("SELECT id FROM things") == []
+    finally:
+        db.close()
+
+
+def test_a_full_store_is_refused_clearly_and_the_connection_stays_usable(path: Path) -> None:
+    db = Database(path, [M1])
+    try:
+        db.query(f"PRAGMA max_page_count = {db.query('PRAGMA page_count')[0][0]}")  # as a full disk
+        with pytest.raises(StateStoreFull) as err, db.transaction() as conn:
+            conn.executemany("INSERT INTO things VALUES (?)", ((f"{i:0>200}",) for i in range(1000)))
+        assert err.value.code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert str(path) in err.value.message and "full" in err.value.message
+        assert isinstance(err.value.__cause__, sqlite3.OperationalError)
+        db.query("PRAGMA max_page_count = 1073741823")  # space again
+        with db.transaction() as conn:
+            conn.execute("INSERT INTO things VALUES ('one')")
+        assert [r[0] for r in db.query("SELECT id FROM things")] == ["one"]
     finally:
         db.close()
