@@ -439,7 +439,9 @@ class ShadowHost:
         """Stop and remove a shadow, its sandbox with its last container, its volumes and its logs (lock held)."""
         status = self._status(c.id)
         try:
-            self._call(_RT + "StopContainer", cri.StopContainerRequest(container_id=c.id, timeout=10),
+            # At once, as containerd's RemoveContainer does: the origin's kubelet gave the grace period when
+            # it stopped the container; waiting here would hold the lock every other shadow call needs.
+            self._call(_RT + "StopContainer", cri.StopContainerRequest(container_id=c.id, timeout=0),
                        cri.StopContainerResponse)
             self._call(_RT + "RemoveContainer", cri.RemoveContainerRequest(container_id=c.id),
                        cri.RemoveContainerResponse)
