@@ -55,7 +55,12 @@ def test_broker_killed_with_gpu_containers_created_running_and_exited(kube: Kube
         states = {lease.container: (lease.container_id, lease.state) for lease in f.broker.leases()}
         assert states == {"created": ("", "acquired"), "running": (running, "bound")}, states
         kube.start(created)
-        late = kube.create(sid, gpu_config("late"))  # kubelet's retry
+        # kubelet's retry (the agent reconnects to the broker within a second; a call before is UNAVAILABLE).
+        late_config = gpu_config("late")
+        late = kube.retry("CreateContainer", cri.CreateContainerRequest(
+            pod_sandbox_id=sid, config=late_config, sandbox_config=kube.sandboxes[sid])).container_id
+        kube.known[late] = (sid, late_config)
+        kube.start(late)
         for cid in (created, running, late, cpu):
             kube.wait_state(cid, RUNNING)
     settled(f, kube)
