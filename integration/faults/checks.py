@@ -308,6 +308,7 @@ class LiveCopies:
     def __init__(self, f: Fabric3, kube: Kubelet, every: float = 0.2) -> None:
         self.f, self.kube, self.every = f, kube, every
         self.violations: list[str] = []
+        self.errors: list[str] = []
         self.rounds = 0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="live-copies", daemon=True)
@@ -321,15 +322,20 @@ class LiveCopies:
         self._thread.join(10)
         if exc_type is None:
             assert not self.violations, "at most one live copy broken:\n  " + "\n  ".join(self.violations[:10])
+            assert not self.errors, f"the live-copy watch itself failed: {self.errors[:3]}"
+            assert self.rounds > 0, "the live-copy watch never completed a round"
 
     def _run(self) -> None:
         while not self._stop.wait(self.every):
-            with contextlib.suppress(grpc.RpcError):
-                for (sid, name), n in running_copies(self.f).items():
-                    if n > 1:
-                        self.violations.append(f"{n} live copies of {sid[:12]}/{name}")
-            with contextlib.suppress(grpc.RpcError):
-                self._origin_gave_up_on_a_live_copy()
+            try:
+                with contextlib.suppress(grpc.RpcError):  # a node that is the fault: skipped this round
+                    for (sid, name), n in running_copies(self.f).items():
+                        if n > 1:
+                            self.violations.append(f"{n} live copies of {sid[:12]}/{name}")
+                with contextlib.suppress(grpc.RpcError):
+                    self._origin_gave_up_on_a_live_copy()
+            except Exception as exc:  # noqa: BLE001 - a broken watch must fail the test, not pass it vacuously
+                self.errors.append(repr(exc))
             self.rounds += 1
 
     def _origin_gave_up_on_a_live_copy(self) -> None:

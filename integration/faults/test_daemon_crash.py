@@ -11,6 +11,8 @@ timeout.
 
 from __future__ import annotations
 
+import contextlib
+import sqlite3
 import time
 
 import grpc
@@ -25,6 +27,7 @@ from integration.faults.checks import (
     cpu_config,
     gpu_config,
     gpu_share,
+    problems,
     settled,
 )
 from integration.waiting import wait_for
@@ -146,3 +149,35 @@ def test_host_containerd_killed_with_shadows_created_running_and_exited(kube: Ku
         out = kube.retry("ExecSync", cri.ExecSyncRequest(container_id=running, cmd=["echo", "alive"], timeout=10))
         assert out.stdout == b"alive\n"
     settled(f, kube)
+
+
+def test_the_checker_sees_a_leaked_lease_a_vanished_container_and_an_orphan_shadow(kube: Kubelet) -> None:
+    """The invariants are not vacuous: each kind of leak the suite looks for is seen when it is there."""
+    from shim._pb import broker_pb2 as bpb
+
+    f = kube.f
+    assert f.broker is not None
+    sid = kube.run_pod("checker")
+    cid = kube.create(sid, cpu_config("tokenize"))
+    kube.wait_state(cid, RUNNING)
+    settled(f, kube)
+    ch, stub = f.broker.stub()
+    with ch:
+        leaked = stub.Acquire(bpb.AcquireRequest(key="nobody/model/0", namespace="default", pod="nobody",
+                                                 container="model", sandbox_id="nobody", memory_bytes=1 << 30,
+                                                 compute_percent=10, count=1), timeout=10)
+        kube.known["f" * 64] = (sid, cpu_config("ghost"))  # a container kubelet was given that weft forgot
+        found = "\n".join(problems(f, kube))
+        stub.Release(bpb.ReleaseRequest(lease_id=leaked.lease_id, reason="test"), timeout=10)
+    del kube.known["f" * 64]
+    assert f"leaked lease {leaked.lease_id}" in found and f"{'f' * 12} vanished" in found, found
+    # A shadow whose placement the origin forgets (recorded gone behind its back) is an orphan.
+    host = kube.host_of(cid)
+    f.agents[ORIGIN].stop()
+    with contextlib.closing(sqlite3.connect(f.agents[ORIGIN].state_dir / "agent.db")) as db, db:
+        db.execute("DELETE FROM placements")
+    f.agents[ORIGIN].start()
+    kube.known.clear()
+    found = "\n".join(problems(f, kube))
+    assert f"orphan shadow {sid}/tokenize/0 on {host}" in found, found
+    settled(f, kube)  # and the Watch removes it
