@@ -69,6 +69,34 @@ def test_broker_killed_with_gpu_containers_created_running_and_exited(kube: Kube
     settled(f, kube)
 
 
+def test_broker_killed_after_storing_a_lease_before_answering(kube: Kubelet) -> None:
+    f = kube.f
+    assert f.broker is not None
+    sid = kube.run_pod("broker-fp", gpu_share("model"))
+    tok = kube.create(sid, cpu_config("tokenize"))
+    with LiveCopies(f, kube):
+        f.broker.stop(9)
+        f.broker.extra_env = {"WEFT_FAILPOINTS": "broker.lease.stored"}
+        f.broker.start()
+        with pytest.raises(grpc.RpcError) as err:
+            kube.create(sid, gpu_config("model"), start=False)
+        assert err.value.code() is grpc.StatusCode.UNAVAILABLE, err.value
+        f.broker.stop(9)
+        f.broker.extra_env = {}
+        f.broker.start()
+        # kubelet's retry, same key: the stored lease is the one granted, never a second.
+        config = gpu_config("model")
+        cid = kube.retry("CreateContainer", cri.CreateContainerRequest(
+            pod_sandbox_id=sid, config=config, sandbox_config=kube.sandboxes[sid])).container_id
+        kube.known[cid] = (sid, config)
+        kube.start(cid)
+        kube.wait_state(cid, RUNNING)
+        [lease] = f.broker.leases()
+        assert (lease.container_id, lease.state) == (cid, "bound")
+        assert kube.state(tok) == RUNNING
+    settled(f, kube)
+
+
 def test_origin_containerd_killed_with_containers_created_running_and_exited(kube: Kubelet) -> None:
     f = kube.f
     ctrd = f.node(ORIGIN).containerd
