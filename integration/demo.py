@@ -48,14 +48,18 @@ WEFT = "weft"
 # Longer than the test fabric's: a kept demo may sit on a busy machine for a while.
 FENCE_S, LOSS_S = 10.0, 20.0
 
+# localhost first, and for a while: the stitch mirrors the GPU stage's port into this container's shadow
+# sandbox within a second or two of both running. Only if it never answers do the batches take the pod IP.
 PREPARE = f"""
-i=0
+i=0; mode=localhost
 while [ $i -lt {BATCHES} ]; do
   i=$((i+1)); batch="batch-$i rows=$((i*128))"; via=failed; n=0
-  while [ $n -lt 20 ] && [ "$via" = failed ]; do
+  while [ $n -lt 40 ] && [ "$via" = failed ]; do
     n=$((n+1))
-    if echo "$batch" | nc -w 2 127.0.0.1 {PORT} 2>/dev/null; then via=localhost:{PORT}
-    elif echo "$batch" | nc -w 2 "$SERVE_IP" {PORT} 2>/dev/null; then via="pod-ip $SERVE_IP:{PORT} (no stitch)"
+    if [ $mode = localhost ] && echo "$batch" | nc -w 2 127.0.0.1 {PORT} 2>/dev/null; then via=localhost:{PORT}
+    elif [ $mode = pod-ip ] || [ $n -ge 30 ]; then
+      if echo "$batch" | nc -w 2 "$SERVE_IP" {PORT} 2>/dev/null; then via="pod-ip $SERVE_IP:{PORT} (no stitch)"; mode=pod-ip
+      else sleep 0.3; fi
     else sleep 0.3; fi
   done
   echo "prepare: sent $batch via $via"
