@@ -150,6 +150,8 @@ class _Connection:
         self.resp_dec = h2.CachingDecoder()  # containerd's encoder -> (us and) kubelet
         self.streams: dict[int, _Stream] = {}
         self.last_sid = 0
+        # The first frame kubelet gets must be SETTINGS (RFC 7540 3.5): containerd's, or ours.
+        self.settings_down = False
         # kubelet's receive side, which all DATA toward kubelet must respect.
         self.k_conn = h2.DEFAULT_WINDOW
         self.k_initial = h2.DEFAULT_WINDOW
@@ -241,6 +243,7 @@ class _Connection:
             self.local_reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else repr(exc)
             self.relay.instrument.upstream_unavailable(self.relay.upstream_socket, self.local_reason)
             self.wbuf.append(h2.frame(h2.SETTINGS, 0, 0))
+            self.settings_down = True
         else:
             self.relay.instrument.upstream_reached()
             self.up_w.write(preface)
@@ -342,11 +345,12 @@ class _Connection:
                     return
             if self.up_w is not None:
                 up.append(raw)
-        elif ftype == h2.PING and not flags & h2.FLAG_ACK:
+        elif ftype == h2.PING and not flags & h2.FLAG_ACK and (self.settings_down or self.up_w is None):
             # kubelet's pings (keepalive, and gRPC's bandwidth probes after each answer) are answered here:
             # forwarded, those after calls weft answered itself would count against containerd's ping
             # policy (no data of its own went out), and it would end the connection with GOAWAY
-            # "too_many_pings", failing the calls in flight on it.
+            # "too_many_pings", failing the calls in flight on it. (Before containerd's SETTINGS reached
+            # kubelet, nothing else may: such an early ping goes to containerd as it came.)
             self.wbuf.append(h2.frame(h2.PING, h2.FLAG_ACK, 0, payload))
         elif ftype == h2.PING and self.up_w is None:
             pass  # an ack of a ping containerd sent before it went away
@@ -497,6 +501,7 @@ class _Connection:
                 self._end_stream(st, grpc.StatusCode.OK, "")
             return
         if ftype == h2.SETTINGS and not flags & h2.FLAG_ACK:
+            self.settings_down = True
             settings = h2.parse_settings(raw[9:])
             if h2.SETTINGS_HEADER_TABLE_SIZE in settings:
                 self.req_dec.max_allowed_table_size = settings[h2.SETTINGS_HEADER_TABLE_SIZE]
@@ -508,6 +513,9 @@ class _Connection:
         """containerd went away mid-connection: end every open pass-through call clearly, then the connection."""
         message = f"weft: containerd is unavailable at {self.relay.upstream_socket}: connection lost"
         self.relay.instrument.upstream_unavailable(self.relay.upstream_socket, "connection lost")
+        if not self.settings_down:  # containerd died before it said anything: our SETTINGS come first
+            self.wbuf.insert(0, h2.frame(h2.SETTINGS, 0, 0))
+            self.settings_down = True
         for st in list(self.streams.values()):
             if not st.intercepted:
                 self._answer_error(st, grpc.StatusCode.UNAVAILABLE, message, ())
