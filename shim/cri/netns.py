@@ -106,9 +106,14 @@ class Netns:
 
     def close(self) -> None:
         with self._diag_lock:
-            if self._diag is not None:
-                self._diag.close()
-                self._diag = None
+            diag, self._diag = self._diag, None
+        if diag is not None:
+            # In the thread that made it: pyroute2 keeps an event loop (and its transports) per thread,
+            # and closing from another leaves them to the garbage collector, unclosed.
+            try:
+                self.run(diag.close)
+            except Exception:  # noqa: BLE001 - the pool may be gone already; close here then
+                diag.close()
         self._pool.shutdown(wait=False)
 
 
