@@ -58,7 +58,8 @@ while [ $i -lt {BATCHES} ]; do
     n=$((n+1))
     if [ $mode = localhost ] && echo "$batch" | nc -w 2 127.0.0.1 {PORT} 2>/dev/null; then via=localhost:{PORT}
     elif [ $mode = pod-ip ] || [ $n -ge 30 ]; then
-      if echo "$batch" | nc -w 2 "$SERVE_IP" {PORT} 2>/dev/null; then via="pod-ip $SERVE_IP:{PORT} (no stitch)"; mode=pod-ip
+      if echo "$batch" | nc -w 2 "$SERVE_IP" {PORT} 2>/dev/null; then
+        via="pod-ip $SERVE_IP:{PORT} (no stitch)"; mode=pod-ip
       else sleep 0.3; fi
     else sleep 0.3; fi
   done
