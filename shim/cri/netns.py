@@ -52,11 +52,14 @@ class Netns:
         self.path = path
         self._ready = threading.Event()
         self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="weft-netns")
+        # sock_diag gets a thread of its own: pyroute2 keeps an event loop (and its transports) in the
+        # thread that made the socket, and only closing it there closes them.
+        self._diag_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="weft-netns-diag")
         self._entered = threading.local()
         self._diag = None
         self._diag_lock = threading.Lock()
 
-    def run(self, fn: Callable[..., T], *args: object) -> T:
+    def run(self, fn: Callable[..., T], *args: object, pool: ThreadPoolExecutor | None = None) -> T:
         """``fn(*args)`` in a thread inside the namespace; NetnsError when it cannot be entered."""
         def inside() -> T:
             if not getattr(self._entered, "yes", False):
@@ -67,7 +70,7 @@ class Netns:
                 self._entered.yes = True
             return fn(*args)
 
-        return self._pool.submit(inside).result()
+        return (pool or self._pool).submit(inside).result()
 
     def listen(self, host: str, port: int, backlog: int = 512) -> socket.socket:
         def make() -> socket.socket:
@@ -88,7 +91,7 @@ class Netns:
 
     def listening(self) -> dict[int, set[int]]:
         """TCP port -> inodes of the sockets listening on it, in this namespace."""
-        return self.run(self._listening)
+        return self.run(self._listening, pool=self._diag_pool)
 
     def _listening(self) -> dict[int, set[int]]:
         from pyroute2 import DiagSocket
@@ -108,12 +111,11 @@ class Netns:
         with self._diag_lock:
             diag, self._diag = self._diag, None
         if diag is not None:
-            # In the thread that made it: pyroute2 keeps an event loop (and its transports) per thread,
-            # and closing from another leaves them to the garbage collector, unclosed.
-            try:
-                self.run(diag.close)
+            try:  # in the thread that made it (see __init__)
+                self._diag_pool.submit(diag.close).result()
             except Exception:  # noqa: BLE001 - the pool may be gone already; close here then
                 diag.close()
+        self._diag_pool.shutdown(wait=True)
         self._pool.shutdown(wait=False)
 
 
