@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import contextlib
 import socket
-import threading
 from urllib.parse import urlsplit
 
 from shim import log
@@ -31,58 +30,33 @@ from shim.cri.by_container import client_for
 from shim.cri.fabric import Fabric
 from shim.cri.remote import Remote
 from shim.errors import WeftError
-from shim.mesh.tunnel import Pipe, SocketEnd, dial, tune
+from shim.mesh.tunnel import PipeServer, SocketEnd, dial, tune
 
 _log = log.get("weft.stream")
 
 HEAD_TIMEOUT_S = 10.0
 
 
-class StreamRelay:
+class StreamRelay(PipeServer):
+    thread_name = "weft-stream"
+
     def __init__(self, fabric: Fabric, address: str) -> None:
         self.fabric = fabric
         host, port = parse_host_port(address, field="agent.stream_address")
-        self._sock = socket.create_server((host, port), backlog=128)
+        super().__init__(socket.create_server((host, port), backlog=128))
         bound = self._sock.getsockname()[1]
         self.base = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
         self.tokens: StreamTokens[tuple[Remote, str]] = StreamTokens()
-        self.pipes: set[Pipe] = set()
-        self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def url(self, kind: str, r: Remote, host_url: str) -> str:
         """Our URL for a session the host's containerd will serve at ``host_url``."""
         return f"{self.base}/{kind}/{self.tokens.add(kind, (r, host_url))}"
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._accept_loop, name="weft-stream-accept", daemon=True)
-        self._thread.start()
+        super().start()
         _log.info("stream.serving", address=self.base)
 
-    def stop(self) -> None:
-        self._stop.set()
-        with contextlib.suppress(OSError):
-            self._sock.shutdown(socket.SHUT_RDWR)
-        self._sock.close()
-        if self._thread is not None:
-            self._thread.join(5)
-        with self._lock:
-            pipes = list(self.pipes)
-        for p in pipes:
-            p.abort()
-
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                if self._stop.is_set():
-                    return
-                continue
-            threading.Thread(target=self._serve, args=(conn,), name="weft-stream-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
         tune(conn, tunnel=False)
         conn.settimeout(HEAD_TIMEOUT_S)
         data = b""
@@ -118,14 +92,7 @@ class StreamRelay:
             return
         conn.settimeout(None)
         _log.info("stream.relayed", kind=kind, container_id=r.id, container=r.config.metadata.name, node=r.node)
-        pipe = Pipe(SocketEnd(conn), tunnel, name=f"{kind}-{r.id[:12]}", on_close=self._closed)
-        with self._lock:
-            self.pipes.add(pipe)
-        pipe.start()
-
-    def _closed(self, pipe: Pipe) -> None:
-        with self._lock:
-            self.pipes.discard(pipe)
+        self.join(SocketEnd(conn), tunnel, f"{kind}-{r.id[:12]}")
 
 
 def _answer(conn: socket.socket, status: int, text: str) -> None:

@@ -30,15 +30,19 @@ _log = log.get("weft.mesh")
 Admit = Callable[[pb.AdmitRequest], pb.AdmitResponse]
 
 
+def _abort(method: str, exc: WeftError, context) -> None:
+    """weft's typed error as the call's gRPC status; a refused peer is also logged."""
+    if isinstance(exc, PeerRefused):
+        _log.warning("peer.refused", method=method, peer=context.peer(), node=exc.node, detail=exc.message)
+    context.abort(exc.code, exc.message)
+
+
 def _mapped(fn: Callable[..., Any]) -> Callable[..., Any]:
     def handler(self, request, context):
         try:
             return fn(self, request, context)
-        except PeerRefused as exc:
-            _log.warning("peer.refused", method=fn.__name__, peer=context.peer(), node=exc.node, detail=exc.message)
-            context.abort(exc.code, exc.message)
         except WeftError as exc:
-            context.abort(exc.code, exc.message)
+            _abort(fn.__name__, exc, context)
 
     handler.__name__ = fn.__name__
     return handler
@@ -48,11 +52,8 @@ def _mapped_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
     def handler(self, request, context):
         try:
             yield from fn(self, request, context)
-        except PeerRefused as exc:
-            _log.warning("peer.refused", method=fn.__name__, peer=context.peer(), node=exc.node, detail=exc.message)
-            context.abort(exc.code, exc.message)
         except WeftError as exc:
-            context.abort(exc.code, exc.message)
+            _abort(fn.__name__, exc, context)
 
     handler.__name__ = fn.__name__
     return handler

@@ -362,23 +362,26 @@ def read_line(end: End, limit: int = _MAX_LINE) -> bytes:
     return bytes(buf)
 
 
-class TunnelServer:
-    """The host's tunnel port: a token, then the granted target, joined to the connection."""
+class PipeServer:
+    """A listening socket: a thread per accepted connection (``_serve``), and the pipes they joined.
 
-    def __init__(self, host: str, tls_dir: str | Path, node: str, *, port: int = 0) -> None:
-        self.grants = Grants()
-        self._server_ctx, _ = contexts(tls_dir, node)
-        self._sock = socket.create_server((host, port), backlog=512, reuse_port=False)
-        self.address = "{}:{}".format(*self._sock.getsockname()[:2])
+    ``stop`` closes the socket and aborts every pipe still open, so nothing
+    it accepted outlives it. The tunnel port and the origin's streaming
+    server are both one.
+    """
+
+    thread_name = "weft-pipe"
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.pipes: set[Pipe] = set()
         self._lock = threading.Lock()
 
     def start(self) -> None:
-        self._thread = threading.Thread(target=self._accept_loop, name="weft-tunnel-accept", daemon=True)
+        self._thread = threading.Thread(target=self._accept_loop, name=f"{self.thread_name}-accept", daemon=True)
         self._thread.start()
-        _log.info("tunnel.serving", address=self.address)
 
     def stop(self) -> None:
         self._stop.set()
@@ -401,7 +404,38 @@ class TunnelServer:
                     return
                 time.sleep(0.05)
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer), name="weft-tunnel-conn", daemon=True).start()
+            threading.Thread(target=self._serve, args=(conn, peer), name=f"{self.thread_name}-conn",
+                             daemon=True).start()
+
+    def _serve(self, conn: socket.socket, peer: tuple) -> None:
+        raise NotImplementedError
+
+    def join(self, a: End, b: End, name: str) -> None:
+        """Pipe ``a`` and ``b`` together, tracked until either side ends."""
+        pipe = Pipe(a, b, name=name, on_close=self._closed)
+        with self._lock:
+            self.pipes.add(pipe)
+        pipe.start()
+
+    def _closed(self, pipe: Pipe) -> None:
+        with self._lock:
+            self.pipes.discard(pipe)
+
+
+class TunnelServer(PipeServer):
+    """The host's tunnel port: a token, then the granted target, joined to the connection."""
+
+    thread_name = "weft-tunnel"
+
+    def __init__(self, host: str, tls_dir: str | Path, node: str, *, port: int = 0) -> None:
+        self.grants = Grants()
+        self._server_ctx, _ = contexts(tls_dir, node)
+        super().__init__(socket.create_server((host, port), backlog=512, reuse_port=False))
+        self.address = "{}:{}".format(*self._sock.getsockname()[:2])
+
+    def start(self) -> None:
+        super().start()
+        _log.info("tunnel.serving", address=self.address)
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         tune(conn, tunnel=True)
@@ -447,14 +481,7 @@ class TunnelServer:
                     end.sendall(f"ERR {exc}\n".encode())
             end.close()
             return
-        pipe = Pipe(end, SocketEnd(target), name=grant.what, on_close=self._closed)
-        with self._lock:
-            self.pipes.add(pipe)
-        pipe.start()
-
-    def _closed(self, pipe: Pipe) -> None:
-        with self._lock:
-            self.pipes.discard(pipe)
+        self.join(end, SocketEnd(target), grant.what)
 
 
 def dial(address: str, token: bytes, *, tls: ssl.SSLContext | None = None, node: str = "",
