@@ -56,13 +56,17 @@ class Remote:
     created_at: float
     status: cri.ContainerStatus | None = None  # the host's last, or the origin's verdict once lost
     shadow_sandbox_id: str = ""
-    lost: bool = False
     # Guards status changes against the threads that push them.
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     @property
     def state(self) -> int:
         return self.status.state if self.status is not None else cri.CONTAINER_CREATED
+
+    @property
+    def lost(self) -> bool:
+        """The origin's verdict (``mark_lost``), kept in the status it reports: containerd never gives this reason."""
+        return self.status is not None and self.status.reason == LOST_REASON
 
     @property
     def exited(self) -> bool:
@@ -73,8 +77,7 @@ class Remote:
         status = cri.ContainerStatus.FromString(rec.status) if rec.status else None
         return cls(id=rec.container_id or "", key=rec.key, node=rec.remote_node, sandbox_id=rec.sandbox_id,
                    config=cri.ContainerConfig.FromString(rec.config or b""), log_path=rec.log_path,
-                   created_at=rec.created_at, status=status, shadow_sandbox_id=rec.sandbox_id_remote,
-                   lost=status is not None and status.reason == LOST_REASON)
+                   created_at=rec.created_at, status=status, shadow_sandbox_id=rec.sandbox_id_remote)
 
     # -- kubelet's view --------------------------------------------------------------
     def kubelet_status(self) -> cri.ContainerStatus:
@@ -221,7 +224,7 @@ class RemoteContainers:
             status.message = (f"weft: {why or f'host {r.node} has not been heard from for {silent_s:.0f} s'}; "
                               "the container was fenced there and is placed afresh when restarted")
             status.finished_at = _ns(time.time())
-            r.status, r.lost = status, True
+            r.status = status
         self.store.set_status(r.id, status.SerializeToString())
         return True
 
