@@ -47,10 +47,12 @@ def cpu_container(name: str, command: list[str], *, cpu: float = 0.5, memory: in
     return config
 
 
-def run_pod(f: Fabric3, name: str = "infer", privileged: bool = False) -> tuple[str, cri.PodSandboxConfig]:
+def run_pod(f: Fabric3, name: str = "infer", privileged: bool = False,
+            annotations: dict[str, str] | None = None) -> tuple[str, cri.PodSandboxConfig]:
     node = f.node("gpu-1")
     sandbox = pods.sandbox_config(name, node.containerd.pod_log_dir, cgroup_parent=node.containerd.cgroup_root)
     sandbox.linux.security_context.privileged = privileged
+    sandbox.annotations.update(annotations or {})
     ch, rt = f.runtime("gpu-1")
     with ch:
         sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox, runtime_handler=WEFT)).pod_sandbox_id

@@ -6,7 +6,8 @@ no configuration, each reaches the other on 127.0.0.1, a Service-like client
 reaches ``web`` at the pod IP, 1 GiB goes each way with its checksum intact,
 200 connections run at once, a port the local container holds already is
 reported and left alone, and a cut link ends a transfer with an error (not a
-hang) while new connections work once it is back.
+hang) while new connections work once it is back. A second pod declares its
+containers' ports (``weft.io/ports.<name>``): only those are mirrored.
 """
 
 from __future__ import annotations
@@ -240,3 +241,39 @@ def test_nothing_leaks_in_either_agent(pod) -> None:
                  what=f"{name}'s sockets back to {before} (now {_sockets(pid)})")
     # Listeners in the pod: the shadow's two mirrors and the local container's own, nothing else.
     assert set(pod["ns"].listening()) == {8080, 7000, 9090}
+
+
+def test_declared_ports_replace_discovery(pod) -> None:
+    """``weft.io/ports.<name>`` on the pod: each side mirrors what is declared, not what listens."""
+    f = pod["f"]
+    serve = "mkdir -p /www && echo {text} > /www/index.html && httpd -p {a} -h /www && exec httpd -f -p {b} -h /www"
+    sid, sandbox = run_pod(f, "declared", annotations={"weft.io/ports.web2": "8081", "weft.io/ports.side": "9091"})
+    try:
+        web2 = create(f, sid, sandbox, cpu_container(
+            "web2", ["sh", "-c", serve.format(text="web2-ok", a=8081, b=8082)]))
+        # No limits: stays local (a peer admits by limits).
+        side = create(f, sid, sandbox, pods.container_config(
+            "side", ["sh", "-c", serve.format(text="side-ok", a=9091, b=9092)]))
+        for cid in (web2, side):
+            wait_for(lambda c=cid: status(f, c).state == cri.CONTAINER_RUNNING, what="running")
+        assert status(f, web2).annotations[PLACEMENT].startswith("remote:")
+        assert status(f, side).annotations[PLACEMENT] == "local"
+        ch, _ = f.direct("gpu-1")
+        with ch:
+            ns = Netns(sandbox_netns(lambda path, req, typ: typ.FromString(
+                ch.unary_unary(path)(req.SerializeToString(), timeout=10)), sid))
+        try:
+            wait_for(lambda: _get(f, side, 8081) == b"web2-ok\n", timeout=20, what="web2's declared port on localhost")
+            wait_for(lambda: _get(f, web2, 9091) == b"side-ok\n", timeout=20,
+                     what="side's declared port on localhost in the shadow")
+            time.sleep(2)  # four rounds of the stitch: an undeclared port would be mirrored by now
+            assert 8082 not in ns.listening()
+            assert _get(f, side, 8082) == b""
+            assert _get(f, web2, 9092) == b""
+        finally:
+            ns.close()
+    finally:
+        ch, rt = f.runtime("gpu-1")
+        with ch:
+            rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid))
+            rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid))

@@ -1,12 +1,19 @@
-"""Exec, attach and the streaming relay on a rerouted container, compared with the same on a local one.
+"""Exec, attach, port-forward and the streaming relay on a rerouted container, compared with a local one.
 
-A real WebSocket client (``integration.streams``, ``v4.channel.k8s.io`` as
-kubectl speaks it to containerd's streaming server) uses the URL that the
-origin's CRI socket returns, from inside the origin node's network namespace
-where kubelet would: for a local container that is containerd's own server,
-for a rerouted one the origin's relay, which tunnels to the host's
-containerd. Both must behave the same: TTY with resize, separate stdout and
-stderr, exit codes, attach to a running container, and a client that
+Two real clients use the URLs that the origin's CRI socket returns, from
+inside the origin node's network namespace where kubelet would: for a local
+container that is containerd's own server, for a rerouted one the origin's
+relay, which tunnels to the host's containerd.
+
+- a WebSocket client (``integration.streams``, ``v4.channel.k8s.io``);
+- kubectl 1.20 over SPDY (``integration.kubectl``: its API server and
+  kubelet played by the test, which redirects it to the CRI's URL): ``exec
+  -it`` on a terminal with a resize, exec with separate stdout and stderr,
+  ``attach``, and ``port-forward`` to the rerouted container's HTTP server
+  (reached through the stitched pod network) and to the local one's.
+
+Both must behave the same: TTY with resize, separate stdout and stderr, exit
+codes, attach to a running container, port-forward, and a client that
 vanishes mid-session leaves nothing behind.
 """
 
@@ -14,33 +21,52 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
+import subprocess
 import time
 from collections.abc import Iterator
+from pathlib import Path
+from typing import NamedTuple
 
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from integration import pods
 from integration.fabric import Fabric3
+from integration.kubectl import KubeApi, Terminal
 from integration.streams import ChannelStream
 from integration.test_remote import PLACEMENT, cpu_container, create, run_pod, status
 from integration.waiting import wait_for
 from shim.cri.netns import Netns
 
-TICKER = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.2; done"]
+# Each container serves HTTP (for port-forward) and writes a tick every 0.2 s (for attach).
+TICKER = ("mkdir -p /www && echo {text} > /www/index.html && httpd -p {port} -h /www; "
+          "i=0; while :; do i=$((i+1)); echo tick $i; sleep 0.2; done")
+PORTS = {"remote": 8080, "local": 9090}
+
+
+class Pod(NamedTuple):
+    f: Fabric3
+    remote: str
+    local: str
+    sid: str
+    sandbox: cri.PodSandboxConfig
 
 
 @pytest.fixture(scope="module")
 def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fabric3, str, str]]:
     with Fabric3(tmp_path_factory.mktemp("streams") / "fabric") as f:
         sid, sandbox = run_pod(f)
-        remote = create(f, sid, sandbox, cpu_container("ticker", TICKER))
-        local = create(f, sid, sandbox, pods.container_config("gpu", TICKER, envs={"NVIDIA_VISIBLE_DEVICES": "all"}))
+        remote = create(f, sid, sandbox, cpu_container("ticker", [
+            "sh", "-c", TICKER.format(text="remote-ok", port=PORTS["remote"])]))
+        local = create(f, sid, sandbox, pods.container_config(
+            "gpu", ["sh", "-c", TICKER.format(text="local-ok", port=PORTS["local"])],
+            envs={"NVIDIA_VISIBLE_DEVICES": "all"}))
         for cid in (remote, local):
             wait_for(lambda c=cid: status(f, c).state == cri.CONTAINER_RUNNING, what="running")
         assert status(f, remote).annotations[PLACEMENT].startswith("remote:")
         assert status(f, local).annotations[PLACEMENT] == "local"
-        yield f, remote, local
+        yield Pod(f, remote, local, sid, sandbox)
 
 
 def _netns(f: Fabric3) -> str:
@@ -59,7 +85,7 @@ WHICH = pytest.mark.parametrize("which", ["remote", "local"])
 
 @WHICH
 def test_interactive_exec_with_a_tty_and_resize(pod, which: str) -> None:
-    f, remote, local = pod
+    f, remote, local, _, _ = pod
     cid = remote if which == "remote" else local
     s = _open(f, "Exec", cri.ExecRequest(container_id=cid, cmd=["sh"], tty=True, stdin=True, stdout=True))
     try:
@@ -76,7 +102,7 @@ def test_interactive_exec_with_a_tty_and_resize(pod, which: str) -> None:
 
 @WHICH
 def test_exec_without_a_tty_keeps_stdout_stderr_and_the_exit_code(pod, which: str) -> None:
-    f, remote, local = pod
+    f, remote, local, _, _ = pod
     cid = remote if which == "remote" else local
     s = _open(f, "Exec", cri.ExecRequest(container_id=cid, cmd=["sh", "-c", "echo out; echo err >&2; exit 3"],
                                          stdout=True, stderr=True))
@@ -89,7 +115,7 @@ def test_exec_without_a_tty_keeps_stdout_stderr_and_the_exit_code(pod, which: st
 
 @WHICH
 def test_attach_to_a_running_container(pod, which: str) -> None:
-    f, remote, local = pod
+    f, remote, local, _, _ = pod
     cid = remote if which == "remote" else local
     s = _open(f, "Attach", cri.AttachRequest(container_id=cid, stdout=True, stderr=True))
     try:
@@ -98,6 +124,92 @@ def test_attach_to_a_running_container(pod, which: str) -> None:
         s.read_until(1, f"tick {first + 2}\n".encode(), timeout=10)
     finally:
         s.close()
+
+
+# -- kubectl over SPDY ------------------------------------------------------------------
+NAMES = {"remote": "ticker", "local": "gpu"}
+
+
+@pytest.fixture(scope="module")
+def api(pod, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[KubeApi, Path]]:
+    f, remote, local, sid, sandbox = pod
+    home = tmp_path_factory.mktemp("kubectl-home")
+    with KubeApi(_netns(f), lambda: f.runtime("gpu-1"), sandbox.metadata.name, sid,
+                 {"ticker": remote, "gpu": local}) as server:
+        yield server, home
+
+
+@WHICH
+def test_kubectl_exec_on_a_terminal_with_a_resize(pod, api, which: str) -> None:
+    server, home = api
+    term = Terminal(server, "exec", "-it", server.pod, "-c", NAMES[which], "--", "sh", home=home, rows=30, cols=100)
+    try:
+        term.type(b"stty size; echo hi-$((40+2))\r")
+        assert re.search(rb"30 100\r\n(.*\r\n)?hi-42", term.read_until(b"hi-42\r\n"))
+        term.resize(40, 120)
+        time.sleep(0.3)  # kubectl sends the new size on its resize stream, not in band
+        term.type(b"stty size; echo hi-$((40+3))\r")
+        assert b"40 120" in term.read_until(b"hi-43\r\n").split(b"hi-42\r\n")[-1]
+        term.type(b"exit 7\r")
+        assert term.wait() == 7
+    finally:
+        term.close()
+
+
+@WHICH
+def test_kubectl_exec_keeps_stdout_stderr_and_the_exit_code(pod, api, which: str) -> None:
+    server, home = api
+    p = server.kubectl("exec", server.pod, "-c", NAMES[which], "--", "sh", "-c", "echo out; echo err >&2; exit 3",
+                       home=home, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = p.communicate(timeout=30)
+    assert p.returncode == 3
+    assert out == b"out\n"
+    assert b"err\n" in err and b"command terminated with exit code 3" in err
+
+
+@WHICH
+def test_kubectl_attach_to_a_running_container(pod, api, which: str) -> None:
+    server, home = api
+    p = server.kubectl("attach", server.pod, "-c", NAMES[which], home=home, stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL)
+    try:
+        ticks = []
+        deadline = time.monotonic() + 20
+        while len(ticks) < 3 and time.monotonic() < deadline:
+            line = p.stdout.readline()
+            if not line:
+                break
+            ticks += [int(n) for n in re.findall(rb"^tick (\d+)$", line.strip())]
+        assert len(ticks) == 3 and ticks == list(range(ticks[0], ticks[0] + 3)), ticks
+    finally:
+        p.kill()
+        p.communicate(timeout=10)
+
+
+@WHICH
+def test_kubectl_port_forward(pod, api, which: str) -> None:
+    f = pod.f
+    server, home = api
+    p = server.kubectl("port-forward", f"pod/{server.pod}", f":{PORTS[which]}", home=home, stdout=subprocess.PIPE,
+                       stderr=subprocess.DEVNULL)
+    ns = Netns(_netns(f))
+    try:
+        line = p.stdout.readline().decode()
+        m = re.match(rf"Forwarding from 127\.0\.0\.1:(\d+) -> {PORTS[which]}", line)
+        assert m, line
+        for _ in range(3):  # a connection each, one after the other, through one SPDY session
+            sock = ns.connect("127.0.0.1", int(m.group(1)), 10)
+            sock.settimeout(20)
+            sock.sendall(b"GET / HTTP/1.0\r\n\r\n")
+            reply = b""
+            while chunk := sock.recv(65536):
+                reply += chunk
+            sock.close()
+            assert reply.startswith(b"HTTP/1.1 200") and reply.endswith(f"{which}-ok\n".encode()), reply[-200:]
+    finally:
+        p.kill()
+        p.communicate(timeout=10)
+        ns.close()
 
 
 def _sockets(pid: int) -> int:
@@ -116,7 +228,7 @@ def _shells(f: Fabric3, cid: str) -> int:
 
 
 def test_a_client_that_vanishes_leaves_what_it_leaves_locally_and_no_socket(pod) -> None:
-    f, remote, local = pod
+    f, remote, local, _, _ = pod
     agent = f.agents["gpu-1"].pid
     left = {}
     for cid in (remote, local):
@@ -135,7 +247,7 @@ def test_a_client_that_vanishes_leaves_what_it_leaves_locally_and_no_socket(pod)
 
 
 def test_an_unknown_or_used_session_is_refused(pod) -> None:
-    f, remote, _ = pod
+    f, remote, *_ = pod
     ch, rt = f.runtime("gpu-1")
     with ch:
         url = rt.Exec(cri.ExecRequest(container_id=remote, cmd=["true"], stdout=True)).url

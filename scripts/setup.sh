@@ -43,3 +43,19 @@ if [ "$(cat "$STAMP" 2>/dev/null)" != "$WANT" ]; then
   "$VENV/bin/pip" install -q --disable-pip-version-check -e "$ROOT[test]"
   echo "$WANT" > "$STAMP"
 fi
+
+# kubectl 1.20 (Debian's kubernetes-client), unpacked into the venv and put on no PATH: the
+# integration tests' SPDY client of the streaming relay (newer kubectl speaks WebSocket instead).
+KUBECTL_DIR="$VENV/opt/kubernetes-client"
+if [ ! -x "$KUBECTL_DIR/usr/bin/kubectl" ]; then
+  echo "weft: unpacking kubectl 1.20 (Debian's kubernetes-client) into $KUBECTL_DIR for the tests"
+  deb_dir="$(mktemp -d)"
+  if ! (cd "$deb_dir" && apt-get download -q kubernetes-client >/dev/null 2>&1); then
+    apt-get update -q
+    (cd "$deb_dir" && apt-get download -q kubernetes-client)
+  fi
+  rm -rf "$KUBECTL_DIR.tmp"
+  dpkg-deb -x "$deb_dir"/kubernetes-client_*.deb "$KUBECTL_DIR.tmp"
+  rm -rf "$deb_dir" "$KUBECTL_DIR"
+  mv "$KUBECTL_DIR.tmp" "$KUBECTL_DIR"
+fi
