@@ -55,6 +55,7 @@ if [ ! -x "$KUBECTL_DIR/usr/bin/kubectl" ]; then
     (cd "$deb_dir" && apt-get download -q kubernetes-client)
   fi
   rm -rf "$KUBECTL_DIR.tmp"
+  mkdir -p "$VENV/opt"
   dpkg-deb -x "$deb_dir"/kubernetes-client_*.deb "$KUBECTL_DIR.tmp"
   rm -rf "$deb_dir" "$KUBECTL_DIR"
   mv "$KUBECTL_DIR.tmp" "$KUBECTL_DIR"
