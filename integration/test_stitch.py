@@ -1,13 +1,14 @@
 """The stitched pod network on the three-node fabric: a rerouted container on localhost, both ways.
 
 One pod on ``gpu-1``: ``web`` (rerouted to a CPU host) serves HTTP on 8080 and
-checksums what it is sent on 7000; ``gpu`` (local) serves HTTP on 9090. With
-no configuration, each reaches the other on 127.0.0.1, a Service-like client
-reaches ``web`` at the pod IP, 1 GiB goes each way with its checksum intact,
-200 connections run at once, a port the local container holds already is
-reported and left alone, and a cut link ends a transfer with an error (not a
-hang) while new connections work once it is back. A second pod declares its
-containers' ports (``weft.io/ports.<name>``): only those are mirrored.
+checksums what it is sent on 7000; ``gpu`` (local) serves HTTP on 9090, and on
+[::1]:9093 (IPv6 loopback only). With no configuration, each reaches the other
+on localhost (127.0.0.1 and ::1), a Service-like client reaches ``web`` at the
+pod IP, 1 GiB goes each way with its checksum intact, 200 connections run at
+once, a port the local container holds already is reported and left alone,
+and a cut link ends a transfer with an error (not a hang) while new
+connections work once it is back. A second pod declares its containers'
+ports (``weft.io/ports.<name>``): only those are mirrored.
 """
 
 from __future__ import annotations
@@ -44,7 +45,8 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         web = create(f, sid, sandbox, cpu_container("web", ["sh", "-c", WEB.format(text="remote-ok", port=8080)],
                                                     memory=256 << 20))
         gpu = create(f, sid, sandbox, pods.container_config(
-            "gpu", ["sh", "-c", "mkdir -p /www && echo local-ok > /www/index.html && exec httpd -f -p 9090 -h /www"],
+            "gpu", ["sh", "-c", "mkdir -p /www && echo local-ok > /www/index.html && httpd -p [::1]:9093 -h /www && "
+                    "exec httpd -f -p 9090 -h /www"],
             envs={"NVIDIA_VISIBLE_DEVICES": "all"}))
         for cid in (web, gpu):
             wait_for(lambda c=cid: status(f, c).state == cri.CONTAINER_RUNNING, what="running")
@@ -84,6 +86,10 @@ def test_localhost_both_ways_and_the_pod_ip(pod) -> None:
                     what="the local container reaching the rerouted one on localhost")
     assert wait_for(lambda: _get(f, pod["web"], 9090) == b"local-ok\n", timeout=20,
                     what="the rerouted container reaching the local one on localhost")
+    # IPv6 loopback: a client that dials ::1 reaches the mirror; a server on ::1 only is reached from the shadow.
+    assert _exec(f, pod["gpu"], "wget -qO- http://[::1]:8080/").stdout == b"remote-ok\n"
+    assert wait_for(lambda: _get(f, pod["web"], 9093) == b"local-ok\n", timeout=20,
+                    what="the rerouted container reaching a server on ::1 only in the origin pod")
     # A Service's client: the pod IP, from outside the pod (the root namespace routes to every pod subnet).
     with urllib.request.urlopen(f"http://{pod['ip']}:8080/", timeout=10) as resp:
         assert resp.read() == b"remote-ok\n"
@@ -240,7 +246,7 @@ def test_nothing_leaks_in_either_agent(pod) -> None:
         wait_for(lambda p=pid, b=before: _sockets(p) <= b + 2, timeout=20,
                  what=f"{name}'s sockets back to {before} (now {_sockets(pid)})")
     # Listeners in the pod: the shadow's two mirrors and the local container's own, nothing else.
-    assert set(pod["ns"].listening()) == {8080, 7000, 9090}
+    assert set(pod["ns"].listening()) == {8080, 7000, 9090, 9093}
 
 
 def test_declared_ports_replace_discovery(pod) -> None:

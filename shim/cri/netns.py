@@ -14,6 +14,7 @@ TCP sockets in LISTEN state, v4 and v6), not from running ``ss``.
 from __future__ import annotations
 
 import ctypes
+import errno
 import json
 import os
 import socket
@@ -86,8 +87,40 @@ class Netns:
 
         return self.run(make)
 
+    def listen_any(self, port: int, backlog: int = 512) -> socket.socket:
+        """A listener on every address, IPv4 and IPv6 (``::``, dual-stack); ``0.0.0.0`` where IPv6 is off."""
+        def make() -> socket.socket | None:
+            try:
+                s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
+            except OSError:
+                return None
+            try:
+                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                s.bind(("::", port))
+                s.listen(backlog)
+            except OSError as exc:
+                s.close()
+                if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # IPv6 disabled in the namespace
+                    return None
+                raise
+            return s
+
+        return self.run(make) or self.listen("0.0.0.0", port, backlog)
+
     def connect(self, host: str, port: int, timeout: float) -> socket.socket:
         return self.run(socket.create_connection, (host, port), timeout)
+
+    def connect_loopback(self, port: int, timeout: float) -> socket.socket:
+        """``port`` on 127.0.0.1, or on ::1 for a server that listens there only."""
+        try:
+            return self.connect("127.0.0.1", port, timeout)
+        except ConnectionRefusedError:
+            try:
+                return self.connect("::1", port, timeout)
+            except OSError:
+                raise ConnectionRefusedError(errno.ECONNREFUSED,
+                                             f"nothing listens on port {port} on 127.0.0.1 or ::1") from None
 
     def listening(self) -> dict[int, set[int]]:
         """TCP port -> inodes of the sockets listening on it, in this namespace."""

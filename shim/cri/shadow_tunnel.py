@@ -4,7 +4,7 @@
   an origin's shadow (through ShadowCall) are remembered for a minute, as long
   as containerd keeps them; ``open_tunnel`` to a stream URL is granted only for
   one of those, to the origin it was issued to, over TLS.
-* ``open_tunnel`` to a port: a plain tunnel to 127.0.0.1:<port> in the
+* ``open_tunnel`` to a port: a plain tunnel to 127.0.0.1:<port> (or ::1) in the
   shadow sandbox's network namespace (the origin's mirror of that port
   accepted a connection).
 * ``stitch``: the host listens on 127.0.0.1:<port> in the shadow's namespace
@@ -160,7 +160,7 @@ class ShadowNet:
             if not 1 <= port <= 65535:
                 raise TunnelRefused(f"port {port} is not a TCP port")
             ns = self._ns(c.pod_sandbox_id)
-            token = self.tunnel.grants.add(origin, lambda: ns.connect("127.0.0.1", port, CONNECT_TIMEOUT_S),
+            token = self.tunnel.grants.add(origin, lambda: ns.connect_loopback(port, CONNECT_TIMEOUT_S),
                                            tls=False, what=f"{name} :{port}")
             return pb.TunnelGrant(address=self.tunnel.address, token=token, tls=False)
         raise TunnelRefused("OpenTunnel names no target (stream_url or port)")

@@ -9,13 +9,15 @@ every ``POLL_S``, and at once when a host reports a change):
 * each host says, over a ``Stitch`` stream per remote container, what its
   shadow listens on (or the declared ports of that container);
 * ``shim.core.stitch.plan`` decides: each port of a shadow gets a listener on
-  0.0.0.0 in the origin sandbox (so localhost and the pod IP reach it, and so
-  does containerd's PortForward, which dials localhost in the sandbox), each
+  every address of the origin sandbox, IPv4 and IPv6 (so localhost, ::1 and
+  the pod IP reach it, and so does containerd's PortForward, which dials
+  localhost in the sandbox), each
   accepted connection a plain tunnel to the port in the shadow
   (``OpenTunnel``); every port of the pod (local containers' and the other
   shadows' mirrors) is listened on by the host in the shadow, and a
   connection there comes back on the stream as a token, which the origin
-  dials and joins to 127.0.0.1:<port> here.
+  dials and joins to 127.0.0.1:<port> here (::1 for a server that listens
+  there only).
 
 A port held both here and in a shadow is a collision: not mirrored, logged
 once (``stitch.port_collision``) with the port, the rerouted container and
@@ -156,7 +158,7 @@ class PodNet:
             if port in self.mirrors:
                 continue
             try:
-                sock = self.ns.listen("0.0.0.0", port)
+                sock = self.ns.listen_any(port)
             except OSError as exc:
                 self._collision(Collision(port, name, HeldBy.LOCAL), str(exc))
                 continue
@@ -214,7 +216,7 @@ class PodNet:
                          error=exc.message, direction="to-origin")
             return
         try:
-            local = self.ns.connect("127.0.0.1", ev.accepted_port, CONNECT_TIMEOUT_S)
+            local = self.ns.connect_loopback(ev.accepted_port, CONNECT_TIMEOUT_S)
         except OSError as exc:
             _log.info("stitch.local_refused", container=link.name, port=ev.accepted_port, error=str(exc))
             end.abort()

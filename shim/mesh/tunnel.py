@@ -226,17 +226,24 @@ class TlsEnd(SocketEnd):
 
     def read_some(self, buf: memoryview) -> int | None:
         got = 0
+        drained = False  # the socket gave less than asked: poll says when there is more
         while got < len(buf):
-            n = self._decrypt(buf[got:])
-            if n is None:
-                try:
-                    self._feed(self.sock.recv_into(self._raw))
-                except (BlockingIOError, InterruptedError):
+            # Decrypt only what is here (an exception per empty read costs more than the look).
+            if self._in.pending or self._obj.pending() or self._eof:
+                n = self._decrypt(buf[got:])
+                if n == 0:
                     break
-                continue
-            if n == 0:
+                if n is not None:
+                    got += n
+                    continue
+            if drained:
                 break
-            got += n
+            try:
+                n = self.sock.recv_into(self._raw)
+            except (BlockingIOError, InterruptedError):
+                break
+            self._feed(n)
+            drained = 0 < n < len(self._raw)
         if self._out.pending:
             self._tx = memoryview(bytes(self._tx) + self._out.read())
         if got:
