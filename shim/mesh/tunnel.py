@@ -148,127 +148,78 @@ class SocketEnd:
 
 
 class TlsEnd(SocketEnd):
-    """TLS over a socket through memory BIOs, so that a pipe's loop drives it without blocking.
+    """TLS on a socket, OpenSSL reading and writing the socket itself (one C call a record, no BIOs in Python).
 
-    The raw socket's bytes go through ``ssl.MemoryBIO`` in and out; encrypted
-    records the socket would not take yet wait in ``_tx`` (``wants_write``).
-    No close_notify is sent: EOF on the socket is EOF on the stream, as the
-    protocols carried (SPDY, WebSocket) frame their own ends. One thread uses
-    an end at a time: the tunnel's setup, then its pipe.
+    The socket is wrapped (``sock`` is the ``ssl.SSLSocket`` from then on).
+    Non-blocking for the pipe: a read that wants more bytes is ``None``, a
+    write the socket would not take is 0 and is retried with the same bytes,
+    as OpenSSL requires. No close_notify is sent: EOF on the socket is EOF on
+    the stream (``OP_IGNORE_UNEXPECTED_EOF``), as the protocols carried
+    (SPDY, WebSocket) frame their own ends; a half-close is the TCP one. One
+    thread uses an end at a time: the tunnel's setup, then its pipe.
     """
 
     def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, *, server_side: bool,
                  server_hostname: str | None = None) -> None:
-        super().__init__(sock)
-        self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
-        self._obj = ctx.wrap_bio(self._in, self._out, server_side=server_side, server_hostname=server_hostname)
+        super().__init__(ctx.wrap_socket(sock, server_side=server_side, server_hostname=server_hostname,
+                                         do_handshake_on_connect=False))
         self._eof = False
-        self._raw = bytearray(BUFFER)  # raw reads land here: no new buffer per read
-        self._tx = memoryview(b"")
 
     def handshake(self, timeout: float = HANDSHAKE_TIMEOUT_S) -> None:
         self.sock.settimeout(timeout)
-        while True:
-            try:
-                self._obj.do_handshake()
-                break
-            except ssl.SSLWantReadError:
-                self.sock.sendall(self._out.read())
-                n = self.sock.recv_into(self._raw)
-                if not n:
-                    raise ConnectionError("the peer closed the connection during the TLS handshake") from None
-                self._in.write(memoryview(self._raw)[:n])
-        self.sock.sendall(self._out.read())
+        try:
+            self.sock.do_handshake()
+        except ssl.SSLEOFError:
+            raise ConnectionError("the peer closed the connection during the TLS handshake") from None
         self.sock.settimeout(None)
 
     def peer_node(self) -> str | None:
-        cert = self._obj.getpeercert() or {}
+        cert = self.sock.getpeercert() or {}
         nodes = {v[len(NODE_URI_PREFIX):] for k, v in cert.get("subjectAltName", ()) if k == "URI"
                  and v.startswith(NODE_URI_PREFIX)}
         return nodes.pop() if len(nodes) == 1 else None
 
-    def _decrypt(self, buf: memoryview) -> int | None:
-        """Plaintext already here, into ``buf``: its length, 0 at the stream's end, None when a record is wanted."""
-        try:
-            return self._obj.read(len(buf), buf)
-        except ssl.SSLWantReadError:
-            return 0 if self._eof else None
-        except ssl.SSLZeroReturnError:
-            return 0
-        except ssl.SSLError:  # the socket's EOF after all its records: no close_notify is sent
-            if self._eof:
-                return 0
-            raise
-
-    def _feed(self, n: int) -> None:
-        if n:
-            self._in.write(memoryview(self._raw)[:n])
-        else:
-            self._eof = True
-            self._in.write_eof()
-
     def recv_into(self, buf: bytearray) -> int:
-        view = memoryview(buf)
-        while (n := self._decrypt(view)) is None:
-            if self._out.pending:  # what reading made TLS want to say (a key update)
-                self.sock.sendall(self._out.read())
-            self._feed(self.sock.recv_into(self._raw))
-        return n
-
-    def sendall(self, data: memoryview | bytes) -> None:
-        self._encrypt(data)
-        self.sock.sendall(self._out.read())
-
-    def _encrypt(self, data: memoryview | bytes) -> None:
-        view = memoryview(data)
-        while view:
-            view = view[self._obj.write(view):]
+        try:
+            return self.sock.recv_into(buf)
+        except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+            return 0
 
     def read_some(self, buf: memoryview) -> int | None:
         got = 0
-        drained = False  # the socket gave less than asked: poll says when there is more
         while got < len(buf):
-            # Decrypt only what is here (an exception per empty read costs more than the look).
-            if self._in.pending or self._obj.pending() or self._eof:
-                n = self._decrypt(buf[got:])
-                if n == 0:
-                    break
-                if n is not None:
-                    got += n
-                    continue
-            if drained:
-                break
             try:
-                n = self.sock.recv_into(self._raw)
-            except (BlockingIOError, InterruptedError):
+                n = self.sock.recv_into(buf[got:])
+            except (ssl.SSLWantReadError, ssl.SSLWantWriteError, BlockingIOError, InterruptedError):
                 break
-            self._feed(n)
-            drained = 0 < n < len(self._raw)
-        if self._out.pending:
-            self._tx = memoryview(bytes(self._tx) + self._out.read())
+            except (ssl.SSLZeroReturnError, ssl.SSLEOFError):
+                n = 0
+            if n == 0:
+                self._eof = True
+                break
+            got += n
+            # What is left of a record is decrypted here already; the next record is still in the socket,
+            # where poll sees it (no read-ahead).
+            if not self.sock.pending():
+                break
         if got:
             return got
         return 0 if self._eof else None
 
     def write_some(self, data: memoryview) -> int:
-        if not self.flush():
+        try:
+            return self.sock.send(data)
+        except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError, InterruptedError):
             return 0
-        self._encrypt(data)
-        self._tx = memoryview(self._out.read())
-        self.flush()
-        return len(data)
 
-    def wants_write(self) -> bool:
-        return bool(self._tx)
+    def shutdown_write(self) -> None:
+        socket.socket.shutdown(self.sock, socket.SHUT_WR)  # SSLSocket.shutdown would drop the TLS state
 
-    def flush(self) -> bool:
-        while self._tx:
-            try:
-                n = self.sock.send(self._tx)
-            except (BlockingIOError, InterruptedError):
-                return False
-            self._tx = self._tx[n:]
-        return True
+    def abort(self) -> None:
+        with contextlib.suppress(OSError):
+            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
+            socket.socket.shutdown(self.sock, socket.SHUT_RD)
+        self.sock.close()
 
 
 # -- pipes ------------------------------------------------------------------------------
@@ -587,7 +538,7 @@ class TunnelServer(PipeServer):
                 end = TlsEnd(conn, self._server_ctx, server_side=True)
                 end.handshake()
                 node = end.peer_node()
-                conn.settimeout(HANDSHAKE_TIMEOUT_S)
+                end.sock.settimeout(HANDSHAKE_TIMEOUT_S)
             line = read_line(end)
             if not line.startswith(MAGIC):
                 raise TunnelError("not a weft tunnel")
@@ -612,7 +563,7 @@ class TunnelServer(PipeServer):
             tune(target, tunnel=False)
             target.settimeout(None)
             end.sendall(b"OK\n")
-            conn.settimeout(None)
+            end.sock.settimeout(None)
         except (OSError, ssl.SSLError, TunnelError) as exc:
             _log.warning("tunnel.refused", peer=f"{peer[0]}:{peer[1]}", error=str(exc))
             with contextlib.suppress(OSError):
@@ -634,7 +585,7 @@ def dial(address: str, token: bytes, *, tls: ssl.SSLContext | None = None, node:
         if tls is not None:
             end = TlsEnd(sock, tls, server_side=False, server_hostname=node)
             end.handshake(timeout)
-            sock.settimeout(timeout)
+            end.sock.settimeout(timeout)
         end.sendall(MAGIC + token.hex().encode() + b"\n")
         answer = read_line(end)
     except (OSError, ssl.SSLError, TunnelError) as exc:
@@ -644,5 +595,5 @@ def dial(address: str, token: bytes, *, tls: ssl.SSLContext | None = None, node:
         end.close()
         raise TunnelError(f"tunnel to {node or address} at {address}: "
                           f"{answer.decode(errors='replace').strip().removeprefix('ERR ')}")
-    sock.settimeout(None)
+    end.sock.settimeout(None)
     return end

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import socket
 import threading
 import time
@@ -11,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from shim.mesh.certs import write_mesh_certs
-from shim.mesh.tunnel import Pipe, TunnelError, TunnelServer, contexts, dial
+from shim.mesh.tunnel import Pipe, SocketEnd, TunnelError, TunnelServer, contexts, dial
 
 
 @pytest.fixture(scope="module")
@@ -82,6 +83,33 @@ def test_bytes_both_ways_and_half_close(server: TunnelServer, echo, certs: Path,
     end = dial(server.address, token, tls=contexts(certs, "origin")[1] if tls else None, node="host")
     payload = bytes(range(256)) * 8192  # 2 MiB
     assert _round_trip(end, payload) == payload + f"<{len(payload)}>".encode()
+
+
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
+def test_a_slow_reader_holds_the_writer_back_and_nothing_is_lost(server: TunnelServer, echo, certs: Path,
+                                                                 tls: bool) -> None:
+    """32 MiB through two pipes (ours, as the origin's relay, and the host's) to the echo while the reader sleeps
+    first: full sockets on every hop, then all of it, in order."""
+    token = _grant(server, echo, tls=tls)
+    end = dial(server.address, token, tls=contexts(certs, "origin")[1] if tls else None, node="host")
+    app, ours = socket.socketpair()
+    Pipe(SocketEnd(ours), end, "test").start()
+    payload = hashlib.sha256(b"weft").digest() * (1 << 20)  # 32 MiB
+
+    def write() -> None:
+        app.sendall(payload)
+        app.shutdown(socket.SHUT_WR)
+
+    writer = threading.Thread(target=write)
+    writer.start()
+    time.sleep(1.0)  # the writer fills every socket on the way meanwhile and is held back
+    got = hashlib.sha256()
+    app.settimeout(30)
+    while data := app.recv(1 << 16):
+        got.update(data)
+    writer.join(30)
+    app.close()
+    assert got.hexdigest() == hashlib.sha256(payload + f"<{len(payload)}>".encode()).hexdigest()
 
 
 def test_a_token_works_once(server: TunnelServer, echo) -> None:
