@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import os
 import socket
 import threading
 import time
@@ -24,6 +26,7 @@ def certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def server(certs: Path) -> Iterator[TunnelServer]:
+    pipes_fds = _pipe_fds()
     s = TunnelServer("127.0.0.1", certs, "host")
     s.start()
     yield s
@@ -32,6 +35,16 @@ def server(certs: Path) -> Iterator[TunnelServer]:
     while Pipe.live and time.monotonic() < deadline:
         time.sleep(0.02)
     assert Pipe.live == 0, "a pipe outlived its test"
+    assert _pipe_fds() == pipes_fds, "a pipe left its kernel pipes (splice) or its eventfd open"
+
+
+def _pipe_fds() -> int:
+    """This process's open pipes and eventfds, which only pipes of ours make here."""
+    n = 0
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            n += os.readlink(f"/proc/self/fd/{fd}").startswith(("pipe:", "anon_inode:[eventfd]"))
+    return n
 
 
 @pytest.fixture
