@@ -74,39 +74,16 @@ class Netns:
         return (pool or self._pool).submit(inside).result()
 
     def listen(self, host: str, port: int, backlog: int = 512) -> socket.socket:
-        def make() -> socket.socket:
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            try:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind((host, port))
-                s.listen(backlog)
-            except OSError:
-                s.close()
-                raise
-            return s
-
-        return self.run(make)
+        return self.run(_listener, socket.AF_INET, host, port, backlog)
 
     def listen_any(self, port: int, backlog: int = 512) -> socket.socket:
         """A listener on every address, IPv4 and IPv6 (``::``, dual-stack); ``0.0.0.0`` where IPv6 is off."""
-        def make() -> socket.socket | None:
-            try:
-                s = socket.socket(socket.AF_INET6, socket.SOCK_STREAM)
-            except OSError:
-                return None
-            try:
-                s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                s.bind(("::", port))
-                s.listen(backlog)
-            except OSError as exc:
-                s.close()
-                if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # IPv6 disabled in the namespace
-                    return None
+        try:
+            return self.run(_listener, socket.AF_INET6, "::", port, backlog)
+        except OSError as exc:
+            if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # not: IPv6 off in the namespace
                 raise
-            return s
-
-        return self.run(make) or self.listen("0.0.0.0", port, backlog)
+        return self.listen("0.0.0.0", port, backlog)
 
     def connect(self, host: str, port: int, timeout: float) -> socket.socket:
         return self.run(socket.create_connection, (host, port), timeout)
@@ -150,6 +127,20 @@ class Netns:
                 diag.close()
         self._diag_pool.shutdown(wait=True)
         self._pool.shutdown(wait=False)
+
+
+def _listener(family: int, host: str, port: int, backlog: int) -> socket.socket:
+    s = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        if family == socket.AF_INET6:
+            s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, port))
+        s.listen(backlog)
+    except OSError:
+        s.close()
+        raise
+    return s
 
 
 def sandbox_netns(call: Callable[[str, object, type], object], sandbox_id: str) -> str:

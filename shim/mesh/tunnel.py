@@ -86,9 +86,6 @@ class End(Protocol):
     def read_some(self, buf: memoryview) -> int | None: ...
     # Non-blocking: bytes taken from ``data`` (0: the socket is full).
     def write_some(self, data: memoryview) -> int: ...
-    # Bytes taken but not yet on the socket (TLS records); ``flush`` sends what it can, True when none are left.
-    def wants_write(self) -> bool: ...
-    def flush(self) -> bool: ...
     def shutdown_write(self) -> None: ...
     def abort(self) -> None: ...
     def close(self) -> None: ...
@@ -130,20 +127,15 @@ class SocketEnd:
         except (BlockingIOError, InterruptedError):
             return 0
 
-    def wants_write(self) -> bool:
-        return False
-
-    def flush(self) -> bool:
-        return True
-
+    # socket.socket's shutdown, not SSLSocket's (which would drop the TLS state): a half-close is the TCP one.
     def shutdown_write(self) -> None:
-        self.sock.shutdown(socket.SHUT_WR)
+        socket.socket.shutdown(self.sock, socket.SHUT_WR)
 
     def abort(self) -> None:
         """Close with a reset (SO_LINGER 0)."""
         with contextlib.suppress(OSError):
             self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-            self.sock.shutdown(socket.SHUT_RD)
+            socket.socket.shutdown(self.sock, socket.SHUT_RD)
         self.sock.close()
 
     def close(self) -> None:
@@ -215,15 +207,6 @@ class TlsEnd(SocketEnd):
         except (ssl.SSLWantWriteError, ssl.SSLWantReadError, BlockingIOError, InterruptedError):
             return 0
 
-    def shutdown_write(self) -> None:
-        socket.socket.shutdown(self.sock, socket.SHUT_WR)  # SSLSocket.shutdown would drop the TLS state
-
-    def abort(self) -> None:
-        with contextlib.suppress(OSError):
-            self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, b"\x01\x00\x00\x00\x00\x00\x00\x00")
-            socket.socket.shutdown(self.sock, socket.SHUT_RD)
-        self.sock.close()
-
 
 # -- pipes ------------------------------------------------------------------------------
 _IN, _OUT, _BAD = select.POLLIN, select.POLLOUT, select.POLLERR | select.POLLHUP
@@ -257,7 +240,7 @@ class _Held:
         pass
 
 
-class _Spliced(_Held):
+class _Spliced:
     """The same between two plain sockets, held in a kernel pipe: splice(2) moves the pages, no copy through us."""
 
     def __init__(self) -> None:
@@ -355,7 +338,7 @@ class Pipe:
 
     def _loop(self, ends: tuple[End, End]) -> None:
         # Read from ends[i], not yet taken by the other end; between plain sockets it stays in the kernel.
-        kind = _Spliced if all(type(e) is SocketEnd for e in ends) else _Held
+        kind: type[_Held | _Spliced] = _Spliced if all(type(e) is SocketEnd for e in ends) else _Held
         held = (kind(), kind())
         try:
             self._move(ends, held)
@@ -363,7 +346,7 @@ class Pipe:
             for h in held:
                 h.close()
 
-    def _move(self, ends: tuple[End, End], held: tuple[_Held, _Held]) -> None:
+    def _move(self, ends: tuple[End, End], held: tuple[_Held | _Spliced, _Held | _Spliced]) -> None:
         eof, shut = [False, False], [False, False]  # ends[i] said EOF; the other was shut for writing after it
         readable, writable = [True, True], [True, True]
         fds = (ends[0].sock.fileno(), ends[1].sock.fileno())
@@ -381,9 +364,6 @@ class Pipe:
                         if held[i].drain(dst) == 0 or held[i]:
                             writable[j] = False
                             break
-                    if dst.wants_write() and not (writable[j] and dst.flush()):
-                        writable[j] = False
-                        break
                     if eof[i]:
                         if not shut[i]:
                             dst.shutdown_write()
@@ -406,7 +386,7 @@ class Pipe:
                 continue
             for k in (0, 1):  # what to wait for on each end; an end with nothing to wait for is left out
                 want = (_IN if not (eof[k] or readable[k] or held[k]) else 0) | (
-                    _OUT if (held[1 - k] or ends[k].wants_write()) and not writable[k] else 0)
+                    _OUT if held[1 - k] and not writable[k] else 0)
                 if want != masks[k]:
                     if not masks[k]:
                         poller.register(fds[k], want)
