@@ -86,8 +86,10 @@ def test_localhost_both_ways_and_the_pod_ip(pod) -> None:
                     what="the local container reaching the rerouted one on localhost")
     assert wait_for(lambda: _get(f, pod["web"], 9090) == b"local-ok\n", timeout=20,
                     what="the rerouted container reaching the local one on localhost")
-    # IPv6 loopback: a client that dials ::1 reaches the mirror; a server on ::1 only is reached from the shadow.
+    # IPv6 loopback: a client that dials ::1 reaches the mirror, on either side; a server on ::1 only is reached
+    # from the shadow.
     assert _exec(f, pod["gpu"], "wget -qO- http://[::1]:8080/").stdout == b"remote-ok\n"
+    assert _exec(f, pod["web"], "wget -qO- http://[::1]:9090/").stdout == b"local-ok\n"
     assert wait_for(lambda: _get(f, pod["web"], 9093) == b"local-ok\n", timeout=20,
                     what="the rerouted container reaching a server on ::1 only in the origin pod")
     # A Service's client: the pod IP, from outside the pod (the root namespace routes to every pod subnet).

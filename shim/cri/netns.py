@@ -85,6 +85,20 @@ class Netns:
                 raise
         return self.listen("0.0.0.0", port, backlog)
 
+    def listen_loopback(self, port: int, backlog: int = 512) -> list[socket.socket]:
+        """Listeners on 127.0.0.1 and ::1 (not on the namespace's other addresses); 127.0.0.1 only where IPv6 is off.
+
+        A port already taken on either address is an error (the listener made on the other is closed).
+        """
+        v4 = self.listen("127.0.0.1", port, backlog)
+        try:
+            return [v4, self.run(_listener, socket.AF_INET6, "::1", port, backlog)]
+        except OSError as exc:
+            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # IPv6 off in the namespace
+                return [v4]
+            v4.close()
+            raise
+
     def connect(self, host: str, port: int, timeout: float) -> socket.socket:
         return self.run(socket.create_connection, (host, port), timeout)
 

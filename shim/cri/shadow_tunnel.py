@@ -7,7 +7,9 @@
 * ``open_tunnel`` to a port: a plain tunnel to 127.0.0.1:<port> (or ::1) in the
   shadow sandbox's network namespace (the origin's mirror of that port
   accepted a connection).
-* ``stitch``: the host listens on 127.0.0.1:<port> in the shadow's namespace
+* ``stitch``: the host listens on 127.0.0.1:<port> and [::1]:<port> in the
+  shadow's namespace (loopback only: the origin pod's ports are not served on
+  the shadow's own pod IP)
   for each port of the origin's pod; an accepted connection becomes a grant
   whose target is that very socket, offered to the origin on the stream,
   which dials it and joins it to the port in its own pod. The stream also
@@ -61,24 +63,25 @@ class Mirrors:
     def __init__(self, net: ShadowNet, origin: str, key: str, name: str, ns: Netns, sandbox_id: str) -> None:
         self.net, self.origin, self.key, self.name, self.ns = net, origin, key, name, ns
         self.sandbox_id = sandbox_id
-        self.listeners: dict[int, socket.socket] = {}
+        self.listeners: dict[int, list[socket.socket]] = {}  # port -> its listeners (127.0.0.1, ::1)
         self.refs = 0
         self.subscriber: queue.Queue | None = None
         self._lock = threading.Lock()
 
     def inodes(self) -> set[int]:
         with self._lock:
-            return {os.fstat(s.fileno()).st_ino for s in self.listeners.values() if s.fileno() >= 0}
+            return {os.fstat(s.fileno()).st_ino for socks in self.listeners.values() for s in socks if s.fileno() >= 0}
 
     def set_ports(self, ports: set[int]) -> list[str]:
         problems = []
         with self._lock:
             for port in set(self.listeners) - ports:
-                _close_listener(self.listeners.pop(port))
+                for sock in self.listeners.pop(port):
+                    _close_listener(sock)
             new = ports - set(self.listeners)
         for port in sorted(new):
             try:
-                sock = self.ns.listen("127.0.0.1", port)
+                socks = self.ns.listen_loopback(port)
             except OSError as exc:
                 detail = f"port {port} of the pod cannot be mirrored into rerouted container {self.name}: {exc}"
                 holder = owner_of(self.ns.listening().get(port, set()))
@@ -89,8 +92,10 @@ class Mirrors:
                 problems.append(detail)
                 continue
             with self._lock:
-                self.listeners[port] = sock
-            threading.Thread(target=self._accept, args=(sock, port), name=f"weft-mirror-{port}", daemon=True).start()
+                self.listeners[port] = socks
+            for sock in socks:
+                threading.Thread(target=self._accept, args=(sock, port), name=f"weft-mirror-{port}",
+                                 daemon=True).start()
         return problems
 
     def _accept(self, sock: socket.socket, port: int) -> None:
@@ -109,7 +114,7 @@ class Mirrors:
 
     def close(self) -> None:
         with self._lock:
-            socks = list(self.listeners.values())
+            socks = [s for port_socks in self.listeners.values() for s in port_socks]
             self.listeners.clear()
         for s in socks:
             _close_listener(s)
