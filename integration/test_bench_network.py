@@ -1,0 +1,57 @@
+"""``weft bench network --quick`` runs end to end: every figure is there and sane, and nothing is left behind.
+
+A measurement, so this checks the figures' shape (positive, p99 not under
+p50, the split of the exec round trip consistent), never how fast anything
+was: timing thresholds would only measure how busy the test machine is.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from integration.test_bench_mesh import _run
+
+pytestmark = pytest.mark.slow
+
+
+def _positive(value: float, what: str) -> None:
+    assert isinstance(value, int | float) and math.isfinite(value) and value > 0, (what, value)
+
+
+def _netns() -> set[str]:
+    return set(subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout.split())
+
+
+def test_bench_network_quick_has_every_figure(tmp_path: Path) -> None:
+    before = _netns()
+    out = tmp_path / "network.json"
+    res = _run("network", "--quick", "--json", "--output", str(out))
+    figures = json.loads(res.stdout)
+    assert json.loads(out.read_text()) == figures
+
+    for path in ("direct", "stitched"):
+        _positive(figures["throughput_gbytes_s"][path], f"{path} throughput")
+        rr = figures["rr_ms"][path]
+        _positive(rr["p50"], f"{path} p50")
+        assert rr["p99"] >= rr["p50"], path
+    _positive(figures["throughput_ratio"], "throughput ratio")
+    assert figures["added_p50_ms"] == pytest.approx(
+        figures["rr_ms"]["stitched"]["p50"] - figures["rr_ms"]["direct"]["p50"], abs=1e-3)
+    for agent in ("origin", "host"):
+        _positive(figures["agent_cpu_s_per_gib"][agent], f"{agent} agent CPU per GiB")
+
+    ex = figures["exec_rtt_ms"]
+    for k in ("remote", "local", "shadow_on_host"):
+        _positive(ex[k]["p50"], f"exec {k} p50")
+        assert ex[k]["p99"] >= ex[k]["p50"], k
+    assert figures["exec_ratio"] == pytest.approx(ex["remote"]["p50"] / ex["local"]["p50"], abs=2e-3)
+    assert figures["exec_added_by_relays_ms"] == pytest.approx(ex["remote"]["p50"] - ex["shadow_on_host"]["p50"],
+                                                               abs=2e-3)
+    assert set(figures["targets"]) == {"throughput_ratio", "throughput_ratio_stretch", "added_p50_ms", "exec_ratio"}
+    assert "exec echo" not in res.stdout  # --json: the object only
+    assert _netns() <= before  # the fabric's node namespaces went with it
