@@ -49,9 +49,10 @@ def test_bench_network_quick_has_every_figure(tmp_path: Path) -> None:
     for k in ("remote", "local", "shadow_on_host"):
         _positive(ex[k]["p50"], f"exec {k} p50")
         assert ex[k]["p99"] >= ex[k]["p50"], k
-    assert figures["exec_ratio"] == pytest.approx(ex["remote"]["p50"] / ex["local"]["p50"], abs=2e-3)
+    # The figures are computed before rounding, the p50s shown are rounded to the microsecond: allow for that.
+    assert figures["exec_ratio"] == pytest.approx(ex["remote"]["p50"] / ex["local"]["p50"], rel=0.01)
     assert figures["exec_added_by_relays_ms"] == pytest.approx(ex["remote"]["p50"] - ex["shadow_on_host"]["p50"],
-                                                               abs=2e-3)
+                                                               abs=3e-3)
     assert set(figures["targets"]) == {"throughput_ratio", "throughput_ratio_stretch", "added_p50_ms", "exec_ratio"}
     assert "exec echo" not in res.stdout  # --json: the object only
     assert _netns() <= before  # the fabric's node namespaces went with it
