@@ -8,19 +8,14 @@ was: timing thresholds would only measure how busy the test machine is.
 from __future__ import annotations
 
 import json
-import math
 import subprocess
 from pathlib import Path
 
 import pytest
 
-from integration.test_bench_mesh import _run
+from integration.test_bench_mesh import _positive, _run
 
 pytestmark = pytest.mark.slow
-
-
-def _positive(value: float, what: str) -> None:
-    assert isinstance(value, int | float) and math.isfinite(value) and value > 0, (what, value)
 
 
 def _netns() -> set[str]:

@@ -81,7 +81,7 @@ class Netns:
         try:
             return self.run(_listener, socket.AF_INET6, "::", port, backlog)
         except OSError as exc:
-            if exc.errno not in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # not: IPv6 off in the namespace
+            if exc.errno not in _IPV6_OFF:
                 raise
         return self.listen("0.0.0.0", port, backlog)
 
@@ -94,7 +94,7 @@ class Netns:
         try:
             return [v4, self.run(_listener, socket.AF_INET6, "::1", port, backlog)]
         except OSError as exc:
-            if exc.errno in (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT):  # IPv6 off in the namespace
+            if exc.errno in _IPV6_OFF:
                 return [v4]
             v4.close()
             raise
@@ -141,6 +141,10 @@ class Netns:
                 diag.close()
         self._diag_pool.shutdown(wait=True)
         self._pool.shutdown(wait=False)
+
+
+# What binding an IPv6 address fails with when the namespace has IPv6 off.
+_IPV6_OFF = (errno.EADDRNOTAVAIL, errno.EAFNOSUPPORT)
 
 
 def _listener(family: int, host: str, port: int, backlog: int) -> socket.socket:

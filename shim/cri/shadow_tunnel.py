@@ -68,9 +68,12 @@ class Mirrors:
         self.subscriber: queue.Queue | None = None
         self._lock = threading.Lock()
 
+    def _sockets(self) -> list[socket.socket]:
+        return [s for socks in self.listeners.values() for s in socks]
+
     def inodes(self) -> set[int]:
         with self._lock:
-            return {os.fstat(s.fileno()).st_ino for socks in self.listeners.values() for s in socks if s.fileno() >= 0}
+            return {os.fstat(s.fileno()).st_ino for s in self._sockets() if s.fileno() >= 0}
 
     def set_ports(self, ports: set[int]) -> list[str]:
         problems = []
@@ -114,7 +117,7 @@ class Mirrors:
 
     def close(self) -> None:
         with self._lock:
-            socks = [s for port_socks in self.listeners.values() for s in port_socks]
+            socks = self._sockets()
             self.listeners.clear()
         for s in socks:
             _close_listener(s)
