@@ -18,7 +18,10 @@ p99, and what the stitch adds), the CPU seconds each agent spent per GiB
 ``sh`` through a TTY until its echo comes back, on the rerouted container
 against a local one, over the WebSocket streaming protocol; and the same on
 the shadow through its host's containerd directly, which no relay touches,
-so that what the two agents' relays add is shown apart from the rest.
+so that what the two agents' relays add is shown apart from the rest. The
+relays busy-poll after a keystroke (``agent.stream_busy_poll_us``, 100 us by
+default; ``--stream-busy-poll-us 0`` runs the bench without), and the CPU the
+two agents spend a keystroke is shown with it (session setup included).
 
 It is a measurement, not a test: a missed target is printed, and the exit
 code says only whether the run worked.
@@ -43,6 +46,7 @@ from integration.fabric import Fabric3
 from integration.streams import ChannelStream
 from integration.test_remote import PLACEMENT, cpu_container, create, run_pod, status
 from integration.waiting import wait_for
+from shim.config import AgentConfig
 from shim.cri.netns import Netns, sandbox_netns
 
 SINK_PORT, ECHO_PORT = 7500, 7501
@@ -139,10 +143,11 @@ def _exec_rtt(f: Fabric3, cid: str, samples: int, *, node: str = "gpu-1", direct
     return out
 
 
-def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path | None = None) -> int:
+def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path | None = None,
+         busy_poll_us: int | None = None) -> int:
     nbytes = int(gib * (1 << 30)) // BUF * BUF
     with tempfile.TemporaryDirectory(prefix="weft-bench-network-") as tmp, \
-            Fabric3(Path(tmp) / "fabric", fence_s=30.0, loss_s=60.0) as f:
+            Fabric3(Path(tmp) / "fabric", fence_s=30.0, loss_s=60.0, stream_busy_poll_us=busy_poll_us) as f:
         _say("fabric up; starting the pod")
         sid, sandbox = run_pod(f, "bench")
         remote = create(f, sid, sandbox, cpu_container("cpu", ["sleep", "3600"], memory=128 << 20))
@@ -194,8 +199,11 @@ def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path |
             shadow_cid = rt.ListContainers(cri.ListContainersRequest(
                 filter=cri.ContainerFilter(pod_sandbox_id=shadow_sid))).containers[0].id
         ex: dict[str, list[float]] = {"remote": [], "local": [], "shadow_on_host": []}
+        exec_cpu = 0.0
         for _ in range(2):
+            before = {a: _cpu(pid) for a, pid in agents.items()}
             ex["remote"] += _exec_rtt(f, remote, 200)
+            exec_cpu += sum(_cpu(pid) - before[a] for a, pid in agents.items())
             ex["local"] += _exec_rtt(f, local, 200)
             ex["shadow_on_host"] += _exec_rtt(f, shadow_cid, 200, node=host, direct=True)
         for lst in listeners:
@@ -214,6 +222,8 @@ def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path |
         "exec_rtt_ms": {k: {"p50": round(_pct(v, 0.5), 3), "p99": round(_pct(v, 0.99), 3)} for k, v in ex.items()},
         "exec_ratio": round(_pct(ex["remote"], 0.5) / _pct(ex["local"], 0.5), 3),
         "exec_added_by_relays_ms": round(_pct(ex["remote"], 0.5) - _pct(ex["shadow_on_host"], 0.5), 3),
+        "exec_agent_cpu_ms_per_keystroke": round(exec_cpu / len(ex["remote"]) * 1e3, 3),
+        "stream_busy_poll_us": AgentConfig().stream_busy_poll_us if busy_poll_us is None else busy_poll_us,
         "targets": TARGETS,
     }
     text = json.dumps(figures, indent=2)
@@ -231,5 +241,7 @@ def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path |
         print(f"exec echo through a TTY p50: rerouted {figures['exec_rtt_ms']['remote']['p50']:.2f} ms, local "
               f"{figures['exec_rtt_ms']['local']['p50']:.2f} ms ({figures['exec_ratio']:.2f}x; target <= 1.5x); "
               f"the shadow on its host's containerd directly {figures['exec_rtt_ms']['shadow_on_host']['p50']:.2f} ms "
-              f"(the two relays add {figures['exec_added_by_relays_ms']:.2f} ms)")
+              f"(the two relays add {figures['exec_added_by_relays_ms']:.2f} ms); both agents' CPU "
+              f"{figures['exec_agent_cpu_ms_per_keystroke']:.2f} ms a keystroke, busy-polling "
+              f"{figures['stream_busy_poll_us']} us")
     return 0

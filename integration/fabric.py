@@ -48,6 +48,7 @@ class Fabric3:
     fence_s: float = FENCE_S
     loss_s: float = LOSS_S
     hello_s: float = HELLO_S
+    stream_busy_poll_us: int | None = None  # agent.stream_busy_poll_us on every node; None: the default
     cluster: Cluster | None = None
     broker: BrokerProcess | None = None
     agents: dict[str, AgentProcess] = field(default_factory=dict)
@@ -92,7 +93,9 @@ class Fabric3:
         for node in self.cluster.nodes:
             # Shadows under the node's own cgroup root, which its harness removes at the end.
             conf = self.workdir / f"{node.name}.toml"
-            conf.write_text(common + f'shadow_cgroup_parent = "{node.containerd.cgroup_root}/shadows"\n')
+            conf.write_text(common + f'shadow_cgroup_parent = "{node.containerd.cgroup_root}/shadows"\n' + (
+                f"[agent]\nstream_busy_poll_us = {self.stream_busy_poll_us}\n"
+                if self.stream_busy_poll_us is not None else ""))
             extra = ["--config", str(conf), "--node-name", node.name, "--role", ROLES[node.name],
                      "--mesh-address", f"{node.mesh_ip}:{MESH_PORT}", "--peers", str(peers), "--tls-dir", str(certs),
                      "--log-level", "debug"]

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from integration.test_bench_mesh import _positive, _run
+from shim.config import AgentConfig
 
 pytestmark = pytest.mark.slow
 
@@ -48,6 +49,8 @@ def test_bench_network_quick_has_every_figure(tmp_path: Path) -> None:
     assert figures["exec_ratio"] == pytest.approx(ex["remote"]["p50"] / ex["local"]["p50"], rel=0.01)
     assert figures["exec_added_by_relays_ms"] == pytest.approx(ex["remote"]["p50"] - ex["shadow_on_host"]["p50"],
                                                                abs=3e-3)
+    _positive(figures["exec_agent_cpu_ms_per_keystroke"], "the agents' CPU a keystroke")
+    assert figures["stream_busy_poll_us"] == AgentConfig().stream_busy_poll_us  # the agents ran with the default
     assert set(figures["targets"]) == {"throughput_ratio", "throughput_ratio_stretch", "added_p50_ms", "exec_ratio"}
     assert "exec echo" not in res.stdout  # --json: the object only
     assert _netns() <= before  # the fabric's node namespaces went with it

@@ -98,10 +98,11 @@ class Agent:
         from shim.mesh.tunnel import TunnelServer, contexts
 
         self.tunnel = TunnelServer(parse_host_port(cfg.mesh.address, field="mesh.address")[0], cfg.mesh.tls_dir,
-                                   mesh.node)
+                                   mesh.node, busy_poll_us=cfg.agent.stream_busy_poll_us)
         host.net = ShadowNet(host, self.tunnel)
         self.fabric.tunnel_tls = contexts(cfg.mesh.tls_dir, mesh.node)[1]
-        self.fabric.streams = StreamRelay(self.fabric, cfg.agent.stream_address)
+        self.fabric.streams = StreamRelay(self.fabric, cfg.agent.stream_address,
+                                          busy_poll_us=cfg.agent.stream_busy_poll_us)
         self.stitch = OriginNet(self.fabric)
 
     def start(self) -> None:

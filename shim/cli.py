@@ -177,7 +177,8 @@ def _bench(args: argparse.Namespace) -> int:
         from bench import network
 
         return network.main(as_json=args.json, gib=0.25 if args.quick else 1.0,
-                            samples=1000 if args.quick else 3000, output=args.output)
+                            samples=1000 if args.quick else 3000, output=args.output,
+                            busy_poll_us=args.stream_busy_poll_us)
     if args.what == "e2e":
         from bench import e2e
 
@@ -280,6 +281,8 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--starts", type=int, default=20, help="mesh, e2e: container and pod starts per side")
     b.add_argument("--churn-seconds", type=float, default=30.0, help="e2e: length of the 50-pod churn")
     b.add_argument("--quick", action="store_true", help="mesh, e2e: a reduced run (few samples, short phases)")
+    b.add_argument("--stream-busy-poll-us", type=int, help="network: the agents' agent.stream_busy_poll_us "
+                   "(default: the agents' default)")
     b.set_defaults(fn=_bench)
     return p
 

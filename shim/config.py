@@ -22,6 +22,7 @@ Example file::
     log_level = "info"
     workers = 64                          # threads for intercepted calls
     stream_address = "127.0.0.1:0"        # exec/attach of rerouted containers (beside containerd's)
+    stream_busy_poll_us = 200             # exec/attach relays spin up to this long after a keystroke; 0: off
 
     [report]                              # weft report (flags override)
     prometheus = "http://prometheus.monitoring:9090"
@@ -45,6 +46,8 @@ from shim.core.annotations import parse_host_port
 from shim.errors import ConfigError
 
 LOG_LEVELS = ("debug", "info", "warning", "error")
+# Past a millisecond a relay would spin through a person's typing pauses: CPU spent for no echo sooner.
+MAX_BUSY_POLL_US = 1000
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class AgentConfig:
     # The streaming server for Exec/Attach of rerouted containers (HOST:PORT, port 0 picks one): where
     # kubelet reaches it, as it reaches containerd's own (stream_server_address, 127.0.0.1 by default).
     stream_address: str = "127.0.0.1:0"
+    # After a small transfer, an exec/attach relay polls without sleeping (yielding the CPU) for this many
+    # microseconds before it blocks: a wake-up from idle costs more than the echo itself (shim.mesh.tunnel).
+    stream_busy_poll_us: int = 200
 
     def validate(self) -> None:
         if self.metrics_address:
@@ -75,6 +81,9 @@ class AgentConfig:
             raise ConfigError(str(exc)) from None
         if self.log_level not in LOG_LEVELS:
             raise ConfigError(f"agent.log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        if not 0 <= self.stream_busy_poll_us <= MAX_BUSY_POLL_US:
+            raise ConfigError(f"agent.stream_busy_poll_us: {self.stream_busy_poll_us} is not between 0 (off) and "
+                              f"{MAX_BUSY_POLL_US} microseconds")
         if self.workers < 4:
             raise ConfigError(f"agent.workers: {self.workers} is too few (at least 4)")
         for name in ("socket", "containerd_socket", "state_dir"):

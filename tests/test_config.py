@@ -33,6 +33,10 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         pytest.param('[agent]\nworkers = 1\n', ["agent.workers", "too few"], id="too-few-workers"),
         pytest.param('[agent]\nsocket = "relative.sock"\n', ["agent.socket", "absolute"], id="relative-path"),
         pytest.param('[agent]\nmetrics_address = "9464"\n', ["agent.metrics_address", "HOST:PORT"], id="no-host"),
+        pytest.param('[agent]\nstream_busy_poll_us = 5000\n', ["agent.stream_busy_poll_us", "5000", "0 (off)"],
+                     id="busy-poll-too-long"),
+        pytest.param("[agent]\nstream_busy_poll_us = -1\n", ["agent.stream_busy_poll_us", "-1"],
+                     id="busy-poll-negative"),
         pytest.param('[agent\n', ["config file"], id="not-toml"),
     ],
 )

@@ -161,7 +161,7 @@ class ShadowNet:
             address = (parts.hostname or "127.0.0.1", parts.port or 80)
             token = self.tunnel.grants.add(
                 origin, lambda: socket.create_connection(address, CONNECT_TIMEOUT_S), tls=True,
-                what=f"{name} stream")
+                what=f"{name} stream", interactive=True)
             return pb.TunnelGrant(address=self.tunnel.address, token=token, tls=True)
         if req.WhichOneof("target") == "port":
             port = req.port

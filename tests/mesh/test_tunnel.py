@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from shim.mesh.certs import write_mesh_certs
-from shim.mesh.tunnel import Pipe, SocketEnd, TunnelError, TunnelServer, contexts, dial
+from shim.mesh.tunnel import BusyPoll, Pipe, SocketEnd, TunnelError, TunnelServer, contexts, dial
 
 
 @pytest.fixture(scope="module")
@@ -76,8 +76,14 @@ def echo() -> Iterator[tuple[str, int]]:
     lst.close()
 
 
-def _grant(server: TunnelServer, target: tuple[str, int], *, tls: bool, origin: str = "origin") -> bytes:
-    return server.grants.add(origin, lambda: socket.create_connection(target, 5), tls=tls, what="echo")
+def _grant(server: TunnelServer, target: tuple[str, int], *, tls: bool, origin: str = "origin",
+           interactive: bool = False) -> bytes:
+    return server.grants.add(origin, lambda: socket.create_connection(target, 5), tls=tls, what="echo",
+                             interactive=interactive)
+
+
+# A stream tunnel (exec, attach) busy-polls on both relays; the bytes must not notice.
+BUSY = pytest.mark.parametrize("busy_us", [0, 200], ids=["sleeping", "busy-polling"])
 
 
 def _round_trip(end, payload: bytes) -> bytes:
@@ -90,23 +96,27 @@ def _round_trip(end, payload: bytes) -> bytes:
     return out
 
 
+@BUSY
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
-def test_bytes_both_ways_and_half_close(server: TunnelServer, echo, certs: Path, tls: bool) -> None:
-    token = _grant(server, echo, tls=tls)
+def test_bytes_both_ways_and_half_close(server: TunnelServer, echo, certs: Path, tls: bool, busy_us: int) -> None:
+    server.busy_poll_us = busy_us
+    token = _grant(server, echo, tls=tls, interactive=True)
     end = dial(server.address, token, tls=contexts(certs, "origin")[1] if tls else None, node="host")
     payload = bytes(range(256)) * 8192  # 2 MiB
     assert _round_trip(end, payload) == payload + f"<{len(payload)}>".encode()
 
 
+@BUSY
 @pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_a_slow_reader_holds_the_writer_back_and_nothing_is_lost(server: TunnelServer, echo, certs: Path,
-                                                                 tls: bool) -> None:
+                                                                 tls: bool, busy_us: int) -> None:
     """32 MiB through two pipes (ours, as the origin's relay, and the host's) to the echo while the reader sleeps
     first: full sockets on every hop, then all of it, in order."""
-    token = _grant(server, echo, tls=tls)
+    server.busy_poll_us = busy_us
+    token = _grant(server, echo, tls=tls, interactive=True)
     end = dial(server.address, token, tls=contexts(certs, "origin")[1] if tls else None, node="host")
     app, ours = socket.socketpair()
-    Pipe(SocketEnd(ours), end, "test").start()
+    Pipe(SocketEnd(ours), end, "test", busy_poll_us=busy_us).start()
     payload = hashlib.sha256(b"weft").digest() * (1 << 20)  # 32 MiB
 
     def write() -> None:
@@ -194,3 +204,92 @@ def test_a_reset_on_one_side_is_a_reset_on_the_other(server: TunnelServer) -> No
             pass
     far.close()
     lst.close()
+
+
+def test_keystrokes_through_two_busy_polling_relays_and_only_interactive_grants_spin(server: TunnelServer, echo,
+                                                                                    certs: Path) -> None:
+    """As an exec session crosses them: one byte at a time, each echoed, then EOF and the echo's trailer."""
+    server.busy_poll_us = 200
+    end = dial(server.address, _grant(server, echo, tls=True, interactive=True), tls=contexts(certs, "origin")[1],
+               node="host")
+    app, ours = socket.socketpair()
+    Pipe(SocketEnd(ours), end, "origin", busy_poll_us=200).start()
+    app.settimeout(5)
+    for i in range(300):
+        key = bytes([97 + i % 26])
+        app.sendall(key)
+        assert app.recv(1) == key
+    bulk = dial(server.address, _grant(server, echo, tls=False))  # a pod-network tunnel
+    deadline = time.monotonic() + 5
+    while len(server.pipes) < 2 and time.monotonic() < deadline:  # joined just after its OK
+        time.sleep(0.01)
+    assert sorted(p.busy_poll_us for p in server.pipes) == [0, 200]
+    bulk.close()
+    app.shutdown(socket.SHUT_WR)
+    assert app.recv(100) == b"<300>"
+    app.close()
+
+
+class _Clock:
+    """Nanoseconds that pass only when the test says, ``step`` a reading."""
+
+    def __init__(self, step: int = 0) -> None:
+        self.now, self.step = 0, step
+
+    def __call__(self) -> int:
+        self.now += self.step
+        return self.now
+
+
+class _Poll:
+    """A poller whose non-blocking polls find nothing ``empty`` times; a blocking one takes ``blocks_ns``."""
+
+    def __init__(self, clock: _Clock, empty: int = 10**9, blocks_ns: int = 0) -> None:
+        self.clock, self.empty, self.blocks_ns = clock, empty, blocks_ns
+        self.calls: list[int | None] = []
+
+    def __call__(self, timeout: int | None) -> list:
+        self.calls.append(timeout)
+        if timeout is None:
+            self.clock.now += self.blocks_ns
+            return [(5, 1)]
+        if self.empty:
+            self.empty -= 1
+            return []
+        return [(5, 1)]
+
+
+def test_busy_poll_catches_an_event_in_its_window_without_sleeping() -> None:
+    clock, relaxed = _Clock(step=10_000), []
+    bp = BusyPoll(200_000, clock=clock, relax=lambda: relaxed.append(1))
+    poll = _Poll(clock, empty=3)
+    assert bp.wait(poll, 0) == [(5, 1)]
+    assert poll.calls == [0, 0, 0, 0]  # never a blocking poll
+    assert len(relaxed) == 3  # the CPU offered to others between polls
+    assert bp.window_ns == [200_000, 200_000]
+
+
+def test_busy_poll_spins_no_longer_than_its_window_then_sleeps() -> None:
+    clock = _Clock(step=10_000)
+    bp = BusyPoll(200_000, clock=clock, relax=lambda: None)
+    poll = _Poll(clock, blocks_ns=50_000)  # the event comes soon after the window: an exchange
+    assert bp.wait(poll, 1) == [(5, 1)]
+    assert poll.calls[-1] is None and 0 < poll.calls.count(0) <= 20
+    assert bp.window_ns[1] == 200_000
+
+
+def test_pauses_close_a_directions_window_and_an_exchange_opens_it_again() -> None:
+    clock = _Clock()
+    bp = BusyPoll(200_000, clock=clock, relax=lambda: clock.__setattr__("now", clock.now + 10_000))
+    pause = _Poll(clock, blocks_ns=100_000_000)  # a person's 0.1 s between keystrokes
+    windows = []
+    for _ in range(5):
+        bp.wait(pause, 1)
+        windows.append(bp.window_ns[1])
+    assert windows == [100_000, 50_000, 25_000, 0, 0]
+    assert bp.window_ns[0] == 200_000  # the other direction keeps its own
+    pause.calls.clear()
+    bp.wait(pause, 1)
+    assert pause.calls == [None]  # a closed window: straight to sleep, no spinning
+    bp.wait(_Poll(clock, blocks_ns=300_000), 1)  # an answer 0.3 ms later: an exchange again
+    assert bp.window_ns[1] == 200_000
