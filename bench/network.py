@@ -19,9 +19,10 @@ p99, and what the stitch adds), the CPU seconds each agent spent per GiB
 against a local one, over the WebSocket streaming protocol; and the same on
 the shadow through its host's containerd directly, which no relay touches,
 so that what the two agents' relays add is shown apart from the rest. The
-relays busy-poll after a keystroke (``agent.stream_busy_poll_us``, 100 us by
-default; ``--stream-busy-poll-us 0`` runs the bench without), and the CPU the
-two agents spend a keystroke is shown with it (session setup included).
+relays busy-poll after a keystroke (``agent.stream_busy_poll_us``, the
+agents' default unless ``--stream-busy-poll-us`` says otherwise; 0 runs the
+bench without), and the CPU the two agents spend a keystroke is shown with
+it (session setup included).
 
 It is a measurement, not a test: a missed target is printed, and the exit
 code says only whether the run worked.

@@ -15,9 +15,9 @@ bytes flow unchanged both ways: the upgrade to SPDY or WebSocket, stdin,
 stdout, stderr, resize and the exit status are containerd's own. Both relays
 of a session (this one and the host's) busy-poll after small transfers
 (``agent.stream_busy_poll_us``), which keeps a keystroke's echo near a local
-container's. An unknown
-or used token is 404, a host that cannot be reached 502, both with a log line
-that names the container and host (``stream.failed``).
+container's. An unknown or used token is 404, a host that cannot be reached
+502, both with a log line that names the container and host
+(``stream.failed``).
 """
 
 from __future__ import annotations
@@ -45,9 +45,8 @@ class StreamRelay(PipeServer):
 
     def __init__(self, fabric: Fabric, address: str, *, busy_poll_us: int = 0) -> None:
         self.fabric = fabric
-        self.busy_poll_us = busy_poll_us  # agent.stream_busy_poll_us: see shim.mesh.tunnel.Pipe
         host, port = parse_host_port(address, field="agent.stream_address")
-        super().__init__(socket.create_server((host, port), backlog=128))
+        super().__init__(socket.create_server((host, port), backlog=128), busy_poll_us=busy_poll_us)
         bound = self._sock.getsockname()[1]
         self.base = f"http://{host if ':' not in host else f'[{host}]'}:{bound}"
         self.tokens: StreamTokens[tuple[Remote, str]] = StreamTokens()
@@ -96,7 +95,7 @@ class StreamRelay(PipeServer):
             return
         conn.settimeout(None)
         _log.info("stream.relayed", kind=kind, container_id=r.id, container=r.config.metadata.name, node=r.node)
-        self.join(SocketEnd(conn), tunnel, f"{kind}-{r.id[:12]}", busy_poll_us=self.busy_poll_us)
+        self.join(SocketEnd(conn), tunnel, f"{kind}-{r.id[:12]}", interactive=True)
 
 
 def _answer(conn: socket.socket, status: int, text: str) -> None:

@@ -38,12 +38,12 @@ follows. A keystroke's echo crosses two relays, each woken twice, and a
 wake-up from idle costs 25-50 us on the project's 2-vCPU machine (the vCPU
 halts; the other processes on the path pay it too), which took the exec
 round trip to 1.7-1.9x a local container's; busy-polling up to 200 us takes
-it to 0.9-1.2x, for about 0.2 ms more agent CPU a keystroke (``weft bench
-network``). Bulk
-transfers (a wake that moved 16 KiB or more) and pod-network tunnels never
-spin. Tunnel sockets carry keepalives and
-``TCP_USER_TIMEOUT``, so a cut link ends a transfer with an error within
-seconds rather than TCP's minutes. Every pipe is counted (``Pipe.live``) so
+it to 0.9-1.3x, for about 0.2 ms more agent CPU a keystroke (``weft bench
+network``). Bulk transfers (a wake that moved 16 KiB or more) and
+pod-network tunnels never spin.
+
+Tunnel sockets carry keepalives and ``TCP_USER_TIMEOUT``, so a cut link ends
+a transfer with an error within seconds rather than TCP's minutes. Every pipe is counted (``Pipe.live``) so
 that tests can see none leaks.
 """
 
@@ -299,12 +299,12 @@ class BusyPoll:
     wake-up from idle. After moving the echo on, the next keystroke is a
     person's pause away: polling for it wastes the CPU. So each direction has
     a window, as cpuidle-haltpoll keeps one for a CPU: a wait it caught
-    leaves it as it is; a wait that ended within ``EXCHANGE_WINDOWS * max_ns`` (an exchange
-    under way: without the spin the echo takes longer than the window)
-    restores it to ``max_ns``; a longer one (a pause) halves it, down to
-    nothing under ``max_ns / 8``. Between two polls
-    ``relax`` (sched_yield) lets whatever else can run on this CPU run: the
-    spin keeps the CPU from going idle, it takes no time from other work.
+    leaves it as it is; a wait that ended within ``EXCHANGE_WINDOWS *
+    max_ns`` (an exchange under way: without the spin the echo takes longer
+    than the window) restores it to ``max_ns``; a longer one (a pause) halves
+    it, down to nothing under ``max_ns / 8``. Between two polls ``relax``
+    (sched_yield) lets whatever else can run on this CPU run: the spin keeps
+    the CPU from going idle, it takes no time from other work.
     """
 
     def __init__(self, max_ns: int, *, clock: Callable[[], int] = time.monotonic_ns,
@@ -577,8 +577,9 @@ class PipeServer:
 
     thread_name = "weft-pipe"
 
-    def __init__(self, sock: socket.socket) -> None:
+    def __init__(self, sock: socket.socket, *, busy_poll_us: int = 0) -> None:
         self._sock = sock
+        self.busy_poll_us = busy_poll_us  # for the pipes of interactive streams (agent.stream_busy_poll_us)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.pipes: set[Pipe] = set()
@@ -615,9 +616,9 @@ class PipeServer:
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         raise NotImplementedError
 
-    def join(self, a: End, b: End, name: str, *, busy_poll_us: int = 0) -> None:
-        """Pipe ``a`` and ``b`` together, tracked until either side ends."""
-        pipe = Pipe(a, b, name=name, on_close=self._closed, busy_poll_us=busy_poll_us)
+    def join(self, a: End, b: End, name: str, *, interactive: bool = False) -> None:
+        """Pipe ``a`` and ``b`` together, tracked until either side ends; an interactive pipe busy-polls."""
+        pipe = Pipe(a, b, name=name, on_close=self._closed, busy_poll_us=self.busy_poll_us if interactive else 0)
         with self._lock:
             self.pipes.add(pipe)
         pipe.start()
@@ -634,9 +635,9 @@ class TunnelServer(PipeServer):
 
     def __init__(self, host: str, tls_dir: str | Path, node: str, *, port: int = 0, busy_poll_us: int = 0) -> None:
         self.grants = Grants()
-        self.busy_poll_us = busy_poll_us  # for the pipes of interactive grants
         self._server_ctx, _ = contexts(tls_dir, node)
-        super().__init__(socket.create_server((host, port), backlog=512, reuse_port=False))
+        super().__init__(socket.create_server((host, port), backlog=512, reuse_port=False),
+                         busy_poll_us=busy_poll_us)
         self.address = "{}:{}".format(*self._sock.getsockname()[:2])
 
     def start(self) -> None:
@@ -687,7 +688,7 @@ class TunnelServer(PipeServer):
                     end.sendall(f"ERR {exc}\n".encode())
             end.close()
             return
-        self.join(end, SocketEnd(target), grant.what, busy_poll_us=self.busy_poll_us if grant.interactive else 0)
+        self.join(end, SocketEnd(target), grant.what, interactive=grant.interactive)
 
 
 def dial(address: str, token: bytes, *, tls: ssl.SSLContext | None = None, node: str = "",
