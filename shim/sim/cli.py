@@ -4,8 +4,9 @@
 Flags stay strings in argparse and are parsed here, so that every bad input
 (a missing file, a malformed column, a size like ``80GB``) comes back as one
 line naming the flag, with exit code 2, whether ``run`` was reached through
-``weft`` or called directly. The trace files are the user's input: the
-product ships none, and ``--help`` says where the public ones are.
+``weft`` or called directly. With no workload flag at all the run is on the
+samples of public traces that ship in ``shim/sim/traces/`` (its README names
+each source and its terms); with flags, on the user's own files.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from shim.core.quantity import AnnotationError, parse_memory
 from shim.core.reroute import Resources
 from shim.sim import plots, report
 from shim.sim.model import ClusterSpec, GpuProfile, PodSpec
+from shim.sim.readers import TraceError, read_dlrm, read_genai_samples, read_genai_summary, read_openb_nodes
 from shim.sim.study import study
-from shim.sim.traces import TraceError, read_dlrm, read_genai_samples, read_genai_summary, read_openb_nodes
 from shim.sim.workload import LEASE_POLICIES, SyntheticSpec, dlrm_pods, genai_pool, parse_duty, synthetic_pods
 
 # A DGX H100-class GPU node, and a CPU node that holds the largest DLRM CN instance (192 vCPU, 960 GiB).
@@ -39,8 +40,18 @@ class UsageError(ValueError):
     """A flag's value cannot be used; the message starts with the flag."""
 
 
+# What a run with no workload flag reads: the samples in shim/sim/traces/.
+SAMPLES = Path(__file__).resolve().parent / "traces"
+DEFAULT_INPUTS = {
+    "genai_pods": "alibaba-genai2026-pod-gpu-sample.csv",
+    "genai_summary": "alibaba-genai2026-pod-summary.csv",
+    "dlrm": "alibaba-dlrm2025-disagg-sample.csv",
+}
+
+
 def _epilog() -> str:
-    lines = ["Public traces (none ship with weft; download them and pass the paths):"]
+    lines = [f"With no workload flag, the run is on samples of the public traces below that ship with weft "
+             f"({SAMPLES}).", "Full traces (download them and pass the paths):"]
     lines += [f"  {flag}: {where}" for flag, where in report.TRACE_SOURCES]
     lines.append("GPU utilisation is the duty cycle (busy / held GPU-seconds), not SM activity.")
     return "\n".join(lines)
@@ -195,8 +206,17 @@ def _cluster(args: argparse.Namespace, inputs: dict, pods: list[PodSpec]) -> tup
     return cluster, args.gpu_nodes is not None, args.cpu_nodes is not None
 
 
+def _use_samples(args: argparse.Namespace) -> None:
+    """No workload flag at all: run on the bundled samples, as a user's first try would want."""
+    if args.synthetic or args.dlrm or args.genai_pods or args.genai_summary:
+        return
+    for attr, name in DEFAULT_INPUTS.items():
+        setattr(args, attr, str(SAMPLES / name))
+
+
 def _workload(args: argparse.Namespace, rng: random.Random, inputs: dict) -> tuple[
         list[PodSpec], list, list[GpuProfile], list[str]]:
+    _use_samples(args)
     if args.synthetic == bool(args.dlrm):
         raise UsageError("--dlrm: give either --dlrm FILE or --synthetic (exactly one)")
     samples: list[GpuProfile] = []

@@ -19,7 +19,7 @@ from shim.sim.validate import NOT_APPLICABLE
 
 SCHEMA = 1
 FIGURES = ("utilisation.png", "completion_cdf.png")
-# Where the public traces live (README of the traces, section 2); the product ships none of them.
+# Where the full public traces live; shim/sim/traces/ holds the samples a run without input flags uses.
 TRACE_SOURCES = (
     ("--genai-pods", "Alibaba GenTD26 (SoCC'25), github.com/alibaba/clusterdata cluster-trace-v2026-GenAI/: "
      "pod_gpu_duty_cycle_anon and pod_gpu_memory_used_bytes_anon (.tar.gz) joined on container_ip and "

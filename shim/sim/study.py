@@ -21,7 +21,7 @@ from shim.core.quantity import parse_memory
 from shim.sim.engine import Run, simulate
 from shim.sim.metrics import Series, Summary, completions, series, summarise
 from shim.sim.model import GIB, ClusterSpec, GpuProfile, Mode, PodSpec
-from shim.sim.traces import DlrmInstance
+from shim.sim.readers import DlrmInstance
 from shim.sim.validate import Check, dlrm_checks, genai_checks
 from shim.sim.workload import LEASE_POLICIES, with_lease
 

@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 
 from shim.sim.engine import Run
 from shim.sim.model import GIB, GpuProfile
-from shim.sim.traces import DlrmInstance
+from shim.sim.readers import DlrmInstance
 
 DAY = 86400.0
 GENAI_PODS = 143  # pods in GenTD26's duty-cycle file

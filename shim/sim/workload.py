@@ -17,7 +17,7 @@ from dataclasses import dataclass, replace
 
 from shim.core.placement import GPU_MEMORY_ANNOTATION
 from shim.sim.model import GIB, CpuContainer, GpuProfile, GpuStage, PodSpec
-from shim.sim.traces import DlrmInstance
+from shim.sim.readers import DlrmInstance
 
 LEASE_POLICIES = ("peak", "p99", "p95", "mean")
 CN_CONTAINER, HN_CONTAINER = "cn", "hn"

@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from shim.sim.cli import add_parser, main, run
-from tests.sim.test_traces import DLRM_HEADER, GENAI_HEADER
+from shim.sim.cli import DEFAULT_INPUTS, SAMPLES, add_parser, main, run
+from tests.sim.test_readers import DLRM_HEADER, GENAI_HEADER
 
 SMALL = ["--synthetic", "--pods", "40", "--arrival-rate", "120", "--run-time", "20m", "--seed", "3"]
 
@@ -64,7 +64,8 @@ def write(tmp_path, name, text):
     [
         pytest.param(["--dlrm", "/nonexistent/dlrm.csv"], "--dlrm", ["/nonexistent/dlrm.csv", "no such file"],
                      id="missing-file"),
-        pytest.param([], "--dlrm", ["exactly one"], id="no-workload"),
+        pytest.param(["--genai-pods", str(SAMPLES / DEFAULT_INPUTS["genai_pods"])], "--dlrm", ["exactly one"],
+                     id="gpu-behaviour-without-a-workload"),
         pytest.param([*SMALL, "--gpu-memory", "80GB"], "--gpu-memory", ['"80GB"'], id="bad-size"),
         pytest.param([*SMALL, "--pods", "many"], "--pods", ["'many'"], id="bad-count"),
         pytest.param([*SMALL, "--run-time", "soon"], "--run-time", ["duration"], id="bad-duration"),

@@ -1,47 +1,37 @@
-"""The simulation on the real trace samples in ../shared/traces: validation passes, every output is written.
+"""The simulation on the public trace samples that ship with weft: validation passes, every output is written.
 
-CI always has the traces folder beside the repository, so a missing folder
-is a failure with a clear message, never a skip: a skipped test here would
-let a broken simulator through unnoticed. The run is the same command a user
-types, on the GenTD26 sample and the Prism DLRM sample, done once for all the
-tests in this module.
+The run is the command a user types first, ``weft simulate --out DIR --validate`` with no input flag, which
+reads the GenTD26 and Prism DLRM samples in ``shim/sim/traces/``; it is done once for all the tests in this
+module.
 """
 
 from __future__ import annotations
 
 import json
-import time
-from pathlib import Path
 
 import pytest
 
 from shim.sim import validate
-from shim.sim.cli import main
-
-TRACES = Path(__file__).resolve().parents[2].parent / "shared" / "traces"
-GENAI = "alibaba-genai2026-pod-gpu-sample.csv"
-DLRM = "alibaba-dlrm2025-disagg-sample.csv"
+from shim.sim.cli import DEFAULT_INPUTS, SAMPLES, main
 
 
-def traces() -> Path:
-    missing = [name for name in (GENAI, DLRM, "validation-targets.json") if not (TRACES / name).is_file()]
-    if missing:
-        pytest.fail(f"the public trace samples are missing from {TRACES} ({', '.join(missing)}); the simulator's "
-                    "real-trace test needs the shared/traces folder beside the repository", pytrace=False)
-    return TRACES
+def test_every_default_sample_ships_with_its_readme():
+    for name in (*DEFAULT_INPUTS.values(), "validation-targets.json", "README.md"):
+        assert (SAMPLES / name).stat().st_size > 0, name
+    readme = (SAMPLES / "README.md").read_text()
+    for name in DEFAULT_INPUTS.values():
+        assert name in readme, f"the traces README does not describe {name}"
 
 
 @pytest.fixture(scope="module")
 def outcome(tmp_path_factory):
-    folder = traces()
     out = tmp_path_factory.mktemp("simulate")
-    began = time.perf_counter()
-    code = main(["--genai-pods", str(folder / GENAI), "--dlrm", str(folder / DLRM), "--out", str(out), "--validate"])
-    return code, out, time.perf_counter() - began
+    code = main(["--out", str(out), "--validate"])
+    return code, out
 
 
 def test_bundled_validation_passes_within_the_stated_tolerances(outcome):
-    code, out, _ = outcome
+    code, out = outcome
     doc = json.loads((out / "results.json").read_text())
     failed = [v for v in doc["validation"] if not v["passed"]]
     assert not failed, f"out of tolerance: {failed}"
@@ -52,7 +42,7 @@ def test_bundled_validation_passes_within_the_stated_tolerances(outcome):
 
 
 def test_report_json_and_both_figures_are_written(outcome):
-    _, out, _ = outcome
+    _, out = outcome
     for name in ("report.md", "results.json", "utilisation.png", "completion_cdf.png"):
         assert (out / name).stat().st_size > 0, name
     for name in ("utilisation.png", "completion_cdf.png"):
@@ -64,7 +54,7 @@ def test_report_json_and_both_figures_are_written(outcome):
 
 
 def test_results_have_both_modes_and_their_ratio(outcome):
-    _, out, _ = outcome
+    _, out = outcome
     doc = json.loads((out / "results.json").read_text())
     bundled, weft = doc["modes"]["bundled"], doc["modes"]["weft"]
     assert bundled["placed"] == weft["placed"] == bundled["pods"] > 4000
@@ -76,12 +66,15 @@ def test_results_have_both_modes_and_their_ratio(outcome):
     assert doc["target"]["met"] or doc["target"]["why"], "a missed target must say why"
 
 
-def test_the_run_on_the_samples_is_fast(outcome):
-    assert outcome[2] < 60.0
+def test_a_run_without_input_flags_reads_the_shipped_samples(outcome):
+    _, out = outcome
+    inputs = json.loads((out / "results.json").read_text())["inputs"]
+    for flag, attr in (("--genai-pods", "genai_pods"), ("--genai-summary", "genai_summary"), ("--dlrm", "dlrm")):
+        assert inputs[flag].startswith(str(SAMPLES / DEFAULT_INPUTS[attr])), flag
 
 
 def test_embedded_targets_match_validation_targets_json():
-    published = {t["id"]: t["value"] for t in json.loads((traces() / "validation-targets.json").read_text())["targets"]}
+    published = {t["id"]: t["value"] for t in json.loads((SAMPLES / "validation-targets.json").read_text())["targets"]}
     for key, value in validate.TARGETS.items():
         expected = tuple(published[key]) if isinstance(published[key], list) else published[key]
         assert value == expected, key

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from shim.sim.model import GIB, GpuProfile
-from shim.sim.traces import DlrmInstance
+from shim.sim.readers import DlrmInstance
 from shim.sim.workload import (
     PAIR_WINDOW_S,
     SyntheticSpec,

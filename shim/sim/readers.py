@@ -1,7 +1,7 @@
 """Readers for the public trace files the simulator takes as input, with errors that say where.
 
-The files are the user's input (the product ships no trace data), so a wrong
-file, a missing column or a bad cell must come back as one line that names
+The files are the user's input (or the samples in ``shim/sim/traces/``), so a
+wrong file, a missing column or a bad cell must come back as one line that names
 the file, the line and the column, never as a traceback from deep inside the
 model. Each reader returns plain values; turning them into pods is
 :mod:`shim.sim.workload`'s job. Column meanings and units follow the traces'

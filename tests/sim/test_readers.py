@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from shim.sim.model import GIB
-from shim.sim.traces import TraceError, read_dlrm, read_genai_samples, read_genai_summary, read_openb_nodes
+from shim.sim.readers import TraceError, read_dlrm, read_genai_samples, read_genai_summary, read_openb_nodes
 
 GENAI_HEADER = "container_ip,timestamp_anon,gpu_duty_cycle_pct,gpu_memory_used_bytes,pod_memory_util_frac\n"
 DLRM_HEADER = ("instance_sn,role,app_name,cpu_request,gpu_request,memory_request,rdma_request,"
