@@ -19,8 +19,8 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration.agent import AgentProcess
-from integration.harness import SLOT_DIR, Containerd
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.containerd import SLOT_DIR, Containerd
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

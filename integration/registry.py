@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from integration.harness import Containerd
+from shim.localfabric.containerd import Containerd
 
 
 @dataclass

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.harness import SLOT_DIR, cgroup_hierarchies
+from shim.localfabric.containerd import SLOT_DIR, cgroup_hierarchies
 
 REPO = Path(__file__).resolve().parents[1]
 METHODS = ("Version", "ListPodSandbox", "ListContainers", "ContainerStatus")

@@ -1,6 +1,6 @@
 """The multi-node cluster keeps its promises, checked over real links, pods and processes.
 
-Mesh tests will trust ``integration.cluster.Cluster`` to give them nodes that
+Mesh tests will trust ``shim.localfabric.nodes.Cluster`` to give them nodes that
 reach each other, and each other's pods, only through the mesh bridge, to
 break exactly one node's link on ``cut`` and to leave nothing behind. These
 check that: every probe below names the address it must come from or the way
@@ -23,9 +23,9 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc
 
-from integration import pods
-from integration.cluster import Cluster, Node
-from integration.harness import NETNS_DIR, Containerd, RuntimeHandler
+from shim.localfabric import pods
+from shim.localfabric.containerd import NETNS_DIR, Containerd, RuntimeHandler
+from shim.localfabric.nodes import Cluster, Node
 
 pytestmark = pytest.mark.slow
 

@@ -17,7 +17,7 @@ import sys
 import time
 from pathlib import Path
 
-from integration.harness import SLOT_DIR, cgroup_hierarchies
+from shim.localfabric.containerd import SLOT_DIR, cgroup_hierarchies
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -15,8 +15,8 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 from google.protobuf.json_format import MessageToDict
 
-from integration import images, pods
-from integration.harness import Containerd
+from shim.localfabric import images, pods
+from shim.localfabric.containerd import Containerd
 
 _VOLATILE_KEYS = {"id", "podSandboxId", "containerId", "createdAt", "startedAt", "finishedAt", "timestamp", "ip",
                   "imageRef", "usageCoreNanoSeconds", "usageNanoCores", "workingSetBytes", "availableBytes",

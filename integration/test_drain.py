@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from integration.fabric import Fabric3
-from integration.test_remote import PLACEMENT, cpu_container, create, run_pod, status
-from integration.waiting import wait_for
+from shim.localfabric.fabric import Fabric3
+from shim.localfabric.pods import PLACEMENT, cpu_container, create, run_pod, status
+from shim.localfabric.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 

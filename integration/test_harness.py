@@ -1,6 +1,6 @@
 """The harness keeps its own promises, checked against the real daemons.
 
-Every other integration test trusts ``integration.harness.Containerd`` to give
+Every other integration test trusts ``shim.localfabric.containerd.Containerd`` to give
 it a node of its own and to leave the machine as it found it, so these check
 exactly that: side-by-side instances get their own subnets; ``close()`` leaves
 no process, mount, node namespace, work directory or cgroup behind, even when
@@ -26,8 +26,8 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc
 
-from integration import pods
-from integration.harness import NETNS_DIR, Containerd, cgroup_hierarchies
+from shim.localfabric import pods
+from shim.localfabric.containerd import NETNS_DIR, Containerd, cgroup_hierarchies
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -212,7 +212,7 @@ def test_close_cleans_up_after_a_stopped_containerd_with_a_running_pod(snapshot:
 
 _HOLDER = textwrap.dedent("""
     import time
-    from integration.harness import Containerd
+    from shim.localfabric.containerd import Containerd
     from integration.test_harness import _run_pod
 
     ctrd = Containerd()

@@ -25,10 +25,10 @@ import yaml
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import pods
-from integration.agent import AgentProcess
-from integration.harness import Containerd
 from shim.install.run import INSTALL_STEPS, UNINSTALL_STEPS
+from shim.localfabric import pods
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.containerd import Containerd
 from tests.install.conftest import copy_shape, snapshot
 
 REPO = Path(__file__).resolve().parent.parent

@@ -16,9 +16,9 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import images, pods
-from integration.harness import Containerd
-from integration.waiting import wait_for
+from shim.localfabric import images, pods
+from shim.localfabric.containerd import Containerd
+from shim.localfabric.waiting import wait_for
 
 
 def test_full_pod_lifecycle_through_agent(containerd: Containerd, agent_channel: grpc.Channel) -> None:

@@ -19,9 +19,9 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import pods
-from integration.agent import AgentProcess
-from integration.harness import Containerd
+from shim.localfabric import pods
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.containerd import Containerd
 
 CLIENTS = 200
 SECONDS = float(os.environ.get("WEFT_LOAD_SECONDS", "60"))

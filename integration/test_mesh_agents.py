@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from integration.agent import AgentProcess, free_port
-from integration.harness import Containerd
-from integration.waiting import wait_for
+from shim.localfabric.agent import AgentProcess, free_port
+from shim.localfabric.containerd import Containerd
+from shim.localfabric.waiting import wait_for
 
 NODES = ("gpu-1", "cpu-1", "cpu-2")
 ROLES = {"gpu-1": "gpu", "cpu-1": "cpu", "cpu-2": "cpu"}

@@ -18,8 +18,8 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration.cluster import Cluster
-from integration.waiting import wait_for
+from shim.localfabric.nodes import Cluster
+from shim.localfabric.waiting import wait_for
 
 REPO = Path(__file__).resolve().parent.parent
 NAMES = ("gpu-1", "cpu-1", "cpu-2")

@@ -22,11 +22,11 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import pods
-from integration.harness import Containerd
-from integration.waiting import wait_for
 from nodeimage import build
 from shim import __version__
+from shim.localfabric import pods
+from shim.localfabric.containerd import Containerd
+from shim.localfabric.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 

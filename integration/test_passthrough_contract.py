@@ -20,9 +20,9 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from integration import recording_upstream as rec
-from integration.agent import AgentProcess
-from integration.harness import Containerd
-from integration.waiting import wait_for
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.containerd import Containerd
+from shim.localfabric.waiting import wait_for
 
 
 @pytest.fixture

@@ -14,10 +14,10 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import images
-from integration.agent import AgentProcess
-from integration.harness import IMAGE_CACHE, Containerd
 from integration.registry import Registry
+from shim.localfabric import images
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.containerd import IMAGE_CACHE, Containerd
 
 
 @pytest.fixture

@@ -22,57 +22,19 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import images, pods
-from integration.agent import free_port
-from integration.fabric import Fabric3
-from integration.harness import IMAGE_CACHE
 from integration.registry import Registry
-from integration.waiting import wait_for
-
-WEFT = "weft"
-PLACEMENT = "weft.io/placement"
+from shim.localfabric import images, pods
+from shim.localfabric.agent import free_port
+from shim.localfabric.containerd import IMAGE_CACHE
+from shim.localfabric.fabric import Fabric3
+from shim.localfabric.pods import PLACEMENT, cpu_container, create, run_pod, status
+from shim.localfabric.waiting import wait_for
 
 
 @pytest.fixture
 def fabric(tmp_path: Path) -> Iterator[Fabric3]:
     with Fabric3(tmp_path / "fabric") as f:
         yield f
-
-
-def cpu_container(name: str, command: list[str], *, cpu: float = 0.5, memory: int = 64 << 20,
-                  attempt: int = 0) -> cri.ContainerConfig:
-    config = pods.container_config(name, command, attempt=attempt)
-    res = config.linux.resources
-    res.cpu_period, res.cpu_quota, res.memory_limit_in_bytes = 100000, int(cpu * 100000), memory
-    return config
-
-
-def run_pod(f: Fabric3, name: str = "infer", privileged: bool = False,
-            annotations: dict[str, str] | None = None) -> tuple[str, cri.PodSandboxConfig]:
-    node = f.node("gpu-1")
-    sandbox = pods.sandbox_config(name, node.containerd.pod_log_dir, cgroup_parent=node.containerd.cgroup_root)
-    sandbox.linux.security_context.privileged = privileged
-    sandbox.annotations.update(annotations or {})
-    ch, rt = f.runtime("gpu-1")
-    with ch:
-        sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox, runtime_handler=WEFT)).pod_sandbox_id
-    return sid, sandbox
-
-
-def create(f: Fabric3, sid: str, sandbox: cri.PodSandboxConfig, config: cri.ContainerConfig, start: bool = True) -> str:
-    ch, rt = f.runtime("gpu-1")
-    with ch:
-        cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=config,
-                                                            sandbox_config=sandbox)).container_id
-        if start:
-            rt.StartContainer(cri.StartContainerRequest(container_id=cid))
-    return cid
-
-
-def status(f: Fabric3, cid: str) -> cri.ContainerStatus:
-    ch, rt = f.runtime("gpu-1")
-    with ch:
-        return rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status
 
 
 def _passthrough_count(f: Fabric3, method: str) -> float:

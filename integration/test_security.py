@@ -25,13 +25,13 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import images, pods
-from integration.agent import AgentProcess
-from integration.broker import BrokerProcess, gpu_fabric
 from integration.fuzz.mesh_fixture import MESH, MeshHost, mesh_host, run_shadow_request
-from integration.harness import IMAGE_CACHE, Containerd
 from integration.registry import Registry
 from shim._pb import mesh_pb2 as pb
+from shim.localfabric import images, pods
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.broker import BrokerProcess, gpu_fabric
+from shim.localfabric.containerd import IMAGE_CACHE, Containerd
 
 GPU_ENV = {"NVIDIA_VISIBLE_DEVICES": "all"}
 

@@ -19,12 +19,12 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import pods
-from integration.agent import AgentProcess, free_port
-from integration.harness import Containerd
-from integration.waiting import wait_for
 from shim._pb import mesh_pb2 as pb
 from shim.errors import WeftError
+from shim.localfabric import pods
+from shim.localfabric.agent import AgentProcess, free_port
+from shim.localfabric.containerd import Containerd
+from shim.localfabric.waiting import wait_for
 from shim.mesh.certs import load_node_tls
 from shim.mesh.client import PeerClient
 

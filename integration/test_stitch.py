@@ -26,11 +26,11 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from integration import pods
-from integration.fabric import Fabric3
-from integration.test_remote import PLACEMENT, cpu_container, create, run_pod, status
-from integration.waiting import wait_for
 from shim.cri.netns import Netns, sandbox_netns
+from shim.localfabric import pods
+from shim.localfabric.fabric import Fabric3
+from shim.localfabric.pods import PLACEMENT, cpu_container, create, run_pod, status
+from shim.localfabric.waiting import wait_for
 
 GIB = 1 << 30
 WEB = ("mkdir -p /www && echo {text} > /www/index.html && httpd -p {port} -h /www && "

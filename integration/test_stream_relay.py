@@ -5,7 +5,7 @@ inside the origin node's network namespace where kubelet would: for a local
 container that is containerd's own server, for a rerouted one the origin's
 relay, which tunnels to the host's containerd.
 
-- a WebSocket client (``integration.streams``, ``v4.channel.k8s.io``);
+- a WebSocket client (``shim.localfabric.streams``, ``v4.channel.k8s.io``);
 - kubectl 1.20 over SPDY (``integration.kubectl``: its API server and
   kubelet played by the test, which redirects it to the CRI's URL): ``exec
   -it`` on a terminal with a resize, exec with separate stdout and stderr,
@@ -31,13 +31,13 @@ from typing import NamedTuple
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from integration import pods
-from integration.fabric import Fabric3
 from integration.kubectl import KubeApi, Terminal
-from integration.streams import ChannelStream
-from integration.test_remote import PLACEMENT, cpu_container, create, run_pod, status
-from integration.waiting import wait_for
 from shim.cri.netns import Netns
+from shim.localfabric import pods
+from shim.localfabric.fabric import Fabric3
+from shim.localfabric.pods import PLACEMENT, cpu_container, create, run_pod, status
+from shim.localfabric.streams import ChannelStream
+from shim.localfabric.waiting import wait_for
 
 # Each container serves HTTP (for port-forward) and writes a tick every 0.2 s (for attach).
 TICKER = ("mkdir -p /www && echo {text} > /www/index.html && httpd -p {port} -h /www; "

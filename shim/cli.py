@@ -138,10 +138,8 @@ def _mesh_certs(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     import os
 
-    try:
-        from integration import demo, demo_keep
-    except ImportError:
-        raise WeftError("weft demo runs from a source checkout (it uses integration/harness.py)") from None
+    from shim.localfabric import demo, demo_keep
+
     if args.down:
         return demo_keep.down(args.state_file)
     if args.keep and demo_keep.KEEPER_ENV not in os.environ:
@@ -152,35 +150,33 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _bench(args: argparse.Namespace) -> int:
-    try:
-        from bench import proxy
-    except ImportError:
-        raise WeftError("weft bench runs from a source checkout (bench/ and integration/)") from None
+    from shim.bench import proxy
+
     if args.what == "hook":
-        from bench import hook
+        from shim.bench import hook
 
         return hook.main(as_json=args.json, samples=args.samples)
     if args.what == "broker":
-        from bench import broker
+        from shim.bench import broker
 
         return broker.main(as_json=args.json, samples=args.samples)
     if args.what == "packing":
-        from bench import packing
+        from shim.bench import packing
 
         return packing.main(as_json=args.json)
     if args.what == "mesh":
-        from bench import mesh
+        from shim.bench import mesh
 
         return mesh.main(as_json=args.json, starts=3 if args.quick else args.starts,
                          samples=50 if args.quick else args.samples, output=args.output)
     if args.what == "network":
-        from bench import network
+        from shim.bench import network
 
         return network.main(as_json=args.json, gib=0.25 if args.quick else 1.0,
                             samples=1000 if args.quick else 3000, output=args.output,
                             busy_poll_us=args.stream_busy_poll_us)
     if args.what == "e2e":
-        from bench import e2e
+        from shim.bench import e2e
 
         return e2e.main(as_json=args.json, quick=args.quick, starts=args.starts, samples=args.samples,
                         pods=args.pods, churn_seconds=args.churn_seconds, output=args.output)

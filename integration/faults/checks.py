@@ -39,9 +39,9 @@ from pathlib import Path
 import grpc
 from cri_api.v1 import api_pb2 as cri
 
-from integration import pods
-from integration.fabric import Fabric3
-from integration.waiting import wait_for
+from shim.localfabric import pods
+from shim.localfabric.fabric import Fabric3
+from shim.localfabric.waiting import wait_for
 
 ORIGIN = "gpu-1"
 HOSTS = ("cpu-1", "cpu-2")

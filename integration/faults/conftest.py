@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from integration.fabric import Fabric3
 from integration.faults.checks import HOSTS, ORIGIN, Kubelet, repair
-from integration.waiting import wait_for
+from shim.localfabric.fabric import Fabric3
+from shim.localfabric.waiting import wait_for
 
 
 class FabricHolder:

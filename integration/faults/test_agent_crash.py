@@ -28,7 +28,7 @@ from integration.faults.checks import (
     restart_agent,
     settled,
 )
-from integration.waiting import wait_for
+from shim.localfabric.waiting import wait_for
 
 RUNNING, CREATED, EXITED = cri.CONTAINER_RUNNING, cri.CONTAINER_CREATED, cri.CONTAINER_EXITED
 

@@ -21,10 +21,10 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import pods
-from integration.agent import AgentProcess
-from integration.broker import gpu_fabric
 from integration.faults.checks import GPU_ENV, cpu_config
+from shim.localfabric import pods
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.broker import gpu_fabric
 
 TMPFS_SIZE = "2m"
 

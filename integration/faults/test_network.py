@@ -44,7 +44,7 @@ from integration.faults.checks import (
     restart_agent,
     settled,
 )
-from integration.waiting import wait_for
+from shim.localfabric.waiting import wait_for
 
 RUNNING, EXITED = cri.CONTAINER_RUNNING, cri.CONTAINER_EXITED
 COUNTER = ("sh", "-c", "i=0; while true; do i=$((i+1)); echo n $i; sleep 0.1; done")

@@ -26,7 +26,7 @@ from integration.faults.checks import (
     power_on,
     settled,
 )
-from integration.waiting import wait_for
+from shim.localfabric.waiting import wait_for
 
 RUNNING, EXITED = cri.CONTAINER_RUNNING, cri.CONTAINER_EXITED
 

@@ -16,11 +16,11 @@ import psutil
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import pods
-from integration.agent import AgentProcess
-from integration.broker import BrokerProcess, gpu_fabric
-from integration.harness import Containerd
-from integration.waiting import wait_for
+from shim.localfabric import pods
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.broker import BrokerProcess, gpu_fabric
+from shim.localfabric.containerd import Containerd
+from shim.localfabric.waiting import wait_for
 
 CALL_TIMEOUT = 60.0
 # What an agent's own bug looks like to a client (shim.cri.instrument) or a Python traceback leaking out.

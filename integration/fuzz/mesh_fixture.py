@@ -17,10 +17,10 @@ from pathlib import Path
 import grpc
 from cri_api.v1 import api_pb2 as cri
 
-from integration import pods
-from integration.agent import AgentProcess, free_port
-from integration.harness import Containerd
 from shim._pb import mesh_pb2 as pb
+from shim.localfabric import pods
+from shim.localfabric.agent import AgentProcess, free_port
+from shim.localfabric.containerd import Containerd
 from shim.mesh import certs
 from shim.mesh.certs import MeshTls, load_node_tls
 

@@ -25,10 +25,10 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from integration.broker import BrokerProcess
 from integration.fuzz import wire
 from integration.fuzz.agent_fixture import assert_clear, call
 from shim._pb import broker_pb2 as pb
+from shim.localfabric.broker import BrokerProcess
 
 SVC = "/weft.broker.v1.Broker/"
 BASE_KEY = "fuzz-sandbox/base/0"

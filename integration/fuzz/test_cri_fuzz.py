@@ -25,9 +25,9 @@ from google.protobuf.message import DecodeError
 from hypothesis import assume, event, given
 from hypothesis import strategies as st
 
-from integration import pods
 from integration.fuzz import wire
 from integration.fuzz.agent_fixture import GPU_ENV, FuzzFabric, assert_clear, call, fuzz_fabric
+from shim.localfabric import pods
 
 RT = "/runtime.v1.RuntimeService/"
 

@@ -24,11 +24,11 @@ from google.protobuf.json_format import MessageToDict
 from hypothesis import given
 from hypothesis import strategies as st
 
-from integration import images, pods
-from integration.agent import AgentProcess
 from integration.fuzz import wire
-from integration.harness import Containerd
 from integration.test_differential import _HEX_ID, _normalize
+from shim.localfabric import images, pods
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.containerd import Containerd
 
 PODS, CONTAINERS = 2, 3
 

@@ -19,12 +19,12 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 from hypothesis import event, given
 
-from integration import images
 from integration.fuzz import wire
 from integration.fuzz.agent_fixture import Outcome, assert_clear
 from integration.fuzz.mesh_fixture import MESH, MeshHost, mesh_host, run_shadow_request
-from integration.harness import Containerd
 from shim._pb import mesh_pb2 as pb
+from shim.localfabric import images
+from shim.localfabric.containerd import Containerd
 
 _SERVICE = pb.DESCRIPTOR.services_by_name["Mesh"]
 METHODS = {m.name: m for m in _SERVICE.methods}

@@ -14,9 +14,9 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import pods
 from integration.fuzz import wire
 from integration.fuzz.agent_fixture import GPU_ENV, FuzzFabric, call, fuzz_fabric
+from shim.localfabric import pods
 
 
 @pytest.fixture(scope="module")

@@ -37,10 +37,10 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.running import guarded, summary
-from integration.broker import HOOK_SCRIPT, BrokerProcess
 from shim._pb import broker_pb2 as pb
+from shim.bench.running import guarded, summary
 from shim.errors import WeftError
+from shim.localfabric.broker import HOOK_SCRIPT, BrokerProcess
 
 LIMITS = {"fast_path_p99_ms": 30.0, "bind_p99_ms": 60.0}
 MAX_RUNS = 300  # each run spawns five processes; 300 keeps the whole bench near a minute

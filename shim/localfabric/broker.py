@@ -14,13 +14,14 @@ from pathlib import Path
 
 import grpc
 
-from integration.agent import free_port
-from integration.harness import Containerd, RuntimeHandler
+from hooks import weft_oci_hook
 from shim._pb import broker_pb2 as pb
 from shim._pb import broker_pb2_grpc as pb_grpc
 from shim.hookspec import with_hooks
+from shim.localfabric.agent import free_port
+from shim.localfabric.containerd import Containerd, RuntimeHandler
 
-HOOK_SCRIPT = Path(__file__).resolve().parent.parent / "hooks" / "weft_oci_hook.py"
+HOOK_SCRIPT = Path(weft_oci_hook.__file__).resolve()
 
 
 def weft_handler(workdir: Path, broker_socket: Path) -> RuntimeHandler:

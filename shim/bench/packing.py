@@ -1,4 +1,4 @@
-"""``python -m bench.packing``: how many GPUs the broker's online best fit uses, against offline yardsticks.
+"""``python -m shim.bench.packing``: how many GPUs the broker's online best fit uses, against offline yardsticks.
 
 The broker places each lease when it arrives and never moves it, so it cannot
 pack as tightly as a planner that sees every ask in advance. This measures the
@@ -159,7 +159,7 @@ def _table(f: dict) -> str:
 
 def main(as_json: bool, sequences: int = 10000, seed: int = 1) -> int:
     if sequences < 1:
-        print("bench.packing: need at least one sequence", file=sys.stderr)
+        print("shim.bench.packing: need at least one sequence", file=sys.stderr)
         return 2
     start = time.perf_counter()
     outcomes = run(sequences, seed)
@@ -170,7 +170,7 @@ def main(as_json: bool, sequences: int = 10000, seed: int = 1) -> int:
 
 def _cli(argv: list[str]) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m bench.packing", description="GPUs used by online best fit, against FFD and the lower bound"
+        prog="python -m shim.bench.packing", description="GPUs used by online best fit, against FFD and the lower bound"
     )
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     parser.add_argument("--sequences", type=int, default=10000)

@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from integration.fabric import Fabric3
 from shim.errors import WeftError
+from shim.localfabric.fabric import Fabric3
 
 STATE_FILE = Path("/run/weft-demo/state.json")
 KEEPER_ENV = "WEFT_DEMO_KEEPER_FD"
@@ -76,11 +76,11 @@ def launch(argv: list[str]) -> int:
 
 def keep(f: Fabric3, desc: dict[str, Any], state_file: Path | None, as_json: bool) -> bool:
     """In the keeper: hand the fabric over to ``--down``; returns only after it was removed (True)."""
-    from integration.demo import crictl_lines, progress, say
+    from shim.localfabric.demo import crictl_lines, progress, say
 
     fd = os.environ.get(KEEPER_ENV)
     if fd is None:
-        raise WeftError("internal: --keep runs in a keeper process (integration.demo_keep.launch)")
+        raise WeftError("internal: --keep runs in a keeper process (shim.localfabric.demo_keep.launch)")
     path = _state_file(state_file)
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {**desc, "keeper": {"pid": os.getpid(), "marker": MARKER, "log": str(f.workdir / "keeper.log"),
@@ -120,7 +120,7 @@ def keep(f: Fabric3, desc: dict[str, Any], state_file: Path | None, as_json: boo
 
 
 def down(state_file: Path | None, timeout: float = 180.0) -> int:
-    from integration.demo import progress, say
+    from shim.localfabric.demo import progress, say
 
     path = _state_file(state_file)
     if not path.exists():

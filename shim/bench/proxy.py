@@ -7,7 +7,7 @@ both paths alike. Phases, all against one throwaway containerd with ``pods``
 busybox pods running, each under a pod cgroup parent as kubelet sets one:
 
 1. per-call latency of the pass-through verbs kubelet polls most, direct and
-   through the agent, plus Version through the three :mod:`bench.floor` modes:
+   through the agent, plus Version through the three :mod:`shim.bench.floor` modes:
    a grpcio server that only echoes (what any Python grpcio server adds), a
    bare grpcio forwarder to containerd (what any grpcio forwarder adds: the
    design the agent's relay replaced), and a plain asyncio byte pipe (the
@@ -40,11 +40,11 @@ import psutil
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from bench.running import guarded, ms
-from integration.agent import AgentProcess
-from integration.harness import Containerd
-from integration.pods import container_config, sandbox_config
+from shim.bench.running import guarded, ms
 from shim.errors import WeftError
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.containerd import Containerd
+from shim.localfabric.pods import container_config, sandbox_config
 
 RUNTIME = "/runtime.v1.RuntimeService/"
 IMAGE = "/runtime.v1.ImageService/"
@@ -98,8 +98,8 @@ def _start_pods(rt: cri_grpc.RuntimeServiceStub, ctrd: Containerd, count: int) -
 # -- the grpcio floors ---------------------------------------------------------
 @contextlib.contextmanager
 def _floor(socket: Path, *args: str) -> Iterator[str]:
-    """A :mod:`bench.floor` server on ``socket``; ``args`` pick its mode."""
-    proc = subprocess.Popen([sys.executable, "-m", "bench.floor", str(socket), *args],
+    """A :mod:`shim.bench.floor` server on ``socket``; ``args`` pick its mode."""
+    proc = subprocess.Popen([sys.executable, "-m", "shim.bench.floor", str(socket), *args],
                             stdout=subprocess.DEVNULL, start_new_session=True)
     try:
         address = f"unix://{socket}"
@@ -107,7 +107,7 @@ def _floor(socket: Path, *args: str) -> Iterator[str]:
             try:
                 grpc.channel_ready_future(ch).result(timeout=20)
             except grpc.FutureTimeoutError:
-                raise RuntimeError(f"bench.floor did not answer on {socket} (exit code {proc.poll()})") from None
+                raise RuntimeError(f"shim.bench.floor did not answer on {socket} (exit code {proc.poll()})") from None
         yield address
     finally:
         proc.terminate()

@@ -30,11 +30,11 @@ from pathlib import Path
 import grpc
 import psutil
 
-from bench.running import guarded, summary
-from integration.broker import BrokerProcess
 from shim._pb import broker_pb2 as pb
 from shim._pb import broker_pb2_grpc as pb_grpc
+from shim.bench.running import guarded, summary
 from shim.errors import WeftError
+from shim.localfabric.broker import BrokerProcess
 
 LIMITS = {"acquire_p99_ms": 2.0}
 DEVICES = "8x80GiB"

@@ -11,7 +11,7 @@ caller names one) and from it:
   temporary work directory, with pod network namespaces mounted under its state
   directory rather than /var/run/netns;
 - a cgroup root ``/weft-harness<N>`` for pods' cgroup parents (see
-  ``integration.pods.sandbox_config``);
+  ``shim.localfabric.pods.sandbox_config``);
 - the test images, imported from locally built OCI archives.
 
 ``close()`` removes everything the instance made, even after a failed test or
@@ -41,7 +41,7 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration import images
+from shim.localfabric import images
 
 SLOT_DIR = Path("/run/weft-harness")
 CGROUP_FS = Path("/sys/fs/cgroup")

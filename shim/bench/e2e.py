@@ -1,6 +1,6 @@
 """``weft bench e2e``: issue 7's end-to-end figures, each a ratio of two sides measured in one run.
 
-Everything runs on one local three-node fabric (:func:`bench.mesh.open_fabric`:
+Everything runs on one local three-node fabric (:func:`shim.bench.mesh.open_fabric`:
 ``gpu-1`` origin with a GPU broker on simulated devices, ``cpu-1`` and
 ``cpu-2`` hosts, the default fence and loss timeouts), every call through the
 origin's socket as kubelet makes it, and the two sides of each figure take
@@ -11,7 +11,7 @@ turns within the same loop, so drift in the machine's load hits both alike:
    device), RunPodSandbox + Create + Start of both until ContainerStatus says
    RUNNING. Opted in, the CPU container reroutes to a host and the GPU one is
    leased from the broker and bound by the OCI hook; plain, both run here;
-2. remote against local container start (:mod:`bench.mesh`'s figure 1);
+2. remote against local container start (:mod:`shim.bench.mesh`'s figure 1);
 3. CRI call overhead: Version, ListContainers and ContainerStatus through the
    origin's agent against its containerd directly, interleaved call by call,
    while the node has remote containers (so the verbs weft answers when it
@@ -20,19 +20,18 @@ turns within the same loop, so drift in the machine's load hits both alike:
    churn of opted-in pods (started, stopped and removed through the origin,
    up to ``--pods`` alive at once, a few workers at a time);
 5. stitched localhost throughput and latency against direct TCP to the pod
-   IP: issue 5's ``bench.network`` where it exists, on a fabric of its own
+   IP: issue 5's ``shim.bench.network`` where it exists, on a fabric of its own
    right after this one closes (skipped with ``--quick``).
 
 Results go to ``--output DIR`` (default ``bench/results/``) as ``e2e.json``
 and ``e2e.md``, with the machine's facts. A measurement, not a test: the exit
-code says only whether the run worked (:mod:`bench.running`).
+code says only whether the run worked (:mod:`shim.bench.running`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib.util
 import json
 import os
 import platform
@@ -51,14 +50,14 @@ import psutil
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from bench import mesh
-from bench.running import guarded, summary
-from integration import pods as podspec
-from integration.fabric import Fabric3
 from shim import __version__
+from shim.bench import mesh
+from shim.bench.running import guarded, summary
 from shim.errors import WeftError
+from shim.localfabric import pods as podspec
+from shim.localfabric.fabric import Fabric3
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path("bench") / "results"  # relative to where it runs: the checkout's bench/results/
 RUNTIME = "/runtime.v1.RuntimeService/"
 MB = 1024 * 1024
 CHURN_WORKERS = 4
@@ -274,16 +273,14 @@ def churn(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, pods: int, seconds: 
 
 # -- 5. stitched network ---------------------------------------------------------------
 def network_figures(plan: Plan, workdir: Path) -> dict:
-    """Issue 5's ``bench.network`` (its own fabric, after this one closed), if it is there; a note if not."""
-    if importlib.util.find_spec("bench.network") is None:
-        return {"available": False, "note": "not yet available (issue 5): bench/network.py does not exist yet"}
+    """``shim.bench.network`` (its own fabric, after this one closed)."""
     if plan.quick:
         return {"available": False, "note": "skipped with --quick (a fabric of its own: weft bench network)"}
     out = workdir / "network.json"
     gib, samples = 0.5, 3000
-    _say(f"network: bench.network, {gib:g} GiB per throughput round, {samples} round trips per path")
+    _say(f"network: shim.bench.network, {gib:g} GiB per throughput round, {samples} round trips per path")
     try:
-        from bench import network
+        from shim.bench import network
 
         with contextlib.redirect_stdout(sys.stderr):  # stdout is for this benchmark's figures
             code = network.main(as_json=True, gib=gib, samples=samples, output=out)
@@ -297,9 +294,9 @@ def network_figures(plan: Plan, workdir: Path) -> dict:
                  f"{rr['direct']['p50']:.3f} / {rr['direct']['p99']:.3f} ms",
                  f"+{n['added_p50_ms']:.3f} ms p50", f"added p50 <= {n['targets']['added_p50_ms']:g} ms (issue 5)")]
     except Exception as exc:  # noqa: BLE001 - issue 5's bench is another's work in progress: say, do not fail
-        return {"available": False, "note": f"bench.network failed: {type(exc).__name__}: {exc}"[:300]}
+        return {"available": False, "note": f"shim.bench.network failed: {type(exc).__name__}: {exc}"[:300]}
     return {"available": code == 0, "rows": rows, "figures": n, "gib": gib, "samples": samples,
-            "note": "measured by bench.network on a fabric of its own, right after this one"}
+            "note": "measured by shim.bench.network on a fabric of its own, right after this one"}
 
 
 # -- the run ---------------------------------------------------------------------------
@@ -383,9 +380,10 @@ def markdown(f: dict) -> str:
              f"{m['containerd_version']}, Python {m['python']}, weft {m['weft']} (load average before the run: "
              f"{' '.join(str(x) for x in m['load_average_before'])}). Command: `{f['command']}`.", "",
              "Every figure compares two sides measured in the same run, taking turns, on the local three-node "
-             "fabric (`integration/fabric.py`: `gpu-1` origin with a broker on simulated GPUs, `cpu-1` and `cpu-2` "
+             "fabric (`shim/localfabric/fabric.py`: `gpu-1` origin with a broker on simulated GPUs, `cpu-1` and "
+             "`cpu-2` "
              f"hosts, fence {f['fabric']['fence_timeout_s']:g} s, loss {f['fabric']['loss_timeout_s']:g} s). "
-             "Raw figures: [e2e.json](e2e.json); issue 4's figures: [mesh.json](mesh.json).", "",
+             "Raw figures: [e2e.json](e2e.json); the mesh figures: [mesh.json](mesh.json).", "",
              "| figure | weft | baseline | ratio | target |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {' | '.join(r)} |" for r in rows]
     lines += ["", f"Daemons' CPU (% of one core) and RSS: idle for {f['idle_seconds']:g} s (remote containers "

@@ -4,15 +4,15 @@ Three modes; the first two are each a sync ``grpc.server`` on the agent's thread
 workers) with one generic handler and nothing else: no routing table, no
 metadata handling, no metrics, no logging.
 
-- echo (``python -m bench.floor SOCKET [RESPONSE_HEX]``) answers every unary
+- echo (``python -m shim.bench.floor SOCKET [RESPONSE_HEX]``) answers every unary
   call with the same pre-serialized bytes. What it adds over containerd is what
   a Python grpcio server costs by itself. RESPONSE_HEX lets the caller hand
   over containerd's own VersionResponse, so both return exactly the same bytes.
-- forward (``python -m bench.floor SOCKET --forward UPSTREAM_SOCKET``) sends
+- forward (``python -m shim.bench.floor SOCKET --forward UPSTREAM_SOCKET``) sends
   every unary call on, as raw bytes, over one grpcio channel to UPSTREAM_SOCKET
   and returns the reply. What it adds is the least any grpcio forwarder can
   add: a server plus a client hop.
-- splice (``python -m bench.floor SOCKET --splice UPSTREAM_SOCKET``) is no gRPC
+- splice (``python -m shim.bench.floor SOCKET --splice UPSTREAM_SOCKET``) is no gRPC
   at all: an asyncio byte pipe between each client connection and its own
   upstream connection. What it adds is the least any user-space relay written
   in Python can add; an HTTP/2-aware relay (frames passed verbatim, only the
@@ -72,7 +72,7 @@ class _Forward(grpc.GenericRpcHandler):
 def serve(socket: str, handler: grpc.GenericRpcHandler) -> None:
     server = grpc.server(ThreadPoolExecutor(max_workers=WORKERS), handlers=[handler])
     if server.add_insecure_port(f"unix:{socket}") == 0:
-        raise SystemExit(f"bench.floor: could not bind {socket}")
+        raise SystemExit(f"shim.bench.floor: could not bind {socket}")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
@@ -111,7 +111,7 @@ def splice(socket: str, upstream: str) -> None:
 
 
 def main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.floor")
+    parser = argparse.ArgumentParser(prog="python -m shim.bench.floor")
     parser.add_argument("socket")
     parser.add_argument("response_hex", nargs="?", help="echo mode: the bytes to answer with")
     parser.add_argument("--forward", metavar="UPSTREAM_SOCKET", help="forward mode: where to send every call")

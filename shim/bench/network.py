@@ -1,6 +1,6 @@
 """``weft bench network``: issue 5's figures for the stitched pod network and the exec relay.
 
-One :class:`integration.fabric.Fabric3`; one opted-in pod on ``gpu-1`` whose
+One :class:`shim.localfabric.fabric.Fabric3`; one opted-in pod on ``gpu-1`` whose
 CPU container is rerouted to a host. The bench's own servers (a sink and an
 echo, Python, 1 MiB buffers) listen in the *shadow* sandbox's network
 namespace; its clients run in the *origin* sandbox's. So the two paths
@@ -42,13 +42,13 @@ from pathlib import Path
 
 from cri_api.v1 import api_pb2 as cri
 
-from integration import pods
-from integration.fabric import Fabric3
-from integration.streams import ChannelStream
-from integration.test_remote import PLACEMENT, cpu_container, create, run_pod, status
-from integration.waiting import wait_for
 from shim.config import AgentConfig
 from shim.cri.netns import Netns, sandbox_netns
+from shim.localfabric import pods
+from shim.localfabric.fabric import Fabric3
+from shim.localfabric.pods import PLACEMENT, cpu_container, create, run_pod, status
+from shim.localfabric.streams import ChannelStream
+from shim.localfabric.waiting import wait_for
 
 SINK_PORT, ECHO_PORT = 7500, 7501
 BUF = 1 << 20

@@ -1,6 +1,6 @@
 """``weft demo``: the three-node fabric on this machine, a two-stage pod through it, then nothing left.
 
-Three test nodes (``integration.fabric.Fabric3``), each a network namespace
+Three test nodes (``shim.localfabric.fabric.Fabric3``), each a network namespace
 with its own containerd and ``weft agent``: ``gpu-1``, the origin, with a GPU
 broker on two simulated 80 GiB GPUs, and ``cpu-1``/``cpu-2``, CPU hosts.
 Through the origin's socket, exactly as kubelet would, the demo runs a pod
@@ -19,7 +19,7 @@ the GPU, the logs of both stages as kubelet reads them on the origin
 after, and a summary table; then removes everything. ``--keep`` leaves it
 running for crictl (state in ``--state-file``) until ``weft demo --down``;
 ``--json`` ends the output with one line describing nodes, pod and containers
-(``describe``). The keeping and the tearing down are in ``integration.demo_keep``.
+(``describe``). The keeping and the tearing down are in ``shim.localfabric.demo_keep``.
 """
 
 from __future__ import annotations
@@ -38,9 +38,9 @@ from typing import Any
 
 from cri_api.v1 import api_pb2 as cri
 
-from integration import pods
-from integration.fabric import ROLES, Fabric3
-from integration.waiting import wait_for
+from shim.localfabric import pods
+from shim.localfabric.fabric import ROLES, Fabric3
+from shim.localfabric.waiting import wait_for
 
 PORT = 9000
 BATCHES = 5
@@ -252,7 +252,7 @@ def crictl_lines(desc: dict[str, Any]) -> list[str]:
 
 
 def main(keep: bool = False, as_json: bool = False, state_file: Path | None = None) -> int:
-    from integration import demo_keep
+    from shim.localfabric import demo_keep
 
     if keep:
         demo_keep.refuse_if_kept(state_file)

@@ -1,6 +1,6 @@
 """``weft bench mesh``: issue 4's figures for rerouted containers, on the local three-node fabric.
 
-One :class:`integration.fabric.Fabric3` (``gpu-1`` origin, ``cpu-1`` and
+One :class:`shim.localfabric.fabric.Fabric3` (``gpu-1`` origin, ``cpu-1`` and
 ``cpu-2`` hosts) with the fence and loss timeouts a user gets
 (``shim.config.MeshConfig``'s defaults), every call through the origin's CRI
 socket as kubelet makes it. Three figures:
@@ -25,7 +25,7 @@ socket as kubelet makes it. Three figures:
    kubelet's own relist period and back-off are not counted.
 
 It is a measurement, not a test: a missed target is printed, and the exit
-code says only whether the run worked (:mod:`bench.running`).
+code says only whether the run worked (:mod:`shim.bench.running`).
 """
 
 from __future__ import annotations
@@ -48,11 +48,11 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from bench.running import guarded, ms, summary
-from integration import pods
-from integration.fabric import HELLO_S, Fabric3
+from shim.bench.running import guarded, ms, summary
 from shim.config import MeshConfig
 from shim.errors import WeftError
+from shim.localfabric import pods
+from shim.localfabric.fabric import HELLO_S, Fabric3
 
 LIMITS = {"remote_start_ratio": 1.5, "status_p50_ratio": 1.2, "replaced_s": 30.0}
 ORIGIN = "gpu-1"
@@ -69,7 +69,7 @@ def _say(msg: str) -> None:
     print(f"weft bench mesh: {msg}", file=sys.stderr, flush=True)
 
 
-# -- the fabric and its pods (shared with bench.e2e) ---------------------------
+# -- the fabric and its pods (shared with shim.bench.e2e) ---------------------------
 def open_fabric(workdir: Path) -> Fabric3:
     """The three-node fabric with the fence and loss timeouts a user gets by default, open."""
     defaults = MeshConfig()

@@ -25,11 +25,11 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration.agent import AgentProcess, free_port
-from integration.broker import BrokerProcess, weft_handler
-from integration.cluster import Cluster, Node
-from integration.harness import Containerd
-from integration.waiting import wait_for
+from shim.localfabric.agent import AgentProcess, free_port
+from shim.localfabric.broker import BrokerProcess, weft_handler
+from shim.localfabric.containerd import Containerd
+from shim.localfabric.nodes import Cluster, Node
+from shim.localfabric.waiting import wait_for
 
 NAMES = ("gpu-1", "cpu-1", "cpu-2")
 ROLES = {"gpu-1": "gpu", "cpu-1": "cpu", "cpu-2": "cpu"}

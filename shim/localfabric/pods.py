@@ -2,17 +2,26 @@
 
 They produce what kubelet would send for a plain pod: metadata, labels and
 annotations kubelet sets, a log directory, Linux security context defaults and,
-when the caller names a root for it, a pod cgroup parent.
+when the caller names a root for it, a pod cgroup parent. The last few run an
+opted-in pod on a :class:`~shim.localfabric.fabric.Fabric3`'s origin through
+its weft socket, as kubelet would.
 """
 
 from __future__ import annotations
 
 import uuid
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from cri_api.v1 import api_pb2 as cri
 
-from integration import images
+from shim.localfabric import images
+
+if TYPE_CHECKING:
+    from shim.localfabric.fabric import Fabric3
+
+WEFT = "weft"  # the RuntimeClass handler of opted-in pods
+PLACEMENT = "weft.io/placement"
 
 
 def sandbox_config(name: str, log_dir: Path, namespace: str = "default", *,
@@ -58,3 +67,39 @@ def container_config(name: str, command: list[str], *, image: str = images.BUSYB
             ),
         ),
     )
+
+
+def cpu_container(name: str, command: list[str], *, cpu: float = 0.5, memory: int = 64 << 20,
+                  attempt: int = 0) -> cri.ContainerConfig:
+    config = container_config(name, command, attempt=attempt)
+    res = config.linux.resources
+    res.cpu_period, res.cpu_quota, res.memory_limit_in_bytes = 100000, int(cpu * 100000), memory
+    return config
+
+
+def run_pod(f: Fabric3, name: str = "infer", privileged: bool = False,
+            annotations: dict[str, str] | None = None) -> tuple[str, cri.PodSandboxConfig]:
+    node = f.node("gpu-1")
+    sandbox = sandbox_config(name, node.containerd.pod_log_dir, cgroup_parent=node.containerd.cgroup_root)
+    sandbox.linux.security_context.privileged = privileged
+    sandbox.annotations.update(annotations or {})
+    ch, rt = f.runtime("gpu-1")
+    with ch:
+        sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox, runtime_handler=WEFT)).pod_sandbox_id
+    return sid, sandbox
+
+
+def create(f: Fabric3, sid: str, sandbox: cri.PodSandboxConfig, config: cri.ContainerConfig, start: bool = True) -> str:
+    ch, rt = f.runtime("gpu-1")
+    with ch:
+        cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=config,
+                                                            sandbox_config=sandbox)).container_id
+        if start:
+            rt.StartContainer(cri.StartContainerRequest(container_id=cid))
+    return cid
+
+
+def status(f: Fabric3, cid: str) -> cri.ContainerStatus:
+    ch, rt = f.runtime("gpu-1")
+    with ch:
+        return rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid)).status

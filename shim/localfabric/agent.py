@@ -21,7 +21,7 @@ from pathlib import Path
 
 import grpc
 
-from integration.harness import Containerd
+from shim.localfabric.containerd import Containerd
 
 
 def free_port() -> int:

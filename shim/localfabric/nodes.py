@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from integration.harness import Containerd, RuntimeHandler, claim_slot
+from shim.localfabric.containerd import Containerd, RuntimeHandler, claim_slot
 
 MAX_MESH_SLOTS = 255
 BRIDGE_HOST = 254  # the root namespace's address on every mesh subnet
