@@ -21,13 +21,13 @@ from cri_api.v1 import api_pb2
 from shim import log
 from shim.broker.client import BrokerClient
 from shim.config import Config
-from shim.cri import routes
 from shim.cri.fabric import Fabric
 from shim.cri.instrument import Instrument
+from shim.cri.origin.supervisor import RemoteSupervisor
 from shim.cri.passthrough import Upstream
 from shim.cri.recovery import Reconciler
-from shim.cri.relay import RelayServer
-from shim.cri.remote_supervisor import RemoteSupervisor
+from shim.cri.relay.server import RelayServer
+from shim.cri.verbs import routes
 from shim.httpd import HttpEndpoint
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore
@@ -60,7 +60,7 @@ class Agent:
         self.store = AgentStore(cfg.agent.state_dir)
         self.broker = BrokerClient(cfg.agent.broker_socket) if cfg.agent.broker_socket else None
         self.fabric = Fabric(self.upstream, self.store, self.broker, self.metrics)
-        self.server = RelayServer(cfg.agent.socket, str(cfg.agent.containerd_socket), routes.intercepted(self.fabric),
+        self.server = RelayServer(cfg.agent.socket, str(cfg.agent.containerd_socket), routes.table(self.fabric),
                                   Instrument(self.metrics), cfg.agent.workers)
         self.reconciler = Reconciler(self.fabric)
         self.mesh = self._mesh(cfg)
@@ -70,7 +70,7 @@ class Agent:
     def _mesh(self, cfg: Config):
         if not cfg.mesh.address:
             return None
-        from shim.cri.shadows import ShadowHost
+        from shim.cri.host.shadows import ShadowHost
         from shim.mesh.node import MeshNode
 
         m = cfg.mesh
@@ -90,11 +90,11 @@ class Agent:
         return mesh
 
     def _tunnels(self, cfg: Config, mesh, host) -> None:
-        """Exec/attach relay and the stitched pod network (shim.mesh.tunnel, shim.cri.stitch)."""
+        """Exec/attach relay and the stitched pod network (shim.mesh.tunnel, shim.cri.origin.stitch)."""
         from shim.core.annotations import parse_host_port
-        from shim.cri.shadow_tunnel import ShadowNet
-        from shim.cri.stitch import OriginNet
-        from shim.cri.stream_relay import StreamRelay
+        from shim.cri.host.tunnel import ShadowNet
+        from shim.cri.origin.stitch import OriginNet
+        from shim.cri.origin.stream_relay import StreamRelay
         from shim.mesh.tunnel import TunnelServer, contexts
 
         self.tunnel = TunnelServer(parse_host_port(cfg.mesh.address, field="mesh.address")[0], cfg.mesh.tls_dir,

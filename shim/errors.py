@@ -6,20 +6,48 @@ gRPC status, so the mapping lives here and nowhere else::
     WeftError                      (UNKNOWN)
     ├── ConfigError                configuration file or flag is invalid (INVALID_ARGUMENT)
     ├── BadAnnotation              a weft.io/ annotation holds a bad value (INVALID_ARGUMENT)
+    │   └── UnsafeShadow           a host refuses a shadow it may not run (shim.cri.host.shadows; PERMISSION_DENIED)
     ├── MalformedRequest           a request weft must read does not parse (INVALID_ARGUMENT)
     ├── SocketInUse                another process serves the socket (ALREADY_EXISTS)
     ├── StateError                 the state database cannot be used (shim.state.db; INTERNAL)
-    │   └── StateStoreFull         its disk is full: no new opted-in work (RESOURCE_EXHAUSTED)
+    │   └── StateStoreFull         its disk is full: no new opted-in work (shim.state.db; RESOURCE_EXHAUSTED)
     ├── BrokerUnavailable          the GPU broker cannot be reached (UNAVAILABLE)
     ├── LeaseRefused               the broker has no room for the GPU ask (RESOURCE_EXHAUSTED)
     ├── LeaseNotFound              no such lease (NOT_FOUND)
     ├── LeaseConflictError         the lease is bound to another container (FAILED_PRECONDITION)
     ├── UnknownContainer           weft placed no such container (NOT_FOUND)
     ├── CreateInProgress           the same CreateContainer is already being served (ABORTED)
+    ├── HostUnavailable            a remote container's host is not a peer now (UNAVAILABLE)
+    ├── CannotStart                a remote container was lost with its host (FAILED_PRECONDITION)
+    ├── NoStreamServer             no streaming relay for a remote container's session (UNKNOWN)
+    ├── RemoteStopFailed           a pod's remote containers could not all be stopped (UNAVAILABLE)
+    ├── PeerRefused                a peer's identity or claim is refused (shim.mesh.identity; PERMISSION_DENIED)
+    ├── PeerUnavailable            a peer cannot be reached (shim.mesh.client; UNAVAILABLE)
+    ├── TunnelError                a tunnel cannot be opened or broke (shim.mesh.tunnel; UNAVAILABLE)
+    ├── TunnelRefused              a tunnel token is refused (shim.cri.host.tunnel; PERMISSION_DENIED)
+    ├── RefusedCall                a peer asks for a shadow call that is not allowed (shim.cri.host.shadows;
+    │                              PERMISSION_DENIED)
+    ├── NoLog                      a shadow has no log file to follow (shim.cri.host.shadows; FAILED_PRECONDITION)
+    ├── BadVolume                  a copied volume is refused (shim.cri.host.volumes; INVALID_ARGUMENT)
+    │   ├── VolumesTooLarge        over the per-container cap (shim.cri.host.volumes; RESOURCE_EXHAUSTED)
+    │   └── VolumesChanged         changed while being copied (shim.cri.host.volumes; FAILED_PRECONDITION)
+    ├── NetnsError                 a pod's network namespace cannot be entered (shim.cri.netns; UNKNOWN)
+    ├── DiscoveryError             peers cannot be found through Kubernetes (shim.mesh.discovery;
+    │   │                          FAILED_PRECONDITION)
+    │   └── DiscoveryUnavailable   the API server cannot be reached now (shim.mesh.discovery; UNAVAILABLE)
+    ├── ReportError                weft report cannot give a verdict (shim.report.errors; UNKNOWN)
+    │   ├── UsageError             a flag's value cannot be used (shim.report.errors; UNKNOWN)
+    │   ├── UnknownWorkload        no such workload in Prometheus (shim.report.errors; UNKNOWN)
+    │   ├── NoOptInRecord          no opt-in time is known (shim.report.errors; UNKNOWN)
+    │   └── PrometheusError        Prometheus answered an error (shim.report.errors; UNKNOWN)
     ├── InstallError               install/uninstall stopped; the message says what was undone (FAILED_PRECONDITION)
     │   └── UnrecognisedHost       a containerd/kubelet file it cannot parse or does not know; nothing changed
     └── UpstreamError              containerd answered with a status (any code)
         └── UpstreamUnavailable    containerd's socket is missing or dead (UNAVAILABLE)
+
+Errors that belong to one subsystem live in its module (named in brackets);
+the rest live here. ``tests/test_errors.py`` checks that this tree lists every
+subclass of :class:`WeftError` under its real base.
 
 Causes are chained (``raise ... from exc``) so the log shows what went wrong
 underneath.
@@ -106,6 +134,28 @@ class UnrecognisedHost(InstallError):
     """A host file the installer cannot parse or does not recognise; the message names it. Nothing was changed."""
 
 
+class HostUnavailable(WeftError):
+    """The host of a remote container is not a peer any more (its calls cannot be made)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class CannotStart(WeftError):
+    """A remote container was lost with its host: nothing runs in it, and it cannot be started or changed."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class NoStreamServer(WeftError):
+    """This agent runs no streaming relay, so a remote container's session has nowhere to go."""
+
+
+class RemoteStopFailed(WeftError):
+    """StopPodSandbox could not stop some of the pod's remote containers on their hosts; kubelet retries."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class UpstreamError(WeftError):
     """containerd answered with a status: passed on to the client unchanged."""
 
@@ -122,6 +172,8 @@ class UpstreamError(WeftError):
 
 class UpstreamUnavailable(UpstreamError):
     """containerd could not be reached; the message names its socket."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
     def __init__(self, socket: str, detail: str) -> None:
         super().__init__(

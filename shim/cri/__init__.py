@@ -1,8 +1,12 @@
 """The CRI proxy: what kubelet talks to instead of containerd.
 
-``relay`` is the data path: kubelet's HTTP/2 frames pass to containerd
-verbatim. ``routes`` is the complete table of intercepted methods, one module
-per verb, answered by weft with ``passthrough``'s grpcio client to containerd;
-``instrument`` measures and logs every call and maps weft's errors to gRPC
-statuses; ``h2`` holds the little HTTP/2 framing the relay needs.
+A call flows relay -> route -> instrumentation -> verb -> pass-through:
+``relay`` passes kubelet's HTTP/2 frames to containerd verbatim and looks up
+each request's path in the route table (``verbs.routes``); a path weft
+intercepts is run through ``instrument`` (latency, log line, error mapping)
+by its verb module in ``verbs``, which answers with ``passthrough``'s grpcio
+client to containerd where it needs containerd. ``origin`` is the side of a
+node whose containers run elsewhere (remote containers, their placement, the
+stitched pod network, the streaming relay); ``host`` is the side that runs
+them (shadows, their logs, tunnels and volumes).
 """

@@ -13,8 +13,8 @@ import threading
 from shim import log
 from shim._pb import broker_pb2 as pb
 from shim.broker.client import BrokerClient
+from shim.cri.origin.remote import PulledImages, RemoteContainers
 from shim.cri.passthrough import Upstream
-from shim.cri.remote import PulledImages, RemoteContainers
 from shim.errors import BrokerUnavailable, WeftError
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore, SandboxRecord
@@ -43,7 +43,7 @@ class Fabric:
         self.on_remote: list = []
         self.on_reopen: list = []
         self.on_remote_removed: list = []
-        # The origin's streaming relay (shim.cri.stream_relay) and the TLS context its tunnels dial with.
+        # The origin's streaming relay (shim.cri.origin.stream_relay) and the TLS context its tunnels dial with.
         self.streams = None
         self.tunnel_tls = None
         # Whether containerd holds shadows (labelled weft.io/origin-node) that

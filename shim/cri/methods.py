@@ -48,7 +48,7 @@ def _known() -> dict[str, Method]:
     return table
 
 
-# weft's own admin calls on the agent socket (JSON bodies; see shim.cri.admin).
+# weft's own admin calls on the agent socket (JSON bodies; see shim.cri.verbs.admin).
 ADMIN_STATUS = "/weft.agent.v1.Admin/Status"
 ADMIN_EXPLAIN = "/weft.agent.v1.Admin/Explain"
 ADMIN_DRAIN = "/weft.agent.v1.Admin/Drain"

@@ -1,6 +1,6 @@
 """Settling what a crash left half-done, at start and then periodically.
 
-First it notes whether containerd holds shadows (``hide_shadows``). A
+First it notes whether containerd holds shadows (the list verbs hide them, ``verbs.listing``). A
 placement still ``pending`` means the agent died between leasing and
 answering kubelet: if containerd has the container (matched by sandbox, name
 and attempt), the record is completed; if not, the lease is released and the
@@ -19,7 +19,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.cri.fabric import Fabric
-from shim.cri.hide_shadows import ORIGIN_LABEL
+from shim.cri.labels import ORIGIN_LABEL
 from shim.errors import WeftError
 
 _log = log.get("weft.recovery")

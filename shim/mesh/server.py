@@ -62,7 +62,7 @@ def _mapped_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
 class MeshServicer(pb_grpc.MeshServicer):
     def __init__(self, node: str, policy: PeerPolicy, probe: CapacityProbe, admit: Admit | None = None,
                  host: Any = None) -> None:
-        # ``host`` runs shadows (``shim.cri.shadows.ShadowHost``); None on a node that hosts nothing.
+        # ``host`` runs shadows (``shim.cri.host.shadows.ShadowHost``); None on a node that hosts nothing.
         self.host = host
         self.node = node
         self.policy = policy

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shim.cri import h2
+from shim.cri.relay import h2
 
 FUZZ = settings(max_examples=500, deadline=None, derandomize=True, database=None)
 

@@ -2,7 +2,7 @@
 
 ``shim.core.quantity`` (the GPU share annotations a person types),
 ``shim.core.annotations`` (HOST:PORT in the config) and the relay's pure
-HTTP/2 and gRPC helpers (``shim.cri.h2``), which read bytes a client sends.
+HTTP/2 and gRPC helpers (``shim.cri.relay.server.h2``), which read bytes a client sends.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from shim.core.annotations import parse_host_port
 from shim.core.quantity import AnnotationError, format_bytes, parse_compute, parse_memory
-from shim.cri import h2
+from shim.cri.relay import h2
 
 FUZZ = settings(max_examples=500, deadline=None, derandomize=True, database=None)
 ANN = "weft.io/gpu-memory.model"

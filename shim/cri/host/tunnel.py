@@ -1,0 +1,253 @@
+"""A host's side of the tunnels into its shadows: streaming sessions and the stitched pod network.
+
+* ``issued``: the URLs this host's containerd returned for Exec and Attach of
+  an origin's shadow (through ShadowCall) are remembered for a minute, as long
+  as containerd keeps them; ``open_tunnel`` to a stream URL is granted only for
+  one of those, to the origin it was issued to, over TLS.
+* ``open_tunnel`` to a port: a plain tunnel to 127.0.0.1:<port> (or ::1) in the
+  shadow sandbox's network namespace (the origin's mirror of that port
+  accepted a connection).
+* ``stitch``: the host listens on 127.0.0.1:<port> and [::1]:<port> in the
+  shadow's namespace (loopback only: the origin pod's ports are not served on
+  the shadow's own pod IP)
+  for each port of the origin's pod; an accepted connection becomes a grant
+  whose target is that very socket, offered to the origin on the stream,
+  which dials it and joins it to the port in its own pod. The stream also
+  pushes the ports the shadow listens on (sock_diag every ``POLL_S``, this
+  host's own listeners left out by inode). The listeners go when the last
+  stream of the shadow ends; a connection the origin never claims is closed
+  when its token expires.
+
+A port the host cannot listen on (the shadow holds it itself) is logged
+(``stitch.port_collision``) with the port and container, and told to the
+origin as a problem.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from urllib.parse import urlsplit
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+
+from shim import log
+from shim._pb import mesh_pb2 as pb
+from shim.cri.netns import Netns, owner_of, sandbox_netns
+from shim.errors import WeftError
+from shim.mesh.tunnel import CONNECT_TIMEOUT_S, TunnelServer
+
+_log = log.get("weft.stitch")
+
+URL_TTL_S = 60.0
+POLL_S = 0.5
+# Listeners outlive their last Stitch stream by this much (the origin reopens it with new ports).
+GRACE_S = 2.0
+
+
+class TunnelRefused(WeftError):
+    """The origin asked for a tunnel to something that is not its own shadow's."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+class Mirrors:
+    """The host's listeners in one shadow's namespace, for the ports of the origin's pod."""
+
+    def __init__(self, net: ShadowNet, origin: str, key: str, name: str, ns: Netns, sandbox_id: str) -> None:
+        self.net, self.origin, self.key, self.name, self.ns = net, origin, key, name, ns
+        self.sandbox_id = sandbox_id
+        self.listeners: dict[int, list[socket.socket]] = {}  # port -> its listeners (127.0.0.1, ::1)
+        self.refs = 0
+        self.subscriber: queue.Queue | None = None
+        self._lock = threading.Lock()
+
+    def _sockets(self) -> list[socket.socket]:
+        return [s for socks in self.listeners.values() for s in socks]
+
+    def inodes(self) -> set[int]:
+        with self._lock:
+            return {os.fstat(s.fileno()).st_ino for s in self._sockets() if s.fileno() >= 0}
+
+    def set_ports(self, ports: set[int]) -> list[str]:
+        problems = []
+        with self._lock:
+            for port in set(self.listeners) - ports:
+                for sock in self.listeners.pop(port):
+                    _close_listener(sock)
+            new = ports - set(self.listeners)
+        for port in sorted(new):
+            try:
+                socks = self.ns.listen_loopback(port)
+            except OSError as exc:
+                detail = f"port {port} of the pod cannot be mirrored into rerouted container {self.name}: {exc}"
+                holder = owner_of(self.ns.listening().get(port, set()))
+                if holder:
+                    detail += f" (held there by {holder})"
+                _log.error("stitch.port_collision", origin=self.origin, key=self.key, container=self.name, port=port,
+                           side="shadow", detail=detail)
+                problems.append(detail)
+                continue
+            with self._lock:
+                self.listeners[port] = socks
+            for sock in socks:
+                threading.Thread(target=self._accept, args=(sock, port), name=f"weft-mirror-{port}",
+                                 daemon=True).start()
+        return problems
+
+    def _accept(self, sock: socket.socket, port: int) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return  # closed
+            q = self.subscriber
+            if q is None:
+                conn.close()
+                continue
+            token = self.net.tunnel.grants.add(self.origin, lambda c=conn: c, tls=False,
+                                               what=f"{self.name} <- :{port}", on_expire=conn.close)
+            q.put(pb.StitchEvent(accepted_port=port, token=token, address=self.net.tunnel.address))
+
+    def close(self) -> None:
+        with self._lock:
+            socks = self._sockets()
+            self.listeners.clear()
+        for s in socks:
+            _close_listener(s)
+
+
+def _close_listener(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)  # wakes the thread in accept()
+    sock.close()
+
+
+class ShadowNet:
+    def __init__(self, host, tunnel: TunnelServer) -> None:  # host: shim.cri.host.shadows.ShadowHost
+        self.host = host
+        self.tunnel = tunnel
+        self._lock = threading.Lock()
+        self._urls: dict[str, tuple[str, str, float]] = {}  # url -> (origin, key, expires)
+        self._netns: dict[str, Netns] = {}  # shadow sandbox id -> its namespace
+        self._mirrors: dict[tuple[str, str], Mirrors] = {}
+
+    # -- streams -----------------------------------------------------------------------
+    def issued(self, origin: str, key: str, method: str, response: bytes) -> None:
+        """containerd answered Exec or Attach of ``key`` with a URL: the origin may tunnel to it once."""
+        resp_type = cri.ExecResponse if method == "Exec" else cri.AttachResponse
+        url = resp_type.FromString(response).url
+        now = time.monotonic()
+        with self._lock:
+            for old in [u for u, (_, _, t) in self._urls.items() if t < now]:
+                del self._urls[old]
+            self._urls[url] = (origin, key, now + URL_TTL_S)
+
+    def open_tunnel(self, origin: str, req: pb.TunnelRequest) -> pb.TunnelGrant:
+        c = self.host._one(origin, req.key)
+        name = c.metadata.name
+        if req.WhichOneof("target") == "stream_url":
+            with self._lock:
+                found = self._urls.pop(req.stream_url, None)
+            if found is None or found[:2] != (origin, req.key) or found[2] < time.monotonic():
+                raise TunnelRefused(f"{req.stream_url!r} is no streaming URL this host issued for {req.key}")
+            parts = urlsplit(req.stream_url)
+            address = (parts.hostname or "127.0.0.1", parts.port or 80)
+            token = self.tunnel.grants.add(
+                origin, lambda: socket.create_connection(address, CONNECT_TIMEOUT_S), tls=True,
+                what=f"{name} stream", interactive=True)
+            return pb.TunnelGrant(address=self.tunnel.address, token=token, tls=True)
+        if req.WhichOneof("target") == "port":
+            port = req.port
+            if not 1 <= port <= 65535:
+                raise TunnelRefused(f"port {port} is not a TCP port")
+            ns = self._ns(c.pod_sandbox_id)
+            token = self.tunnel.grants.add(origin, lambda: ns.connect_loopback(port, CONNECT_TIMEOUT_S),
+                                           tls=False, what=f"{name} :{port}")
+            return pb.TunnelGrant(address=self.tunnel.address, token=token, tls=False)
+        raise TunnelRefused("OpenTunnel names no target (stream_url or port)")
+
+    def _ns(self, sandbox_id: str) -> Netns:
+        with self._lock:
+            ns = self._netns.get(sandbox_id)
+        if ns is not None:
+            return ns
+        path = sandbox_netns(self.host._call, sandbox_id)
+        with self._lock:
+            return self._netns.setdefault(sandbox_id, Netns(path))
+
+    # -- the stitched network ------------------------------------------------------------
+    def stitch(self, origin: str, req: pb.StitchRequest, context: grpc.ServicerContext) -> Iterator[pb.StitchEvent]:
+        c = self.host._one(origin, req.key)
+        ns = self._ns(c.pod_sandbox_id)
+        q: queue.Queue = queue.Queue()
+        with self._lock:
+            m = self._mirrors.get((origin, req.key))
+            if m is None:
+                m = self._mirrors[(origin, req.key)] = Mirrors(self, origin, req.key, c.metadata.name, ns,
+                                                                c.pod_sandbox_id)
+            m.refs += 1
+            m.subscriber = q
+        context.add_callback(lambda: q.put(None))
+        try:
+            for problem in m.set_ports(set(req.ports)):
+                yield pb.StitchEvent(problem=problem)
+            last: set[int] | None = None
+            while context.is_active():
+                if req.has_declared:
+                    listening = set(req.declared)
+                else:
+                    own = m.inodes()
+                    listening = {p for p, inodes in ns.listening().items() if inodes - own}
+                if listening != last:
+                    last = listening
+                    yield pb.StitchEvent(listening=sorted(listening), ports=True)
+                deadline = time.monotonic() + POLL_S
+                while (left := deadline - time.monotonic()) > 0:
+                    try:
+                        event = q.get(timeout=left)
+                    except queue.Empty:
+                        break
+                    if event is None:
+                        return
+                    yield event
+        finally:
+            self._release(m, q)
+
+    def _release(self, m: Mirrors, q: queue.Queue) -> None:
+        with self._lock:
+            m.refs -= 1
+            if m.subscriber is q:
+                m.subscriber = None
+            last = m.refs == 0
+        if last:  # the origin reopens its stream when its pod's ports change: keep the listeners a moment
+            timer = threading.Timer(GRACE_S, self._maybe_close, (m,))
+            timer.daemon = True
+            timer.start()
+
+    def _maybe_close(self, m: Mirrors) -> None:
+        with self._lock:
+            if m.refs > 0 or self._mirrors.get((m.origin, m.key)) is not m:
+                return
+            del self._mirrors[(m.origin, m.key)]
+            in_use = any(x.sandbox_id == m.sandbox_id for x in self._mirrors.values())
+            ns = None if in_use else self._netns.pop(m.sandbox_id, None)
+        m.close()
+        if ns is not None:
+            ns.close()
+        _log.info("stitch.closed", origin=m.origin, key=m.key, container=m.name)
+
+    def close(self) -> None:
+        with self._lock:
+            mirrors, self._mirrors = list(self._mirrors.values()), {}
+            spaces, self._netns = list(self._netns.values()), {}
+        for m in mirrors:
+            m.close()
+        for ns in spaces:
+            ns.close()

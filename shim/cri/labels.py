@@ -1,0 +1,13 @@
+"""The labels and annotations by which a host knows the shadows it runs for its peers.
+
+A shadow sandbox or container carries ``weft.io/origin-node``; the rest tie it
+to the origin's container (its key), the origin's sandbox, and what the host
+admitted it with.
+"""
+
+ORIGIN_LABEL = "weft.io/origin-node"
+KEY_LABEL = "weft.io/origin-key"
+SANDBOX_LABEL = "weft.io/origin-sandbox"
+KEY_ANNOTATION = "weft.io/origin-key-full"
+CPU_LIMIT_ANNOTATION = "weft.io/hosted-cpu-limit"  # cores, as admitted
+MEMORY_LIMIT_ANNOTATION = "weft.io/hosted-memory-limit"  # bytes

@@ -1,0 +1,6 @@
+"""The origin's side of rerouting: containers kubelet asked for here that run on a host.
+
+``remote`` keeps them as kubelet sees them, ``place`` chooses their host,
+``supervisor`` follows them (status, loss, logs, volumes), ``stitch`` joins
+them to their pod's localhost, ``stream_relay`` carries exec and attach.
+"""

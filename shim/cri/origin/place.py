@@ -1,0 +1,281 @@
+"""The origin's side of rerouting one CPU container: decide, ask the peers in turn, or stay here.
+
+Called by CreateContainer for a CPU-stage container of an opted-in pod on a
+node with a mesh. The rules are ``shim.core.reroute``'s: the container must
+be safe to move (no privilege, host namespace, host path, device or shared
+pod volume; limits declared), and peers are ranked by the free capacity their
+last Hello reported. Then each candidate in turn is asked to Admit (against
+its real capacity now) and to create the shadow (RunShadow, not started: as
+kubelet's CreateContainer, its StartContainer follows). The first that does
+gets the container; kubelet gets a virtual container ID, written to the state
+store before the answer. If every candidate refuses or fails, the container
+runs locally: the scheduler reserved the whole pod here, so running locally
+is always valid, and the reason says what each peer answered.
+
+What travels: kubelet's sandbox and container config (mounts taken out), the
+read-only volumes' files (ConfigMap, Secret, projected, and kubelet's
+/etc/hosts), an image name the host can pull, and the credentials kubelet
+used for that image (from ``pull_image``, memory only).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from cri_api.v1 import api_pb2 as cri
+from google.protobuf.message import DecodeError
+
+from shim import failpoint, log
+from shim._pb import mesh_pb2 as pb
+from shim.core.classify import Classification
+from shim.core.placement import PLACEMENT_ANNOTATION, PLACEMENT_REASON_ANNOTATION, PlacementReason
+from shim.core.reroute import (
+    ContainerFacts,
+    RerouteReason,
+    Resources,
+    classify_mounts,
+    decide,
+)
+from shim.cri.fabric import Fabric
+from shim.cri.origin.remote import REMOTE_PREFIX, Remote, new_id
+from shim.errors import WeftError
+from shim.state.agent import PlacementRecord
+
+_log = log.get("weft.cri")
+
+# Copied volumes travel in one RunShadow message: large volumes are what hostPath or a PVC are for.
+MAX_VOLUME_BYTES = 32 << 20
+# A shadow may take minutes to create (the host pulls the image), but kubelet's CreateContainer has a
+# deadline (runtimeRequestTimeout, 2 min by default): a host may use half of what is left, so that running
+# the container here still fits in the rest.
+MAX_SHADOW_WAIT_S = 300.0
+MIN_SHADOW_WAIT_S = 5.0
+_CREATED_OR_LATER = (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING, cri.CONTAINER_EXITED)
+
+
+@dataclass(frozen=True)
+class LocalBecause:
+    """The container stays here, and why."""
+
+    reason: PlacementReason
+    detail: str
+
+
+def limits_of(config: cri.ContainerConfig) -> Resources | None:
+    res = config.linux.resources
+    cpu = res.cpu_quota / res.cpu_period if res.cpu_quota > 0 and res.cpu_period > 0 else 0.0
+    memory = res.memory_limit_in_bytes if res.memory_limit_in_bytes > 0 else 0
+    if not cpu and not memory:
+        return None
+    return Resources(cpu, memory)
+
+
+def facts_of(config: cri.ContainerConfig, sandbox: cri.PodSandboxConfig, pods_dir: str) -> ContainerFacts:
+    sc, psc = config.linux.security_context, sandbox.linux.security_context
+    ns = (sc.namespace_options, psc.namespace_options)
+    mounts = classify_mounts(((m.host_path, m.container_path, m.readonly) for m in config.mounts), pods_dir,
+                             pod_uid=sandbox.metadata.uid or None)
+    return ContainerFacts(
+        privileged=sc.privileged or psc.privileged,
+        host_network=any(o.network == cri.NODE for o in ns),
+        host_pid=any(o.pid == cri.NODE for o in ns),
+        host_ipc=any(o.ipc == cri.NODE for o in ns),
+        host_path_mounts=mounts.host_path_mounts,
+        # weft cannot see which other containers of the pod mount an emptyDir (kubelet creates them one by
+        # one), so every emptyDir counts as shared with one that stays.
+        writable_shared_mounts=mounts.pod_volumes,
+        readonly_copyable_mounts=mounts.readonly_copyable,
+        devices=tuple(d.host_path for d in config.devices) + tuple(d.name for d in config.CDI_devices),
+        limits=limits_of(config),
+    )
+
+
+def _read_tree(root: Path, budget: list[int]) -> list[pb.VolumeFile]:
+    """The visible files under ``root`` (kubelet's atomic-writer ``..data`` links followed, never left)."""
+    real_root = root.resolve()
+    files: list[pb.VolumeFile] = []
+
+    def walk(d: Path, rel: str) -> None:
+        for entry in sorted(os.scandir(d), key=lambda e: e.name):
+            if entry.name.startswith(".."):
+                continue  # the atomic writer's ..data and timestamped directories
+            path = Path(entry.path)
+            real = path.resolve()
+            if real != real_root and real_root not in real.parents:
+                continue  # a link out of the volume: not the volume's content
+            name = f"{rel}/{entry.name}" if rel else entry.name
+            st = real.stat()
+            if stat.S_ISDIR(st.st_mode):
+                walk(path, name)
+            elif stat.S_ISREG(st.st_mode):
+                budget[0] -= st.st_size
+                if budget[0] < 0:
+                    raise _TooLarge(str(root))
+                files.append(pb.VolumeFile(path=name, data=real.read_bytes(), mode=st.st_mode & 0o7777))
+
+    walk(root, "")
+    return files
+
+
+class _TooLarge(Exception):
+    pass
+
+
+def read_volumes(config: cri.ContainerConfig, copyable: tuple[str, ...]) -> list[pb.Volume]:
+    """The files of the container's read-only volumes and kubelet's /etc/hosts, for the host to mount."""
+    budget = [MAX_VOLUME_BYTES]
+    volumes: list[pb.Volume] = []
+    wanted = set(copyable)
+    for m in config.mounts:
+        path = Path(os.path.normpath(m.host_path)) if m.host_path else None
+        if path is None:
+            continue
+        if str(path) in wanted:
+            if path.is_dir():
+                volumes.append(pb.Volume(container_path=m.container_path, files=_read_tree(path, budget)))
+            elif path.is_file():
+                data = path.read_bytes()
+                budget[0] -= len(data)
+                if budget[0] < 0:
+                    raise _TooLarge(str(path))
+                volumes.append(pb.Volume(container_path=m.container_path, single_file=True, files=[
+                    pb.VolumeFile(path="", data=data, mode=path.stat().st_mode & 0o7777)]))
+        elif path.name == "etc-hosts" and m.container_path == "/etc/hosts" and path.is_file():
+            volumes.append(pb.Volume(container_path="/etc/hosts", single_file=True, files=[
+                pb.VolumeFile(path="", data=path.read_bytes(), mode=0o644)]))
+    return volumes
+
+
+def pullable(fabric: Fabric, image: cri.ImageSpec) -> tuple[cri.ImageSpec, cri.AuthConfig | None]:
+    """An ImageSpec a host can pull (kubelet names the image by its local ID) and the credentials for it."""
+    ref = image.image
+    known = fabric.images.lookup(ref) or (fabric.images.lookup(image.user_specified_image)
+                                         if image.user_specified_image else None)
+    name = known[0] if known else (image.user_specified_image or ref)
+    if not known and ref.startswith("sha256:"):
+        status = fabric.upstream.channel.unary_unary(
+            "/runtime.v1.ImageService/ImageStatus", request_serializer=cri.ImageStatusRequest.SerializeToString,
+            response_deserializer=cri.ImageStatusResponse.FromString)(
+            cri.ImageStatusRequest(image=cri.ImageSpec(image=ref)), timeout=10).image
+        names = [*status.repo_digests, *status.repo_tags]
+        if names:
+            name = names[0]
+            known = fabric.images.lookup(name)
+    spec = cri.ImageSpec()
+    spec.CopyFrom(image)
+    spec.image = name
+    return spec, (known[1] if known else None)
+
+
+def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: str,
+                 classification: Classification, budget_s: float | None = None) -> tuple[
+                     Remote | None, LocalBecause | None]:
+    """Run the container on a peer: the Remote kubelet now knows, or why it stays here.
+
+    ``budget_s`` is what is left of kubelet's deadline for the call (None: no deadline).
+    """
+    started = time.monotonic()
+    mesh = fabric.mesh
+    config, sandbox_config = req.config, req.sandbox_config
+    facts = facts_of(config, sandbox_config, fabric.pods_dir)
+    decision = decide(facts, facts.limits or Resources(0.0, 0), mesh.views(), max_age_s=fabric.peer_max_age_s)
+    if decision.reason is not RerouteReason.REROUTED:
+        return None, LocalBecause(PlacementReason(decision.reason.value), decision.detail)
+    try:
+        volumes = read_volumes(config, facts.readonly_copyable_mounts)
+    except _TooLarge as exc:
+        return None, LocalBecause(PlacementReason.VOLUMES_TOO_LARGE, f"read-only volume {exc} holds more than "
+                                  f"{MAX_VOLUME_BYTES >> 20} MiB; it is not copied to a peer")
+    except OSError as exc:
+        return None, LocalBecause(PlacementReason.VOLUMES_TOO_LARGE, f"cannot read a read-only volume to copy: {exc}")
+    image, auth = pullable(fabric, config.image)
+    shadow_config = cri.ContainerConfig()
+    shadow_config.CopyFrom(config)
+    del shadow_config.mounts[:]
+    shadow_config.image.CopyFrom(image)
+    limits = facts.limits
+    tried: list[str] = []
+    for node in decision.candidates:
+        client = mesh.client(node)
+        if client is None:
+            tried.append(f"{node}: no longer a peer")
+            continue
+        try:
+            answer = client.admit(pb.AdmitRequest(
+                origin_node=mesh.node, key=key, image=image.image,
+                limits=pb.Resources(cpu_cores=limits.cpu_cores, memory_bytes=limits.memory_bytes)))
+        except WeftError as exc:
+            tried.append(f"{node}: {exc.message}")
+            continue
+        if not answer.admitted:
+            tried.append(f"{node}: {answer.reason} ({answer.detail})")
+            continue
+        detail = f"{decision.detail}; runs on {node}" + (f" after {'; '.join(tried)}" if tried else "")
+        left = MAX_SHADOW_WAIT_S if budget_s is None else (budget_s - (time.monotonic() - started)) / 2
+        if left < MIN_SHADOW_WAIT_S:
+            tried.append(f"{node}: not asked, too little of kubelet's deadline left ({left:.1f} s)")
+            break
+        remote = _create_on(fabric, node, req, sandbox, key, classification, detail, shadow_config, auth, volumes,
+                            tried, min(left, MAX_SHADOW_WAIT_S))
+        if remote is not None:
+            return remote, None
+    return None, LocalBecause(PlacementReason.PEERS_REFUSED, "; ".join(tried))
+
+
+def _create_on(fabric: Fabric, node: str, req: cri.CreateContainerRequest, sandbox, key: str,
+               classification: Classification, detail: str, shadow_config: cri.ContainerConfig,
+               auth: cri.AuthConfig | None, volumes: list[pb.Volume], tried: list[str],
+               timeout: float) -> Remote | None:
+    config = cri.ContainerConfig()
+    config.CopyFrom(req.config)
+    config.annotations[PLACEMENT_ANNOTATION] = REMOTE_PREFIX + node
+    config.annotations[PLACEMENT_REASON_ANNOTATION] = RerouteReason.REROUTED.value
+    shadow_config.annotations[PLACEMENT_ANNOTATION] = REMOTE_PREFIX + node
+    shadow_config.annotations[PLACEMENT_REASON_ANNOTATION] = RerouteReason.REROUTED.value
+    log_path = (os.path.join(req.sandbox_config.log_directory, config.log_path)
+                if req.sandbox_config.log_directory and config.log_path else "")
+    vid = new_id()
+    record = PlacementRecord(
+        key=key, container_id=vid, sandbox_id=sandbox.id, name=config.metadata.name,
+        attempt=config.metadata.attempt, stage=classification.stage.value,
+        stage_reason=classification.reason.value, stage_detail=classification.detail,
+        placement=REMOTE_PREFIX + node, reason=RerouteReason.REROUTED.value, detail=detail, lease_id="",
+        state="pending", created_at=time.time(), remote_node=node, config=config.SerializeToString(),
+        log_path=log_path)
+    mesh = fabric.mesh
+    client = mesh.client(node)
+    fabric.store.add_pending(record)
+    try:
+        failpoint.hit("place_remote.pending")
+        state = client.run_shadow(pb.RunShadowRequest(
+            origin_node=mesh.node, origin_sandbox_id=record.sandbox_id, key=key,
+            sandbox_config=req.sandbox_config.SerializeToString(),
+            container_config=shadow_config.SerializeToString(),
+            auth=auth.SerializeToString() if auth is not None else b"", start=False, volumes=volumes),
+            timeout=timeout)
+        failpoint.hit("place_remote.created")
+        status = cri.ContainerStatus.FromString(state.status) if state.status else None
+        if not state.shadow_container_id or (status is not None and status.state not in _CREATED_OR_LATER):
+            raise DecodeError("no shadow container in the answer")
+    except (WeftError, DecodeError) as exc:
+        fabric.store.drop_placement(key)
+        error = exc.message if isinstance(exc, WeftError) else f"answered RunShadow with garbage ({exc})"
+        tried.append(f"{node}: {error}")
+        # The shadow may exist though the answer was lost or unreadable: ask for its removal now; the
+        # host's Watch also removes it as an orphan, since this origin no longer lists its key.
+        with contextlib.suppress(WeftError):
+            client.remove_shadow(mesh.node, key)
+        _log.warning("remote.create_failed", node=node, key=key, error=error)
+        return None
+    fabric.store.mark_created(key, record.container_id, sandbox_id_remote=state.shadow_sandbox_id,
+                              status=state.status or None)
+    remote = Remote(id=record.container_id or "", key=key, node=node, sandbox_id=record.sandbox_id, config=config,
+                    log_path=record.log_path, created_at=record.created_at, status=status,
+                    shadow_sandbox_id=state.shadow_sandbox_id)
+    fabric.remotes.add(remote)
+    return remote

@@ -1,0 +1,319 @@
+"""The origin's side of the stitched pod network: a rerouted container on localhost, both ways.
+
+For every origin sandbox with running remote containers (one thread looks
+every ``POLL_S``, and at once when a host reports a change):
+
+* what listens in the origin sandbox's namespace is read by sock_diag
+  (``shim.cri.netns``), weft's own listeners left out by inode, unless the
+  pod declares its local containers' ports (``weft.io/ports.<name>``);
+* each host says, over a ``Stitch`` stream per remote container, what its
+  shadow listens on (or the declared ports of that container);
+* ``shim.core.stitch.plan`` decides: each port of a shadow gets a listener on
+  every address of the origin sandbox, IPv4 and IPv6 (so localhost, ::1 and
+  the pod IP reach it, and so does containerd's PortForward, which dials
+  localhost in the sandbox), each
+  accepted connection a plain tunnel to the port in the shadow
+  (``OpenTunnel``); every port of the pod (local containers' and the other
+  shadows' mirrors) is listened on by the host in the shadow, and a
+  connection there comes back on the stream as a token, which the origin
+  dials and joins to 127.0.0.1:<port> here (::1 for a server that listens
+  there only).
+
+A port held both here and in a shadow is a collision: not mirrored, logged
+once (``stitch.port_collision``) with the port, the rerouted container and
+the local process holding it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import threading
+from typing import Any
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+
+from shim import log
+from shim.core.stitch import PORTS_ANNOTATION, Collision, HeldBy, declared_ports, plan
+from shim.cri.fabric import Fabric
+from shim.cri.netns import Netns, owner_of, sandbox_netns
+from shim.cri.origin.remote import Remote, host_client
+from shim.errors import WeftError
+from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipe, SocketEnd, dial, tune
+
+_log = log.get("weft.stitch")
+
+POLL_S = 0.5
+RETRY_S = 1.0
+
+
+class Link:
+    """One remote container's Stitch stream: the ports its shadow listens on, and connections from it."""
+
+    def __init__(self, pod: PodNet, r: Remote) -> None:
+        self.pod, self.r = pod, r
+        self.name = r.config.metadata.name
+        self.listening: frozenset[int] = frozenset()
+        self.want: frozenset[int] | None = None
+        self._call: Any = None
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self.declared: frozenset[int] | None = None
+        try:
+            self.declared = declared_ports(pod.annotations, self.name)
+        except ValueError as exc:
+            _log.warning("stitch.bad_annotation", container=self.name, sandbox_id=r.sandbox_id, error=str(exc))
+        if self.declared is not None:
+            self.listening = self.declared
+        self.thread = threading.Thread(target=self._run, name=f"weft-stitch-{r.id[:12]}", daemon=True)
+
+    def set_want(self, ports: frozenset[int]) -> None:
+        """The ports the host should listen on in the shadow; the stream is opened again when they change."""
+        with self._lock:
+            if ports == self.want:
+                return
+            first = self.want is None
+            self.want = ports
+            call = self._call
+        if first:
+            self.thread.start()
+        elif call is not None:
+            call.cancel()
+
+    def stop(self) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _run(self) -> None:
+        fabric = self.pod.net.fabric
+        while not self._stop.is_set():
+            try:
+                client = host_client(fabric.mesh, self.r)
+                with self._lock:
+                    want = self.want or frozenset()
+                    self._call = call = client.stitch(fabric.mesh.node, self.r.key, want, self.declared)
+                for ev in call:
+                    if ev.ports:
+                        self.listening = frozenset(ev.listening)
+                        self.pod.net.wake.set()
+                    if ev.token:
+                        threading.Thread(target=self.pod.reverse, args=(self, ev), name="weft-stitch-in",
+                                         daemon=True).start()
+                    if ev.problem:
+                        _log.error("stitch.port_collision", container=self.name, sandbox_id=self.r.sandbox_id,
+                                   node=self.r.node, side="shadow", detail=ev.problem)
+            except grpc.RpcError as exc:
+                if exc.code() is grpc.StatusCode.CANCELLED:
+                    continue  # our own cancel: the ports changed, or we stop
+                _log.info("stitch.stream_ended", container=self.name, node=self.r.node, code=exc.code().name,
+                          error=exc.details())
+            except WeftError as exc:
+                _log.info("stitch.stream_ended", container=self.name, node=self.r.node, error=exc.message)
+            self._stop.wait(RETRY_S)
+
+
+class PodNet:
+    """One origin sandbox: its namespace, the mirrors of its shadows' ports, a Link per remote container."""
+
+    def __init__(self, net: OriginNet, sandbox_id: str, ns: Netns, annotations: dict[str, str]) -> None:
+        self.net, self.sandbox_id, self.ns, self.annotations = net, sandbox_id, ns, annotations
+        self.links: dict[str, Link] = {}
+        self.mirrors: dict[int, tuple[socket.socket, str]] = {}  # port -> (listener, container)
+        self._reported: set[tuple[int, str]] = set()
+        self._lock = threading.Lock()
+
+    def local_ports(self) -> frozenset[int]:
+        names = {link.name for link in self.links.values()}
+        declared: set[int] = set()
+        found_any = False
+        for key in self.annotations:
+            if key.startswith(PORTS_ANNOTATION) and key[len(PORTS_ANNOTATION):] not in names:
+                with contextlib.suppress(ValueError):
+                    declared |= declared_ports(self.annotations, key[len(PORTS_ANNOTATION):]) or set()
+                    found_any = True
+        if found_any:
+            return frozenset(declared)
+        with self._lock:
+            own = {os.fstat(s.fileno()).st_ino for s, _ in self.mirrors.values() if s.fileno() >= 0}
+        self._listening = self.ns.listening()
+        return frozenset(p for p, inodes in self._listening.items() if inodes - own)
+
+    def tick(self) -> None:
+        local = self.local_ports()
+        links = {link.name: link for link in self.links.values()}
+        p = plan({name: link.listening for name, link in links.items()}, local,
+                 {port: name for port, (_, name) in self.mirrors.items()})
+        for c in p.collisions:
+            self._collision(c)
+        for port in [port for port, (_, name) in self.mirrors.items() if p.into_origin.get(port) != name]:
+            sock, name = self.mirrors.pop(port)
+            _close_listener(sock)
+            _log.info("stitch.unmirrored", sandbox_id=self.sandbox_id, container=name, port=port)
+        for port, name in p.into_origin.items():
+            if port in self.mirrors:
+                continue
+            try:
+                sock = self.ns.listen_any(port)
+            except OSError as exc:
+                self._collision(Collision(port, name, HeldBy.LOCAL), str(exc))
+                continue
+            with self._lock:
+                self.mirrors[port] = (sock, name)
+            threading.Thread(target=self._accept, args=(sock, port, links[name]), name=f"weft-mirror-{port}",
+                             daemon=True).start()
+            _log.info("stitch.mirrored", sandbox_id=self.sandbox_id, container=name, node=links[name].r.node,
+                      port=port)
+        for name, link in links.items():
+            link.set_want(p.into_shadow.get(name, frozenset()))
+
+    def _collision(self, c: Collision, error: str = "") -> None:
+        if (c.port, c.container) in self._reported:
+            return
+        self._reported.add((c.port, c.container))
+        holder = owner_of(getattr(self, "_listening", {}).get(c.port, set()))
+        held = c.held_by.value
+        if c.holder:
+            held += f" ({c.holder})"
+        _log.error("stitch.port_collision", sandbox_id=self.sandbox_id, container=c.container, port=c.port,
+                   side="origin", held_by=held, holder=holder, error=error,
+                   detail=f"port {c.port} of rerouted container {c.container} is not reachable on localhost: "
+                          f"{held}{f' ({holder})' if holder else ''} already listens on it")
+
+    def _accept(self, sock: socket.socket, port: int, link: Link) -> None:
+        while True:
+            try:
+                conn, _ = sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._forward, args=(conn, port, link), name="weft-stitch-out",
+                             daemon=True).start()
+
+    def _forward(self, conn: socket.socket, port: int, link: Link) -> None:
+        """A connection to a shadow's port here: a tunnel to that port in the shadow."""
+        fabric = self.net.fabric
+        tune(conn, tunnel=False)
+        try:
+            grant = host_client(fabric.mesh, link.r).open_tunnel(fabric.mesh.node, link.r.key, port=port)
+            end = dial(grant.address, grant.token, node=link.r.node)
+        except WeftError as exc:
+            _log.warning("stitch.connect_failed", container=link.name, node=link.r.node, port=port,
+                         error=exc.message)
+            SocketEnd(conn).abort()
+            return
+        self.net.pipe(SocketEnd(conn), end, f"{link.name}:{port}")
+
+    def reverse(self, link: Link, ev) -> None:
+        """A connection in a shadow to a port of the pod: dial the host's token, join it to the port here."""
+        try:
+            end = dial(ev.address, ev.token, node=link.r.node)
+        except WeftError as exc:
+            _log.warning("stitch.connect_failed", container=link.name, node=link.r.node, port=ev.accepted_port,
+                         error=exc.message, direction="to-origin")
+            return
+        try:
+            local = self.ns.connect_loopback(ev.accepted_port, CONNECT_TIMEOUT_S)
+        except OSError as exc:
+            _log.info("stitch.local_refused", container=link.name, port=ev.accepted_port, error=str(exc))
+            end.abort()
+            return
+        tune(local, tunnel=False)
+        local.settimeout(None)
+        self.net.pipe(end, SocketEnd(local), f"{link.name}<-:{ev.accepted_port}")
+
+    def close(self) -> None:
+        for link in self.links.values():
+            link.stop()
+        for sock, _ in self.mirrors.values():
+            _close_listener(sock)
+        self.mirrors.clear()
+        self.ns.close()
+
+
+def _close_listener(sock: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        sock.shutdown(socket.SHUT_RDWR)
+    sock.close()
+
+
+class OriginNet:
+    """Keeps a PodNet per origin sandbox with running remote containers; one thread."""
+
+    def __init__(self, fabric: Fabric) -> None:
+        self.fabric = fabric
+        self.pods: dict[str, PodNet] = {}
+        self.pipes: set[Pipe] = set()
+        self.wake = threading.Event()
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="weft-stitch", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.wake.set()
+        self._thread.join(5)
+        for pod in self.pods.values():
+            pod.close()
+        self.pods.clear()
+        with self._lock:
+            pipes = list(self.pipes)
+        for p in pipes:
+            p.abort()
+
+    def pipe(self, a, b, name: str) -> None:
+        p = Pipe(a, b, name, on_close=self._closed)
+        with self._lock:
+            self.pipes.add(p)
+        p.start()
+
+    def _closed(self, p: Pipe) -> None:
+        with self._lock:
+            self.pipes.discard(p)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.wake.clear()
+            try:
+                self.round()
+            except Exception:  # noqa: BLE001 - the stitch must outlive any one bad round
+                _log.exception("stitch.round_failed")
+            self.wake.wait(POLL_S)
+
+    def round(self) -> None:
+        running: dict[str, list[Remote]] = {}
+        for r in self.fabric.remotes.all():
+            if r.state == cri.CONTAINER_RUNNING and not r.lost:
+                running.setdefault(r.sandbox_id, []).append(r)
+        for sid in [s for s in self.pods if s not in running]:
+            self.pods.pop(sid).close()
+        for sid, remotes in running.items():
+            pod = self.pods.get(sid)
+            if pod is None:
+                try:
+                    path = sandbox_netns(self._call, sid)
+                except WeftError as exc:
+                    _log.warning("stitch.no_netns", sandbox_id=sid, error=exc.message)
+                    continue
+                rec = self.fabric.opted_in.get(sid)
+                pod = self.pods[sid] = PodNet(self, sid, Netns(path), dict(rec.annotations) if rec else {})
+            ids = {r.id for r in remotes}
+            for rid in [rid for rid in pod.links if rid not in ids]:
+                pod.links.pop(rid).stop()
+            for r in remotes:
+                if r.id not in pod.links:
+                    pod.links[r.id] = Link(pod, r)
+            pod.tick()
+
+    def _call(self, path: str, request, response_type):
+        try:
+            raw = self.fabric.upstream.channel.unary_unary(path)(request.SerializeToString(), timeout=10)
+        except grpc.RpcError as exc:
+            raise self.fabric.upstream.translate(exc) from None
+        return response_type.FromString(raw)
+

@@ -1,0 +1,325 @@
+"""The origin's background work for its remote containers: status, loss, logs and volumes.
+
+* **Watch**: one stream per CPU host, over which the host pushes its shadows'
+  states as they change and a heartbeat every interval. Each message is
+  contact with the host; the request lists the keys this origin owns, so the
+  host removes shadows it no longer should run.
+* **Loss**: a remote container whose host has not been heard from (Hello or
+  Watch) for ``loss_timeout`` is reported exited with reason ``WeftPeerLost``.
+  The host fences (kills) it after its shorter ``fence_timeout``, so by the
+  time kubelet starts another copy the first is dead: at most one live copy.
+  A lost container whose host comes back still running is killed there.
+* **Logs**: per started container, the shadow's log is streamed from the
+  host and appended to the file kubelet gave, in the CRI format containerd
+  wrote it in. The host offset and the local file size are recorded after
+  each chunk; after a crash, a tail written but not recorded is cut off and
+  streamed again, so nothing is lost or written twice.
+* **Volumes**: every ``volume_interval`` the read-only volumes of running
+  containers are read again, and a change is sent to the host
+  (SyncVolumes), which replaces the files in place.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import threading
+import time
+from typing import Any
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from google.protobuf.message import DecodeError
+
+from shim import log
+from shim.core.reroute import classify_mounts
+from shim.cri.fabric import Fabric
+from shim.cri.origin.place import read_volumes
+from shim.cri.origin.remote import Remote
+from shim.errors import WeftError
+
+_log = log.get("weft.remote")
+
+
+class LogCopy:
+    """Copies one remote container's log into kubelet's file; one thread, restartable after a crash."""
+
+    def __init__(self, sup: RemoteSupervisor, r: Remote) -> None:
+        self.sup, self.r = sup, r
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._call: Any = None
+        self._file = None
+        rec = sup.fabric.store.placement(r.id)
+        self.offset = rec.log_offset if rec else 0
+        self.size = rec.log_size if rec else 0
+        self.thread = threading.Thread(target=self._run, name=f"weft-log-{r.id[:12]}", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
+
+    def _open(self) -> None:
+        path = self.r.log_path
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        actual = os.path.getsize(path) if os.path.exists(path) else 0
+        if actual > self.size:
+            # Written before a crash but never recorded: it will be streamed again.
+            with open(path, "r+b") as f:
+                f.truncate(self.size)
+        elif actual < self.size:
+            self.size = actual  # kubelet rotated the file while the agent was down
+        self._file = open(path, "ab")  # noqa: SIM115 - held across chunks, closed in _close
+
+    def _close(self) -> None:
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+
+    def reopen(self) -> None:
+        """kubelet renamed the file: continue in a new one at its path."""
+        with self._lock:
+            self._close()
+            self.size = 0
+            self._open()
+            self.sup.fabric.store.set_log_progress(self.r.id, self.offset, self.size)
+
+    def _write(self, chunk) -> None:
+        data = chunk.data
+        if chunk.offset < self.offset:  # overlap after a reconnect: skip what is written
+            data = data[self.offset - chunk.offset:]
+        elif chunk.offset > self.offset:
+            _log.warning("remote.log_gap", container_id=self.r.id, expected=self.offset, got=chunk.offset)
+            self.offset = chunk.offset
+        if not data:
+            return
+        with self._lock:
+            self._file.write(data)
+            self._file.flush()
+            self.offset += len(data)
+            self.size += len(data)
+            self.sup.fabric.store.set_log_progress(self.r.id, self.offset, self.size)
+
+    def _run(self) -> None:
+        fabric, r = self.sup.fabric, self.r
+        _log.debug("remote.log_copy", container_id=r.id, node=r.node, path=r.log_path, offset=self.offset)
+        try:
+            with self._lock:
+                self._open()
+        except OSError as exc:
+            _log.warning("remote.log_unwritable", container_id=r.id, path=r.log_path, error=str(exc))
+            return
+        try:
+            while not self._stop.is_set() and not r.lost:
+                client = fabric.mesh.client(r.node)
+                if client is None:
+                    self._stop.wait(1.0)
+                    continue
+                try:
+                    self._call = client.stream_log(fabric.mesh.node, r.key, self.offset)
+                    for chunk in self._call:
+                        self._write(chunk)
+                except grpc.RpcError as exc:
+                    if self._stop.is_set() or exc.code() is grpc.StatusCode.CANCELLED:
+                        return
+                    if exc.code() is grpc.StatusCode.NOT_FOUND:
+                        return  # the shadow is gone; Watch reports what that means
+                    _log.debug("remote.log_retry", container_id=r.id, node=r.node, code=exc.code().name,
+                               error=exc.details())
+                    self._stop.wait(1.0)
+                    continue
+                except OSError as exc:
+                    _log.warning("remote.log_unwritable", container_id=r.id, path=r.log_path, error=str(exc))
+                    return
+                _log.debug("remote.log_copied", container_id=r.id, node=r.node, offset=self.offset)
+                return  # the stream ended: the container exited and everything was copied
+        finally:
+            with self._lock:
+                self._close()
+            self.sup.logs.pop(r.id, None)
+
+
+class RemoteSupervisor:
+    def __init__(self, fabric: Fabric, *, loss_timeout: float, heartbeat: float,
+                 volume_interval: float = 5.0, tick: float = 0.5) -> None:
+        self.fabric = fabric
+        self.loss_timeout = loss_timeout
+        self.heartbeat = heartbeat
+        self.volume_interval = volume_interval
+        self.tick = tick
+        self.logs: dict[str, LogCopy] = {}
+        self._watches: dict[str, threading.Thread] = {}
+        self._calls: dict[str, Any] = {}
+        self._last_msg: dict[str, float] = {}
+        self._volume_digest: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._threads: list[threading.Thread] = []
+        fabric.on_remote.append(self.started)
+        fabric.on_reopen.append(self.reopen)
+        fabric.on_remote_removed.append(self.removed)
+
+    # -- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        for r in self.fabric.remotes.all():
+            if r.status is not None and r.status.started_at and not r.lost:
+                self.started(r)
+        self._threads = [threading.Thread(target=self._loop, name="weft-remote", daemon=True),
+                         threading.Thread(target=self._volume_loop, name="weft-remote-volumes", daemon=True)]
+        for t in self._threads:
+            t.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for call in list(self._calls.values()):
+            call.cancel()
+        for copy in list(self.logs.values()):
+            copy.stop()
+        for t in self._threads:
+            t.join(5)
+
+    # -- hooks from the CRI verbs ----------------------------------------------------------
+    def started(self, r: Remote) -> None:
+        if not r.log_path:
+            return
+        with self._lock:
+            if r.id in self.logs or self._stop.is_set():
+                return
+            copy = self.logs[r.id] = LogCopy(self, r)
+        copy.start()
+
+    def reopen(self, r: Remote) -> None:
+        copy = self.logs.get(r.id)
+        if copy is not None:
+            copy.reopen()
+
+    def removed(self, r: Remote) -> None:
+        copy = self.logs.pop(r.id, None)
+        if copy is not None:
+            copy.stop()
+        self._volume_digest.pop(r.id, None)
+
+    # -- watch and loss ----------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.wait(self.tick):
+            try:
+                self._ensure_watches()
+                self._check_losses()
+                self.fabric.metrics.remote_containers.set(len(self.fabric.remotes.all()))
+            except Exception:  # noqa: BLE001 - the supervisor must outlive any one bad round
+                _log.exception("remote.supervisor_failed")
+
+    def _ensure_watches(self) -> None:
+        mesh = self.fabric.mesh
+        nodes = set(mesh.hosts()) | {r.node for r in self.fabric.remotes.all()}
+        now = time.monotonic()
+        for node in nodes:
+            t = self._watches.get(node)
+            if t is None or not t.is_alive():
+                t = self._watches[node] = threading.Thread(target=self._watch, args=(node,),
+                                                           name=f"weft-watch-{node}", daemon=True)
+                t.start()
+            call = self._calls.get(node)
+            # A stream that went quiet (a cut link TCP has not noticed) is ended, and opened again.
+            if call is not None and now - self._last_msg.get(node, now) > max(3 * self.heartbeat, 5.0):
+                call.cancel()
+
+    def _keys_on(self, node: str) -> list[str]:
+        fabric = self.fabric
+        keys = {r.key for r in fabric.remotes.on_node(node)}
+        keys |= {p.key for p in fabric.store.remote_placements() if p.remote_node == node}
+        return sorted(keys | fabric.inflight())
+
+    def _watch(self, node: str) -> None:
+        mesh = self.fabric.mesh
+        while not self._stop.is_set():
+            client = mesh.client(node)
+            if client is None:
+                return  # no longer a peer: _ensure_watches starts another if it comes back
+            pause = 1.0
+            try:
+                call = self._calls[node] = client.watch(mesh.node, self._keys_on(node), self.heartbeat)
+                self._last_msg[node] = time.monotonic()
+                for state in call:
+                    self._last_msg[node] = time.monotonic()
+                    mesh.heard(node)
+                    if not state.heartbeat:
+                        self._pushed(node, state)
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNIMPLEMENTED):
+                    pause = 30.0  # a peer that hosts nothing (or an older weft): ask again much later
+            finally:
+                self._calls.pop(node, None)
+            self._stop.wait(pause)
+
+    def _pushed(self, node: str, state) -> None:
+        remotes = self.fabric.remotes
+        r = remotes.by_key(node, state.key)
+        if r is None:
+            return
+        if state.gone:
+            if remotes.mark_lost(r, self.fabric.mesh.silent_for(node), f"its shadow on {node} is gone"):
+                _log.warning("remote.gone", container_id=r.id, node=node, key=r.key)
+                self.fabric.metrics.remote_lost.inc()
+            return
+        try:
+            status = cri.ContainerStatus.FromString(state.status)
+        except DecodeError:
+            _log.warning("remote.garbage_status", container_id=r.id, node=node, key=r.key)
+            return
+        if not remotes.update(r, status) and status.state == cri.CONTAINER_RUNNING:
+            # Declared lost here, yet running there: the fence did not happen; make it so now.
+            _log.warning("remote.kill_lost_copy", container_id=r.id, node=node, key=r.key)
+            try:
+                self.fabric.mesh.client(node).call(self.fabric.mesh.node, r.key, "StopContainer",
+                                                   cri.StopContainerRequest(container_id=r.id).SerializeToString(),
+                                                   10.0)
+            except (WeftError, AttributeError) as exc:
+                _log.warning("remote.kill_failed", container_id=r.id, node=node, error=str(exc))
+        elif status.started_at and r.id not in self.logs and not r.lost:
+            self.started(r)
+
+    def _check_losses(self) -> None:
+        mesh = self.fabric.mesh
+        for r in self.fabric.remotes.all():
+            if r.lost or r.exited:
+                continue
+            silent = mesh.silent_for(r.node)
+            if silent > self.loss_timeout and self.fabric.remotes.mark_lost(r, silent):
+                _log.warning("remote.lost", container_id=r.id, node=r.node, key=r.key, silent_s=round(silent, 1))
+                self.fabric.metrics.remote_lost.inc()
+                copy = self.logs.get(r.id)
+                if copy is not None:
+                    copy.stop()
+
+    # -- volumes -------------------------------------------------------------------------------
+    def _volume_loop(self) -> None:
+        while not self._stop.wait(self.volume_interval):
+            for r in self.fabric.remotes.all():
+                if r.lost or r.exited or not r.config.mounts:
+                    continue
+                try:
+                    self._sync_volumes(r)
+                except (WeftError, OSError) as exc:
+                    _log.warning("remote.volumes_deferred", container_id=r.id, node=r.node,
+                                 error=getattr(exc, "message", str(exc)))
+
+    def _sync_volumes(self, r: Remote) -> None:
+        mounts = classify_mounts(((m.host_path, m.container_path, m.readonly) for m in r.config.mounts),
+                                 self.fabric.pods_dir)
+        volumes = read_volumes(r.config, mounts.readonly_copyable)
+        digest = hashlib.sha256(b"".join(v.SerializeToString(deterministic=True) for v in volumes)).hexdigest()
+        if self._volume_digest.get(r.id) == digest:
+            return
+        client = self.fabric.mesh.client(r.node)
+        if client is None:
+            return
+        changed = client.sync_volumes(self.fabric.mesh.node, r.key, volumes)
+        self._volume_digest[r.id] = digest
+        if changed:
+            _log.info("remote.volumes_synced", container_id=r.id, node=r.node, files=changed)

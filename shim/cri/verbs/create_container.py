@@ -1,0 +1,203 @@
+"""CreateContainer: classify, place, lease and rewrite the containers of opted-in pods.
+
+For a pod that did not opt in the request is forwarded byte for byte. For an
+opted-in pod each container is classified (``shim.core.classify``) and placed
+(``shim.core.placement``); on a node with a mesh a CPU container may go to a
+peer (``shim.cri.origin.place``), and kubelet gets a virtual container ID; a
+GPU container gets a lease from the broker and
+its request is rewritten so it sees exactly the leased devices (device nodes,
+CDI devices, visible-devices variables, and for a shared device the MPS
+environment and pipe directory). The decision is shown to crictl as
+annotations, logged as ``placement.decided`` and counted.
+
+Order, so that a crash at any point loses nothing: lease (broker store) ->
+pending placement (agent store) -> containerd CreateContainer -> placement
+marked created -> answer. A failure after the lease releases it; a crash is
+settled on restart (``shim.cri.recovery``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import time
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from google.protobuf.message import DecodeError
+
+from shim import failpoint, log
+from shim._pb import broker_pb2 as pb
+from shim.core.classify import ContainerAsk, Stage, StageAnnotationError, classify, requested_gpus
+from shim.core.placement import (
+    LEASE_ANNOTATION,
+    LOCAL,
+    PLACEMENT_ANNOTATION,
+    PLACEMENT_REASON_ANNOTATION,
+    Placement,
+    PlacementReason,
+    gpu_ask,
+    place,
+)
+from shim.core.quantity import AnnotationError
+from shim.cri.fabric import Fabric
+from shim.cri.origin.place import place_remote
+from shim.cri.origin.remote import REMOTE_PREFIX as PLACEMENT_REMOTE
+from shim.cri.passthrough import timeout_of
+from shim.cri.route import Route
+from shim.cri.verbs.wire import string_field
+from shim.errors import BadAnnotation, CreateInProgress, MalformedRequest
+from shim.state.agent import PlacementRecord
+from shim.state.db import StateError
+
+PATH = "/runtime.v1.RuntimeService/CreateContainer"
+SANDBOX_ID_FIELD = cri.CreateContainerRequest.DESCRIPTOR.fields_by_name["pod_sandbox_id"].number
+_log = log.get("weft.cri")
+
+# Every GPU node the device plugin may have given; after leasing the container
+# gets the lease's nodes only, so it cannot reach a device outside its lease.
+_GPU_NODE = re.compile(r"^/dev/(nvidia\d+|nvidiactl|nvidia-uvm(-tools)?|nvidia-modeset|nvidia-caps/.*|dri/.*)$")
+_GPU_CDI = re.compile(r"^[a-z0-9.-]+\.[a-z]+/(gpu|mig)[a-z0-9-]*=.+$")
+_VISIBLE = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
+
+
+def rewrite_for_lease(config: cri.ContainerConfig, lease: pb.Lease) -> None:
+    """Make the container see exactly its leased devices (pure: edits the message in place)."""
+    used_cdi = any(_GPU_CDI.match(d.name) for d in config.CDI_devices)
+    kept_devices = [d for d in config.devices if not _GPU_NODE.match(d.host_path)]
+    del config.devices[:]
+    config.devices.extend(kept_devices)
+    for node in lease.device_nodes:
+        config.devices.add(container_path=node, host_path=node, permissions="rw")
+    kept_cdi = [d.name for d in config.CDI_devices if not _GPU_CDI.match(d.name)]
+    del config.CDI_devices[:]
+    for name in kept_cdi:
+        config.CDI_devices.add(name=name)
+    if used_cdi:  # keep the runtime injecting driver libraries, now for the leased UUIDs
+        for uuid in lease.device_uuids:
+            config.CDI_devices.add(name=f"nvidia.com/gpu={uuid}")
+    replaced = {**{v: ",".join(lease.device_uuids) for v in _VISIBLE}, **dict(lease.env)}
+    kept_env = [(e.key, e.value) for e in config.envs if e.key not in replaced]
+    del config.envs[:]
+    for key, value in [*kept_env, *sorted(replaced.items())]:
+        config.envs.add(key=key, value=value)
+    for m in lease.mounts:
+        config.mounts.add(container_path=m.container_path, host_path=m.host_path, readonly=m.readonly)
+    config.annotations[LEASE_ANNOTATION] = lease.lease_id
+
+
+def route(fabric: Fabric) -> Route:
+    def create_container(request: bytes, context: grpc.ServicerContext) -> bytes:
+        try:
+            req = cri.CreateContainerRequest.FromString(request)
+        except DecodeError as exc:
+            # containerd may accept what protobuf refuses (it does not check UTF-8); a container of an
+            # opted-in pod must never be created without weft placing it, so that one is refused.
+            sandbox_id = string_field(request, SANDBOX_ID_FIELD)
+            if sandbox_id and sandbox_id in fabric.opted_in:
+                raise MalformedRequest(f"weft: CreateContainer in opted-in sandbox {sandbox_id[:13]} does not "
+                                       f"parse ({exc}); weft places every container of an opted-in pod") from None
+            return fabric.upstream.unary(PATH, request, context)
+        sandbox = fabric.opted_in.get(req.pod_sandbox_id)
+        if sandbox is None:
+            return fabric.upstream.unary(PATH, request, context)
+        return _create_opted_in(fabric, req, sandbox, context)
+
+    return Route(create_container)
+
+
+def _create_opted_in(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, context) -> bytes:
+    config = req.config
+    name, attempt = config.metadata.name, config.metadata.attempt
+    pod_annotations = dict(req.sandbox_config.annotations) or sandbox.annotations
+    ask = ContainerAsk(name, [d.host_path for d in config.devices], [d.name for d in config.CDI_devices],
+                       {e.key: e.value for e in config.envs})
+    try:
+        classification = classify(ask, pod_annotations)
+    except StageAnnotationError as exc:
+        raise BadAnnotation(str(exc)) from None
+    placement = place(classification)
+    key = f"{sandbox.id}/{name}/{attempt}"
+    if classification.stage is not Stage.GPU:
+        # Only weft writes this annotation; one a user set could name another container's lease.
+        config.annotations.pop(LEASE_ANNOTATION, None)
+    done = fabric.store.placement_by_key(key)
+    if done is not None and done.state == "created" and done.remote and done.container_id:
+        # kubelet retrying a create whose answer it lost: the container is on its host already.
+        return cri.CreateContainerResponse(container_id=done.container_id).SerializeToString()
+    if done is not None and done.state == "created":
+        # kubelet retrying a create that succeeded: containerd answers as it would without
+        # weft (the name is taken); weft's records and the lease stay as they are.
+        return fabric.upstream.unary(PATH, req.SerializeToString(), context)
+    if not fabric.begin(key):
+        raise CreateInProgress(f"a CreateContainer for {sandbox.namespace}/{sandbox.name}/{name} "
+                               f"(attempt {attempt}) is already in progress")
+    try:
+        return _lease_and_create(fabric, req, sandbox, key, ask, pod_annotations, classification, placement, context)
+    finally:
+        fabric.end(key)
+
+
+def _lease_and_create(fabric: Fabric, req, sandbox, key: str, ask: ContainerAsk, pod_annotations, classification,
+                      placement, context) -> bytes:
+    config = req.config
+    name, attempt = config.metadata.name, config.metadata.attempt
+    if classification.stage is Stage.CPU and fabric.mesh is not None:
+        remote, local = place_remote(fabric, req, sandbox, key, classification, timeout_of(context))
+        if remote is not None:
+            fabric.metrics.placements.labels(classification.stage.value, "remote",
+                                             PlacementReason.REROUTED.value).inc()
+            _log.info("placement.decided", pod=sandbox.name, namespace=sandbox.namespace, container=name,
+                      sandbox_id=sandbox.id, container_id=remote.id, stage=classification.stage.value,
+                      stage_reason=classification.reason.value, placement=PLACEMENT_REMOTE + remote.node,
+                      reason=PlacementReason.REROUTED.value)
+            return cri.CreateContainerResponse(container_id=remote.id).SerializeToString()
+        placement = Placement(classification.stage, LOCAL, local.reason, local.detail)
+    lease: pb.Lease | None = None
+    if classification.stage is Stage.GPU:
+        with fabric.lease_gate:
+            lease = _acquire(fabric, key, sandbox, name, ask, pod_annotations)
+        rewrite_for_lease(config, lease)
+    config.annotations[PLACEMENT_ANNOTATION] = placement.target
+    config.annotations[PLACEMENT_REASON_ANNOTATION] = placement.reason.value
+    record = PlacementRecord(
+        key=key, container_id=None, sandbox_id=sandbox.id, name=name, attempt=attempt,
+        stage=classification.stage.value, stage_reason=classification.reason.value,
+        stage_detail=classification.detail, placement=placement.target, reason=placement.reason.value,
+        detail=placement.detail, lease_id=lease.lease_id if lease else "", state="pending", created_at=time.time())
+    try:
+        fabric.store.add_pending(record)
+        failpoint.hit("create_container.pending")
+        response = fabric.upstream.unary(PATH, req.SerializeToString(), context)
+        failpoint.hit("create_container.created")
+        container_id = cri.CreateContainerResponse.FromString(response).container_id
+        fabric.store.mark_created(key, container_id)
+    except BaseException:
+        if lease is not None:
+            fabric.release_quietly(lease.lease_id, "create-failed")
+        # On a full disk even this may fail; a pending row left behind is settled by recovery.
+        with contextlib.suppress(StateError):
+            fabric.store.drop_placement(key)
+        raise
+    fabric.metrics.placements.labels(record.stage, record.placement, record.reason).inc()
+    _log.info("placement.decided", pod=sandbox.name, namespace=sandbox.namespace, container=name,
+              sandbox_id=sandbox.id, container_id=container_id, stage=record.stage, stage_reason=record.stage_reason,
+              placement=record.placement, reason=record.reason, lease=record.lease_id or None)
+    return response
+
+
+def _acquire(fabric: Fabric, key: str, sandbox, name: str, ask: ContainerAsk, pod_annotations) -> pb.Lease:
+    inventory = fabric.inventory()
+    devices = list(inventory.devices)
+    largest = max((d.memory_total for d in devices), default=None)
+    try:
+        gask = gpu_ask(name, pod_annotations, largest)
+    except AnnotationError as exc:
+        raise BadAnnotation(str(exc)) from None
+    count, allowed = requested_gpus(ask, [d.uuid for d in devices], {d.index: d.uuid for d in devices})
+    lease = fabric.require_broker().acquire(pb.AcquireRequest(
+        key=key, namespace=sandbox.namespace, pod=sandbox.name, pod_uid=sandbox.uid, container=name,
+        sandbox_id=sandbox.id, memory_bytes=gask.memory_bytes or 0, compute_percent=gask.compute_percent,
+        count=count, allowed_uuids=sorted(allowed) if allowed else []))
+    failpoint.hit("create_container.leased")
+    return lease

@@ -1,0 +1,13 @@
+"""ListPodSandboxStats: a host's shadow sandboxes left out."""
+
+from __future__ import annotations
+
+from shim.cri.fabric import Fabric
+from shim.cri.route import Route
+from shim.cri.verbs import listing
+
+PATH = "/runtime.v1.RuntimeService/ListPodSandboxStats"
+
+
+def route(fabric: Fabric) -> Route:
+    return listing.route_for(fabric, PATH)

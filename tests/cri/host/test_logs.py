@@ -1,0 +1,71 @@
+"""Following a shadow's log: whole lines from any offset, no loss or repeat, and an end once it has exited."""
+
+from pathlib import Path
+
+from shim.cri.host.logs import CHUNK, Life, follow
+
+
+class _Container:
+    """A container whose log a test writes, and whose life it moves on as the follower waits."""
+
+    def __init__(self, path: Path, script: list) -> None:
+        self.path, self.script, self.life = path, list(script), Life.RUNNING
+
+    def wait(self, _seconds: float) -> None:
+        if self.script:
+            self.script.pop(0)(self)
+
+    def write(self, data: bytes):
+        def step(c: "_Container") -> None:
+            with open(c.path, "ab") as f:
+                f.write(data)
+        return step
+
+    @staticmethod
+    def exit(c: "_Container") -> None:
+        c.life = Life.EXITED
+
+
+def _follow(c: _Container, offset: int = 0) -> list[tuple[int, bytes]]:
+    return list(follow(c.path, offset, lambda: c.life, lambda: True, c.wait, state_every=0))
+
+
+def test_the_log_is_sent_as_it_grows_in_whole_lines_and_ends_after_the_exit(tmp_path: Path) -> None:
+    log = tmp_path / "0.log"
+    c = _Container(log, [])
+    c.script = [c.write(b"line 1\nline 2\nhalf"), c.write(b" a line\n"), c.write(b"last, no newline"), c.exit]
+    chunks = _follow(c)
+    assert chunks == [(0, b"line 1\nline 2\n"), (14, b"half a line\n"), (26, b"last, no newline")]
+
+
+def test_from_a_middle_offset_nothing_is_lost_or_repeated(tmp_path: Path) -> None:
+    log = tmp_path / "0.log"
+    content = b"".join(b"2024-01-01T00:00:00Z stdout F line %d\n" % i for i in range(20000))
+    log.write_bytes(content)
+    c = _Container(log, [_Container.exit])
+    middle = content.index(b"line 7000\n") - len(b"2024-01-01T00:00:00Z stdout F ")
+    chunks = _follow(c, middle)
+    assert all(len(d) <= CHUNK and d.endswith(b"\n") for _, d in chunks)
+    assert [o for o, _ in chunks] == [middle + sum(len(d) for _, d in chunks[:i]) for i in range(len(chunks))]
+    assert b"".join(d for _, d in chunks) == content[middle:]
+
+
+def test_a_log_that_does_not_exist_yet_is_waited_for(tmp_path: Path) -> None:
+    log = tmp_path / "0.log"
+    c = _Container(log, [])
+    c.life = Life.CREATED
+    c.script = [lambda c: None, c.write(b"hello\n"), c.exit]
+    assert _follow(c) == [(0, b"hello\n")]
+
+
+def test_no_log_and_an_exited_container_is_an_empty_stream(tmp_path: Path) -> None:
+    c = _Container(tmp_path / "never.log", [])
+    c.life = Life.GONE
+    assert _follow(c) == []
+
+
+def test_the_stream_ends_when_the_reader_goes_away(tmp_path: Path) -> None:
+    log = tmp_path / "0.log"
+    log.write_bytes(b"a\n")
+    active = iter([True, True, False])
+    assert list(follow(log, 0, lambda: Life.RUNNING, lambda: next(active), lambda s: None)) == [(0, b"a\n")]

@@ -1,0 +1,58 @@
+"""The host's pure rules for shadows: which are orphans, how often Watch beats, what is never run."""
+
+import pytest
+from cri_api.v1 import api_pb2 as cri
+
+from shim.cri.host.shadows import _label, _unsafe, heartbeat_s, orphans, sandbox_to_use
+from shim.cri.labels import KEY_LABEL
+
+
+def _shadow(cid: str, key: str) -> cri.Container:
+    return cri.Container(id=cid, labels={KEY_LABEL: _label(key)})
+
+
+@pytest.mark.parametrize(("keys", "orphaned"), [
+    (["sb/a/0", "sb/b/0"], []),
+    (["sb/a/0"], ["2"]),
+    ([], ["1", "2"]),
+    (["sb/a/1", "other/x/0"], ["1", "2"]),  # another attempt of the same container is another key
+], ids=["all-owned", "one-dropped", "origin-owns-nothing", "other-attempt-is-not-owned"])
+def test_shadows_whose_key_the_origin_no_longer_lists_are_orphans(keys: list[str], orphaned: list[str]) -> None:
+    shadows = [_shadow("1", "sb/a/0"), _shadow("2", "sb/b/0")]
+    assert [c.id for c in orphans(shadows, keys)] == orphaned
+
+
+def test_a_shadow_without_a_key_label_is_an_orphan() -> None:
+    assert [c.id for c in orphans([cri.Container(id="x")], ["sb/a/0"])] == ["x"]
+
+
+@pytest.mark.parametrize(("asked", "expected"), [(0.0, 1.0), (0.5, 0.5), (0.01, 0.2), (60.0, 5.0), (-1.0, 1.0)],
+                         ids=["host-default", "as-asked", "floor", "ceiling", "negative-means-default"])
+def test_the_watch_interval_is_what_the_origin_asked_within_bounds(asked: float, expected: float) -> None:
+    assert heartbeat_s(asked, 1.0) == expected
+
+
+@pytest.mark.parametrize(("log_path", "refused"), [
+    ("tokenize/0.log", False), ("0.log", False), ("../../etc/cron.d/x", True), ("/var/log/x.log", True),
+    ("a/../../x", True)], ids=["kubelet-style", "flat", "dotdot", "absolute", "dotdot-inside"])
+def test_a_log_path_may_not_leave_the_pods_log_directory(log_path: str, refused: bool) -> None:
+    assert bool(_unsafe(cri.PodSandboxConfig(), cri.ContainerConfig(log_path=log_path))) is refused
+
+
+def _sandbox(sid: str, state: int, attempt: int = 0) -> cri.PodSandbox:
+    return cri.PodSandbox(id=sid, state=state, metadata=cri.PodSandboxMetadata(name="p", attempt=attempt))
+
+
+@pytest.mark.parametrize(("existing", "asked", "expected"), [
+    ([], 0, (None, 0)),
+    ([], 2, (None, 2)),
+    ([_sandbox("a", cri.SANDBOX_READY)], 0, ("a", 0)),
+    ([_sandbox("dead", cri.SANDBOX_NOTREADY), _sandbox("a", cri.SANDBOX_READY, 1)], 0, ("a", 1)),
+    ([_sandbox("dead", cri.SANDBOX_NOTREADY)], 0, (None, 1)),
+    ([_sandbox("d0", cri.SANDBOX_NOTREADY), _sandbox("d3", cri.SANDBOX_NOTREADY, 3)], 1, (None, 4)),
+    ([_sandbox("dead", cri.SANDBOX_NOTREADY)], 5, (None, 5)),
+], ids=["none-yet", "none-yet-origin-attempt", "ready-reused", "ready-beside-a-dead-one",
+        "dead-one-takes-the-next-attempt", "after-the-highest-dead-attempt", "origin-attempt-already-higher"])
+def test_a_dead_shadow_sandbox_is_not_reused_and_its_name_not_asked_for_again(existing, asked, expected) -> None:
+    # After a host reboot the pod's shadow sandbox is NOTREADY and its name stays reserved until removed.
+    assert sandbox_to_use(existing, asked) == expected
