@@ -6,7 +6,7 @@ gRPC status, so the mapping lives here and nowhere else::
     WeftError                      (UNKNOWN)
     ├── ConfigError                configuration file or flag is invalid (INVALID_ARGUMENT)
     ├── BadAnnotation              a weft.io/ annotation holds a bad value (INVALID_ARGUMENT)
-    │   └── UnsafeShadow           a host refuses a shadow it may not run (shim.cri.host.shadows; PERMISSION_DENIED)
+    │   └── UnsafeShadow           a host refuses a shadow it may not run (shim.cri.host.lifecycle; PERMISSION_DENIED)
     ├── MalformedRequest           a request weft must read does not parse (INVALID_ARGUMENT)
     ├── SocketInUse                another process serves the socket (ALREADY_EXISTS)
     ├── StateError                 the state database cannot be used (shim.state.db; INTERNAL)
@@ -15,6 +15,7 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── LeaseRefused               the broker has no room for the GPU ask (RESOURCE_EXHAUSTED)
     ├── LeaseNotFound              no such lease (NOT_FOUND)
     ├── LeaseConflictError         the lease is bound to another container (FAILED_PRECONDITION)
+    ├── MpsError                   a lease's MPS daemon cannot start or take its limits (shim.broker.mps; UNAVAILABLE)
     ├── UnknownContainer           weft placed no such container (NOT_FOUND)
     ├── CreateInProgress           the same CreateContainer is already being served (ABORTED)
     ├── HostUnavailable            a remote container's host is not a peer now (UNAVAILABLE)
@@ -25,9 +26,9 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── PeerUnavailable            a peer cannot be reached (shim.mesh.client; UNAVAILABLE)
     ├── TunnelError                a tunnel cannot be opened or broke (shim.mesh.tunnel; UNAVAILABLE)
     ├── TunnelRefused              a tunnel token is refused (shim.cri.host.tunnel; PERMISSION_DENIED)
-    ├── RefusedCall                a peer asks for a shadow call that is not allowed (shim.cri.host.shadows;
+    ├── RefusedCall                a peer asks for a shadow call that is not allowed (shim.cri.host.calls;
     │                              PERMISSION_DENIED)
-    ├── NoLog                      a shadow has no log file to follow (shim.cri.host.shadows; FAILED_PRECONDITION)
+    ├── NoLog                      a shadow has no log file to follow (shim.cri.host.watch; FAILED_PRECONDITION)
     ├── BadVolume                  a copied volume is refused (shim.cri.host.volumes; INVALID_ARGUMENT)
     │   ├── VolumesTooLarge        over the per-container cap (shim.cri.host.volumes; RESOURCE_EXHAUSTED)
     │   └── VolumesChanged         changed while being copied (shim.cri.host.volumes; FAILED_PRECONDITION)

@@ -2,12 +2,15 @@
 
 Every interval the watchdog reads the backend's processes, finds each one's
 cgroup (``/proc/<pid>/cgroup``) and the bound lease whose container cgroup
-holds it, and sums its memory per lease and device. A lease over its memory,
-or a process on a device its lease does not include, is a violation: logged
-(``lease.violation``), counted, and with ``action="kill"`` that container's
-processes (and only those: the lease's own cgroup) get SIGKILL. It also
-releases bound leases whose container is gone, restarts MPS daemons that
-died, and accumulates held and active GPU-seconds for the metrics.
+holds it, and sums its memory per lease and device. A violation is a lease
+over its memory, a process on a device its lease does not include, or a
+process of a shared lease that runs outside MPS (a context of its own, which
+no MPS server limits: the one way a container escapes its compute share and
+its server-side memory limit). Each is logged (``lease.violation``, with its
+reason), counted, and with ``action="kill"`` (the default) that container's
+processes, and only those (the lease's own cgroup), get SIGKILL. It also
+releases bound leases whose container is gone, keeps every shared lease's MPS
+daemon running, and accumulates held and active GPU-seconds for the metrics.
 """
 
 from __future__ import annotations
@@ -15,16 +18,17 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
+from enum import StrEnum
 from pathlib import Path
 
 from shim import log
 from shim.broker.metrics import BrokerMetrics
 from shim.broker.service import LeaseService
 from shim.core.leases import LeaseState
+from shim.periodic import Periodic
 from shim.state.leases import LeaseRecord
 
 _log = log.get("weft.broker.watchdog")
@@ -34,6 +38,12 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 DEAD_GRACE_S = 5.0
 
 
+class ViolationReason(StrEnum):
+    OVER_MEMORY = "over its memory lease"
+    FOREIGN_DEVICE = "on a device outside its lease"
+    OUTSIDE_MPS = "outside its lease's MPS server"
+
+
 @dataclass(frozen=True)
 class Violation:
     lease_id: str
@@ -41,7 +51,7 @@ class Violation:
     used_bytes: int
     limit_bytes: int
     pids: tuple[int, ...]
-    why: str
+    why: ViolationReason
 
 
 def cgroup_of(pid: int) -> str:
@@ -65,57 +75,55 @@ def cgroup_of(pid: int) -> str:
 
 
 def find_violations(leases: list[LeaseRecord], usage: dict[tuple[str, str], tuple[int, list[int]]],
-                    foreign: dict[str, list[tuple[str, int]]], device_memory: dict[str, int]) -> list[Violation]:
-    """usage: (lease, device) -> (bytes, pids); foreign: lease -> [(device, pid)] on devices outside the lease."""
+                    foreign: dict[str, list[tuple[str, int]]], device_memory: dict[str, int],
+                    outside_mps: dict[str, list[tuple[str, int, int]]] | None = None) -> list[Violation]:
+    """usage: (lease, device) -> (bytes, pids); foreign: lease -> [(device, pid)] on devices outside the lease;
+    outside_mps: shared lease -> [(device, pid, bytes)] of processes with a context of their own."""
     by_id = {r.lease_id: r for r in leases}
     out = []
     for (lease_id, dev), (used, pids) in usage.items():
         rec = by_id[lease_id]
         limit = rec.memory_bytes if rec.shared else device_memory.get(dev, rec.memory_bytes)
         if used > limit:
-            out.append(Violation(lease_id, dev, used, limit, tuple(pids), "over its memory lease"))
+            out.append(Violation(lease_id, dev, used, limit, tuple(pids), ViolationReason.OVER_MEMORY))
     for lease_id, items in foreign.items():
         for dev, pid in items:
-            out.append(Violation(lease_id, dev, 0, 0, (pid,), "on a device outside its lease"))
+            out.append(Violation(lease_id, dev, 0, 0, (pid,), ViolationReason.FOREIGN_DEVICE))
+    for lease_id, procs in (outside_mps or {}).items():
+        for dev, pid, used in procs:
+            out.append(Violation(lease_id, dev, used, by_id[lease_id].memory_bytes, (pid,),
+                                 ViolationReason.OUTSIDE_MPS))
     return out
 
 
 class Watchdog:
     def __init__(self, service: LeaseService, metrics: BrokerMetrics, *, interval: float = 1.0,
-                 action: str = "log", mps=None) -> None:
+                 action: str = "kill", mps=None) -> None:
         if action not in ("log", "kill"):
             raise ValueError(f"enforcement action {action!r} is not log or kill")
         self.service, self.metrics, self.interval, self.action = service, metrics, interval, action
         # MPS daemons are checked every tick: a shared lease without its daemon runs without limits.
         self.mps = mps
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="weft-watchdog", daemon=True)
+        self._loop = Periodic("weft-watchdog", interval, self.tick, failed="watchdog.failed")
         self._last = time.monotonic()
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval):
-            try:
-                self.tick()
-            except Exception:  # noqa: BLE001 - one bad sample must not end enforcement
-                _log.exception("watchdog.failed")
+        self._loop.stop()
 
     def tick(self) -> list[Violation]:
         now = time.monotonic()
         elapsed, self._last = now - self._last, now
         self.service.release_dead(grace=DEAD_GRACE_S)
         if self.mps is not None:
-            self.mps.check()
+            self.service.restore_mps()
         leases = [r for r in self.service.leases() if r.state is LeaseState.BOUND and r.cgroup]
         backend = self.service.backend
         usage: dict[tuple[str, str], tuple[int, list[int]]] = {}
         foreign: dict[str, list[tuple[str, int]]] = defaultdict(list)
+        outside_mps: dict[str, list[tuple[str, int, int]]] = defaultdict(list)
         sm = backend.process_utilization()
         busy: dict[str, int] = defaultdict(int)
         for proc in backend.processes():
@@ -126,17 +134,20 @@ class Watchdog:
             if proc.device_uuid not in owner.device_uuids:
                 foreign[owner.lease_id].append((proc.device_uuid, proc.pid))
                 continue
+            if owner.shared and proc.mps_client is False:
+                outside_mps[owner.lease_id].append((proc.device_uuid, proc.pid, proc.used_memory))
             busy[owner.lease_id] += sm.get(proc.pid, 0)
             used, pids = usage.get((owner.lease_id, proc.device_uuid), (0, []))
             usage[(owner.lease_id, proc.device_uuid)] = (used + proc.used_memory, [*pids, proc.pid])
         device_memory = {d.uuid: d.memory_total for d in self.service.devices}
-        violations = find_violations(leases, usage, foreign, device_memory)
+        violations = find_violations(leases, usage, foreign, device_memory, outside_mps)
         by_id = {r.lease_id: r for r in leases}
         for v in violations:
             rec = by_id[v.lease_id]
             self.metrics.violations.labels(v.device_uuid, rec.pod, rec.namespace, rec.container, self.action).inc()
             _log.warning("lease.violation", lease=v.lease_id, device=v.device_uuid, used_bytes=v.used_bytes,
-                         limit_bytes=v.limit_bytes, why=v.why, action=self.action, pod=rec.pod,
+                         limit_bytes=v.limit_bytes, why=v.why.value, reason=v.why.name.lower().replace("_", "-"),
+                         pids=list(v.pids), action=self.action, pod=rec.pod,
                          namespace=rec.namespace, container=rec.container, container_id=rec.container_id)
             if self.action == "kill":
                 killed = kill_cgroup(rec.cgroup)

@@ -13,14 +13,13 @@ leaked and nothing is granted twice, whichever process was killed and when.
 
 from __future__ import annotations
 
-import threading
-
 from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.cri.fabric import Fabric
 from shim.cri.labels import ORIGIN_LABEL
 from shim.errors import WeftError
+from shim.periodic import Periodic
 
 _log = log.get("weft.recovery")
 _LIST = "/runtime.v1.RuntimeService/ListContainers"
@@ -73,23 +72,18 @@ class Reconciler:
 
     def __init__(self, fabric: Fabric, interval: float = 30.0) -> None:
         self.fabric, self.interval = fabric, interval
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="weft-reconcile", daemon=True)
+        self._loop = Periodic("weft-reconcile", interval, self._round, failed="recovery.crashed", first=True)
 
     def start(self) -> None:
-        self._thread.start()
+        self._loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
+        self._loop.stop()
 
-    def _run(self) -> None:
-        while True:
-            try:
-                settle(self.fabric)
-            except (WeftError, OSError) as exc:
-                _log.warning("recovery.deferred", error=getattr(exc, "message", str(exc)))
-            except Exception:  # noqa: BLE001 - e.g. containerd away (grpc.RpcError): try again later
-                _log.warning("recovery.deferred", exc_info=True)
-            if self._stop.wait(self.interval):
-                return
+    def _round(self) -> None:
+        try:
+            settle(self.fabric)
+        except (WeftError, OSError) as exc:
+            _log.warning("recovery.deferred", error=getattr(exc, "message", str(exc)))
+        except Exception:  # noqa: BLE001 - e.g. containerd away (grpc.RpcError): try again later
+            _log.warning("recovery.deferred", exc_info=True)

@@ -28,6 +28,7 @@ from shim.mesh.client import PeerClient
 from shim.mesh.discovery import Discovery, EndpointSliceDiscovery, Peer, StaticDiscovery, load_peers_file
 from shim.mesh.identity import PeerPolicy
 from shim.mesh.server import MeshServer
+from shim.periodic import Periodic
 
 _log = log.get("weft.mesh")
 
@@ -70,7 +71,8 @@ class MeshNode:
         self._records: dict[str, PeerRecord] = {}
         self._clients: dict[str, PeerClient] = {}
         self._stop = threading.Event()
-        self._threads: list[threading.Thread] = []
+        self._hellos = Periodic("weft-mesh-hello", hello_interval, self.hello_all, failed="mesh.hello_failed",
+                               first=True)
         # Last time each peer was heard from (monotonic); a restarted origin gives every host the loss timeout.
         self._contact: dict[str, float] = {}
         self._started = time.monotonic()
@@ -79,14 +81,13 @@ class MeshNode:
     def start(self) -> None:
         self._set_peers(self.discovery.list())
         self.server.start()
-        self._threads = [threading.Thread(target=self._hello_loop, name="weft-mesh-hello", daemon=True),
-                         threading.Thread(target=self.discovery.watch, args=(self._set_peers, self._stop),
-                                          name="weft-mesh-discovery", daemon=True)]
-        for t in self._threads:
-            t.start()
+        self._hellos.start()
+        threading.Thread(target=self.discovery.watch, args=(self._set_peers, self._stop),
+                         name="weft-mesh-discovery", daemon=True).start()
 
     def stop(self) -> None:
         self._stop.set()
+        self._hellos.stop()
         self.server.stop()
         for c in self._clients.values():
             c.close()
@@ -112,11 +113,6 @@ class MeshNode:
         _log.info("mesh.peers", peers=sorted(wanted))
 
     # -- hello ---------------------------------------------------------------------
-    def _hello_loop(self) -> None:
-        while not self._stop.is_set():
-            self.hello_all()
-            self._stop.wait(self.hello_interval)
-
     def hello_all(self) -> None:
         mine = self.probe.sample()
         mine.node = self.node

@@ -150,7 +150,7 @@ class ShadowNet:
             self._urls[url] = (origin, key, now + URL_TTL_S)
 
     def open_tunnel(self, origin: str, req: pb.TunnelRequest) -> pb.TunnelGrant:
-        c = self.host._one(origin, req.key)
+        c = self.host.rt.one(origin, req.key)
         name = c.metadata.name
         if req.WhichOneof("target") == "stream_url":
             with self._lock:
@@ -178,13 +178,13 @@ class ShadowNet:
             ns = self._netns.get(sandbox_id)
         if ns is not None:
             return ns
-        path = sandbox_netns(self.host._call, sandbox_id)
+        path = sandbox_netns(self.host.rt.call, sandbox_id)
         with self._lock:
             return self._netns.setdefault(sandbox_id, Netns(path))
 
     # -- the stitched network ------------------------------------------------------------
     def stitch(self, origin: str, req: pb.StitchRequest, context: grpc.ServicerContext) -> Iterator[pb.StitchEvent]:
-        c = self.host._one(origin, req.key)
+        c = self.host.rt.one(origin, req.key)
         ns = self._ns(c.pod_sandbox_id)
         q: queue.Queue = queue.Queue()
         with self._lock:

@@ -42,6 +42,7 @@ from shim.cri.netns import Netns, owner_of, sandbox_netns
 from shim.cri.origin.remote import Remote, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipe, SocketEnd, dial, tune
+from shim.periodic import Periodic
 
 _log = log.get("weft.stitch")
 
@@ -99,7 +100,7 @@ class Link:
                 for ev in call:
                     if ev.ports:
                         self.listening = frozenset(ev.listening)
-                        self.pod.net.wake.set()
+                        self.pod.net.loop.wake()
                     if ev.token:
                         threading.Thread(target=self.pod.reverse, args=(self, ev), name="weft-stitch-in",
                                          daemon=True).start()
@@ -246,18 +247,15 @@ class OriginNet:
         self.fabric = fabric
         self.pods: dict[str, PodNet] = {}
         self.pipes: set[Pipe] = set()
-        self.wake = threading.Event()
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._loop, name="weft-stitch", daemon=True)
+        # At once, then every POLL_S, and at once when a host reports a change (``loop.wake``).
+        self.loop = Periodic("weft-stitch", POLL_S, self.round, failed="stitch.round_failed", first=True)
 
     def start(self) -> None:
-        self._thread.start()
+        self.loop.start()
 
     def stop(self) -> None:
-        self._stop.set()
-        self.wake.set()
-        self._thread.join(5)
+        self.loop.stop()
         for pod in self.pods.values():
             pod.close()
         self.pods.clear()
@@ -275,15 +273,6 @@ class OriginNet:
     def _closed(self, p: Pipe) -> None:
         with self._lock:
             self.pipes.discard(p)
-
-    def _loop(self) -> None:
-        while not self._stop.is_set():
-            self.wake.clear()
-            try:
-                self.round()
-            except Exception:  # noqa: BLE001 - the stitch must outlive any one bad round
-                _log.exception("stitch.round_failed")
-            self.wake.wait(POLL_S)
 
     def round(self) -> None:
         running: dict[str, list[Remote]] = {}

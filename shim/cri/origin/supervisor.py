@@ -37,6 +37,7 @@ from shim.cri.fabric import Fabric
 from shim.cri.origin.place import read_volumes
 from shim.cri.origin.remote import Remote
 from shim.errors import WeftError
+from shim.periodic import Periodic
 
 _log = log.get("weft.remote")
 
@@ -159,7 +160,8 @@ class RemoteSupervisor:
         self._volume_digest: dict[str, str] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._threads: list[threading.Thread] = []
+        self._loops = [Periodic("weft-remote", tick, self._round, failed="remote.supervisor_failed"),
+                       Periodic("weft-remote-volumes", volume_interval, self._volumes, failed="remote.volumes_failed")]
         fabric.on_remote.append(self.started)
         fabric.on_reopen.append(self.reopen)
         fabric.on_remote_removed.append(self.removed)
@@ -169,10 +171,8 @@ class RemoteSupervisor:
         for r in self.fabric.remotes.all():
             if r.status is not None and r.status.started_at and not r.lost:
                 self.started(r)
-        self._threads = [threading.Thread(target=self._loop, name="weft-remote", daemon=True),
-                         threading.Thread(target=self._volume_loop, name="weft-remote-volumes", daemon=True)]
-        for t in self._threads:
-            t.start()
+        for loop in self._loops:
+            loop.start()
 
     def stop(self) -> None:
         self._stop.set()
@@ -180,8 +180,8 @@ class RemoteSupervisor:
             call.cancel()
         for copy in list(self.logs.values()):
             copy.stop()
-        for t in self._threads:
-            t.join(5)
+        for loop in self._loops:
+            loop.stop()
 
     # -- hooks from the CRI verbs ----------------------------------------------------------
     def started(self, r: Remote) -> None:
@@ -205,14 +205,10 @@ class RemoteSupervisor:
         self._volume_digest.pop(r.id, None)
 
     # -- watch and loss ----------------------------------------------------------------------
-    def _loop(self) -> None:
-        while not self._stop.wait(self.tick):
-            try:
-                self._ensure_watches()
-                self._check_losses()
-                self.fabric.metrics.remote_containers.set(len(self.fabric.remotes.all()))
-            except Exception:  # noqa: BLE001 - the supervisor must outlive any one bad round
-                _log.exception("remote.supervisor_failed")
+    def _round(self) -> None:
+        self._ensure_watches()
+        self._check_losses()
+        self.fabric.metrics.remote_containers.set(len(self.fabric.remotes.all()))
 
     def _ensure_watches(self) -> None:
         mesh = self.fabric.mesh
@@ -298,16 +294,15 @@ class RemoteSupervisor:
                     copy.stop()
 
     # -- volumes -------------------------------------------------------------------------------
-    def _volume_loop(self) -> None:
-        while not self._stop.wait(self.volume_interval):
-            for r in self.fabric.remotes.all():
-                if r.lost or r.exited or not r.config.mounts:
-                    continue
-                try:
-                    self._sync_volumes(r)
-                except (WeftError, OSError) as exc:
-                    _log.warning("remote.volumes_deferred", container_id=r.id, node=r.node,
-                                 error=getattr(exc, "message", str(exc)))
+    def _volumes(self) -> None:
+        for r in self.fabric.remotes.all():
+            if r.lost or r.exited or not r.config.mounts:
+                continue
+            try:
+                self._sync_volumes(r)
+            except (WeftError, OSError) as exc:
+                _log.warning("remote.volumes_deferred", container_id=r.id, node=r.node,
+                             error=getattr(exc, "message", str(exc)))
 
     def _sync_volumes(self, r: Remote) -> None:
         mounts = classify_mounts(((m.host_path, m.container_path, m.readonly) for m in r.config.mounts),

@@ -3,7 +3,9 @@
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.host.shadows import _label, _unsafe, heartbeat_s, orphans, sandbox_to_use
+from shim.cri.host.lifecycle import _unsafe, sandbox_to_use
+from shim.cri.host.runtime import label as _label
+from shim.cri.host.watch import heartbeat_s, orphans
 from shim.cri.labels import KEY_LABEL
 
 

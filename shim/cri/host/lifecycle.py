@@ -1,0 +1,280 @@
+"""A shadow's life on its host: run (pull, sandbox, volumes, create, start), start, status, remove.
+
+The origin asks over the mesh (``RunShadow``); this node runs the container
+through its own containerd: one shadow sandbox per origin sandbox (made on
+first use), the image pulled with the credentials kubelet gave the origin
+(held in memory for the pull only), the container created and started at low
+CPU weight so the node's own pods are never starved. Every shadow carries
+``weft.io/origin-node`` and ``weft.io/origin-key`` (a digest of the key),
+which is how this node finds them again after a restart; the full key and
+the limits it was admitted by ride along as annotations. A host never runs
+what is unsafe to reroute (privileged, host namespaces, host paths,
+devices), whatever the origin asks. The pod's read-only volumes come copied
+(``volumes``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import shutil
+import threading
+from collections.abc import Iterable
+from pathlib import Path, PurePosixPath
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from google.protobuf.message import DecodeError
+
+from shim import log
+from shim._pb import mesh_pb2 as pb
+from shim.cri.fabric import Fabric
+from shim.cri.host import volumes as shadow_volumes
+from shim.cri.host.capacity import HostedCapacity, limits
+from shim.cri.host.runtime import IMG, RT, ShadowRuntime, label
+from shim.cri.labels import (
+    CPU_LIMIT_ANNOTATION,
+    KEY_ANNOTATION,
+    KEY_LABEL,
+    MEMORY_LIMIT_ANNOTATION,
+    ORIGIN_LABEL,
+    SANDBOX_LABEL,
+)
+from shim.errors import BadAnnotation, UpstreamError, WeftError
+
+_log = log.get("weft.shadows")
+
+# cpu.shares of a hosted container: the floor, so any of the node's own pods outweighs it.
+HOSTED_CPU_SHARES = 2
+
+
+class UnsafeShadow(BadAnnotation):
+    """The origin asked this host to run something that must never be rerouted."""
+
+    code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def _unsafe(sandbox: cri.PodSandboxConfig, config: cri.ContainerConfig) -> str:
+    sc = config.linux.security_context
+    if sc.privileged or sandbox.linux.security_context.privileged:
+        return "privileged"
+    for opts in (sc.namespace_options, sandbox.linux.security_context.namespace_options):
+        if opts.network == cri.NODE or opts.pid == cri.NODE or opts.ipc == cri.NODE:
+            return "host namespaces"
+    if config.mounts:
+        return f"mounts ({config.mounts[0].host_path})"  # volumes are copied by the origin, never bound
+    if config.devices or config.CDI_devices:
+        return "devices"
+    # containerd writes the log at <sandbox log directory>/<log_path>: it must stay inside.
+    if config.log_path.startswith("/") or ".." in PurePosixPath(config.log_path).parts or "\0" in config.log_path:
+        return f"a log path outside the pod's log directory ({config.log_path})"
+    return ""
+
+
+def sandbox_to_use(existing: Iterable[cri.PodSandbox], attempt: int) -> tuple[str | None, int]:
+    """A ready shadow sandbox of the pod to reuse, else None and the attempt a new one takes (``attempt``, the
+    origin's, unless a dead one holds it).
+
+    A sandbox that is no longer ready (its host rebooted, its pause process
+    was killed) keeps its name reserved in containerd until it is removed,
+    which happens with its last shadow; a new one with the same metadata would
+    be refused, so it is the next attempt, as kubelet makes one.
+    """
+    existing = list(existing)
+    ready = [s for s in existing if s.state == cri.SANDBOX_READY]
+    if ready:
+        return ready[0].id, ready[0].metadata.attempt
+    return None, max([attempt, *(s.metadata.attempt + 1 for s in existing)])
+
+
+def _safe_component(value: str, what: str) -> str:
+    if not value or "/" in value or "\0" in value or value in (".", ".."):
+        raise BadAnnotation(f"{what} {value!r} cannot name a directory")
+    return value
+
+
+class Lifecycle:
+    def __init__(self, rt: ShadowRuntime, fabric: Fabric, capacity: HostedCapacity, state_dir: Path,
+                 cgroup_parent: str) -> None:
+        self.rt, self.fabric, self.capacity = rt, fabric, capacity
+        # Shadows live under a cgroup of this host's choosing: the origin's pod cgroup path means
+        # nothing here, and one under kubelet's own tree would be cleaned up by it as an orphaned pod.
+        self.cgroup_parent = cgroup_parent
+        self.log_root = state_dir / "shadow-logs"
+        self.volume_root = state_dir / "shadow-volumes"
+        # Creating and removing shadows (and their sandboxes) one at a time: sandbox reuse stays simple.
+        self.lock = threading.Lock()
+        self._volume_lock = threading.Lock()
+
+    def _volume_dir(self, origin: str, key: str) -> Path:
+        return self.volume_root / _safe_component(origin, "origin node") / label(key)
+
+    def run(self, origin: str, req: pb.RunShadowRequest) -> pb.ShadowState:
+        try:
+            sandbox = cri.PodSandboxConfig.FromString(req.sandbox_config)
+            config = cri.ContainerConfig.FromString(req.container_config)
+            auth = cri.AuthConfig.FromString(req.auth) if req.auth else None
+        except DecodeError as exc:
+            raise BadAnnotation(f"RunShadow {req.key}: malformed CRI config from {origin}: {exc}") from None
+        unsafe = _unsafe(sandbox, config)
+        if unsafe:
+            raise UnsafeShadow(f"RunShadow {req.key}: this host never runs a rerouted container with {unsafe}")
+        plans = shadow_volumes.plan(req.volumes)
+        volumes = self._volume_dir(origin, req.key)
+        origin_labels = {ORIGIN_LABEL: origin, SANDBOX_LABEL: req.origin_sandbox_id}
+        # The pull may take minutes: outside the lock, so Watch, RemoveShadow and other RunShadows go on.
+        self._pull(config.image, auth)
+        with self.lock:
+            existing = self.rt.find({ORIGIN_LABEL: origin, KEY_LABEL: label(req.key)}, containers=True)
+            if existing:  # idempotent: the origin retried
+                return self.rt.state(req.key, existing[0].pod_sandbox_id, existing[0].id)
+            try:
+                if plans:
+                    shadow_volumes.remove(volumes)  # a leftover of a RunShadow that failed half-way
+                    shadow_volumes.write(volumes, plans)
+                for i, p in enumerate(plans):
+                    config.mounts.append(cri.Mount(container_path=p.container_path, readonly=True,
+                                                   host_path=str(shadow_volumes.host_path(volumes, i, p))))
+                shadow_sandbox = self._shadow_sandbox(origin, req, sandbox, origin_labels)
+                sandbox_id = self._sandbox(shadow_sandbox, origin_labels)
+                cpu, memory = limits(config.linux.resources)
+                config.labels.update({**origin_labels, KEY_LABEL: label(req.key)})
+                config.annotations.update({KEY_ANNOTATION: req.key, CPU_LIMIT_ANNOTATION: repr(cpu),
+                                           MEMORY_LIMIT_ANNOTATION: str(memory)})
+                config.linux.resources.cpu_shares = HOSTED_CPU_SHARES
+                created = self.rt.call(RT + "CreateContainer", cri.CreateContainerRequest(
+                    pod_sandbox_id=sandbox_id, config=config, sandbox_config=shadow_sandbox),
+                    cri.CreateContainerResponse)
+                self.fabric.shadows_present = True
+                if req.start:
+                    self.rt.call(RT + "StartContainer", cri.StartContainerRequest(container_id=created.container_id),
+                               cri.StartContainerResponse)
+            except BaseException:
+                with contextlib.suppress(WeftError):  # the original error is the one to report
+                    if plans and not self.rt.find({ORIGIN_LABEL: origin, KEY_LABEL: label(req.key)}, containers=True):
+                        shadow_volumes.remove(volumes)
+                raise
+        self.capacity.forget()
+        _log.info("shadow.created", origin=origin, key=req.key, sandbox_id=sandbox_id,
+                  container_id=created.container_id, image=config.image.image, started=req.start,
+                  volumes=len(plans))
+        return self.rt.state(req.key, sandbox_id, created.container_id)
+
+    def start(self, origin: str, key: str) -> pb.ShadowState:
+        c = self.rt.one(origin, key)
+        if c.state == cri.CONTAINER_CREATED:
+            self.rt.call(RT + "StartContainer", cri.StartContainerRequest(container_id=c.id),
+                       cri.StartContainerResponse)
+            self.capacity.forget()
+            _log.info("shadow.started", origin=origin, key=key, container_id=c.id)
+        return self.rt.state(key, c.pod_sandbox_id, c.id)
+
+    def _shadow_sandbox(self, origin: str, req: pb.RunShadowRequest, sandbox: cri.PodSandboxConfig,
+                        origin_labels: dict[str, str]) -> cri.PodSandboxConfig:
+        """The origin's sandbox config as this host runs it: its own log directory, cgroup and labels.
+
+        CreateContainer must be given this one too: containerd takes a
+        container's log directory and cgroup from the request's sandbox config.
+        """
+        shadow = cri.PodSandboxConfig()
+        shadow.CopyFrom(sandbox)
+        shadow.metadata.uid = f"{sandbox.metadata.uid}-shadow"
+        shadow.labels.update(origin_labels)
+        shadow.log_directory = str(self._sandbox_logs(origin, req.origin_sandbox_id))
+        shadow.linux.cgroup_parent = shadow_cgroup(self.cgroup_parent, shadow.metadata.uid,
+                                                   systemd=sandbox.linux.cgroup_parent.endswith(".slice"))
+        del shadow.port_mappings[:]  # the pod's ports are the origin's; the mesh stitches what is needed
+        return shadow
+
+    def _sandbox(self, shadow: cri.PodSandboxConfig, origin_labels: dict[str, str]) -> str:
+        """The pod's ready shadow sandbox, or a new one (``shadow``'s attempt set to follow any dead one)."""
+        ready, shadow.metadata.attempt = sandbox_to_use(self.rt.find(origin_labels, containers=False),
+                                                        shadow.metadata.attempt)
+        if ready:
+            return ready
+        return self.rt.call(RT + "RunPodSandbox", cri.RunPodSandboxRequest(config=shadow),
+                          cri.RunPodSandboxResponse).pod_sandbox_id
+
+    def _sandbox_logs(self, origin: str, origin_sandbox_id: str) -> Path:
+        return self.log_root / _safe_component(origin, "origin node") / label(origin_sandbox_id)
+
+    def _pull(self, image: cri.ImageSpec, auth: cri.AuthConfig | None) -> None:
+        present = self.rt.call(IMG + "ImageStatus", cri.ImageStatusRequest(image=image), cri.ImageStatusResponse)
+        if not present.image.id:
+            self.rt.call(IMG + "PullImage", cri.PullImageRequest(image=image, auth=auth), cri.PullImageResponse)
+
+    def status(self, origin: str, key: str) -> pb.ShadowState:
+        c = self.rt.one(origin, key)
+        return self.rt.state(key, c.pod_sandbox_id, c.id)
+
+    def remove(self, origin: str, key: str) -> bool:
+        with self.lock:
+            found = self.rt.find({ORIGIN_LABEL: origin, KEY_LABEL: label(key)}, containers=True)
+            if not found:
+                shadow_volumes.remove(self._volume_dir(origin, key))
+                return False
+            self.remove_locked(origin, key, found[0])
+        return True
+
+    def remove_locked(self, origin: str, key: str, c: cri.Container, why: str = "removed") -> None:
+        """Stop and remove a shadow, its sandbox with its last container, its volumes and its logs (lock held)."""
+        status = self.rt.status(c.id)
+        try:
+            # At once, as containerd's RemoveContainer does: the origin's kubelet gave the grace period when
+            # it stopped the container; waiting here would hold the lock every other shadow call needs.
+            self.rt.call(RT + "StopContainer", cri.StopContainerRequest(container_id=c.id, timeout=0),
+                       cri.StopContainerResponse)
+            self.rt.call(RT + "RemoveContainer", cri.RemoveContainerRequest(container_id=c.id),
+                       cri.RemoveContainerResponse)
+            rest = self.rt.find({ORIGIN_LABEL: origin}, containers=True)
+            last = not [x for x in rest if x.pod_sandbox_id == c.pod_sandbox_id]
+            if last:
+                self.rt.call(RT + "StopPodSandbox", cri.StopPodSandboxRequest(pod_sandbox_id=c.pod_sandbox_id),
+                           cri.StopPodSandboxResponse)
+                self.rt.call(RT + "RemovePodSandbox", cri.RemovePodSandboxRequest(pod_sandbox_id=c.pod_sandbox_id),
+                           cri.RemovePodSandboxResponse)
+        except UpstreamError as exc:
+            if exc.code is not grpc.StatusCode.NOT_FOUND:
+                raise
+            last = False
+        shadow_volumes.remove(self._volume_dir(origin, key) if key else
+                              self.volume_root / _safe_component(origin, "origin node") / c.labels[KEY_LABEL])
+        if status is not None and status.log_path:
+            log_file = Path(status.log_path)
+            log_file.unlink(missing_ok=True)
+            _rmdir_up(log_file.parent, self.log_root)
+        if last and c.labels.get(SANDBOX_LABEL) is not None:
+            _rmtree_quietly(self._sandbox_logs(origin, c.labels[SANDBOX_LABEL]))
+            _rmdir_up(self.log_root / origin, self.log_root)
+        self.capacity.updated.pop(c.id, None)
+        self.capacity.forget()
+        _log.info(f"shadow.{why}", origin=origin, key=key, container_id=c.id)
+
+    def sync_volumes(self, origin: str, req: pb.SyncVolumesRequest) -> pb.SyncVolumesResponse:
+        plans = shadow_volumes.plan(req.volumes)
+        c = self.rt.one(origin, req.key)
+        with self._volume_lock:
+            changed = shadow_volumes.sync(self._volume_dir(origin, req.key), plans)
+        _log.info("shadow.volumes_synced", origin=origin, key=req.key, container_id=c.id, changed=changed)
+        return pb.SyncVolumesResponse(changed=changed)
+
+
+def _rmdir_up(path: Path, stop: Path) -> None:
+    """Remove ``path`` and its parents while they are empty, up to (not including) ``stop``."""
+    while path != stop and stop in path.parents:
+        try:
+            path.rmdir()
+        except OSError:
+            return
+        path = path.parent
+
+
+def _rmtree_quietly(path: Path) -> None:
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def shadow_cgroup(parent: str, uid: str, *, systemd: bool) -> str:
+    """The shadow sandbox's cgroup parent under ``parent``, in the cgroup driver's own spelling."""
+    if systemd:  # a slice: "weft_shadows-pod<uid>.slice" nests under weft_shadows.slice
+        base = parent.strip("/").removesuffix(".slice").replace("-", "_") or "weft_shadows"
+        return f"{base}-pod{uid.replace('-', '_')}.slice"
+    return f"{parent.rstrip('/')}/pod{uid}"

@@ -1,0 +1,71 @@
+"""This host's containerd as the shadow code asks it: typed calls, lists by label, one shadow by its key."""
+
+from __future__ import annotations
+
+import hashlib
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+
+from shim._pb import mesh_pb2 as pb
+from shim.cri.fabric import Fabric
+from shim.cri.labels import KEY_LABEL, ORIGIN_LABEL
+from shim.errors import UnknownContainer, UpstreamError
+
+RT = "/runtime.v1.RuntimeService/"
+IMG = "/runtime.v1.ImageService/"
+
+
+def label(value: str) -> str:
+    """Keys hold '/', and label values are kept short and plain: a stable digest names them."""
+    return hashlib.sha256(value.encode()).hexdigest()[:40]
+
+
+class ShadowRuntime:
+    def __init__(self, fabric: Fabric) -> None:
+        self.fabric = fabric
+
+    def call(self, path: str, request, response_type, timeout: float | None = 120.0):
+        return response_type.FromString(self.raw(path, request.SerializeToString(), timeout))
+
+    def raw(self, path: str, request: bytes, timeout: float | None) -> bytes:
+        try:
+            return self.fabric.upstream.channel.unary_unary(path)(request, timeout=timeout)
+        except grpc.RpcError as exc:
+            raise self.fabric.upstream.translate(exc) from None
+
+    def containers(self, state: int | None = None, labels: dict[str, str] | None = None) -> list[cri.Container]:
+        f = cri.ContainerFilter(label_selector=labels or {})
+        if state is not None:
+            f.state.state = state
+        req = cri.ListContainersRequest(filter=f)
+        return list(self.call(RT + "ListContainers", req, cri.ListContainersResponse).containers)
+
+    def find(self, labels: dict[str, str], containers: bool) -> list:
+        if containers:
+            return self.containers(labels=labels)
+        req = cri.ListPodSandboxRequest(filter=cri.PodSandboxFilter(label_selector=labels))
+        return list(self.call(RT + "ListPodSandbox", req, cri.ListPodSandboxResponse).items)
+
+    def one(self, origin: str, key: str) -> cri.Container:
+        found = self.find({ORIGIN_LABEL: origin, KEY_LABEL: label(key)}, containers=True)
+        if not found:
+            raise UnknownContainer(f"no shadow {key} for {origin} on this host")
+        return found[0]
+
+    def status(self, container_id: str) -> cri.ContainerStatus | None:
+        """The container's status; None once containerd no longer has it."""
+        try:
+            return self.call(RT + "ContainerStatus", cri.ContainerStatusRequest(container_id=container_id),
+                             cri.ContainerStatusResponse).status
+        except UpstreamError as exc:
+            if exc.code is grpc.StatusCode.NOT_FOUND:
+                return None
+            raise
+
+    def state(self, key: str, sandbox_id: str, container_id: str) -> pb.ShadowState:
+        status = self.status(container_id)
+        if status is None:
+            raise UnknownContainer(f"shadow {key} ({container_id}) is gone from this host")
+        return pb.ShadowState(key=key, shadow_sandbox_id=sandbox_id, shadow_container_id=container_id,
+                              status=status.SerializeToString())
