@@ -2,7 +2,7 @@
 
 ``shim.core.quantity`` (the GPU share annotations a person types),
 ``shim.core.annotations`` (HOST:PORT in the config) and the relay's pure
-HTTP/2 and gRPC helpers (``shim.cri.relay.server.h2``), which read bytes a client sends.
+HTTP/2 and gRPC helpers (``shim.cri.relay.h2``), which read bytes a client sends.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from hpack import Encoder
 
 from shim.cri.instrument import Outcome
 from shim.cri.relay import h2
-from shim.cri.relay import server as relay
+from shim.cri.relay.connection import Connection, Stream
 from shim.cri.route import Route
 
 PATH = "/runtime.v1.RuntimeService/CreateContainer"
@@ -61,7 +61,7 @@ class FakeRelay:
 @pytest.fixture
 def conn():
     async def make():
-        c = relay._Connection(FakeRelay(), None, FakeWriter())  # type: ignore[arg-type]
+        c = Connection(FakeRelay(), None, FakeWriter())  # type: ignore[arg-type]
         c.up_w = FakeWriter()  # type: ignore[assignment]
         return c
 
@@ -83,14 +83,14 @@ def _feed(c, raw: bytes) -> None:
     up, at = [], 0
     while at < len(raw):
         n, ftype, flags, sid = h2.parse_header(raw, at)
-        c._on_kubelet_frame(ftype, flags, sid, bytes(raw[at:at + 9 + n]), up)
+        c.on_kubelet_frame(ftype, flags, sid, bytes(raw[at:at + 9 + n]), up)
         at += 9 + n
     if up:
         c.up_w.write(b"".join(up))
-    c._drain()
+    c.drain()
 
 
-def _open_intercepted(c, sid: int) -> relay._Stream:
+def _open_intercepted(c, sid: int) -> Stream:
     _feed(c, _headers(c, sid))  # no END_STREAM: the body has not come, so nothing is dispatched yet
     return c.streams[sid]
 
@@ -101,7 +101,7 @@ def _data_sent(c, sid: int) -> int:
 
 def test_no_call_is_started_after_our_goaway(conn) -> None:
     _open_intercepted(conn, 1)
-    conn._goaway()  # GOAWAY(1): stream 3, already on its way, will be retried by kubelet elsewhere
+    conn.goaway()  # GOAWAY(1): stream 3, already on its way, will be retried by kubelet elsewhere
     conn.up_w.frames()
     _feed(conn, _headers(conn, 3, "/runtime.v1.RuntimeService/Version"))
     upstream = conn.up_w.frames()
@@ -114,18 +114,18 @@ def test_credit_for_our_own_answers_is_not_passed_to_containerd(conn) -> None:
     for i in range(10):
         sid = 2 * i + 1
         st = _open_intercepted(conn, sid)
-        conn._answer(st, Outcome(grpc.StatusCode.OK, "", b"x" * 5_000))
+        conn.answer(st, Outcome(grpc.StatusCode.OK, "", b"x" * 5_000))
         got = _data_sent(conn, sid)
         _feed(conn, h2.window_update(0, got))  # kubelet credits what it received, as grpc-go does
         forwarded += sum(h2.window_increment(p) for t, _, s, p in conn.up_w.frames()
                          if t == h2.WINDOW_UPDATE and s == 0)
-    assert forwarded == 0 and conn.owed == 0
+    assert forwarded == 0 and conn.down.owed == 0
 
 
 def test_a_queued_answer_keeps_to_the_stream_window(conn) -> None:
     _feed(conn, h2.window_update(0, 10_000_000))  # a large connection window, the default stream window
     st = _open_intercepted(conn, 1)
-    conn._answer(st, Outcome(grpc.StatusCode.OK, "", b"x" * 200_000))
+    conn.answer(st, Outcome(grpc.StatusCode.OK, "", b"x" * 200_000))
     sent = _data_sent(conn, 1)
     _feed(conn, h2.frame(h2.PING, 0, 0, b"\0" * 8))  # any later frame drains the queue
     sent += _data_sent(conn, 1)
@@ -138,12 +138,12 @@ def test_a_queued_answer_keeps_to_the_stream_window(conn) -> None:
 def test_never_closes_with_frames_still_queued(conn) -> None:
     async def scenario() -> None:
         st = _open_intercepted(conn, 1)
-        conn._answer(st, Outcome(grpc.StatusCode.OK, "", b"x" * 100_000))  # more than the windows allow
-        conn._goaway()
+        conn.answer(st, Outcome(grpc.StatusCode.OK, "", b"x" * 100_000))  # more than the windows allow
+        conn.goaway()
         await asyncio.sleep(0.1)
-        assert not conn.closed and conn.out
+        assert not conn.closed and conn.down.out
         _feed(conn, h2.window_update(0, 100_000) + h2.window_update(1, 100_000))
         await asyncio.sleep(0.1)
-        assert not conn.out and conn.closed
+        assert not conn.down.out and conn.closed
 
     conn.loop.run_until_complete(scenario())

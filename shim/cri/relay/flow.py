@@ -1,0 +1,127 @@
+"""Flow control toward kubelet: every frame kubelet gets, containerd's and weft's, within kubelet's windows.
+
+containerd's DATA passes through, and kubelet's WINDOW_UPDATEs for it pass
+back to containerd; weft's own answers spend the same connection window, so
+the credit kubelet then gives for them is weft's (``owed``) and is kept back
+from containerd. An intercepted stream also has a window of its own, which
+weft keeps. A frame that does not fit waits in ``out``, in order, behind any
+frame already waiting; frames that fit are gathered in ``wbuf`` and written
+with one syscall (a response is usually HEADERS, DATA and trailers at once).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Mapping
+from typing import Any, Protocol
+
+from shim.cri.relay import h2
+
+
+class Writer(Protocol):
+    def write(self, data: bytes) -> None: ...
+
+
+class Downlink:
+    def __init__(self, writer: Writer, streams: Mapping[int, Any], answered: Callable[[int], None]) -> None:
+        self.writer = writer
+        # The connection's open streams: an intercepted one (``.intercepted``) keeps its ``.window`` here.
+        self.streams = streams
+        self.answered = answered  # told when the last frame of one of weft's answers went out
+        self.conn_window = h2.DEFAULT_WINDOW
+        self.initial_window = h2.DEFAULT_WINDOW
+        self.max_frame = h2.DEFAULT_MAX_FRAME
+        self.out: deque[tuple[int, int, bytes, bool]] = deque()  # (stream id, DATA length, frame, ends an answer)
+        self.owed = 0
+        self.wbuf: list[bytes] = []
+        self.closed = False
+
+    # -- writing ---------------------------------------------------------------------
+    def control(self, raw: bytes, *, first: bool = False) -> None:
+        """A frame flow control does not hold back (SETTINGS, PING acks, WINDOW_UPDATE, GOAWAY)."""
+        if first:
+            self.wbuf.insert(0, raw)
+        else:
+            self.wbuf.append(raw)
+
+    def send(self, sid: int, data_len: int, raw: bytes, last: bool = False) -> None:
+        """Queue a frame for kubelet; DATA (``data_len`` > 0) waits for kubelet's windows.
+
+        ``last`` marks the final frame of an answer weft writes itself: only
+        once it is out may that stream (and its window) be forgotten.
+        """
+        if not self.out and self._fits(sid, data_len):
+            self._consume(sid, data_len)
+            self.wbuf.append(raw)
+            if last:
+                self.answered(sid)
+            return
+        self.out.append((sid, data_len, raw, last))
+
+    def drain(self) -> None:
+        """Send what now fits, in order, and write."""
+        while self.out:
+            sid, n, raw, last = self.out[0]
+            if not self._fits(sid, n):
+                break
+            self.out.popleft()
+            self._consume(sid, n)
+            self.wbuf.append(raw)
+            if last:
+                self.answered(sid)
+        self.flush()
+
+    def flush(self) -> None:
+        if self.wbuf:
+            data = b"".join(self.wbuf) if len(self.wbuf) > 1 else self.wbuf[0]
+            self.wbuf.clear()
+            if not self.closed:
+                self.writer.write(data)
+
+    def _fits(self, sid: int, n: int) -> bool:
+        if n == 0:
+            return True
+        if self.conn_window < n:
+            return False
+        st = self.streams.get(sid)
+        return not (st is not None and st.intercepted and st.window < n)
+
+    def _consume(self, sid: int, n: int) -> None:
+        if n:
+            self.conn_window -= n
+            st = self.streams.get(sid)
+            if st is not None and st.intercepted:
+                st.window -= n
+                self.owed += n
+
+    # -- what kubelet says -------------------------------------------------------------
+    def credit(self, sid: int, n: int) -> None:
+        """Give kubelet back the window of request bytes containerd will never see."""
+        if n:
+            self.wbuf.append(h2.window_update(0, n) + (h2.window_update(sid, n) if sid else b""))
+
+    def window_update(self, sid: int, inc: int) -> int | None:
+        """kubelet's WINDOW_UPDATE: what of it containerd gets. None: the frame as it came; 0: nothing;
+        a number: a connection WINDOW_UPDATE of that much (the rest was credit for weft's own answers)."""
+        if sid == 0:
+            self.conn_window += inc
+            take = min(inc, self.owed)
+            self.owed -= take
+            if take:
+                return inc - take
+            return None
+        st = self.streams.get(sid)
+        if st is not None and st.intercepted:
+            st.window += inc
+            return 0
+        return None
+
+    def settings(self, settings: Mapping[int, int]) -> None:
+        if h2.SETTINGS_INITIAL_WINDOW_SIZE in settings:
+            delta = settings[h2.SETTINGS_INITIAL_WINDOW_SIZE] - self.initial_window
+            self.initial_window = settings[h2.SETTINGS_INITIAL_WINDOW_SIZE]
+            for st in self.streams.values():
+                if st.intercepted:
+                    st.window += delta
+        if h2.SETTINGS_MAX_FRAME_SIZE in settings:
+            self.max_frame = settings[h2.SETTINGS_MAX_FRAME_SIZE]
