@@ -1,11 +1,13 @@
 """``weft broker``: the per-node GPU broker process.
 
 Assembles a backend (NVML, or simulated devices where there is no GPU), the
-lease store, MPS daemons (NVML only), the gRPC and hook endpoints, the
-enforcement watchdog and the metrics endpoint. At start it releases leases
-whose containers died while it was down; unbound leases wait for the agent's
+lease store, MPS daemons (NVML only: one per shared lease), the gRPC and hook
+endpoints, the enforcement watchdog and the metrics endpoint. At start it
+releases leases whose containers died while it was down and starts the MPS
+daemon of every shared lease it keeps; unbound leases wait for the agent's
 reconcile. SIGTERM stops it cleanly: leases stay on disk; the MPS daemons it
-supervised are stopped with it and started again on demand.
+supervised are stopped with it (their clients lose their server) and started
+again when it starts.
 """
 
 from __future__ import annotations
@@ -36,8 +38,12 @@ class BrokerConfig:
     backend: str
     simulated_devices: str = "2x80GiB"
     metrics_address: str = ""
-    enforce: str = "log"
+    # kill: a container over its lease (or outside its MPS server) loses its processes; log: it is only reported.
+    enforce: str = "kill"
     watchdog_interval: float = 1.0
+    # Pipe, log and shared-memory directories of the leases' MPS daemons; default: "mps" beside the socket
+    # (/run/weft/mps on an installed node: a tmpfs, as MPS's shared memory should be).
+    mps_dir: Path | None = None
 
 
 def _backend(cfg: BrokerConfig):
@@ -54,44 +60,65 @@ def _backend(cfg: BrokerConfig):
             backend = NvmlBackend()
         except NvmlUnavailable as exc:
             raise ConfigError(f"--backend nvml: {exc}") from None
-        return backend, MpsSupervisor(cfg.state_dir / "mps")
+        return backend, MpsSupervisor(cfg.mps_dir or cfg.socket.parent / "mps", private_shm=True)
     raise ConfigError(f"--backend: {cfg.backend!r} is not nvml or simulated")
 
 
+class Broker:
+    """The assembled broker, started and stopped as one: ``run`` serves it until a signal, ``weft gpu-check``
+    runs a private one in its own process (with the backend and MPS supervisor it is given)."""
+
+    def __init__(self, cfg: BrokerConfig, backend=None, mps=None) -> None:
+        if cfg.enforce not in ("log", "kill"):
+            raise ConfigError(f"--enforce: {cfg.enforce!r} is not log or kill")
+        self.cfg = cfg
+        cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if backend is None:
+            backend, mps = _backend(cfg)
+        self.backend, self.mps = backend, mps
+        self.store = LeaseStore(cfg.state_dir)
+        self.service = LeaseService(backend, self.store, mps)
+        self.metrics = BrokerMetrics(self.service)
+        self.server = BrokerServer(cfg.socket, self.service)
+        self.watchdog = Watchdog(self.service, self.metrics, interval=cfg.watchdog_interval, action=cfg.enforce,
+                                 mps=mps)
+        self.http: HttpEndpoint | None = None
+
+    def start(self) -> Broker:
+        released = self.service.release_dead()
+        no_daemon = self.service.restore_mps()
+        self.server.start()
+        self.watchdog.start()
+        if self.cfg.metrics_address:
+            self.http = HttpEndpoint(self.cfg.metrics_address, self.metrics, lambda: (True, self.backend.name))
+            self.http.start()
+        _log.info("broker.started", socket=str(self.cfg.socket), backend=self.backend.name,
+                  devices=len(self.service.devices), leases=len(self.service.leases()), released_dead=released,
+                  without_mps=no_daemon, enforce=self.cfg.enforce,
+                  http=self.http.address if self.http else None, pid=os.getpid())
+        return self
+
+    def stop(self) -> None:
+        _log.info("broker.stopping")
+        self.watchdog.stop()
+        if self.http is not None:
+            self.http.stop()
+        self.server.stop()
+        if self.mps is not None:
+            self.mps.stop_all()
+        self.backend.close()
+        self.store.close()
+        _log.info("broker.stopped")
+
+
 def run(cfg: BrokerConfig) -> int:
-    if cfg.enforce not in ("log", "kill"):
-        raise ConfigError(f"--enforce: {cfg.enforce!r} is not log or kill")
-    cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    backend, mps = _backend(cfg)
-    store = LeaseStore(cfg.state_dir)
-    service = LeaseService(backend, store, mps)
-    released = service.release_dead()
-    metrics = BrokerMetrics(service)
-    server = BrokerServer(cfg.socket, service)
-    server.start()
-    watchdog = Watchdog(service, metrics, interval=cfg.watchdog_interval, action=cfg.enforce, mps=mps)
-    watchdog.start()
-    http = None
-    if cfg.metrics_address:
-        http = HttpEndpoint(cfg.metrics_address, metrics, lambda: (True, backend.name))
-        http.start()
-    _log.info("broker.started", socket=str(cfg.socket), backend=backend.name, devices=len(service.devices),
-              leases=len(service.leases()), released_dead=released, enforce=cfg.enforce,
-              http=http.address if http else None, pid=os.getpid())
+    broker = Broker(cfg)
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
+    broker.start()
     try:
         stop.wait()
     finally:
-        _log.info("broker.stopping")
-        watchdog.stop()
-        if http is not None:
-            http.stop()
-        server.stop()
-        if mps is not None:
-            mps.stop_all()
-        backend.close()
-        store.close()
-        _log.info("broker.stopped")
+        broker.stop()
     return 0

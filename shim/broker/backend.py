@@ -27,6 +27,9 @@ class GpuProcess:
     pid: int  # as the host's PID namespace sees it
     device_uuid: str
     used_memory: int  # bytes; 0 when the driver does not say
+    # True: a client of an MPS server (held to that server's limits); False: a
+    # context of its own, outside MPS; None: the backend cannot tell.
+    mps_client: bool | None = None
 
 
 class Backend(Protocol):

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import os
 import threading
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
@@ -30,6 +31,27 @@ except ImportError:  # a broken install; NvmlBackend() says so when it is asked 
 # Nodes every GPU container needs besides its own /dev/nvidia<minor>; which of
 # them exist depends on the driver's modules (uvm for CUDA, modeset for display).
 CONTROL_NODES = ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools", "/dev/nvidia-modeset")
+
+
+# nvmlComputeMode_t, named as nvidia-smi names them.
+_COMPUTE_MODES = {0: "Default", 1: "Exclusive_Thread", 2: "Prohibited", 3: "Exclusive_Process"}
+
+
+@dataclass(frozen=True)
+class DeviceInfo:
+    device: GpuDevice
+    memory_used: int  # bytes
+    mig_pending: bool  # MIG on after the next GPU reset
+    compute_mode: str  # Default, Exclusive_Process, Prohibited, ...
+    persistence: bool | None  # None: not supported (e.g. Windows)
+    compute_capability: tuple[int, int]
+
+
+@dataclass(frozen=True)
+class NodeInventory:
+    driver_version: str  # e.g. "550.54.15"
+    cuda_driver_version: int | None  # CUDA's encoding: 12040 is 12.4; None where the driver cannot say
+    devices: tuple[DeviceInfo, ...]
 
 
 class NvmlError(Exception):
@@ -101,17 +123,51 @@ class NvmlBackend:
     def processes(self) -> list[GpuProcess]:
         nv = self._nv
         found: dict[tuple[int, str], GpuProcess] = {}
+        # Drivers older than the MPS process list lack the function: then whether a process is an MPS
+        # client is unknown (None), never guessed.
+        mps_call = "nvmlDeviceGetMPSComputeRunningProcesses"
+        knows_mps = hasattr(nv, mps_call)
+        calls = ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses",
+                 *((mps_call,) if knows_mps else ()))
+        tolerate = (nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND)
         for uuid, handle in self._handles.items():
+            lists = {call: self._call(call, handle, on=uuid, tolerate=tolerate) or [] for call in calls}
+            mps_pids = {int(p.pid) for p in lists.get(mps_call, [])}
             # A process that does both compute and graphics is in both lists;
             # it is one process on that device, holding the larger figure.
-            for call in ("nvmlDeviceGetComputeRunningProcesses", "nvmlDeviceGetGraphicsRunningProcesses"):
-                for proc in self._call(call, handle, on=uuid, tolerate=(nv.NVML_ERROR_NOT_SUPPORTED,)) or []:
+            for listed in lists.values():
+                for proc in listed:
                     # None where the driver cannot say (e.g. under MIG or WDDM).
                     used = int(proc.usedGpuMemory or 0)
                     key = (int(proc.pid), uuid)
                     if key not in found or used > found[key].used_memory:
-                        found[key] = GpuProcess(pid=key[0], device_uuid=uuid, used_memory=used)
+                        found[key] = GpuProcess(pid=key[0], device_uuid=uuid, used_memory=used,
+                                                mps_client=(key[0] in mps_pids) if knows_mps else None)
         return list(found.values())
+
+    def inventory(self) -> NodeInventory:
+        """What an operator checks before opting a node in: driver, CUDA driver and each device's settings."""
+        nv = self._nv
+        cuda = self._call("nvmlSystemGetCudaDriverVersion_v2", tolerate=(nv.NVML_ERROR_FUNCTION_NOT_FOUND,))
+        out = []
+        for device in self.devices():
+            handle = self._handles[device.uuid]
+            mig = self._call("nvmlDeviceGetMigMode", handle, on=device.uuid,
+                             tolerate=(nv.NVML_ERROR_NOT_SUPPORTED, nv.NVML_ERROR_FUNCTION_NOT_FOUND))
+            capability = self._call("nvmlDeviceGetCudaComputeCapability", handle, on=device.uuid)
+            persistence = self._call("nvmlDeviceGetPersistenceMode", handle, on=device.uuid,
+                                     tolerate=(nv.NVML_ERROR_NOT_SUPPORTED,))
+            out.append(DeviceInfo(
+                device=device,
+                memory_used=int(self._call("nvmlDeviceGetMemoryInfo", handle, on=device.uuid).used),
+                mig_pending=mig is not None and mig[1] == nv.NVML_DEVICE_MIG_ENABLE,
+                compute_mode=_COMPUTE_MODES.get(int(self._call("nvmlDeviceGetComputeMode", handle, on=device.uuid)),
+                                                "unknown"),
+                persistence=None if persistence is None else persistence == nv.NVML_FEATURE_ENABLED,
+                compute_capability=(int(capability[0]), int(capability[1])),
+            ))
+        return NodeInventory(driver_version=_text(self._call("nvmlSystemGetDriverVersion")),
+                             cuda_driver_version=None if cuda is None else int(cuda), devices=tuple(out))
 
     def utilization(self) -> dict[str, int]:
         nv = self._nv

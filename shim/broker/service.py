@@ -21,6 +21,7 @@ from typing import Any, Protocol
 
 from shim import failpoint, log
 from shim.broker.backend import Backend, GpuDevice
+from shim.broker.mps import MpsError, MpsLimits
 from shim.core import packing
 from shim.core.leases import LeaseConflict, LeaseState, check_bind
 from shim.errors import BadAnnotation, LeaseConflictError, LeaseNotFound, LeaseRefused
@@ -30,14 +31,20 @@ _log = log.get("weft.broker")
 
 # Where a shared lease's MPS pipe directory appears inside the container.
 MPS_PIPE_IN_CONTAINER = "/run/weft-mps"
+# MPS's own default pipe directory: a client that unsets CUDA_MPS_PIPE_DIRECTORY
+# looks here, and must find its lease's daemon, not run outside MPS.
+MPS_DEFAULT_PIPE = "/tmp/nvidia-mps"
 
 
 class MpsLike(Protocol):
     """What the service needs of an MPS supervisor (the real one: ``shim.broker.mps``)."""
 
-    def ensure(self, device_uuid: str) -> Any: ...  # has .pipe_dir
+    # The daemon has .pipe_dir and .shm_dir; private_shm says whether its clients must share .shm_dir as /dev/shm.
+    private_shm: bool
 
-    def stop(self, device_uuid: str) -> None: ...
+    def ensure(self, key: str, device_uuid: str, limits: MpsLimits | None = None) -> Any: ...
+
+    def stop(self, key: str) -> None: ...
 
 
 class LeaseService:
@@ -106,23 +113,29 @@ class LeaseService:
                 decision: packing.PackDecision) -> LeaseRecord:
         devices = [self._by_uuid[u] for u in decision.devices]
         uuids = ",".join(d.uuid for d in devices)
+        lease_id = "lease-" + uuid.uuid4().hex[:16]
         env = {"NVIDIA_VISIBLE_DEVICES": uuids, "CUDA_VISIBLE_DEVICES": uuids}
         mounts: list[tuple[str, str, bool]] = []
         memory = ask.memory_bytes or 0
         if decision.shared:
             device = devices[0]
             env["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_IN_CONTAINER
-            # MPS takes the limit per device ordinal as the client sees it: one device, ordinal 0.
+            # What the lease's MPS server already holds every client to (see shim.broker.mps); a client that
+            # keeps these gains nothing, one that drops them loses nothing. MPS takes the limit per device
+            # ordinal as the client sees it: one device, ordinal 0.
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={math.ceil(memory / (1 << 20))}M"
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(ask.compute_percent)
             if self.mps is not None:
-                daemon = self.mps.ensure(device.uuid)
+                daemon = self.mps.ensure(lease_id, device.uuid, MpsLimits(memory, ask.compute_percent))
                 mounts.append((str(daemon.pipe_dir), MPS_PIPE_IN_CONTAINER, False))
+                mounts.append((str(daemon.pipe_dir), MPS_DEFAULT_PIPE, False))
+                if self.mps.private_shm:
+                    mounts.append((str(daemon.shm_dir), "/dev/shm", False))
         nodes = [n for d in devices for n in self.backend.device_nodes(d.uuid)]
         if nodes:
             nodes += self.backend.control_nodes()
         return LeaseRecord(
-            lease_id="lease-" + uuid.uuid4().hex[:16], key=key, namespace=namespace, pod=pod, pod_uid=pod_uid,
+            lease_id=lease_id, key=key, namespace=namespace, pod=pod, pod_uid=pod_uid,
             container=container, sandbox_id=sandbox_id, device_uuids=tuple(d.uuid for d in devices),
             device_indices=tuple(d.index for d in devices),
             memory_bytes=memory if decision.shared else sum(d.memory_total for d in devices),
@@ -169,11 +182,7 @@ class LeaseService:
             self.store.delete(lease_id)
             del self._live[lease_id]
             if rec.shared and self.mps is not None:
-                # Under the lock: a shared Acquire must not get a daemon that is being stopped.
-                still_shared = {u for r in self._live.values() if r.shared for u in r.device_uuids}
-                for dev in rec.device_uuids:
-                    if dev not in still_shared:
-                        self.mps.stop(dev)
+                self.mps.stop(lease_id)  # its server, and with it any client still attached
         _log.info("lease.released", lease=lease_id, reason=reason or "requested", pod=rec.pod,
                   namespace=rec.namespace, container=rec.container, container_id=rec.container_id)
         return True
@@ -201,6 +210,30 @@ class LeaseService:
         return [r.lease_id for r in dead
                 if self.release(r.lease_id, reason="container-gone",
                                 only_if=lambda now, was=r: now.state is LeaseState.BOUND and now.pid == was.pid)]
+
+    def restore_mps(self) -> list[str]:
+        """Start (or restart) the MPS daemon of every shared lease; returns the leases left without one.
+
+        Run when the broker starts and at every watchdog tick: a shared lease
+        without its daemon would let its container's next CUDA client run
+        outside MPS. A daemon that cannot start is logged and tried again at
+        the next tick; the lease stays, as its container still runs.
+        """
+        missing: list[str] = []
+        if self.mps is None:
+            return missing
+        # Under the lock, like Acquire and Release: a lease released meanwhile must not get its daemon back.
+        with self._lock:
+            for rec in sorted(self._live.values(), key=lambda r: r.created_at):
+                if not rec.shared:
+                    continue
+                try:
+                    self.mps.ensure(rec.lease_id, rec.device_uuids[0],
+                                    MpsLimits(rec.memory_bytes, rec.compute_percent))
+                except (MpsError, OSError) as exc:
+                    _log.error("mps.restore_failed", lease=rec.lease_id, device=rec.device_uuids[0], error=str(exc))
+                    missing.append(rec.lease_id)
+        return missing
 
     def leases(self) -> list[LeaseRecord]:
         with self._lock:

@@ -94,13 +94,14 @@ class SimulatedBackend:
 
     # -- what tests drive --------------------------------------------------
 
-    def set_process(self, pid: int, device_uuid: str, used_memory: int) -> None:
+    def set_process(self, pid: int, device_uuid: str, used_memory: int, mps_client: bool | None = None) -> None:
         """``pid`` now holds ``used_memory`` bytes on the device (replacing what it held there before)."""
         self._check(device_uuid)
         if used_memory < 0:
             raise ValueError(f"used_memory must be at least 0, got {used_memory}")
         with self._lock:
-            self._processes[pid, device_uuid] = GpuProcess(pid=pid, device_uuid=device_uuid, used_memory=used_memory)
+            self._processes[pid, device_uuid] = GpuProcess(pid=pid, device_uuid=device_uuid, used_memory=used_memory,
+                                                           mps_client=mps_client)
 
     def clear_process(self, pid: int) -> None:
         """The process exited: it holds no memory and uses no SM time any more."""

@@ -7,14 +7,9 @@ a stand-in for pynvml that answers the way the driver does (bytes, missing
 memory figures, NotSupported); the tests after the contract pin that translation.
 """
 
-# The fake library must use pynvml's camelCase names.
-# ruff: noqa: N802
-
 from __future__ import annotations
 
 from collections.abc import Iterator
-from types import SimpleNamespace
-from typing import Any
 
 import pynvml
 import pytest
@@ -22,102 +17,7 @@ import pytest
 from shim.broker.backend import Backend, GpuProcess
 from shim.broker.nvml import CONTROL_NODES, NvmlBackend, NvmlError, NvmlUnavailable
 from shim.broker.simulated import SimulatedBackend
-
-GI = 1 << 30
-A100 = "GPU-0c4a3b1e-8a61-4d0e-9a0e-1f6e2b7c9d01"
-T4 = "GPU-7f2d9c44-51b3-4e8a-b1a2-6c0d3e9f8a02"
-
-
-def _error(code: int) -> pynvml.NVMLError:
-    return pynvml.NVMLError(code)
-
-
-class FakeNvml:
-    """Answers like pynvml over two devices: an A100 with MIG off, a T4 without MIG support."""
-
-    NVMLError = pynvml.NVMLError
-
-    def __init__(self) -> None:
-        self.init_error: int | None = None
-        self.initialised = 0
-        self.calls: list[tuple[str, tuple]] = []
-        self.handles = {"h0": A100, "h1": T4}
-        self.compute: dict[str, list] = {"h0": [], "h1": []}
-        self.graphics: dict[str, list] = {"h0": [], "h1": []}
-        self.samples: dict[str, list] = {"h0": [], "h1": []}
-        self.broken: dict[str, int] = {}  # function name -> NVML error code it raises
-
-    def __getattr__(self, name: str) -> Any:
-        # Constants (NVML_ERROR_*, NVML_DEVICE_MIG_ENABLE) come from the real module.
-        if name.startswith("NVML_"):
-            return getattr(pynvml, name)
-        raise AttributeError(name)
-
-    def _enter(self, name: str, *args: Any) -> None:
-        self.calls.append((name, args))
-        if name in self.broken:
-            raise _error(self.broken[name])
-
-    def nvmlInit(self) -> None:
-        if self.init_error is not None:
-            raise _error(self.init_error)
-        self.initialised += 1
-
-    def nvmlShutdown(self) -> None:
-        self.initialised -= 1
-
-    def nvmlDeviceGetCount(self) -> int:
-        return len(self.handles)
-
-    def nvmlDeviceGetHandleByIndex(self, index: int) -> str:
-        return f"h{index}"
-
-    def nvmlDeviceGetUUID(self, h: str) -> str | bytes:
-        # Older nvidia-ml-py releases hand back bytes.
-        return self.handles[h].encode() if h == "h0" else self.handles[h]
-
-    def nvmlDeviceGetName(self, h: str) -> str | bytes:
-        return b"NVIDIA A100-SXM4-80GB" if h == "h0" else "Tesla T4"
-
-    def nvmlDeviceGetMemoryInfo(self, h: str) -> SimpleNamespace:
-        return SimpleNamespace(total=80 * GI if h == "h0" else 16 * GI, used=0, free=0)
-
-    def nvmlDeviceGetMigMode(self, h: str) -> list[int]:
-        self._enter("nvmlDeviceGetMigMode", h)
-        if h == "h1":
-            raise _error(pynvml.NVML_ERROR_NOT_SUPPORTED)
-        return [pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_DISABLE]
-
-    def nvmlDeviceGetMinorNumber(self, h: str) -> int:
-        return {"h0": 0, "h1": 3}[h]
-
-    def nvmlDeviceGetComputeRunningProcesses(self, h: str) -> list:
-        self._enter("nvmlDeviceGetComputeRunningProcesses", h)
-        return self.compute[h]
-
-    def nvmlDeviceGetGraphicsRunningProcesses(self, h: str) -> list:
-        self._enter("nvmlDeviceGetGraphicsRunningProcesses", h)
-        return self.graphics[h]
-
-    def nvmlDeviceGetUtilizationRates(self, h: str) -> SimpleNamespace:
-        self._enter("nvmlDeviceGetUtilizationRates", h)
-        return SimpleNamespace(gpu=42 if h == "h0" else 7, memory=0)
-
-    def nvmlDeviceGetProcessUtilization(self, h: str, since: int) -> list:
-        self._enter("nvmlDeviceGetProcessUtilization", h, since)
-        newer = [s for s in self.samples[h] if s.timeStamp > since]
-        if not newer:
-            raise _error(pynvml.NVML_ERROR_NOT_FOUND)
-        return newer
-
-
-def proc(pid: int, used: int | None) -> SimpleNamespace:
-    return SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
-
-
-def sample(pid: int, ts: int, sm: int) -> SimpleNamespace:
-    return SimpleNamespace(pid=pid, timeStamp=ts, smUtil=sm, memUtil=0, encUtil=0, decUtil=0)
-
+from tests.broker.fakes import A100, GI, T4, FakeNvml, proc, sample
 
 # -- the contract -------------------------------------------------------------
 
@@ -312,3 +212,37 @@ def test_nvml_close_shuts_nvml_down_once(fake: FakeNvml) -> None:
     backend.close()
     backend.close()
     assert fake.initialised == 0
+
+
+def test_nvml_tells_mps_clients_from_contexts_of_their_own(fake: FakeNvml) -> None:
+    fake.nvmlDeviceGetMPSComputeRunningProcesses = lambda h: fake.mps[h]
+    fake.compute["h0"] = [proc(50, GI), proc(60, 2 * GI)]  # 50: the MPS server; 60: a context of its own
+    fake.mps["h0"] = [proc(51, GI // 2)]
+    backend = NvmlBackend(library=fake)
+    try:
+        assert sorted(backend.processes(), key=lambda p: p.pid) == [
+            GpuProcess(50, A100, GI, mps_client=False), GpuProcess(51, A100, GI // 2, mps_client=True),
+            GpuProcess(60, A100, 2 * GI, mps_client=False)]
+    finally:
+        backend.close()
+
+
+def test_nvml_without_the_mps_list_says_it_cannot_tell(fake: FakeNvml, nvml: NvmlBackend) -> None:
+    fake.compute["h0"] = [proc(60, GI)]
+    assert [p.mps_client for p in nvml.processes()] == [None]
+
+
+def test_nvml_inventory_reads_driver_and_device_settings(fake: FakeNvml, nvml: NvmlBackend) -> None:
+    fake.compute_mode["h1"] = pynvml.NVML_COMPUTEMODE_EXCLUSIVE_PROCESS
+    fake.persistence["h1"] = pynvml.NVML_FEATURE_DISABLED
+    fake.mig["h0"] = [pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE]
+    fake.used["h0"] = 3 * GI
+    inv = nvml.inventory()
+    assert (inv.driver_version, inv.cuda_driver_version) == ("550.54.15", 12040)
+    a100, t4 = inv.devices
+    assert (a100.device.uuid, a100.memory_used, a100.mig_pending, a100.compute_mode, a100.persistence,
+            a100.compute_capability) == (A100, 3 * GI, True, "Default", True, (8, 0))
+    assert (t4.device.uuid, t4.mig_pending, t4.compute_mode, t4.persistence, t4.compute_capability) == (
+        T4, False, "Exclusive_Process", False, (7, 5))
+    reads = {name for name, _ in fake.calls}
+    assert not {n for n in reads if "Set" in n}, "an inventory reads, it never sets"

@@ -1,10 +1,8 @@
-"""The MPS supervisor against a fake ``nvidia-cuda-mps-control``.
+"""The MPS supervisor against a fake ``nvidia-cuda-mps-control`` (``tests/broker/fakes.py``).
 
-The fake behaves as the real binary does where the supervisor can tell: with
-``-f`` it is the daemon, listening on ``$CUDA_MPS_PIPE_DIRECTORY/control``;
-without it, it is the client, passing stdin's command to that daemon and failing
-when no daemon listens. The daemon records its environment and the commands it
-receives in its log directory so tests can see what it was started with.
+One daemon per lease: it sees only the lease's device, takes the lease's
+limits as its defaults before any client connects, and proves it by reading
+them back; a daemon that does not is never handed out.
 """
 
 from __future__ import annotations
@@ -13,7 +11,6 @@ import json
 import os
 import signal
 import stat
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,55 +18,18 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from shim.broker.mps import MpsError, MpsSupervisor
+from shim.broker.mps import MpsError, MpsLimits, MpsSupervisor, memory_matches, parse_memory, parse_percent
+from tests.broker.fakes import install_fake_mps
 
 GPU0 = "GPU-5e1a0000-0000-4000-8000-000000000000"
 GPU1 = "GPU-5e1a0000-0000-4000-8000-000000000001"
-
-FAKE = f"""#!{sys.executable}
-import json, os, sys
-
-pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
-logs = os.environ["CUDA_MPS_LOG_DIRECTORY"]
-control = os.path.join(pipe, "control")
-
-if sys.argv[1:] == ["-f"]:
-    with open(os.path.join(logs, "fake-env.json"), "w") as f:
-        json.dump({{"env": dict(os.environ), "pid": os.getpid(), "sid": os.getsid(0)}}, f)
-    if os.environ.get("FAKE_MPS_EXIT_AT_START"):
-        sys.exit(3)
-    if not os.path.exists(control):
-        os.mkfifo(control)
-    # Read-write, so the daemon holds a writer too and never sees end-of-file
-    # between one client and the next.
-    fifo = os.fdopen(os.open(control, os.O_RDWR), "r")
-    while True:
-        command = fifo.readline().strip()
-        with open(os.path.join(logs, "fake-commands.log"), "a") as f:
-            f.write(command + "\\n")
-        if command == "quit" and not os.environ.get("FAKE_MPS_IGNORE_QUIT"):
-            sys.exit(0)
-else:
-    command = sys.stdin.read()
-    try:
-        fd = os.open(control, os.O_WRONLY | os.O_NONBLOCK)
-    except OSError:  # no FIFO, or nobody reading it
-        print("Cannot find MPS control daemon process", file=sys.stderr)
-        sys.exit(1)
-    os.write(fd, command.encode())
-    os.close(fd)
-    if command.strip() != "quit":
-        print("100")
-"""
+LEASE_A, LEASE_B = "lease-00000000000000aa", "lease-00000000000000bb"
+LIMITS = MpsLimits(memory_bytes=20 << 30, compute_percent=50)
 
 
 @pytest.fixture
 def fake_binary(tmp_path: Path) -> str:
-    path = tmp_path / "bin" / "nvidia-cuda-mps-control"
-    path.parent.mkdir()
-    path.write_text(FAKE)
-    path.chmod(0o755)
-    return str(path)
+    return install_fake_mps(tmp_path / "bin")
 
 
 @pytest.fixture
@@ -109,11 +69,11 @@ def test_daemon_runs_in_foreground_with_its_device_and_directories(tmp_path: Pat
     umask = os.umask(0o077)
     try:
         with capture_logs() as logs:
-            daemon = supervisor.ensure(GPU0)
+            daemon = supervisor.ensure(LEASE_A, GPU0, LIMITS)
     finally:
         os.umask(umask)
-    assert daemon.pipe_dir == tmp_path / "mps" / GPU0 / "pipe"
-    assert daemon.log_dir == tmp_path / "mps" / GPU0 / "log"
+    assert daemon.pipe_dir == tmp_path / "mps" / LEASE_A / "pipe"
+    assert daemon.log_dir == tmp_path / "mps" / LEASE_A / "log"
     seen = started_with(daemon.log_dir)
     assert seen["pid"] == daemon.pid and alive(daemon.pid)
     assert seen["env"]["CUDA_VISIBLE_DEVICES"] == GPU0
@@ -123,46 +83,46 @@ def test_daemon_runs_in_foreground_with_its_device_and_directories(tmp_path: Pat
     for path in (daemon.pipe_dir, daemon.log_dir):
         assert stat.S_IMODE(path.stat().st_mode) == 0o755
     assert [e["event"] for e in logs] == ["mps.started"]
-    assert logs[0]["device"] == GPU0 and logs[0]["pid"] == daemon.pid
+    assert (logs[0]["lease"], logs[0]["device"], logs[0]["pid"]) == (LEASE_A, GPU0, daemon.pid)
 
 
-def test_each_device_gets_its_own_daemon(supervisor: MpsSupervisor) -> None:
-    first, second = supervisor.ensure(GPU0), supervisor.ensure(GPU1)
+def test_each_lease_gets_its_own_daemon(supervisor: MpsSupervisor) -> None:
+    first, second = supervisor.ensure(LEASE_A, GPU0, LIMITS), supervisor.ensure(LEASE_B, GPU1, LIMITS)
     assert first.pid != second.pid and first.pipe_dir != second.pipe_dir
     assert started_with(second.log_dir)["env"]["CUDA_VISIBLE_DEVICES"] == GPU1
 
 
 def test_ensure_returns_the_running_daemon(supervisor: MpsSupervisor) -> None:
-    first = supervisor.ensure(GPU0)
+    first = supervisor.ensure(LEASE_A, GPU0, LIMITS)
     with capture_logs() as logs:
-        again = supervisor.ensure(GPU0)
+        again = supervisor.ensure(LEASE_A, GPU0, LIMITS)
     assert again == first
     assert logs == []
 
 
 @pytest.mark.parametrize("notice", ["check", "ensure"], ids=["check-restarts", "ensure-restarts"])
 def test_a_killed_daemon_is_restarted(supervisor: MpsSupervisor, notice: str) -> None:
-    old = supervisor.ensure(GPU0)
+    old = supervisor.ensure(LEASE_A, GPU0, LIMITS)
     os.kill(old.pid, signal.SIGKILL)
     until(lambda: not alive(old.pid) or _is_zombie(old.pid))
     with capture_logs() as logs:
         if notice == "check":
-            assert until(supervisor.check) == [GPU0]
-            new = supervisor.ensure(GPU0)
+            assert until(supervisor.check) == [LEASE_A]
+            new = supervisor.ensure(LEASE_A, GPU0, LIMITS)
         else:
-            new = supervisor.ensure(GPU0)
+            new = supervisor.ensure(LEASE_A, GPU0, LIMITS)
     assert new.pid != old.pid and alive(new.pid)
     assert started_with(new.log_dir)["pid"] == new.pid
     restarted = [e for e in logs if e["event"] == "mps.restarted"]
     assert len(restarted) == 1
-    assert restarted[0]["device"] == GPU0 and restarted[0]["exit_code"] == -signal.SIGKILL
+    assert (restarted[0]["lease"], restarted[0]["exit_code"]) == (LEASE_A, -signal.SIGKILL)
     assert (restarted[0]["old_pid"], restarted[0]["pid"]) == (old.pid, new.pid)
 
 
 def test_a_failed_restart_is_tried_again_at_the_next_check(
     supervisor: MpsSupervisor, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    old = supervisor.ensure(GPU0)
+    old = supervisor.ensure(LEASE_A, GPU0, LIMITS)
     monkeypatch.setenv("FAKE_MPS_EXIT_AT_START", "1")
     os.kill(old.pid, signal.SIGKILL)
     until(lambda: _is_zombie(old.pid))
@@ -170,20 +130,20 @@ def test_a_failed_restart_is_tried_again_at_the_next_check(
         assert supervisor.check() == []
     assert [(e["event"], e["exit_code"]) for e in logs] == [("mps.restart_failed", -signal.SIGKILL)]
     monkeypatch.delenv("FAKE_MPS_EXIT_AT_START")
-    assert supervisor.check() == [GPU0]
-    assert alive(supervisor.ensure(GPU0).pid)
+    assert supervisor.check() == [LEASE_A]
+    assert alive(supervisor.ensure(LEASE_A, GPU0, LIMITS).pid)
 
 
 def test_check_leaves_live_daemons_alone(supervisor: MpsSupervisor) -> None:
-    daemon = supervisor.ensure(GPU0)
+    daemon = supervisor.ensure(LEASE_A, GPU0, LIMITS)
     assert supervisor.check() == []
-    assert supervisor.ensure(GPU0).pid == daemon.pid
+    assert supervisor.ensure(LEASE_A, GPU0, LIMITS).pid == daemon.pid
 
 
 def test_stop_quits_the_daemon_and_keeps_its_logs(supervisor: MpsSupervisor) -> None:
-    daemon = supervisor.ensure(GPU0)
+    daemon = supervisor.ensure(LEASE_A, GPU0, LIMITS)
     with capture_logs() as logs:
-        supervisor.stop(GPU0)
+        supervisor.stop(LEASE_A)
     assert not alive(daemon.pid)
     assert commands(daemon.log_dir)[-1] == "quit"
     assert (daemon.log_dir / "fake-env.json").exists(), "stop removes nothing the user needs"
@@ -196,9 +156,9 @@ def test_stop_kills_a_daemon_that_ignores_quit(
 ) -> None:
     monkeypatch.setenv("FAKE_MPS_IGNORE_QUIT", "1")
     sup = MpsSupervisor(tmp_path / "mps", binary=fake_binary, stop_timeout=0.5)
-    daemon = sup.ensure(GPU0)
+    daemon = sup.ensure(LEASE_A, GPU0, LIMITS)
     with capture_logs() as logs:
-        sup.stop(GPU0)
+        sup.stop(LEASE_A)
     assert not alive(daemon.pid)
     assert "quit" in commands(daemon.log_dir), "asked first"
     assert [(e["event"], e["killed"], e["exit_code"]) for e in logs] == [("mps.stopped", True, -signal.SIGKILL)]
@@ -206,29 +166,29 @@ def test_stop_kills_a_daemon_that_ignores_quit(
 
 def test_stop_of_a_device_without_daemon_is_a_no_op(supervisor: MpsSupervisor) -> None:
     with capture_logs() as logs:
-        supervisor.stop(GPU0)
+        supervisor.stop(LEASE_A)
     assert logs == []
 
 
 def test_stop_all_ends_every_daemon(supervisor: MpsSupervisor) -> None:
-    daemons = [supervisor.ensure(GPU0), supervisor.ensure(GPU1)]
+    daemons = [supervisor.ensure(LEASE_A, GPU0, LIMITS), supervisor.ensure(LEASE_B, GPU1, LIMITS)]
     supervisor.stop_all()
     assert not any(alive(d.pid) for d in daemons)
     assert supervisor.check() == []
-    fresh = supervisor.ensure(GPU0)
+    fresh = supervisor.ensure(LEASE_A, GPU0, LIMITS)
     assert fresh.pid not in {d.pid for d in daemons} and alive(fresh.pid)
 
 
 def test_missing_binary_is_named(tmp_path: Path) -> None:
     missing = str(tmp_path / "nowhere" / "nvidia-cuda-mps-control")
     with pytest.raises(MpsError, match=r"nowhere/nvidia-cuda-mps-control: not found"):
-        MpsSupervisor(tmp_path / "mps", binary=missing).ensure(GPU0)
+        MpsSupervisor(tmp_path / "mps", binary=missing).ensure(LEASE_A, GPU0, LIMITS)
 
 
 def test_missing_binary_on_path_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("PATH", str(tmp_path))
     with pytest.raises(MpsError, match="nvidia-cuda-mps-control: not found"):
-        MpsSupervisor(tmp_path / "mps").ensure(GPU0)
+        MpsSupervisor(tmp_path / "mps").ensure(LEASE_A, GPU0, LIMITS)
 
 
 def test_daemon_that_exits_at_start_is_an_error_naming_its_logs(
@@ -236,14 +196,20 @@ def test_daemon_that_exits_at_start_is_an_error_naming_its_logs(
 ) -> None:
     monkeypatch.setenv("FAKE_MPS_EXIT_AT_START", "1")
     sup = MpsSupervisor(tmp_path / "mps", binary=fake_binary)
-    with pytest.raises(MpsError, match=f"exited with code 3.*{GPU0}/log"):
-        sup.ensure(GPU0)
+    with pytest.raises(MpsError, match=f"exited with code 3.*{LEASE_A}/log"):
+        sup.ensure(LEASE_A, GPU0, LIMITS)
     assert sup.check() == [], "a daemon that never started is not supervised"
 
 
-def test_uuid_that_would_nest_directories_is_refused(supervisor: MpsSupervisor) -> None:
+@pytest.mark.parametrize("key", ["../escape", "", ".hidden", "a/b"], ids=["dot-dot", "empty", "dot", "slash"])
+def test_lease_key_that_would_leave_its_directory_is_refused(supervisor: MpsSupervisor, key: str) -> None:
     with pytest.raises(ValueError, match="cannot name a directory"):
-        supervisor.ensure("MIG-GPU-5e1a0000-0000-4000-8000-000000000000/1/0")
+        supervisor.ensure(key, GPU0, LIMITS)
+
+
+def test_device_list_is_refused(supervisor: MpsSupervisor) -> None:
+    with pytest.raises(ValueError, match="is not one device"):
+        supervisor.ensure(LEASE_A, f"{GPU0},{GPU1}", LIMITS)
 
 
 def _is_zombie(pid: int) -> bool:
@@ -251,3 +217,91 @@ def _is_zombie(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z")
     except FileNotFoundError:
         return True
+
+
+def test_the_lease_limits_are_the_daemons_defaults_before_any_client(supervisor: MpsSupervisor) -> None:
+    daemon = supervisor.ensure(LEASE_A, GPU0, MpsLimits(memory_bytes=(3 << 30) + 1, compute_percent=30))
+    sent = commands(daemon.log_dir)
+    assert sent[sent.index("set_default_active_thread_percentage"):][:2] == ["set_default_active_thread_percentage",
+                                                                           "30"]
+    # Rounded up to whole MiB, on device 0: the only device the daemon sees.
+    assert "3073M" in sent and sent[sent.index("3073M") - 2:sent.index("3073M")] == [
+        "set_default_device_pinned_mem_limit", "0"]
+    assert daemon.limits == MpsLimits((3 << 30) + 1, 30)
+    # What a client of this daemon is held to (the fake libcuda reads it here, as a real server would hold it).
+    assert (daemon.pipe_dir / "fake-limits").read_text().split() == ["3073", "30"]
+
+
+def test_each_lease_daemon_holds_its_own_limits(supervisor: MpsSupervisor) -> None:
+    a = supervisor.ensure(LEASE_A, GPU0, MpsLimits(4 << 30, 25))
+    b = supervisor.ensure(LEASE_B, GPU0, MpsLimits(8 << 30, 50))
+    assert a.pipe_dir != b.pipe_dir
+    assert (a.pipe_dir / "fake-limits").read_text().split() == ["4096", "25"]
+    assert (b.pipe_dir / "fake-limits").read_text().split() == ["8192", "50"]
+
+
+def test_a_daemon_that_does_not_take_its_limits_is_never_handed_out(
+    tmp_path: Path, fake_binary: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_MPS_IGNORE_LIMITS", "1")
+    sup = MpsSupervisor(tmp_path / "mps", binary=fake_binary, ready_timeout=5.0)
+    with pytest.raises(MpsError, match=f"lease {LEASE_A} on {GPU0} shows an active thread percentage of '100.0' "
+                                       "after it was set to 50"):
+        sup.ensure(LEASE_A, GPU0, LIMITS)
+    started = json.loads((tmp_path / "mps" / LEASE_A / "log" / "fake-env.json").read_text())["pid"]
+    until(lambda: not alive(started) or _is_zombie(started))
+    assert sup.daemons() == [] and sup.check() == []
+
+
+def test_a_restarted_daemon_takes_the_same_limits_again(supervisor: MpsSupervisor) -> None:
+    old = supervisor.ensure(LEASE_A, GPU0, MpsLimits(2 << 30, 40))
+    os.kill(old.pid, signal.SIGKILL)
+    until(lambda: _is_zombie(old.pid))
+    assert supervisor.check() == [LEASE_A]
+    new = supervisor.ensure(LEASE_A, GPU0)
+    assert new.pid != old.pid and new.limits == MpsLimits(2 << 30, 40)
+    assert (new.pipe_dir / "fake-limits").read_text().split() == ["2048", "40"]
+
+
+def test_private_shm_gives_the_daemon_the_leases_shm_directory(tmp_path: Path, fake_binary: str) -> None:
+    sup = MpsSupervisor(tmp_path / "mps", binary=fake_binary, private_shm=True)
+    try:
+        daemon = sup.ensure(LEASE_A, GPU0, LIMITS)
+        # The daemon wrote into its /dev/shm; it landed in the lease's directory, not in the host's /dev/shm.
+        marker = f"fake-mps-{daemon.pid}"
+        assert (daemon.shm_dir / marker).exists()
+        assert not (Path("/dev/shm") / marker).exists()
+        assert stat.S_IMODE(daemon.shm_dir.stat().st_mode) == 0o1777
+        assert started_with(daemon.log_dir)["pid"] == daemon.pid, "the supervised PID is the daemon itself"
+    finally:
+        sup.stop_all()
+
+
+@pytest.mark.parametrize(
+    ("answer", "percent"),
+    [pytest.param("25", 25.0, id="whole"), pytest.param("25.0\n", 25.0, id="as-drivers-show-it"),
+     pytest.param("0", None, id="zero"), pytest.param("25 %", None, id="with-a-unit"),
+     pytest.param("", None, id="nothing")],
+)
+def test_parse_percent(answer: str, percent: float | None) -> None:
+    assert parse_percent(answer) == percent
+
+
+@pytest.mark.parametrize(
+    ("answer", "size"),
+    [pytest.param("20480M", 20 << 30, id="mebibytes"), pytest.param("20G\n", 20 << 30, id="gibibytes"),
+     pytest.param("1024 MB", None, id="other-unit"), pytest.param("1.5G", None, id="fraction"),
+     pytest.param("Unrecognized command", None, id="an-old-driver")],
+)
+def test_parse_memory(answer: str, size: int | None) -> None:
+    assert parse_memory(answer) == size
+
+
+@pytest.mark.parametrize(
+    ("shown", "set_mib", "ok"),
+    [pytest.param(512 << 20, 512, True, id="exact"), pytest.param(3 << 30, 3073, True, id="whole-gib-rounded-down"),
+     pytest.param(4 << 30, 3073, False, id="rounded-up-is-not-what-was-set"),
+     pytest.param(0, 512, False, id="no-limit")],
+)
+def test_memory_matches(shown: int, set_mib: int, ok: bool) -> None:
+    assert memory_matches(shown, set_mib) is ok

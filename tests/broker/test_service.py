@@ -10,8 +10,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
-from shim.broker.service import MPS_PIPE_IN_CONTAINER, LeaseService
+from shim.broker.mps import MpsError, MpsLimits
+from shim.broker.service import MPS_DEFAULT_PIPE, MPS_PIPE_IN_CONTAINER, LeaseService
 from shim.broker.simulated import SimulatedBackend, simulated_uuid
 from shim.core.leases import LeaseState
 from shim.errors import BadAnnotation, LeaseConflictError, LeaseNotFound, LeaseRefused
@@ -24,6 +26,7 @@ U0, U1 = simulated_uuid(0), simulated_uuid(1)
 @dataclass(frozen=True)
 class FakeDaemon:
     pipe_dir: Path
+    shm_dir: Path
 
 
 @dataclass
@@ -31,14 +34,18 @@ class FakeMps:
     """Records what the service asks of the MPS supervisor."""
 
     root: Path
-    calls: list[tuple[str, str]] = field(default_factory=list)
+    private_shm: bool = True
+    calls: list[tuple] = field(default_factory=list)
+    broken: bool = False
 
-    def ensure(self, device_uuid: str) -> FakeDaemon:
-        self.calls.append(("ensure", device_uuid))
-        return FakeDaemon(self.root / device_uuid)
+    def ensure(self, key: str, device_uuid: str, limits: MpsLimits | None = None) -> FakeDaemon:
+        self.calls.append(("ensure", key, device_uuid, limits))
+        if self.broken:
+            raise MpsError(f"MPS daemon for lease {key} on {device_uuid} refused 'set_default_...'")
+        return FakeDaemon(self.root / key / "pipe", self.root / key / "shm")
 
-    def stop(self, device_uuid: str) -> None:
-        self.calls.append(("stop", device_uuid))
+    def stop(self, key: str) -> None:
+        self.calls.append(("stop", key))
 
 
 @pytest.fixture
@@ -78,8 +85,11 @@ def test_shared_ask_gets_mps_env_and_the_device(svc: LeaseService, mps: FakeMps)
         "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=20480M",
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
     }
-    assert rec.mounts == ((str(mps.root / uuid), MPS_PIPE_IN_CONTAINER, False),)
-    assert mps.calls == [("ensure", uuid)]
+    # Its own daemon, its limits set there; its pipes where the env says and where MPS looks without it.
+    assert mps.calls == [("ensure", rec.lease_id, uuid, MpsLimits(20 * GI, 50))]
+    pipe, shm = str(mps.root / rec.lease_id / "pipe"), str(mps.root / rec.lease_id / "shm")
+    assert rec.mounts == ((pipe, MPS_PIPE_IN_CONTAINER, False), (pipe, MPS_DEFAULT_PIPE, False),
+                          (shm, "/dev/shm", False))
     assert svc.store.get(rec.lease_id) == rec, "stored before acquire returned"
 
 
@@ -88,7 +98,7 @@ def test_same_key_again_is_the_same_lease(svc: LeaseService, mps: FakeMps) -> No
     again = acquire(svc, "sb/app/0", memory=20 * GI, compute=50)
     assert again.lease_id == first.lease_id
     assert [r.lease_id for r in svc.leases()] == [first.lease_id]
-    assert mps.calls == [("ensure", first.device_uuids[0])], "no second MPS daemon for a retried create"
+    assert [c[:2] for c in mps.calls] == [("ensure", first.lease_id)], "no second daemon for a retried create"
 
 
 def test_whole_device_ask_is_exclusive_with_all_its_memory(svc: LeaseService, mps: FakeMps) -> None:
@@ -228,19 +238,43 @@ def test_released_capacity_is_free_again(svc: LeaseService) -> None:
     assert acquire(svc, "sb/c/0").device_uuids == a.device_uuids
 
 
-def test_mps_daemon_stops_when_the_last_share_on_its_device_goes(svc: LeaseService, mps: FakeMps) -> None:
+def test_each_share_has_its_own_mps_daemon_stopped_with_its_lease(svc: LeaseService, mps: FakeMps) -> None:
     a = acquire(svc, "sb/a/0", memory=10 * GI, compute=10)
-    b = acquire(svc, "sb/b/0", memory=10 * GI, compute=10)
+    b = acquire(svc, "sb/b/0", memory=10 * GI, compute=30)
     assert a.device_uuids == b.device_uuids, "best fit consolidates shares on one device"
     dev = a.device_uuids[0]
     whole = acquire(svc, "sb/w/0")
-    svc.release(a.lease_id)
     svc.release(whole.lease_id)
-    assert ("stop", dev) not in mps.calls
-    svc.release(b.lease_id)
-    assert mps.calls == [("ensure", dev), ("ensure", dev), ("stop", dev)]
-    svc.release(b.lease_id)
-    assert mps.calls.count(("stop", dev)) == 1, "releasing a released lease stops nothing"
+    svc.release(a.lease_id)
+    assert mps.calls == [("ensure", a.lease_id, dev, MpsLimits(10 * GI, 10)),
+                         ("ensure", b.lease_id, dev, MpsLimits(10 * GI, 30)), ("stop", a.lease_id)]
+    svc.release(a.lease_id)
+    assert mps.calls.count(("stop", a.lease_id)) == 1, "releasing a released lease stops nothing"
+
+
+def test_a_share_whose_daemon_cannot_take_its_limits_is_not_granted(svc: LeaseService, mps: FakeMps) -> None:
+    mps.broken = True
+    with pytest.raises(MpsError, match="refused"):
+        acquire(svc, "sb/a/0", memory=10 * GI, compute=10)
+    assert svc.leases() == [] and svc.store.all() == []
+
+
+def test_restore_starts_the_daemon_of_every_kept_share(tmp_path: Path, mps: FakeMps) -> None:
+    first = make(tmp_path, mps)
+    a = acquire(first, "sb/a/0", memory=10 * GI, compute=20)
+    acquire(first, "sb/w/0")
+    first.store.close()
+    mps.calls.clear()
+    second = make(tmp_path, mps)
+    try:
+        assert second.restore_mps() == []
+        assert mps.calls == [("ensure", a.lease_id, a.device_uuids[0], MpsLimits(10 * GI, 20))]
+        mps.broken = True
+        with capture_logs() as logs:
+            assert second.restore_mps() == [a.lease_id], "a daemon that cannot start leaves the lease, named"
+        assert [(e["event"], e["lease"]) for e in logs] == [("mps.restore_failed", a.lease_id)]
+    finally:
+        second.store.close()
 
 
 def test_service_works_without_an_mps_supervisor(tmp_path: Path) -> None:
@@ -248,6 +282,7 @@ def test_service_works_without_an_mps_supervisor(tmp_path: Path) -> None:
     try:
         rec = acquire(svc, "sb/a/0", memory=GI, compute=10)
         assert rec.mounts == () and rec.env["CUDA_MPS_PIPE_DIRECTORY"] == MPS_PIPE_IN_CONTAINER
+        assert svc.restore_mps() == []
         assert svc.release(rec.lease_id) is True
     finally:
         svc.store.close()

@@ -8,10 +8,14 @@ import sys
 from pathlib import Path
 
 import pytest
+from structlog.testing import capture_logs
 
-from shim.broker.watchdog import Violation, cgroup_of, find_violations
+from shim.broker.metrics import BrokerMetrics
+from shim.broker.service import LeaseService
+from shim.broker.simulated import SimulatedBackend
+from shim.broker.watchdog import Violation, ViolationReason, Watchdog, cgroup_of, find_violations
 from shim.core.leases import LeaseState
-from shim.state.leases import LeaseRecord
+from shim.state.leases import LeaseRecord, LeaseStore
 
 GI = 2**30
 U0 = "GPU-00000000-0000-4000-8000-000000000000"
@@ -52,6 +56,54 @@ EXCLUSIVE = lease("whole", False, 10 * GI)
 )
 def test_find_violations(usage: dict, foreign: dict, expected: list[Violation]) -> None:
     assert find_violations([SHARED, EXCLUSIVE], usage, foreign, DEVICE_MEMORY) == expected
+
+
+def test_a_shared_leases_process_outside_mps_is_a_violation_whatever_it_holds() -> None:
+    outside = {"shared": [(U0, 14, GI)]}
+    assert find_violations([SHARED, EXCLUSIVE], {("shared", U0): (GI, [14])}, {}, DEVICE_MEMORY, outside) == [
+        Violation("shared", U0, GI, 20 * GI, (14,), ViolationReason.OUTSIDE_MPS)]
+
+
+@pytest.mark.parametrize(
+    ("shared", "mps_client", "reasons"),
+    [
+        pytest.param(True, False, ["outside-mps"], id="shared-lease-context-of-its-own"),
+        pytest.param(True, True, [], id="shared-lease-mps-client"),
+        pytest.param(True, None, [], id="backend-cannot-tell-judges-nothing"),
+        pytest.param(False, False, [], id="whole-device-lease-needs-no-mps"),
+    ],
+)
+def test_watchdog_names_a_process_outside_its_leases_mps_server(
+    tmp_path: Path, shared: bool, mps_client: bool | None, reasons: list[str]
+) -> None:
+    backend = SimulatedBackend("1x80Gi")
+    service = LeaseService(backend, LeaseStore(tmp_path))
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        rec = service.acquire(key="sb/app/0", namespace="ns", pod="pod", pod_uid="uid", container="app",
+                              sandbox_id="sb", memory_bytes=10 * GI if shared else 0, compute_percent=0, count=1,
+                              allowed=())
+        service.bind(rec.lease_id, "c" * 64, child.pid, cgroup_of(child.pid))
+        backend.set_process(child.pid, rec.device_uuids[0], GI, mps_client=mps_client)
+        watchdog = Watchdog(service, BrokerMetrics(service), action="log")
+        with capture_logs() as logs:
+            watchdog.tick()
+        seen = [e for e in logs if e["event"] == "lease.violation"]
+        assert [e["reason"] for e in seen] == reasons
+        assert all(e["pids"] == [child.pid] and e["action"] == "log" for e in seen)
+        assert child.poll() is None, "logging never kills"
+    finally:
+        child.kill()
+        child.wait()
+        service.store.close()
+
+
+def test_kill_is_the_default_action(tmp_path: Path) -> None:
+    service = LeaseService(SimulatedBackend("1x80Gi"), LeaseStore(tmp_path))
+    try:
+        assert Watchdog(service, BrokerMetrics(service)).action == "kill"
+    finally:
+        service.store.close()
 
 
 def test_each_lease_is_judged_by_its_own_limit() -> None:
