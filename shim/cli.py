@@ -214,8 +214,8 @@ def parser() -> argparse.ArgumentParser:
     br.add_argument("--backend", choices=("nvml", "simulated"), required=True)
     br.add_argument("--simulated-devices", default="2x80GiB", help="simulated GPUs, e.g. 2x80GiB or 4x40GiB,1x80GiB")
     br.add_argument("--metrics-address", help="HOST:PORT for /metrics")
-    br.add_argument("--enforce", choices=("log", "kill"), default="log",
-                    help="what to do with a container over its lease")
+    br.add_argument("--enforce", choices=("log", "kill"), default="kill",
+                    help="what to do with a container over its lease or outside its MPS server (default: kill)")
     br.add_argument("--watchdog-interval", type=float, default=1.0, help="seconds between usage samples")
     br.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     br.set_defaults(fn=_broker)
