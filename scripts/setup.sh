@@ -60,3 +60,11 @@ if [ ! -x "$KUBECTL_DIR/usr/bin/kubectl" ]; then
   rm -rf "$deb_dir" "$KUBECTL_DIR"
   mv "$KUBECTL_DIR.tmp" "$KUBECTL_DIR"
 fi
+
+# The Kubernetes components the integration tests run (kubelet, kube-apiserver, kube-scheduler, kubectl,
+# etcd, crictl, critest), built from Go modules once per set of pins (kube/versions.env) into
+# /var/cache/weft/kube, outside the checkout, and reused by every later run and clone on this machine.
+# Only the tests need them: scripts/test.sh asks for them with WEFT_SETUP_KUBE=1.
+if [ "${WEFT_SETUP_KUBE:-0}" = 1 ]; then
+  bash "$ROOT/kube/build.sh" >&2
+fi

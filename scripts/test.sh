@@ -3,7 +3,7 @@
 # against real containerd/runc (each test makes and removes its own).
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-source "$ROOT/scripts/setup.sh"
+WEFT_SETUP_KUBE=1 source "$ROOT/scripts/setup.sh"
 cd "$ROOT"
 "$VENV/bin/ruff" check .
 "$VENV/bin/lint-imports"
