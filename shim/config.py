@@ -106,7 +106,7 @@ class MeshConfig:
     hello_interval: float = 2.0
     namespace: str = "weft-system"  # kubernetes discovery: the DaemonSet's namespace
     service: str = "weft-mesh"  # ... and its headless Service
-    # At most one live copy (DESIGN 2.3): a host kills an origin's shadows after
+    # At most one live copy (docs/design.md): a host kills an origin's shadows after
     # fence_timeout without a Hello or Watch from it; the origin reports them
     # exited (WeftPeerLost) only after loss_timeout without hearing from the
     # host. loss_timeout - fence_timeout is the margin the kill has. The

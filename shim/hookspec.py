@@ -1,7 +1,7 @@
 """The ``weft`` runtime handler's base OCI spec: containerd's default plus weft's hooks.
 
 containerd reads a handler's ``base_runtime_spec`` once at start; the spec
-must not carry ``hostname`` (ENVIRONMENT.md quirk 3). The hook runs as
+must not carry ``hostname``. The hook runs as
 createRuntime (bind the lease) and poststop (release it), with the broker's
 socket in its environment and a bounded timeout so a hung broker can never
 hang runc.

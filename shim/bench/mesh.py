@@ -1,4 +1,4 @@
-"""``weft bench mesh``: issue 4's figures for rerouted containers, on the local three-node fabric.
+"""``weft bench mesh``: rerouted containers against local ones, on the local three-node fabric.
 
 One :class:`shim.localfabric.fabric.Fabric3` (``gpu-1`` origin, ``cpu-1`` and
 ``cpu-2`` hosts) with the fence and loss timeouts a user gets

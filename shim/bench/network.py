@@ -1,4 +1,4 @@
-"""``weft bench network``: issue 5's figures for the stitched pod network and the exec relay.
+"""``weft bench network``: the stitched pod network and the exec relay against direct paths.
 
 One :class:`shim.localfabric.fabric.Fabric3`; one opted-in pod on ``gpu-1`` whose
 CPU container is rerouted to a host. The bench's own servers (a sink and an

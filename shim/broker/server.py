@@ -2,10 +2,10 @@
 
 gRPC serves the agent and ``weft status``. The hook endpoint
 (``<socket>.hook``) speaks newline-delimited JSON so that ``weft-oci-hook``
-needs only the standard library: importing grpc alone costs ~60 ms, the whole
-budget of a bind. Both call the same ``LeaseService``; weft's typed errors
-become gRPC statuses (or ``{"ok": false, "code": ..., "error": ...}``) here
-and nowhere else.
+needs only the standard library: importing grpc alone would take more than a
+bind's whole time budget (docs/benchmarks.md, hook). Both call the same
+``LeaseService``; weft's typed errors become gRPC statuses (or
+``{"ok": false, "code": ..., "error": ...}``) here and nowhere else.
 """
 
 from __future__ import annotations

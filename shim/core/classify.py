@@ -1,4 +1,4 @@
-"""Which stage a container of an opted-in pod is: cpu, gpu or local (DESIGN 2.2).
+"""Which stage a container of an opted-in pod is: cpu, gpu or local.
 
 In this order: the pod annotation ``weft.io/stage.<container>``; then whether
 the container asks for a GPU (a GPU device node, a CDI device of a GPU

@@ -1,4 +1,4 @@
-"""Where a classified container runs, and why (DESIGN 2.3, 2.4).
+"""Where a classified container runs, and why.
 
 On a node without a peer mesh every container of an opted-in pod runs
 locally; the reason says which rule kept it here, so ``weft explain`` can

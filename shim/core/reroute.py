@@ -1,4 +1,4 @@
-"""Whether a CPU container may leave this node, and for which peer (DESIGN 2.3).
+"""Whether a CPU container may leave this node, and for which peer.
 
 Four decisions, each pure so that the agent, the peer's Admit handler, the
 fleet simulator and ``weft explain`` run the same rules:
@@ -9,7 +9,7 @@ fleet simulator and ``weft explain`` run the same rules:
   limits, because a peer admits by limits.
 * :func:`free_capacity` and :func:`admit`: the peer's side. It hosts only what
   fits its *real* free capacity, so its own pods never lose what the scheduler
-  promised them (DESIGN 2.3.1).
+  promised them (docs/design.md).
 * :func:`choose_peers`: the origin's ranking of peers from their last Hello,
   using :func:`admit` itself so both sides agree on what fits.
 * :func:`decide`: the origin's overall answer for one CPU container.

@@ -3,5 +3,6 @@
 ``plan``, ``containerd``, ``kubelet`` and ``tomlw`` are pure (host files in,
 bytes out); ``host`` (atomic files, journal, backups), ``services``
 (systemctl, health checks), ``bundle`` (the self-contained copy) do the I/O;
-``run`` orders the steps; ``cli`` is the command line. DESIGN 2.7.
+``run`` orders the steps; ``cli`` is the command line. Why host services and not a pod:
+docs/design.md.
 """

@@ -15,7 +15,8 @@ backed-up originals, so later edits of the host's CRI section are picked up.
 
 The ``weft`` runtime is the default runtime (runc v2, with its options, so the
 cgroup driver matches) plus a ``base_runtime_spec`` that adds the OCI hook and
-``weft.io/*`` annotation pass-through (ENVIRONMENT.md quirks 3 and 4).
+``weft.io/*`` annotation pass-through (containerd puts annotations in the OCI spec, where
+the hook reads them, only for a handler that lists them).
 
 Recognised: config version 2 (containerd 1.5-1.7, what kubeadm guides, EKS
 and ``containerd config default`` write). Refused, with the file named:

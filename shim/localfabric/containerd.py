@@ -5,7 +5,8 @@ several instances in one process never collide; the lowest free one unless the
 caller names one) and from it:
 
 - a network namespace ``weftnode<N>`` (containerd runs inside it through
-  ``nsenter --net``, see ENVIRONMENT.md quirk 5), so its CNI bridge
+  ``nsenter --net``, not ``ip netns exec``, which would also hide the cgroup
+  mounts from runc), so its CNI bridge
   ``weftbr<N>`` and pod subnet ``10.244.<N>.0/24`` live and die with it;
 - its own root, state, socket, runc root, CNI config and IPAM directory under a
   temporary work directory, with pod network namespaces mounted under its state

@@ -8,7 +8,7 @@ that opted in (``runtimeClassName: weft``) with two stages:
 
 - ``prepare`` (CPU) makes batches and sends each to the GPU stage on port
   9000. It tries ``127.0.0.1:9000`` first, which reaches the GPU stage from
-  another node only through the stitched pod network (DESIGN 2.3); when that
+  another node only through the stitched pod network; when that
   is not there it sends to the GPU stage's pod IP over the flat pod network
   (the cluster's own routes), and every line it logs says which one ran;
 - ``serve`` (GPU, a 20 GiB lease) receives the batches and "serves" them.

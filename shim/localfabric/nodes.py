@@ -21,8 +21,8 @@ outright leaves its bridge behind, and the next one to claim ``K`` removes it.
 The link of a node can be cut and healed (the bridge side of its veth goes
 down and up, as a flapping switch port would), and a node can be killed. Every
 process started with ``Node.popen`` runs inside the node's namespace through
-``nsenter --net`` (ENVIRONMENT.md quirk 5: ``ip netns exec`` would also hide
-the cgroup mounts) and is killed when the node is killed or the cluster closed.
+``nsenter --net`` (``ip netns exec`` would also hide the cgroup mounts) and is
+killed when the node is killed or the cluster closed.
 """
 
 from __future__ import annotations

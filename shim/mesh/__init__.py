@@ -1,4 +1,4 @@
-"""The peer mesh between weft agents: gRPC over TCP with mutual TLS from a cluster CA (DESIGN 2.3).
+"""The peer mesh between weft agents: gRPC over TCP with mutual TLS from a cluster CA (docs/architecture.md).
 
 Every agent serves ``proto/mesh.proto`` and dials its peers. Trust comes from
 one cluster CA: a node's certificate names the node (SAN URI

@@ -1,4 +1,4 @@
-"""This node's real free capacity, as the mesh reports it in Hello and checks it in Admit (DESIGN 2.3).
+"""This node's real free capacity, as the mesh reports it in Hello and checks it in Admit (docs/architecture.md).
 
 A peer hosts a rerouted container only from what is really free: the books
 (allocatable minus the requests of its own pods minus the limits of what it

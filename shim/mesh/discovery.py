@@ -1,4 +1,4 @@
-"""Peer discovery: which other weft agents this node's mesh can dial (DESIGN 2.3).
+"""Peer discovery: which other weft agents this node's mesh can dial.
 
 Peers come from one of two places, and both give the same value, a list of
 ``Peer``, so the mesh never knows which one was used:

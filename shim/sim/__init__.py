@@ -1,6 +1,6 @@
 """The fleet simulator behind ``weft simulate``: bundled pods against weft on one workload, in one run.
 
-DESIGN 3 asks for fleet GPU utilisation measured with and without weft by a
+weft's promise is fleet GPU utilisation, measured with and without weft by a
 simulator that uses the agent's own decision code. This package replays a
 workload (built from public traces or drawn synthetically) through a
 discrete-event model of a cluster twice: once as Kubernetes places bundled

@@ -36,10 +36,10 @@ starts a section; each ``- `` line starts an assumption.
   share = memory share unless ``weft.io/gpu-compute.<c>`` says otherwise) and placed by ``packing.pack`` against the
   node's live leases; each CPU stage goes to the peer that ``reroute.decide`` ranks first over PeerViews built by
   ``reroute.free_capacity``, or stays on the GPU node when no CPU node has room, as the agent falls back.
-- weft declares the CPU stage's requests small (0.1 vCPU, 256 MiB) and its limits at what it needs (DESIGN 2.3.1),
+- weft declares the CPU stage's requests small (0.1 vCPU, 256 MiB) and its limits at what it needs,
   so the scheduler books only the GPU stage and that token on the GPU node. weft-full-requests is the same with the
   CPU stage's requests left at full size, so the scheduler books the whole pod on the GPU node: the other way of
-  declaring that DESIGN 2.3.1 names.
+  declaring (docs/design.md, "What the scheduler sees").
 - Sharing a GPU between pods needs the device plugin to advertise shared replicas (or a DRA driver with shared
   claims): the model assumes the scheduler binds a weft pod only to a node whose broker can pack its GPU stage, and
   that the broker may use any GPU of that node.

@@ -24,12 +24,12 @@ MIB = 2**20
 
 class Mode(enum.Enum):
     BUNDLED = "bundled"
-    WEFT = "weft"  # CPU stage declares small requests and full limits (DESIGN 2.3.1)
+    WEFT = "weft"  # CPU stage declares small requests and full limits (docs/design.md)
     WEFT_FULL = "weft-full-requests"  # CPU stage requests stay at full size: the scheduler books the whole pod
 
 
 # What a team declares as the CPU stage's requests when it wants the
-# scheduler's books to match the split (DESIGN 2.3.1): a token, not zero,
+# scheduler's books to match the split (docs/design.md): a token, not zero,
 # because a request of 0 is "BestEffort" and evicted first.
 SPLIT_REQUEST = Resources(0.1, 256 * MIB)
 

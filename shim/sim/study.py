@@ -2,7 +2,7 @@
 
 The CLI and the tests both need the whole pipeline without the file output,
 so it lives here as one function, :func:`study`, that returns values; the
-report module only renders them. The issue's targets (weft's GPU utilisation
+report module only renders them. The targets (weft's GPU utilisation
 at least 3x bundled, p95 completion no worse than 1.1x) are judged here, and
 when the model misses one the explanation is computed from the run (GPU
 stages per held GPU, lease sizes, the lease sensitivity) rather than

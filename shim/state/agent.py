@@ -40,7 +40,7 @@ MIGRATIONS = (
     );
     CREATE INDEX placements_sandbox ON placements(sandbox_id)
     """,
-    # Remote containers (DESIGN 2.3): the host, kubelet's own config (its labels,
+    # Remote containers (docs/architecture.md): the host, kubelet's own config (its labels,
     # annotations, mounts and log path are what ContainerStatus shows), the last
     # status the host pushed, and how far its log has been copied.
     """
