@@ -109,6 +109,15 @@ def test_the_readmes_two_commands_are_there() -> None:
         assert (ROOT / script).exists()
 
 
+def test_the_layout_names_every_package() -> None:
+    layout = (DOCS / "architecture.md").read_text().split("## Layout", 1)[1]
+    named = set(re.findall(r"^\| `([^`]+)/`", layout, re.MULTILINE))  # each row's first cell
+    packages = {str(p.parent.relative_to(ROOT)) for p in (ROOT / "shim").rglob("__init__.py")}
+    covered = {p for p in packages if any(p == n or p.startswith(n + "/") for n in named)}
+    missing = packages - covered - {"shim", "shim/cri"}  # the CRI proxy is named by its sub-packages
+    assert not missing, f"docs/architecture.md's layout misses {sorted(missing)}"
+
+
 def test_the_index_lists_every_page() -> None:
     index = (DOCS / "README.md").read_text()
     for page in DOCS.glob("*.md"):
