@@ -195,7 +195,7 @@ class MeshServicer:
         one-time token, valid for seconds, to present on the host's tunnel port
         (the grant's address): the bytes then flow over that TCP connection, not
         over gRPC (a gRPC stream in Python carries a fraction of what a socket
-        does; see shim/mesh/tunnel.py). Exec and Attach tunnels are TLS with the
+        does; see shim/mesh/tunnel/). Exec and Attach tunnels are TLS with the
         mesh certificates (the origin's certificate must name the origin);
         pod-network tunnels are plain TCP, as the pod network between nodes is.
         """

@@ -180,7 +180,7 @@ def test_garbage_and_a_stalled_peer_are_let_go(server: TunnelServer, monkeypatch
     s.settimeout(5)
     assert s.recv(100).startswith(b"ERR not a weft tunnel")
     s.close()
-    monkeypatch.setattr("shim.mesh.tunnel.HANDSHAKE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr("shim.mesh.tunnel.server.HANDSHAKE_TIMEOUT_S", 0.3)
     s = socket.create_connection((host, int(port)))
     s.sendall(b"WEFT-TUNNEL/1 ab")  # and nothing more
     s.settimeout(5)

@@ -21,6 +21,7 @@ import pytest
 from packaging.requirements import Requirement
 
 from nodeimage import build
+from nodeimage.build import containerfile
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -83,7 +84,7 @@ def test_the_layer_holds_what_the_containerfile_copies_and_installs(built, plan)
     for src, dest in plan.copies:
         for p in (ROOT / src).rglob("*") if (ROOT / src).is_dir() else [ROOT / src]:
             rel = p.relative_to(ROOT / src).as_posix() if (ROOT / src).is_dir() else ""
-            if p.is_file() and not build._ignored(rel, build.ignore_patterns()):
+            if p.is_file() and not containerfile._ignored(rel, build.ignore_patterns()):
                 target = f"{dest.strip('/')}/{rel}" if rel else dest.strip("/")
                 assert target in files, f"COPY {src} {dest}: {target} missing"
     assert not [n for n in files if "__pycache__" in n or n.endswith(".pyc") or "/." in n]

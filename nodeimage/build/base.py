@@ -1,0 +1,158 @@
+"""The base image: the Containerfile's pinned registry base copied with skopeo, or one made from Debian's own
+packages (``--base debian-packages``), or any OCI layout; cached so later builds are offline."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import shutil
+import tarfile
+from pathlib import Path
+
+from nodeimage.build.common import _MT_LAYER, CACHE, BuildError, _digest, _run, _run_bytes
+from nodeimage.build.layout import Layout, layer_tar, write_layout
+
+
+def fetch_registry_base(ref: str, cache: Path = CACHE) -> Layout:
+    """``ref`` (``docker.io/...@sha256:...``) as an OCI layout, from the cache or with skopeo."""
+    if "@sha256:" not in ref:
+        raise BuildError(f"base {ref!r} is not pinned by digest (NAME@sha256:...)")
+    dest = cache / "bases" / ref.rsplit("@sha256:", 1)[1]
+    if (dest / "index.json").exists():
+        return Layout(dest)
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        _run(["skopeo", "copy", "--override-os", "linux", "--override-arch", "amd64",
+              f"docker://{ref}", f"oci:{tmp}:base"], f"fetch base image {ref}", timeout=900)
+    except BuildError as exc:
+        raise BuildError(
+            f"{exc}\nThe pinned base is fetched from its registry once and then cached in {dest}; this needs "
+            f"network access to {ref.split('/', 1)[0]}. Without it, build on Debian's packages instead "
+            f"(--base debian-packages, which needs only apt's mirror), or copy a layout of the base there."
+        ) from None
+    os.replace(tmp, dest)
+    return Layout(dest)
+
+
+# Debian bookworm packages for a Python 3.11 base: the interpreter and its
+# standard library, a shell and coreutils; what they need is added by apt's
+# dependency closure, minus what a container never runs (dpkg, perl, debconf).
+DEBIAN_ROOTS = ("base-files", "netbase", "dash", "coreutils", "python3.11-minimal", "libpython3.11-stdlib",
+                "libstdc++6",  # grpcio's wheel links libstdc++ (manylinux leaves it to the system)
+                "util-linux")  # nsenter: the installer runs the host's systemctl through it
+DEBIAN_EXCLUDE = frozenset({
+    "debconf", "cdebconf", "dpkg", "perl", "perl-base", "perl-modules-5.36", "libperl5.36", "install-info",
+    "gawk", "mawk", "original-awk", "tar", "libdebian-installer4", "libnewt0.52", "libslang2", "libtextwrap1",
+    "mailcap", "mime-support", "libgdbm-compat4", "libmpfr6", "libsigsegv2", "tzdata", "ca-certificates",
+    "openssl", "debconf-2.0", "libelogind0",
+})
+_DROP_PREFIXES = ("usr/share/doc/", "usr/share/man/", "usr/share/info/", "usr/share/lintian/", "usr/share/locale/")
+_MERGED = {"bin": "usr/bin", "sbin": "usr/sbin", "lib": "usr/lib", "lib64": "usr/lib64"}
+
+
+def debian_closure() -> list[tuple[str, str]]:
+    """``(package, version)`` for the roots and their Depends/Pre-Depends, as apt resolves them here."""
+    res = _run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
+                "--no-breaks", "--no-replaces", "--no-enhances", *DEBIAN_ROOTS], "resolve Debian packages")
+    names = sorted({ln.strip() for ln in res.stdout.splitlines()
+                    if ln and not ln.startswith((" ", "<")) and ln.strip() not in DEBIAN_EXCLUDE})
+    pol = _run(["apt-cache", "policy", *names], "resolve Debian package versions").stdout
+    versions, current = {}, ""
+    for ln in pol.splitlines():
+        if ln and not ln.startswith(" "):
+            current = ln.rstrip(":")
+        elif ln.strip().startswith("Candidate:"):
+            versions[current] = ln.split(":", 1)[1].strip()
+    missing = [n for n in names if versions.get(n) in (None, "(none)")]
+    if missing:
+        raise BuildError(f"Debian packages not available from apt here: {missing} (run apt-get update)")
+    return [(n, versions[n]) for n in names]
+
+
+def build_debian_base(cache: Path = CACHE) -> Layout:
+    """A Python 3.11 base from Debian's packages (no registry needed), cached by package versions."""
+    pkgs = debian_closure()
+    key = hashlib.sha256("\n".join(f"{n}={v}" for n, v in pkgs).encode()).hexdigest()[:16]
+    dest = cache / "bases" / f"debian-python3.11-{key}"
+    if (dest / "index.json").exists():
+        return Layout(dest)
+    debs = cache / "debs"
+    debs.mkdir(parents=True, exist_ok=True)
+    want = [f"{n}={v}" for n, v in pkgs]
+    _run(["apt-get", "download", *want], "download Debian packages (apt-get download)", cwd=debs)
+    entries: dict[str, tuple[tarfile.TarInfo, bytes | None]] = {}
+    for name, version in pkgs:
+        deb = _find_deb(debs, name, version)
+        data = _run_bytes(["dpkg-deb", "--fsys-tarfile", str(deb)], f"unpack {deb.name}")
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            for m in tar.getmembers():
+                path = _merged_usr(m.name)
+                if not path or path.startswith(_DROP_PREFIXES):
+                    continue
+                if m.islnk():  # a hard link: a copy of the file it names (unpacked before it)
+                    target = entries.get(_merged_usr(m.linkname))
+                    if target is None:
+                        continue
+                    m.type, data = tarfile.REGTYPE, target[1]
+                else:
+                    data = tar.extractfile(m).read() if m.isfile() else None
+                m.name = path
+                entries[path] = (m, data)
+    extra: dict[str, tuple[str, object]] = {
+        **{k: ("link", v) for k, v in _MERGED.items()},
+        "usr/bin/python3": ("link", "python3.11"),
+        "tmp": ("dir", 0o1777),
+        "etc/passwd": ("file", b"root:x:0:0:root:/root:/bin/sh\n"
+                               b"nobody:x:65534:65534:nobody:/nonexistent:/usr/sbin/nologin\n"),
+        "etc/group": ("file", b"root:x:0:\nnogroup:x:65534:\n"),
+    }
+    for path, (kind, arg) in extra.items():
+        info = tarfile.TarInfo(path)
+        if kind == "link":
+            info.type, info.linkname, info.mode = tarfile.SYMTYPE, str(arg), 0o777
+            entries[path] = (info, None)
+        elif kind == "dir":
+            info.type, info.mode = tarfile.DIRTYPE, int(arg)  # type: ignore[call-overload]
+            entries[path] = (info, None)
+        else:
+            info.mode = 0o644
+            entries[path] = (info, arg)  # type: ignore[assignment]
+    layer = layer_tar(entries.values())
+    env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"]
+    config = {"architecture": "amd64", "os": "linux", "config": {"Env": env, "Cmd": ["python3"]},
+              "rootfs": {"type": "layers", "diff_ids": [_digest(layer)]},
+              "history": [{"created": "1970-01-01T00:00:00Z",
+                           "created_by": "nodeimage/build.py: Debian bookworm " + " ".join(want)}]}
+    tmp = dest.with_name(dest.name + ".partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    write_layout(tmp, [(_MT_LAYER, layer)], config, name=None)
+    os.replace(tmp, dest)
+    return Layout(dest)
+
+
+def _find_deb(debs: Path, name: str, version: str) -> Path:
+    # apt-get download names files NAME_VERSION_ARCH.deb with ':' in the version escaped as %3a.
+    v = version.replace(":", "%3a")
+    found = sorted(debs.glob(f"{name}_{v}_*.deb"))
+    if not found:
+        raise BuildError(f"apt-get download left no {name}_{v}_*.deb in {debs}")
+    return found[0]
+
+
+def _merged_usr(name: str) -> str:
+    path = name.removeprefix("./").rstrip("/")
+    top, _, rest = path.partition("/")
+    if top in _MERGED:
+        return f"{_MERGED[top]}/{rest}" if rest else ""
+    return path
+
+
+def resolve_base(base: str, cache: Path = CACHE) -> Layout:
+    if base == "debian-packages":
+        return build_debian_base(cache)
+    if base.startswith("oci:"):
+        return Layout(Path(base[4:]))
+    return fetch_registry_base(base.removeprefix("docker://"), cache)

@@ -1,0 +1,61 @@
+"""What every step of the build shares: paths, names, media types, the error, and small helpers."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+CONTAINERFILE = REPO / "nodeimage" / "Containerfile"
+IGNOREFILE = REPO / "nodeimage" / "containerignore"
+LOCKFILE = REPO / "nodeimage" / "requirements.lock"
+CACHE = Path(os.environ.get("WEFT_CACHE_DIR", "/var/cache/weft")) / "nodeimage"
+DEFAULT_NAME = "localhost/weft/node:0.1.0"
+ARCHIVE_NAME = "weft-image.oci.tar"
+
+# Wheels the base's Python (CPython 3.11, glibc 2.36 on bookworm) can load.
+PIP_PLATFORM = ["--implementation", "cp", "--python-version", "3.11", "--abi", "cp311", "--abi", "abi3",
+                "--abi", "none", "--platform", "manylinux_2_36_x86_64", "--platform", "manylinux_2_34_x86_64",
+                "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
+                "--platform", "manylinux2014_x86_64", "--platform", "any"]
+# The one RUN line build.py knows how to do; the Containerfile must say exactly this.
+PIP_RUN = ("pip install --no-cache-dir --no-deps --no-compile --only-binary=:all: --require-hashes "
+           "--target /opt/weft/lib -r /opt/weft/requirements.lock && rm -rf /opt/weft/lib/bin")
+
+_MT_INDEX = "application/vnd.oci.image.index.v1+json"
+_MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+_MT_CONFIG = "application/vnd.oci.image.config.v1+json"
+_MT_LAYER = "application/vnd.oci.image.layer.v1.tar"
+_DOCKER_LIST = "application/vnd.docker.distribution.manifest.list.v2+json"
+
+
+class BuildError(Exception):
+    """The image cannot be built; the message says what to do."""
+
+
+def _digest(data: bytes) -> str:
+    return "sha256:" + hashlib.sha256(data).hexdigest()
+
+
+def _json(obj: object) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _run(argv: list[str], what: str, **kw) -> subprocess.CompletedProcess[str]:
+    try:
+        res = subprocess.run(argv, capture_output=True, text=True, **kw)
+    except FileNotFoundError as exc:
+        raise BuildError(f"{what}: {argv[0]} is not installed (scripts/setup.sh installs it)") from exc
+    if res.returncode != 0:
+        raise BuildError(f"{what}: {' '.join(argv[:3])} ... failed: {(res.stderr or res.stdout).strip()[-2000:]}")
+    return res
+
+
+def _run_bytes(argv: list[str], what: str) -> bytes:
+    res = subprocess.run(argv, capture_output=True)
+    if res.returncode != 0:
+        raise BuildError(f"{what}: {res.stderr.decode(errors='replace').strip()}")
+    return res.stdout

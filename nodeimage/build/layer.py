@@ -1,0 +1,61 @@
+"""The weft layer: the Containerfile's RUN (pip, for the base's Python) and COPY lines, as one reproducible tar."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import sys
+import tarfile
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from nodeimage.build.common import CACHE, LOCKFILE, PIP_PLATFORM, REPO, _run
+from nodeimage.build.containerfile import Plan, _ignored, ignore_patterns
+from nodeimage.build.layout import layer_tar
+
+
+def _tree(src: Path, dest: str, patterns: list[str]) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
+    """``COPY src dest``: the files under ``src`` at ``dest``, modes kept as 0755/0644 (owner root)."""
+    paths = [src] if src.is_file() else sorted(src.rglob("*"))
+    for p in paths:
+        rel = p.name if src.is_file() else p.relative_to(src).as_posix()
+        if not src.is_file() and _ignored(rel, patterns):
+            continue
+        info = tarfile.TarInfo(f"{dest.strip('/')}/{rel}" if not src.is_file() or dest.endswith("/")
+                               else dest.strip("/"))
+        if p.is_symlink():
+            info.type, info.linkname, info.mode = tarfile.SYMTYPE, os.readlink(p), 0o777
+            yield info, None
+        elif p.is_dir():
+            info.type, info.mode = tarfile.DIRTYPE, 0o755
+            yield info, None
+        else:
+            info.mode = 0o755 if os.access(p, os.X_OK) else 0o644
+            yield info, p.read_bytes()
+
+
+def pip_install(target: Path, lockfile: Path = LOCKFILE, cache: Path = CACHE) -> None:
+    """The Containerfile's RUN, on this host: the locked wheels for the base's Python into ``target``."""
+    wheels = cache / "wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
+    common = ["--no-deps", "--only-binary=:all:", "--require-hashes", *PIP_PLATFORM, "-r", str(lockfile)]
+    # Download only what the cache lacks (pip checks each wheel's hash against the lock either way).
+    _run([*pip, "download", "-d", str(wheels), *common], "download the locked wheels (pip download)")
+    _run([*pip, "install", "--no-index", "--find-links", str(wheels), "--no-cache-dir", "--no-compile",
+          "--target", str(target), *common], "install the locked wheels (pip install --target)")
+    shutil.rmtree(target / "bin", ignore_errors=True)
+
+
+def weft_layer(plan: Plan, repo: Path = REPO, cache: Path = CACHE) -> bytes:
+    patterns = ignore_patterns(repo / "nodeimage" / "containerignore")
+    entries: list[tuple[tarfile.TarInfo, bytes | None]] = []
+    with tempfile.TemporaryDirectory(prefix="weft-image-") as tmp:
+        for src, dest in plan.copies:
+            entries.extend(_tree(repo / src, dest, patterns))
+        if plan.runs:
+            lock = next(repo / src for src, dest in plan.copies if dest == "/opt/weft/requirements.lock")
+            pip_install(Path(tmp) / "lib", lock, cache)
+            entries.extend(_tree(Path(tmp) / "lib", "/opt/weft/lib", []))
+        return layer_tar(entries)

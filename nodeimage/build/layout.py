@@ -1,0 +1,117 @@
+"""An OCI image layout on disk: content-addressed blobs, an index, read and written; and a reproducible layer tar."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import tarfile
+from collections.abc import Iterable
+from pathlib import Path
+
+from nodeimage.build.common import (
+    _DOCKER_LIST,
+    _MT_CONFIG,
+    _MT_INDEX,
+    _MT_LAYER,
+    _MT_MANIFEST,
+    BuildError,
+    _digest,
+    _json,
+)
+
+
+class Layout:
+    """An OCI image layout directory (``oci-layout``, ``index.json``, ``blobs/sha256/``)."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+
+    def blob_path(self, digest: str) -> Path:
+        algo, _, hexd = digest.partition(":")
+        return self.root / "blobs" / algo / hexd
+
+    def read_blob(self, digest: str) -> bytes:
+        data = self.blob_path(digest).read_bytes()
+        if _digest(data) != digest:
+            raise BuildError(f"OCI layout {self.root}: blob {digest} is corrupt; remove {self.root} and build again")
+        return data
+
+    def write_blob(self, data: bytes) -> dict:
+        d = _digest(data)
+        p = self.blob_path(d)
+        p.parent.mkdir(parents=True, exist_ok=True)
+        if not p.exists():
+            tmp = p.with_name(p.name + ".tmp")
+            tmp.write_bytes(data)
+            os.replace(tmp, p)
+        return {"digest": d, "size": len(data)}
+
+    def image(self) -> tuple[dict, dict]:
+        """The linux/amd64 image manifest and its config."""
+        index = json.loads((self.root / "index.json").read_text())
+        desc = self._pick(index.get("manifests") or [])
+        doc = json.loads(self.read_blob(desc["digest"]))
+        while doc.get("mediaType") in (_MT_INDEX, _DOCKER_LIST) or "manifests" in doc:
+            desc = self._pick(doc["manifests"])
+            doc = json.loads(self.read_blob(desc["digest"]))
+        return doc, json.loads(self.read_blob(doc["config"]["digest"]))
+
+    def _pick(self, manifests: list[dict]) -> dict:
+        for m in manifests:
+            plat = m.get("platform")
+            if plat is None or (plat.get("os"), plat.get("architecture")) == ("linux", "amd64"):
+                return m
+        raise BuildError(f"OCI layout {self.root} has no linux/amd64 image")
+
+
+def layer_tar(entries: Iterable[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
+    """A layer tar: sorted, parents first, owner root, mtime 0."""
+    by_name = {info.name: (info, data) for info, data in entries}
+    for name in list(by_name):
+        parts = name.split("/")
+        for i in range(1, len(parts)):
+            parent = "/".join(parts[:i])
+            if parent not in by_name:
+                d = tarfile.TarInfo(parent)
+                d.type, d.mode = tarfile.DIRTYPE, 0o755
+                by_name[parent] = (d, None)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for name in sorted(by_name):
+            info, data = by_name[name]
+            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "root", "root"
+            info.pax_headers = {}
+            if info.isfile():
+                info.size = len(data or b"")
+            tar.addfile(info, io.BytesIO(data) if info.isfile() else None)
+    return buf.getvalue()
+
+
+def write_layout(root: Path, layers: list[tuple[str, bytes]], config: dict, name: str | None,
+                  base: Layout | None = None, base_layers: list[dict] | None = None) -> dict:
+    out = Layout(root)
+    root.mkdir(parents=True, exist_ok=True)
+    descs = []
+    for desc in base_layers or []:
+        assert base is not None
+        out.write_blob(base.read_blob(desc["digest"]))
+        descs.append({"mediaType": _oci_media_type(desc["mediaType"]), "digest": desc["digest"], "size": desc["size"]})
+    for mt, data in layers:
+        descs.append({"mediaType": mt, **out.write_blob(data)})
+    cfg_desc = {"mediaType": _MT_CONFIG, **out.write_blob(_json(config))}
+    manifest = {"schemaVersion": 2, "mediaType": _MT_MANIFEST, "config": cfg_desc, "layers": descs}
+    man_desc = {"mediaType": _MT_MANIFEST, **out.write_blob(_json(manifest)),
+                "platform": {"architecture": "amd64", "os": "linux"}}
+    if name:
+        man_desc["annotations"] = {"io.containerd.image.name": name,
+                                   "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1]}
+    (root / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
+    (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "mediaType": _MT_INDEX,
+                                                 "manifests": [man_desc]}, sort_keys=True))
+    return manifest
+
+
+def _oci_media_type(mt: str) -> str:
+    return {"application/vnd.docker.image.rootfs.diff.tar.gzip": "application/vnd.oci.image.layer.v1.tar+gzip",
+            "application/vnd.docker.image.rootfs.diff.tar": _MT_LAYER}.get(mt, mt)
