@@ -9,6 +9,7 @@
 ``weft simulate``     a fleet simulation: bundled pods against weft, on public traces
 ``weft install``      install weft onto the node's host (``weft uninstall`` restores it)
 ``weft report``       did opting a workload in pay off: its GPUs held vs active before and since, from Prometheus
+``weft gpu-check``    can this node enforce GPU leases: driver, MPS, device plugin, a live test (docs/gpu.md)
 ``weft demo``         three test nodes on this machine, a two-stage pod through them, end to end
 ``weft bench ...``    benchmarks that compare side by side in one run
 
@@ -255,6 +256,9 @@ def parser() -> argparse.ArgumentParser:
     from shim.report import cli as report_cli
 
     report_cli.add_parser(sub)
+    from shim.gpucheck import cli as gpucheck_cli
+
+    gpucheck_cli.add_parser(sub)
 
     d = sub.add_parser("demo", help="three test nodes (a GPU origin, two CPU hosts), a two-stage pod through them, "
                        "then clean up")
@@ -284,6 +288,11 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["gpu-check"]:  # before the whole parser: a driverless node's answer must come at once
+        from shim.gpucheck import cli as gpucheck_cli
+
+        return gpucheck_cli.main(argv)
     args = parser().parse_args(argv)
     try:
         return args.fn(args)

@@ -264,11 +264,14 @@ else:
 
 
 def install_fake_mps(directory: Path) -> str:
-    """Write the fake ``nvidia-cuda-mps-control`` into ``directory``; returns its path."""
+    """Write the fake ``nvidia-cuda-mps-control`` (and a server beside it) into ``directory``; returns its path."""
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "nvidia-cuda-mps-control"
     path.write_text(FAKE_MPS)
     path.chmod(0o755)
+    server = directory / "nvidia-cuda-mps-server"
+    server.write_text("#!/bin/sh\nexit 0\n")  # never started: no fake client connects through a server
+    server.chmod(0o755)
     return str(path)
 
 
