@@ -1,0 +1,31 @@
+"""The pytest side of the real cluster: bring one up for a test module, report its figures, take it down."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+
+import pytest
+
+from integration.kube.cluster import KubeCluster, NodeSpec
+
+
+def report(config: pytest.Config, line: str) -> None:
+    """A figure on the terminal as the run goes (never asserted: figures measure the machine too)."""
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    capture = config.pluginmanager.get_plugin("capturemanager")
+    if reporter is None:
+        return
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        reporter.write_line(f"[weft kube] {line}")
+
+
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
+            specs: Sequence[NodeSpec]) -> Iterator[KubeCluster]:
+    c = KubeCluster(tmp_path_factory.mktemp("kube"), specs)
+    try:
+        with c:
+            report(request.config, c.report())
+            yield c
+    finally:
+        report(request.config, f"{c.report()} (after teardown)")

@@ -1,0 +1,122 @@
+"""One real node: kubelet v1.34 with a ``weft agent`` as its runtime and image endpoint, under a real API server.
+
+What a cluster user sees: a plain pod and a ``runtimeClassName: weft`` pod both run and turn Ready
+through HTTP probes; ``kubectl logs``, ``exec`` (stdin, exit codes) and ``port-forward`` work on
+both; the plain pod's sandbox never runs on the ``weft`` handler (asked of containerd itself). And
+the faults: with the agent gone kubelet reports the runtime down (the Node turns NotReady) and
+recovers when it is back; with the API server gone, running pods and CRI through the agent carry on.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import pytest
+from cri_api.v1.api_pb2 import CONTAINER_RUNNING
+
+from integration.kube import fixture
+from integration.kube.cluster import KubeCluster, NodeSpec
+from integration.kube.workloads import (
+    Terminal,
+    apply,
+    container_status,
+    crictl,
+    delete,
+    get_pod,
+    http_get,
+    pod,
+    port_forward,
+    sandbox_of,
+    wait_ready,
+    web,
+)
+
+pytestmark = pytest.mark.slow
+
+NODE = "gpu-1"
+
+
+@pytest.fixture(scope="module")
+def kube(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
+    yield from fixture.cluster(request, tmp_path_factory, [NodeSpec(NODE, "gpu")])
+
+
+@pytest.fixture(scope="module")
+def two_pods(kube: KubeCluster) -> Iterator[tuple[str, str]]:
+    """A plain pod (placed by the scheduler) and an opted-in one, both Ready."""
+    apply(kube, pod("plain", [web("web", 8080, "page-of-plain")]),
+          pod("opted", [web("web", 8080, "page-of-opted")], runtime_class="weft"))
+    try:
+        wait_ready(kube, "plain")
+        wait_ready(kube, "opted")
+        yield "plain", "opted"
+    finally:
+        delete(kube, "plain", "opted")
+
+
+def test_plain_and_opted_in_pods_run_and_answer_kubectl(kube: KubeCluster, two_pods: tuple[str, str]) -> None:
+    for name in two_pods:
+        assert get_pod(kube, name)["spec"]["nodeName"] == NODE  # the scheduler placed it
+        assert "web starting" in kube.kubectl("logs", name).stdout
+        assert kube.kubectl("exec", name, "--", "cat", "/www/index.html").stdout.strip() == f"page-of-{name}"
+        echoed = kube.kubectl("exec", "-i", name, "--", "sh", "-c", "read x; echo got-$x", stdin="hello\n")
+        assert echoed.stdout.strip() == "got-hello"
+        assert kube.kubectl("exec", name, "--", "sh", "-c", "exit 3", check=False).returncode == 3
+        with Terminal(kube.control.kubectl_argv("exec", "-it", name, "--", "sh")) as tty:
+            tty.send("echo $((6*7))x\n")
+            tty.expect("42x")
+            tty.send("exit 5\n")
+            assert tty.wait() == 5
+        with port_forward(kube, f"pod/{name}", 8080) as local:
+            assert http_get(f"http://127.0.0.1:{local}/").strip() == f"page-of-{name}"
+
+
+def test_only_the_opted_in_pod_runs_on_the_weft_handler(kube: KubeCluster, two_pods: tuple[str, str]) -> None:
+    plain, opted = (sandbox_of(kube, NODE, name) for name in two_pods)
+    assert plain and opted
+    assert {s.runtime_handler for s in plain} <= {"", "runc"}
+    assert {s.runtime_handler for s in opted} == {"weft"}
+
+
+def test_kubelet_reports_the_runtime_down_while_the_agent_is_away(kube: KubeCluster,
+                                                                   two_pods: tuple[str, str]) -> None:
+    agent = kube.agents[NODE]
+    before = {name: container_status(get_pod(kube, name), "web")["containerID"] for name in two_pods}
+    agent.stop()
+    try:
+        kube.wait_node_ready(NODE, timeout=120, ready=False)
+        node = kube.api(f"/api/v1/nodes/{NODE}")
+        message = next(c["message"] for c in node["status"]["conditions"] if c["type"] == "Ready")
+        assert "container runtime" in message.lower() or "pleg" in message.lower(), message
+    finally:
+        agent.start(timeout=60)
+    kube.wait_node_ready(NODE, timeout=120)
+    for name in two_pods:
+        p = wait_ready(kube, name)
+        status = container_status(p, "web")
+        assert status["containerID"] == before[name] and status["restartCount"] == 0
+
+
+def test_pods_and_cri_carry_on_without_the_api_server(kube: KubeCluster, two_pods: tuple[str, str]) -> None:
+    assert kube.control is not None
+    agent = kube.agents[NODE]
+    netns = kube.node(NODE).netns_path
+    ids = {c.id for c in kube.containers(NODE) if c.metadata.name == "web"}
+    kube.control.stop_apiserver()
+    try:
+        # Over several of kubelet's sync periods (10 s here) its pods run on and CRI answers through the agent.
+        for _ in range(4):
+            running = {c.id for c in kube.containers(NODE) if c.metadata.name == "web" and c.state == CONTAINER_RUNNING}
+            assert running == ids
+            listed = crictl(agent.socket, "ps", "--name", "web", "-q", netns=netns).stdout.split()
+            assert set(listed) == ids
+            for cid in ids:
+                assert crictl(agent.socket, "exec", cid, "cat", "/www/index.html", netns=netns).stdout.startswith(
+                    "page-of-")
+            time.sleep(5)
+    finally:
+        kube.control.start_apiserver()
+    kube.wait_node_ready(NODE, timeout=120)
+    for name in two_pods:
+        assert container_status(wait_ready(kube, name), "web")["restartCount"] == 0
