@@ -9,6 +9,10 @@ to it), written as timestamped OpenMetrics, backfilled with
 ``promtool tsdb create-blocks-from openmetrics``, and served by a
 ``prometheus`` process on a free loopback port with its own temporary TSDB.
 
+Stories one recorded scrape cannot tell (a rollout, a container that
+restarts, an exporter whose pod mapping lags) are written sample by sample
+into a :class:`History` and backfilled with the recorded phases.
+
 ``--query.lookback-delta`` is set to one interval and a bit: backfilled
 series carry no staleness markers (a live scrape writes one when a pod
 goes), so without it a gone pod would seem to linger five minutes.
@@ -16,12 +20,14 @@ goes), so without it a gone pod would seem to linger five minutes.
 
 from __future__ import annotations
 
+import math
 import shutil
 import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -36,9 +42,34 @@ def _label_text(labels: dict[str, str]) -> str:
     return ",".join(f'{k}="{v}"' for k, v in labels.items())
 
 
-def openmetrics(data: Path = DATA, interval: float = 30.0) -> str:
-    """The recorded scrapes replayed over their phases, as OpenMetrics with timestamps."""
+class History:
+    """Series written as a scraper would have seen them: a sample at every multiple of ``interval``."""
+
+    def __init__(self, interval: float = 30.0) -> None:
+        self.interval = interval
+        self.series: dict[str, dict[str, dict[float, float]]] = {}
+
+    def add(self, name: str, labels: dict[str, str], start: float, end: float,
+            value: float | Callable[[float], float | None]) -> None:
+        """Scrapes in [start, end); ``value`` may depend on the time, and None there means no sample.
+
+        Writing a series twice at one time keeps the later value, as one scrape would.
+        """
+        points = self.series.setdefault(name, {}).setdefault(_label_text(labels), {})
+        t = math.ceil(start / self.interval) * self.interval
+        while t < end:
+            v = value(t) if callable(value) else value
+            if v is not None:
+                points[t] = float(v)
+            t += self.interval
+
+
+def openmetrics(data: Path = DATA, interval: float = 30.0, history: History | None = None) -> str:
+    """The recorded scrapes replayed over their phases, and ``history``, as OpenMetrics with timestamps."""
     series: dict[str, dict[str, list[tuple[float, float]]]] = {}
+    for name, by_labels in (history.series if history else {}).items():
+        for labels, points in by_labels.items():
+            series.setdefault(name, {}).setdefault(labels, []).extend(points.items())
     for phase, (start, end) in PHASES.items():
         for path in sorted((data / phase).glob("*.prom")):
             for fam in text_string_to_metric_families(path.read_text()):
@@ -70,8 +101,9 @@ def _free_port() -> int:
 class PrometheusServer:
     """``with PrometheusServer() as prom: prom.url`` — stopped and its files removed on exit, also on failure."""
 
-    def __init__(self, interval: float = 30.0) -> None:
+    def __init__(self, interval: float = 30.0, history: History | None = None) -> None:
         self.interval = interval
+        self.history = history
         self.dir = Path(tempfile.mkdtemp(prefix="weft-prom-"))
         self.proc: subprocess.Popen | None = None
         self.url = ""
@@ -89,7 +121,7 @@ class PrometheusServer:
             if shutil.which(tool) is None:
                 raise RuntimeError(f"{tool} is missing: apt-get install prometheus (scripts/setup.sh does)")
         om = self.dir / "history.om"
-        om.write_text(openmetrics(interval=self.interval))
+        om.write_text(openmetrics(interval=self.interval, history=self.history))
         tsdb = self.dir / "tsdb"
         subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", str(om), str(tsdb)], check=True,
                        capture_output=True, timeout=120)

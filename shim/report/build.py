@@ -23,8 +23,8 @@ from shim.report.workload import backout
 MAX_POINTS = 10_000
 ACTIVE_SIGNALS = (Signal.GR_ENGINE_ACTIVE, Signal.GPU_UTIL)
 _PER_WINDOW = (Signal.LEASE_SHARE, Signal.LEASE_BYTES, Signal.PLUGIN_GPUS, Signal.DEVICE_MEMORY, Signal.FB_USED,
-               Signal.CPU, Signal.RESTARTS, Signal.STARTED, Signal.CREATED, Signal.POD_NODE, Signal.GPU_NODES,
-               Signal.NODE_TYPE)
+               Signal.CPU, Signal.RESTARTS, Signal.STARTED, Signal.LAST_TERMINATED, Signal.CREATED, Signal.POD_NODE,
+               Signal.GPU_NODES, Signal.NODE_LABELS)
 
 
 @dataclass(frozen=True)
@@ -97,8 +97,9 @@ def build(source: Source, req: Request, prices: Prices) -> Report:
                      f"Prometheus' points-per-series limit)")
     for f in fig.values():
         if f.shared_fraction > 0:
-            notes.append(f"{f.window.name}: {f.shared_fraction:.0%} of the GPU-seconds held were leases smaller than "
-                         "a device; dcgm-exporter's activity is per device, so it includes the other tenants' work")
+            notes.append(f"{f.window.name}: {f.shared_fraction:.0%} of the GPU-seconds held were leases or "
+                         "device-plugin replicas smaller than a device; dcgm-exporter's activity is per device, so it "
+                         "includes the other tenants' work")
     return Report(workload=w, prometheus=source.address, pods=tuple(pods), windows=ws, step=step,
                   scrape_interval=interval, active_metric=active.value if active else None, before=fig["before"],
                   after=fig["after"], verdict=verdict, backout=backout(w), notes=tuple(notes))
@@ -141,7 +142,8 @@ def _active(source: Source, ns: str, pods: list[str], windows: tuple[Window, Win
                      "they measure different things, so GPU activity is left out. No verdict without it.")
         return None
     notes.append(f"no DCGM activity series for the pods in the {' and '.join(lacking)} window: looked for "
-                 "DCGM_FI_PROF_GR_ENGINE_ACTIVE and DCGM_FI_DEV_GPU_UTIL with namespace and pod labels; "
-                 "dcgm-exporter needs its Kubernetes pod mapping on (-k, or DCGM_EXPORTER_KUBERNETES=true). "
-                 "No verdict without them.")
+                 "DCGM_FI_PROF_GR_ENGINE_ACTIVE and DCGM_FI_DEV_GPU_UTIL with namespace and pod labels (or "
+                 "exported_namespace and exported_pod, as a scrape that does not honour the exporter's labels "
+                 "leaves them); dcgm-exporter needs its Kubernetes pod mapping on (-k, or "
+                 "DCGM_EXPORTER_KUBERNETES=true). No verdict without them.")
     return None

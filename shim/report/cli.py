@@ -2,14 +2,18 @@
 
 ``shim/cli.py`` wires this in with :func:`add_parser`. Every bad input comes
 back as a :class:`~shim.report.errors.ReportError` naming the flag to change;
-``weft``'s main prints it as ``weft report: <message>`` and exits 2. This is
-the one module of the package that touches the agent's state directory
-(read-only, for ``--state-dir``), and it imports that lazily.
+``weft``'s main prints it as ``weft report: <message>`` and exits 2, as
+argparse does for a malformed command line. A report exits 0 when it gives a
+verdict and 3 when it cannot (too little data, no DCGM), so a pipeline can
+tell the three apart. This is the one module of the package that touches the
+agent's state directory (read-only, for ``--state-dir``), and it imports
+that lazily.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -17,6 +21,10 @@ from pathlib import Path
 from shim.report import windows as win
 from shim.report.errors import UsageError
 from shim.report.model import Price, Prices
+
+EXIT_VERDICT = 0  # kept, no change or worse
+EXIT_ERROR = 2  # a ReportError, printed by weft's main; argparse's own errors exit 2 too
+EXIT_NO_VERDICT = 3  # the report was made, but the data cannot give a verdict
 
 _EPILOG = """\
 WORKLOAD is deployment/NAME (also statefulset/, daemonset/, job/, replicaset/) or a pod label selector
@@ -26,6 +34,8 @@ Windows: by default split at the first time weft recorded one of the workload's 
 (weft_sandbox_opted_in_timestamp_seconds in Prometheus, else --state-dir): after = opt-in..now (at most
 --window), before = as long, ending at the opt-in. Or give --opt-in TIME, or --before and --after as START..END.
 Times: RFC 3339 (2025-05-01T10:00:00Z), Unix seconds, now, or relative (-6h, now-2d).
+
+Exit status: 0 with a verdict (kept, no change or worse), 3 without one (too little data, no DCGM), 2 on an error.
 
 To back out of weft: remove `runtimeClassName: weft` from the pod template (the report prints the exact command).
 """
@@ -37,6 +47,10 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         description="Read Prometheus for two windows, before a workload opted in to weft and since, and print "
         "GPU-seconds held and active, memory, CPU, restarts, start times, costs and a verdict.",
         epilog=_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # argparse takes any word starting with "-" for an option, unless it looks
+    # like a negative number, so "--before -14d..-7d" would lose its value. No
+    # option here starts with a dash and a digit: such a word is a value.
+    p._negative_number_matcher = re.compile(r"^-\d")
     p.add_argument("workload", metavar="WORKLOAD", help="deployment/NAME, statefulset/NAME, ... or app=NAME,...")
     p.add_argument("-n", "--namespace", default="default", help="the workload's namespace (default: default)")
     src = p.add_argument_group("Prometheus")
@@ -104,6 +118,7 @@ def run(args: argparse.Namespace) -> int:
     from shim.report import render
     from shim.report.build import Request, build
     from shim.report.prom import PrometheusSource
+    from shim.report.verdict import Outcome
     from shim.report.workload import parse
 
     if args.json and args.markdown:
@@ -133,4 +148,4 @@ def run(args: argparse.Namespace) -> int:
 
         plot.write(rep, args.plot)
     print(render.as_json(rep) if args.json else render.markdown(rep) if args.markdown else render.table(rep))
-    return 0
+    return EXIT_NO_VERDICT if rep.verdict.outcome is Outcome.NONE else EXIT_VERDICT

@@ -3,7 +3,8 @@
 Range queries return one point per step, so an integral is the sum of the
 points times the step (the value a point carries held for the step before
 it). Counting points also says how much data a window has, which is what the
-verdict's minimum is stated in.
+verdict's minimum is stated in. Points are keyed by their time in whole
+milliseconds, as Prometheus answers them, so joins and window edges are exact.
 """
 
 from __future__ import annotations
@@ -14,10 +15,11 @@ from collections import defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from shim.report.model import Prices, Series, Window
+from shim.report.model import Grid, Prices, Series, Window, ms
 from shim.report.source import Signal
 
 INSTANCE_TYPE_LABEL = "label_node_kubernetes_io_instance_type"
+REPLICAS_LABEL = "label_nvidia_com_gpu_replicas"  # GPU feature discovery's nvidia.com/gpu.replicas
 
 
 @dataclass(frozen=True)
@@ -66,27 +68,27 @@ class Figures:
         return self.restarts / self.pod_hours if self.pod_hours > 0 else None
 
 
-def _key(t: float) -> float:
-    # Range-query timestamps are start + k*step; rounding keeps float noise out of the join.
-    return round(t, 3)
-
-
-def by_label(series: Iterable[Series], label: str) -> dict[str, dict[float, float]]:
-    out: dict[str, dict[float, float]] = defaultdict(dict)
+def by_label(series: Iterable[Series], label: str) -> dict[str, dict[int, float]]:
+    """Points summed per value of ``label``, keyed by their time in whole milliseconds."""
+    out: dict[str, dict[int, float]] = defaultdict(dict)
     for s in series:
         for t, v in s.points:
             if math.isfinite(v):
-                out[s.get(label)][_key(t)] = out[s.get(label)].get(_key(t), 0.0) + v
+                out[s.get(label)][ms(t)] = out[s.get(label)].get(ms(t), 0.0) + v
     return out
 
 
-def _total(series: Iterable[Series]) -> dict[float, float]:
-    out: dict[float, float] = defaultdict(float)
+def _total(series: Iterable[Series]) -> dict[int, float]:
+    out: dict[int, float] = defaultdict(float)
     for s in series:
         for t, v in s.points:
             if math.isfinite(v):
-                out[_key(t)] += v
+                out[ms(t)] += v
     return dict(out)
+
+
+def _per_container(series: Iterable[Series]) -> dict[tuple[str, str], dict[int, float]]:
+    return {(s.get("pod"), s.get("container")): {ms(t): v for t, v in s.points} for s in series}
 
 
 def counter_increase(points: Sequence[tuple[float, float]], appeared: bool) -> float:
@@ -105,23 +107,50 @@ def p95(values: Sequence[float]) -> float | None:
     return ordered[max(0, math.ceil(0.95 * len(ordered)) - 1)]
 
 
+def replica_share(node_labels: Iterable[Series]) -> dict[str, float]:
+    """Of a device, what one unit of the device plugin's GPU resource is on each node that shares its GPUs.
+
+    GPU feature discovery labels a node with the replicas its device plugin
+    makes of each GPU (time-slicing or MPS); a node without the label hands
+    out whole GPUs.
+    """
+    out = {}
+    for s in node_labels:
+        try:
+            replicas = float(s.get(REPLICAS_LABEL))
+        except ValueError:
+            continue
+        if replicas >= 1:
+            out[s.get("node")] = 1 / replicas
+    return out
+
+
+def _names(pods: Iterable[str], most: int = 3) -> str:
+    names = sorted(pods)
+    more = f" and {len(names) - most} more" if len(names) > most else ""
+    return ", ".join(names[:most]) + more
+
+
 def figures(window: Window, step: float, pods: Sequence[str], data: Mapping[Signal, Sequence[Series]],
             active: Signal | None, prices: Prices) -> Figures:
+    grid = Grid.of(window, step)
     notes: list[str] = []
     lease = by_label(data.get(Signal.LEASE_SHARE, ()), "pod")
     lease_bytes = by_label(data.get(Signal.LEASE_BYTES, ()), "pod")
     plugin = by_label(data.get(Signal.PLUGIN_GPUS, ()), "pod")
     device_mem = by_label(data.get(Signal.DEVICE_MEMORY, ()), "pod")
+    node_of = {s.get("pod"): s.get("node") for s in data.get(Signal.POD_NODE, ())}
+    share_of = replica_share(data.get(Signal.NODE_LABELS, ()))
     times = sorted({t for m in (lease, plugin) for per in m.values() for t in per})
 
-    held_t: dict[float, float] = {}
+    held_t: dict[int, float] = {}
     held_pod: dict[str, float] = defaultdict(float)
-    mem_held_t: dict[float, float] = {}
+    mem_held_t: dict[int, float] = {}
+    no_memory: set[str] = set()  # pods holding device-plugin GPUs at a step where DCGM had no memory for them
     used_from: set[str] = set()
     shared_s = 0.0
-    mem_known = True
     for t in times:
-        total, mem = 0.0, 0.0
+        total, mem, mem_known = 0.0, 0.0, True
         for pod in set(lease) | set(plugin):
             if t in lease.get(pod, {}):
                 v = lease[pod][t]
@@ -130,28 +159,40 @@ def figures(window: Window, step: float, pods: Sequence[str], data: Mapping[Sign
                     shared_s += v * step
                 mem += lease_bytes.get(pod, {}).get(t, 0.0)
             else:
-                v = plugin.get(pod, {}).get(t, 0.0)
+                # Between two leases (a container restarting) and for pods weft
+                # does not lease for: what the device plugin handed out, as a
+                # share of a device where it hands out replicas.
+                share = share_of.get(node_of.get(pod, ""), 1.0)
+                v = plugin.get(pod, {}).get(t, 0.0) * share
                 if v > 0:
                     used_from.add("device plugin")
+                    if share < 1.0:
+                        shared_s += v * step
                     if t in device_mem.get(pod, {}):
-                        mem += device_mem[pod][t]
+                        mem += device_mem[pod][t] * share
                     else:
                         mem_known = False
+                        no_memory.add(pod)
             total += v
             held_pod[pod] += v * step
         if total > 0:
             held_t[t] = total
-            mem_held_t[t] = mem
+            if mem_known:
+                mem_held_t[t] = mem
     held_s = sum(held_t.values()) * step
+    memory_held = sum(mem_held_t.values()) / len(mem_held_t) if mem_held_t else None
+    if no_memory:
+        where = (f"dcgm-exporter had no memory sample (DCGM_FI_DEV_FB_USED, DCGM_FI_DEV_FB_FREE) for "
+                 f"{_names(no_memory)}, which held device-plugin GPUs then")
+        notes.append(f"GPU memory held is the mean over {len(mem_held_t)} of {len(held_t)} steps with a GPU held: "
+                     f"at the others {where}" if mem_held_t else f"GPU memory held is unknown: {where}")
 
     active_t = _total(data.get(active, ())) if active else {}
     active_s = sum(active_t.values()) * step if active_t else None
     used_t = _total(data.get(Signal.FB_USED, ()))
     used = [used_t[t] for t in held_t if t in used_t]
-    memory_held = sum(mem_held_t.values()) / len(mem_held_t) if mem_held_t and mem_known else None
     memory_used = sum(used) / len(used) if used else None
 
-    node_of = {s.get("pod"): s.get("node") for s in data.get(Signal.POD_NODE, ())}
     gpu_nodes = {s.get("node") for s in data.get(Signal.GPU_NODES, ()) if any(v > 0 for _, v in s.points)}
     if not gpu_nodes:
         # Without node capacity series, the nodes the pods were scheduled on are the GPU nodes.
@@ -166,29 +207,61 @@ def figures(window: Window, step: float, pods: Sequence[str], data: Mapping[Sign
     restarts = 0.0
     for s in data.get(Signal.RESTARTS, ()):
         if s.points:
-            restarts += counter_increase(s.points, appeared=s.points[0][0] > window.start + step)
+            # A series there at the window's first point was counting before it.
+            restarts += counter_increase(s.points, appeared=ms(s.points[0][0]) > grid.first_ms)
     pod_points = by_label(data.get(Signal.POD_NODE, ()), "pod")
     pod_hours = sum(len(per) for per in pod_points.values()) * step / 3600
-    created = {s.get("pod"): s.points[-1][1] for s in data.get(Signal.CREATED, ()) if s.points}
-    latencies = []
-    for s in data.get(Signal.STARTED, ()):
-        if not s.points or s.get("pod") not in created:
-            continue
-        started = s.points[-1][1]
-        if window.start <= started <= window.end and started >= created[s.get("pod")]:
-            latencies.append(started - created[s.get("pod")])
+    latencies, untimed = start_latencies(window, data)
+    if untimed:
+        notes.append(f"{untimed} container restart(s) in the window are not timed: "
+                     "kube_pod_container_status_last_terminated_timestamp (when the run before ended) is missing")
 
-    type_of = {s.get("node"): s.get(INSTANCE_TYPE_LABEL) for s in data.get(Signal.NODE_TYPE, ())}
+    type_of = {s.get("node"): s.get(INSTANCE_TYPE_LABEL) for s in data.get(Signal.NODE_LABELS, ())}
     costs, cost_note = _costs(held_pod, node_of, type_of, cpu_node, gpu_nodes, held_s, active_s, prices)
     if cost_note:
         notes.append(cost_note)
-    timeline = tuple((t, held_t.get(t, 0.0), active_t.get(t)) for t in sorted(set(times) | set(active_t)))
+    timeline = tuple((t / 1000, held_t.get(t, 0.0), active_t.get(t)) for t in sorted(set(times) | set(active_t)))
     return Figures(
         window=window, step=step, pods=len(set(pod_points) & set(pods)), held_gpu_s=held_s, held_samples=len(held_t),
         held_from=tuple(sorted(used_from, reverse=True)), active_gpu_s=active_s, active_samples=len(active_t),
         memory_held_bytes=memory_held, memory_used_bytes=memory_used, cpu_gpu_node_s=cpu_gpu, cpu_hosts_s=cpu_hosts,
         restarts=round(restarts), pod_hours=pod_hours, p95_start_s=p95(latencies), starts=len(latencies),
         shared_fraction=shared_s / held_s if held_s else 0.0, costs=costs, notes=tuple(notes), timeline=timeline)
+
+
+def start_latencies(window: Window, data: Mapping[Signal, Sequence[Series]]) -> tuple[list[float], int]:
+    """How long each container start in the window took, and how many restarts could not be timed.
+
+    Every value ``kube_pod_container_state_started`` takes is one start. A
+    container's first start is timed from its pod's creation; a restart from
+    the end of the run it replaces (so it includes kubelet's crash-loop
+    back-off), read at the same point.
+    """
+    created = by_label(data.get(Signal.CREATED, ()), "pod")
+    restarts = _per_container(data.get(Signal.RESTARTS, ()))
+    ended = _per_container(data.get(Signal.LAST_TERMINATED, ()))
+    latencies: list[float] = []
+    untimed = 0
+    for s in data.get(Signal.STARTED, ()):
+        key = (s.get("pod"), s.get("container"))
+        seen: set[float] = set()
+        for t, started in s.points:
+            if started in seen:
+                continue
+            seen.add(started)
+            at = ms(t)
+            born = created.get(key[0], {}).get(at)
+            if born is None or not window.start <= started <= window.end:
+                continue
+            before = ended.get(key, {}).get(at)
+            if restarts.get(key, {}).get(at, 0.0) == 0:
+                if started >= born:
+                    latencies.append(started - born)
+            elif before is not None and born <= before <= started:
+                latencies.append(started - before)
+            else:
+                untimed += 1
+    return latencies, untimed
 
 
 def _costs(held_pod: Mapping[str, float], node_of: Mapping[str, str], type_of: Mapping[str, str],

@@ -59,6 +59,35 @@ class Window:
         return self.end - self.start
 
 
+def ms(t: float) -> int:
+    """A time or a duration in whole milliseconds, the resolution Prometheus keeps and answers in."""
+    return round(t * 1000)
+
+
+@dataclass(frozen=True)
+class Grid:
+    """The instants a range query over a window answers at, in whole milliseconds.
+
+    A point stands for the step before it, so the first is one step after the
+    window's start. Sending these exact instants and comparing what comes back
+    with them (never with a float worked out apart) is what makes "this series
+    was there from the window's first point" true whatever the fraction of a
+    second the window starts at.
+    """
+
+    first_ms: int
+    end_ms: int
+    step_ms: int
+
+    @classmethod
+    def of(cls, window: Window, step: float) -> Grid:
+        start, end, step_ms = ms(window.start), ms(window.end), max(1, ms(step))
+        return cls(min(start + step_ms, end), end, step_ms)
+
+    def __contains__(self, t: float) -> bool:
+        return self.first_ms <= ms(t) <= self.end_ms
+
+
 @dataclass(frozen=True)
 class Series:
     """One series of a Prometheus answer: its labels and (Unix time, value) points in time order."""

@@ -35,7 +35,9 @@ def write(rep: Report, path: Path) -> Path:
             if busy:
                 ax.fill_between([t for t, _ in busy], [a for _, a in busy], step="pre", color=colour, alpha=0.35,
                                 label=f"GPUs active ({f.window.name}, {rep.active_metric})")
-        ax.axvline(when(rep.windows.opt_in), color="tab:red", linestyle="--", label="opted in (runtimeClassName: weft)")
+        split = ("after window starts" if rep.windows.source == "flags"
+                 else "opted in (runtimeClassName: weft)")
+        ax.axvline(when(rep.windows.opt_in), color="tab:red", linestyle="--", label=split)
         ax.set_ylabel("GPUs")
         ax.set_ylim(bottom=0)
         ax.set_title(f"{rep.workload}: GPUs held vs active; verdict {rep.verdict.outcome.value}")

@@ -7,10 +7,12 @@ that is down, slow or answering errors becomes one :class:`PrometheusError`
 that names the address, what failed and the flag to change.
 
 Series names and labels are those a real cluster has: dcgm-exporter with its
-Kubernetes pod mapping (``UUID``, ``gpu``, ``pod``, ``namespace``,
-``container``), kube-state-metrics v2, cAdvisor through the kubelet (with a
-``node`` label), and weft's broker and agent (``shim/broker/metrics.py``,
-``shim/metrics.py``).
+Kubernetes pod mapping (``UUID``, ``pod``, ``namespace``, or their
+``exported_`` forms), kube-state-metrics v2, cAdvisor through the kubelet
+(with a ``node`` label), and weft's broker and agent
+(``shim/broker/metrics.py``, ``shim/metrics.py``); ``docs/report.md`` lists
+them, and a test holds that list to the queries here. Every time sent is
+exact to the millisecond, Prometheus' resolution.
 """
 
 from __future__ import annotations
@@ -23,32 +25,54 @@ from typing import Any
 
 import httpx2
 
+from shim.report.compute import INSTANCE_TYPE_LABEL, REPLICAS_LABEL
 from shim.report.errors import PrometheusError
-from shim.report.model import CONTROLLERS, Series, Window, Workload
+from shim.report.model import CONTROLLERS, Grid, Series, Window, Workload, ms
 from shim.report.source import Signal
 from shim.report.workload import ksm_label
 
 OPT_IN_METRIC = "weft_sandbox_opted_in_timestamp_seconds"
+# The device plugin's resource, as kube-state-metrics spells it: whole GPUs, or
+# time-sliced / MPS replicas where the plugin renames what it shares.
+GPU_RESOURCES = "nvidia_com_gpu|nvidia_com_gpu_shared"
+
+
+def _dcgm(field: str) -> str:
+    """One DCGM field per device and pod, whichever way the scrape left the exporter's pod labels.
+
+    Scraped with ``honor_labels: true`` they are ``namespace`` and ``pod``; where
+    the target has labels of those names (a ServiceMonitor with the Helm chart's
+    default ``honorLabels: false``) Prometheus keeps the exporter's as
+    ``exported_namespace`` and ``exported_pod``. Both are read, and each series
+    is keyed by the workload's pod either way.
+    """
+    exported = (f'label_replace(label_replace({field}{{XSEL}}, "namespace", "$1", "exported_namespace", "(.+)"), '
+                '"pod", "$1", "exported_pod", "(.+)")')
+    return f"(max by (UUID, namespace, pod) ({field}{{SEL}}) or max by (UUID, namespace, pod) ({exported}))"
+
 
 _QUERIES = {
     Signal.LEASE_SHARE: "sum by (namespace, pod) (weft_gpu_lease_bytes{SEL} / on (UUID) group_left () "
                         "max by (UUID) (weft_gpu_device_memory_bytes))",
     Signal.LEASE_BYTES: "sum by (namespace, pod) (weft_gpu_lease_bytes{SEL})",
     Signal.PLUGIN_GPUS: "sum by (namespace, pod) "
-                        '(kube_pod_container_resource_requests{SEL, resource="nvidia_com_gpu"}) '
+                        f'(kube_pod_container_resource_requests{{SEL, resource=~"{GPU_RESOURCES}"}}) '
                         '* on (namespace, pod) group_left () '
                         'max by (namespace, pod) (kube_pod_status_phase{SEL, phase="Running"})',
-    Signal.DEVICE_MEMORY: "sum by (namespace, pod) (DCGM_FI_DEV_FB_USED{SEL} + DCGM_FI_DEV_FB_FREE{SEL}) * 1048576",
-    Signal.GR_ENGINE_ACTIVE: "sum (max by (UUID) (DCGM_FI_PROF_GR_ENGINE_ACTIVE{SEL}))",
-    Signal.GPU_UTIL: "sum (max by (UUID) (DCGM_FI_DEV_GPU_UTIL{SEL})) / 100",
-    Signal.FB_USED: "sum (max by (UUID) (DCGM_FI_DEV_FB_USED{SEL})) * 1048576",
+    Signal.DEVICE_MEMORY: f"sum by (namespace, pod) ({_dcgm('DCGM_FI_DEV_FB_USED')} + "
+                          f"{_dcgm('DCGM_FI_DEV_FB_FREE')}) * 1048576",
+    Signal.GR_ENGINE_ACTIVE: f"sum (max by (UUID) ({_dcgm('DCGM_FI_PROF_GR_ENGINE_ACTIVE')}))",
+    Signal.GPU_UTIL: f"sum (max by (UUID) ({_dcgm('DCGM_FI_DEV_GPU_UTIL')})) / 100",
+    Signal.FB_USED: f"sum (max by (UUID) ({_dcgm('DCGM_FI_DEV_FB_USED')})) * 1048576",
     Signal.CPU: 'sum by (node) (rate(container_cpu_usage_seconds_total{SEL, container!="", container!="POD"}[RATE]))',
     Signal.RESTARTS: "max by (namespace, pod, container) (kube_pod_container_status_restarts_total{SEL})",
     Signal.STARTED: "max by (namespace, pod, container) (kube_pod_container_state_started{SEL})",
+    Signal.LAST_TERMINATED: "max by (namespace, pod, container) "
+                            "(kube_pod_container_status_last_terminated_timestamp{SEL})",
     Signal.CREATED: "max by (namespace, pod) (kube_pod_created{SEL})",
     Signal.POD_NODE: "max by (namespace, pod, node) (kube_pod_info{SEL})",
-    Signal.GPU_NODES: 'max by (node) (kube_node_status_capacity{resource="nvidia_com_gpu"})',
-    Signal.NODE_TYPE: "max by (node, label_node_kubernetes_io_instance_type) (kube_node_labels)",
+    Signal.GPU_NODES: f'sum by (node) (kube_node_status_capacity{{resource=~"{GPU_RESOURCES}"}})',
+    Signal.NODE_LABELS: f"max by (node, {INSTANCE_TYPE_LABEL}, {REPLICAS_LABEL}) (kube_node_labels)",
 }
 
 
@@ -56,13 +80,30 @@ def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-def _pod_selector(namespace: str, pods: Sequence[str]) -> str:
+def _alternation(names: Sequence[str]) -> str:
     # Pod names are DNS subdomains: only "." needs escaping in an RE2 alternation.
-    return f"namespace={_quote(namespace)}, pod=~{_quote('|'.join(re.escape(p) for p in pods))}"
+    return _quote("|".join(re.escape(n) for n in names))
 
 
-def _seconds(d: float) -> str:
-    return f"{max(1, round(d))}s"
+def _pod_selector(namespace: str, pods: Sequence[str], prefix: str = "") -> str:
+    return f"{prefix}namespace={_quote(namespace)}, {prefix}pod=~{_alternation(pods)}"
+
+
+def _at(t_ms: int) -> str:
+    """Unix seconds to the millisecond, written exactly (a float's %.3f may round the other way)."""
+    return f"{t_ms // 1000}.{t_ms % 1000:03d}"
+
+
+def _duration(seconds: float) -> str:
+    return f"{max(1, ms(seconds))}ms"
+
+
+def promql(signal: Signal, namespace: str, pods: Sequence[str], step: float) -> str:
+    """The query for ``signal`` over the pods, at ``step``."""
+    return (_QUERIES[signal].replace("{SEL}", "{" + _pod_selector(namespace, pods) + "}")
+            .replace("{SEL, ", "{" + _pod_selector(namespace, pods) + ", ")
+            .replace("{XSEL}", "{" + _pod_selector(namespace, pods, "exported_") + "}")
+            .replace("[RATE]", f"[{_duration(4 * step)}]"))
 
 
 class PrometheusSource:
@@ -105,26 +146,26 @@ class PrometheusSource:
                                   f"{body.get('error', r.status_code)})")
         return body["data"]
 
-    def query(self, promql: str, at: float) -> list[dict]:
-        return self._get("/api/v1/query", {"query": promql, "time": f"{at:.3f}"})["result"]
+    def query(self, query: str, at: float) -> list[dict]:
+        return self._get("/api/v1/query", {"query": query, "time": _at(ms(at))})["result"]
 
-    def query_range(self, promql: str, start: float, end: float, step: float) -> list[Series]:
-        data = self._get("/api/v1/query_range", {"query": promql, "start": f"{start:.3f}", "end": f"{end:.3f}",
-                                                 "step": f"{step:g}"})
+    def query_range(self, query: str, grid: Grid) -> list[Series]:
+        data = self._get("/api/v1/query_range", {"query": query, "start": _at(grid.first_ms),
+                                                 "end": _at(grid.end_ms), "step": _at(grid.step_ms)})
         return [Series(r["metric"], tuple((float(t), float(v)) for t, v in r["values"])) for r in data["result"]]
 
     # -- Source ------------------------------------------------------------
 
     def pods(self, workload: Workload, start: float, end: float) -> list[str]:
         ns = f"namespace={_quote(workload.namespace)}"
-        span = _seconds(end - start)
+        span = _duration(end - start)
         if workload.kind == "deployment":
             rs = self.query(f"group by (replicaset) (last_over_time(kube_replicaset_owner{{{ns}, "
                             f'owner_kind="Deployment", owner_name={_quote(workload.name)}}}[{span}]))', end)
             owners = [r["metric"].get("replicaset", "") for r in rs]
             if not owners:
                 return []
-            owner = f'owner_kind="ReplicaSet", owner_name=~{_quote("|".join(re.escape(o) for o in owners))}'
+            owner = f'owner_kind="ReplicaSet", owner_name=~{_alternation(owners)}'
         elif workload.kind:
             owner = f"owner_kind={_quote(CONTROLLERS[workload.kind])}, owner_name={_quote(workload.name)}"
         else:
@@ -135,7 +176,7 @@ class PrometheusSource:
 
     def opt_in(self, namespace: str, pods: Sequence[str], start: float, end: float) -> float | None:
         found = self.query(f"min(min_over_time({OPT_IN_METRIC}{{{_pod_selector(namespace, pods)}}}"
-                           f"[{_seconds(end - start)}]))", end)
+                           f"[{_duration(end - start)}]))", end)
         return float(found[0]["value"][1]) if found else None
 
     def scrape_interval(self, namespace: str, pods: Sequence[str], at: float) -> float | None:
@@ -146,7 +187,4 @@ class PrometheusSource:
 
     def series(self, signal: Signal, namespace: str, pods: Sequence[str], window: Window,
                step: float) -> list[Series]:
-        promql = _QUERIES[signal].replace("{SEL}", "{" + _pod_selector(namespace, pods) + "}").replace(
-            "{SEL, ", "{" + _pod_selector(namespace, pods) + ", ").replace("[RATE]", f"[{_seconds(4 * step)}]")
-        # A point stands for the step before it, so the first one is a step in.
-        return self.query_range(promql, min(window.start + step, window.end), window.end, step)
+        return self.query_range(promql(signal, namespace, pods, step), Grid.of(window, step))

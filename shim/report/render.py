@@ -2,7 +2,8 @@
 
 All three show the same rows from :func:`rows`, so they cannot disagree.
 A figure that could not be measured shows as ``-`` (``null`` in JSON) with
-the reason among the notes, never as a zero.
+the reason among the notes, never as a zero. Each ends with the step that
+backs the workload out of weft, after any notes, so it is the last thing read.
 """
 
 from __future__ import annotations
@@ -66,8 +67,13 @@ def _notes(rep: Report) -> list[str]:
 
 
 def _header(rep: Report) -> list[str]:
-    return [f"weft report: {rep.workload} ({len(rep.pods)} pods) from {rep.prometheus}",
-            f"opted in at {iso(rep.windows.opt_in)} (windows from {rep.windows.source})"]
+    w = rep.windows
+    if w.source == "flags":
+        # The flags fix both windows; no opt-in moment was looked up or used.
+        split = "windows from --before and --after (weft's record of the opt-in moment is not used)"
+    else:
+        split = f"opted in at {iso(w.opt_in)} (windows from {w.source})"
+    return [f"weft report: {rep.workload} ({len(rep.pods)} pods) from {rep.prometheus}", split]
 
 
 def table(rep: Report) -> str:
@@ -77,12 +83,11 @@ def table(rep: Report) -> str:
     lines = [*_header(rep), "", f"{'':{w0}}  {'before':{w1}}  after"]
     lines += [f"{n:{w0}}  {x:{w1}}  {y}" for n, x, y in r]
     v = rep.verdict
-    lines += ["", f"verdict: {v.outcome.value} ({v.reason.value}): {v.detail}", f"rule: {v.rule}",
-              f"to back out: {rep.backout}"]
+    lines += ["", f"verdict: {v.outcome.value} ({v.reason.value}): {v.detail}", f"rule: {v.rule}"]
     notes = _notes(rep)
     if notes:
         lines += ["", "notes:"] + [f"- {n}" for n in notes]
-    return "\n".join(lines)
+    return "\n".join([*lines, "", f"to back out: {rep.backout}"])
 
 
 def markdown(rep: Report) -> str:
@@ -90,12 +95,11 @@ def markdown(rep: Report) -> str:
     lines = [f"### weft report: `{rep.workload}`", "", *(f"{h}  " for h in _header(rep)[1:]), "",
              "| | before | after |", "| --- | --- | --- |"]
     lines += [f"| {n} | {x} | {y} |" for n, x, y in rows(rep)]
-    lines += ["", f"**Verdict: {v.outcome.value}** ({v.reason.value}): {v.detail}", "", f"Rule: {v.rule}", "",
-              f"To back out: {rep.backout}"]
+    lines += ["", f"**Verdict: {v.outcome.value}** ({v.reason.value}): {v.detail}", "", f"Rule: {v.rule}"]
     notes = _notes(rep)
     if notes:
         lines += ["", "Notes:", ""] + [f"- {n}" for n in notes]
-    return "\n".join(lines) + "\n"
+    return "\n".join([*lines, "", f"To back out: {rep.backout}"]) + "\n"
 
 
 def _fig(f: Figures) -> dict[str, Any]:
@@ -125,6 +129,6 @@ def as_json(rep: Report) -> str:
         "scrape_interval_s": rep.scrape_interval, "active_metric": rep.active_metric,
         "before": _fig(rep.before), "after": _fig(rep.after),
         "verdict": {"outcome": v.outcome.value, "reason": v.reason.value, "detail": v.detail, "rule": v.rule},
-        "backout": rep.backout, "notes": _notes(rep),
+        "notes": _notes(rep), "backout": rep.backout,
     }
     return json.dumps(doc, indent=2)

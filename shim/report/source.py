@@ -14,7 +14,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from shim.report.model import Series, Window, Workload
+from shim.report.model import Grid, Series, Window, Workload
 
 
 class Signal(enum.Enum):
@@ -31,10 +31,11 @@ class Signal(enum.Enum):
     CPU = "cpu"  # CPU cores in use, per node
     RESTARTS = "restarts"  # counters, per pod and container
     STARTED = "started"  # Unix time each container started, per pod and container
+    LAST_TERMINATED = "last_terminated"  # Unix time the container's previous run ended, per pod and container
     CREATED = "created"  # Unix time each pod was created
     POD_NODE = "pod_node"  # 1 per pod, labelled with its node
-    GPU_NODES = "gpu_nodes"  # GPU capacity per node
-    NODE_TYPE = "node_type"  # 1 per node, labelled with its instance type
+    GPU_NODES = "gpu_nodes"  # GPUs the device plugin advertises, per node
+    NODE_LABELS = "node_labels"  # 1 per node, labelled with its instance type and GPU replicas
 
 
 class Source(Protocol):
@@ -96,11 +97,11 @@ class FakeSource:
         self.calls.append(("series", signal, window.name))
         self._maybe_fail()
         out = []
+        grid = Grid.of(window, step)
         for s in self.data.get(signal, ()):
             if s.get("pod") and s.get("pod") not in pods:
                 continue
-            # As Prometheus' source asks: a point stands for the step before it, so none at the start.
-            points = tuple((t, v) for t, v in s.points if window.start < t <= window.end)
+            points = tuple((t, v) for t, v in s.points if t in grid)
             if points:
                 out.append(Series(s.labels, points))
         return out

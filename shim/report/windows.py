@@ -77,7 +77,7 @@ def human(seconds: float) -> str:
 class Windows:
     before: Window
     after: Window
-    opt_in: float  # the moment marked on the plot
+    opt_in: float  # the split: the opt-in moment, or with --before/--after the after window's start
     source: str  # where the split came from: "flags", "--opt-in", "weft metrics", "state dir"
 
 

@@ -11,7 +11,7 @@ from shim.metrics import Metrics
 from shim.report import render
 from shim.report.build import Request, build
 from shim.report.errors import NoOptInRecord, PrometheusError, UnknownWorkload, UsageError
-from shim.report.model import Price, Prices, Series, Workload
+from shim.report.model import Grid, Price, Prices, Series, Window, Workload
 from shim.report.prom import PrometheusSource
 from shim.report.source import FakeSource, Signal
 from shim.report.verdict import Outcome, Reason
@@ -165,3 +165,63 @@ def test_json_and_markdown_show_the_same_figures() -> None:
     md, js = render.markdown(rep), render.as_json(rep)
     assert "| GPU-active / held | 10.0% | 40.0% |" in md
     assert '"outcome": "kept"' in js and "runtimeClassName" in md
+
+
+def test_windows_and_times_a_dash_starts_are_values_not_options() -> None:
+    from shim.cli import parser
+
+    args = parser().parse_args(["report", "deployment/w", "--before", "-14d..-7d", "--after", "-7d..now",
+                                "--now", "-1h"])
+    assert (args.before, args.after, args.now) == ("-14d..-7d", "-7d..now", "-1h")
+
+
+@pytest.mark.parametrize("fraction", [0.0, 0.25, 0.5, 0.7346, 0.9996, 0.0004])
+def test_a_counter_there_from_the_first_point_adds_only_what_it_rose(fraction: float) -> None:
+    # Two pods restarted 5 and 2 times long before; the second restarts once more inside the after window.
+    # Prometheus answers at the query's instants, which the points here stand at.
+    before, after = Window("before", T0 - 3600 + fraction, T0), Window("after", T0 + fraction, NOW)
+    instants = [ms / 1000 for w in (before, after) for g in [Grid.of(w, 30.0)]
+                for ms in range(g.first_ms, g.end_ms + 1, g.step_ms)]
+    src = source(0.1, 0.2)
+    src.data[Signal.RESTARTS] = [
+        Series({"pod": pod, "namespace": "ns", "container": "m"}, tuple((t, count(t)) for t in instants))
+        for pod, count in (("w-old", lambda t: 5.0), ("w-new", lambda t: 2.0 if t < T0 + 3000 else 3.0))]
+    rep = run(src, before=f"{before.start}..{before.end}", after=f"{after.start}..{after.end}")
+    assert (rep.before.restarts, rep.after.restarts) == (0, 1)
+
+
+def test_each_start_is_timed_from_its_pods_creation_or_the_run_before_it() -> None:
+    c = {"pod": "w-new", "namespace": "ns", "container": "m"}
+    points = {  # t: (started, restarts, last terminated)
+        T0 + 60: (T0 + 20, 0, None), T0 + 600: (T0 + 20, 0, None),
+        T0 + 660: (T0 + 650, 1, T0 + 610), T0 + 1200: (T0 + 1190, 2, T0 + 1100),
+    }
+    src = source(0.1, 0.2)
+    src.data[Signal.CREATED] = [flat({"pod": "w-new", "namespace": "ns"}, T0, NOW, T0)]
+    src.data[Signal.STARTED] = [Series(c, tuple((t, v[0]) for t, v in points.items()))]
+    src.data[Signal.RESTARTS] = [Series(c, tuple((t, v[1]) for t, v in points.items()))]
+    src.data[Signal.LAST_TERMINATED] = [Series(c, tuple((t, v[2]) for t, v in points.items() if v[2]))]
+    rep = run(src)
+    assert (rep.after.starts, rep.after.p95_start_s) == (3, 90)  # 20 s, 40 s, 90 s
+    del src.data[Signal.LAST_TERMINATED]
+    rep = run(src)
+    assert (rep.after.starts, rep.after.p95_start_s) == (1, 20)
+    assert any("2 container restart(s) in the window are not timed" in n for n in rep.after.notes)
+
+
+def test_memory_held_is_the_mean_of_the_steps_with_samples_and_a_note_says_which_lacked_them() -> None:
+    src = source(0.1, 0.2)
+    mem = flat({"pod": "w-old", "namespace": "ns"}, T0 - 10800, T0, 80 * 2**30)
+    src.data[Signal.DEVICE_MEMORY] = [Series(mem.labels, mem.points[3:])]  # dcgm-exporter mapped it late
+    rep = run(src)
+    assert rep.before.memory_held_bytes == pytest.approx(80 * 2**30)
+    assert any(n.startswith("GPU memory held is the mean over 357 of 360 steps") and "w-old" in n
+               for n in rep.before.notes)
+
+
+def test_a_device_plugin_replica_holds_its_share_of_a_device() -> None:
+    src = source(0.1, 0.2)
+    src.data[Signal.NODE_LABELS] = [flat({"node": "g1", "label_nvidia_com_gpu_replicas": "4"}, T0 - 10800, NOW, 1)]
+    rep = run(src)
+    assert rep.before.held_gpu_s == pytest.approx(10800 / 4)
+    assert rep.before.shared_fraction == 1.0
