@@ -206,6 +206,8 @@ if sys.argv[1:] == ["-f"]:
         sys.exit(3)
     if not os.path.exists(control):
         os.mkfifo(control)
+    with open(os.path.join(pipe, "fake-daemon.pid"), "w") as f:  # the fake libcuda's "server"
+        f.write("%d\\n" % os.getpid())
     # Read-write, so the daemon holds a writer too and never sees end-of-file
     # between one client and the next.
     fifo = os.fdopen(os.open(control, os.O_RDWR), "r")

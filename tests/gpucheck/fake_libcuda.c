@@ -7,6 +7,10 @@
  * CUDA_MPS_PINNED_DEVICE_MEM_LIMIT ("0=<n>M") can lower the memory limit, never raise it. Not
  * found, the client has a context of its own, limited only by the device.
  *
+ * An MPS client keeps the daemon it found (<pipe>/fake-daemon.pid, standing in for its server): once
+ * that process is gone, its allocations and launches fail with CUDA_ERROR_MPS_CONNECTION_FAILED, as a
+ * real client's do when its server dies.
+ *
  * When FAKE_GPU_WORLD names a directory, each process writes "<bytes held> <1 if MPS client>" to
  * <world>/<pid>, which the fake NVML reads as its process list.
  *
@@ -26,9 +30,9 @@ typedef int CUdevice;
 typedef uint64_t CUdeviceptr;
 
 enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100,
-       INVALID_DEVICE = 101, INVALID_PTX = 218, NOT_FOUND = 500 };
+       INVALID_DEVICE = 101, INVALID_PTX = 218, NOT_FOUND = 500, MPS_CONNECTION_FAILED = 805 };
 
-static int initialised, mps, sms = 132, pct = 100;
+static int initialised, mps, sms = 132, pct = 100, server_pid;
 static long long total_bytes = 81920LL << 20, limit_bytes, used_bytes;
 
 #define MAX_ALLOCS 256
@@ -52,6 +56,20 @@ static int listed(const char *list, const char *fn, int *code) {
     if (listed(getenv("FAKE_CUDA_HANG"), fn, NULL)) for (;;) pause(); \
     if (listed(getenv("FAKE_CUDA_FAIL"), fn, &code_)) return code_; \
 } while (0)
+
+/* The daemon this client found is still there (a zombie is gone: nothing answers for it). */
+static int server_alive(void) {
+    if (!server_pid) return 1;
+    char path[64], buf[512];
+    snprintf(path, sizeof path, "/proc/%d/stat", server_pid);
+    FILE *f = fopen(path, "r");
+    if (!f) return 0;
+    size_t n = fread(buf, 1, sizeof buf - 1, f);
+    fclose(f);
+    buf[n] = '\0';
+    char *end = strrchr(buf, ')');
+    return end && end[1] == ' ' && end[2] != 'Z' && end[2] != 'X';
+}
 
 static void record(void) {
     const char *world = getenv("FAKE_GPU_WORLD");
@@ -119,6 +137,11 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice dev) {
             if (p > 0) pct = p;
         }
         if (f) fclose(f);
+        snprintf(path, sizeof path, "%s/fake-daemon.pid", pipe);
+        if ((f = fopen(path, "r"))) {
+            if (fscanf(f, "%d", &server_pid) != 1) server_pid = 0;
+            fclose(f);
+        }
         const char *own = getenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT");
         if (own && strncmp(own, "0=", 2) == 0 && atoll(own + 2) > 0 && (atoll(own + 2) << 20) < limit_bytes)
             limit_bytes = atoll(own + 2) << 20;
@@ -144,6 +167,7 @@ CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
 CUresult cuMemAlloc_v2(CUdeviceptr *ptr, size_t size) {
     ENTER("cuMemAlloc_v2");
     if (!initialised) return NOT_INITIALIZED;
+    if (!server_alive()) return MPS_CONNECTION_FAILED;
     if (size == 0) return INVALID_VALUE;
     if (used_bytes + (long long)size > limit_bytes) return OUT_OF_MEMORY;
     for (int i = 0; i < MAX_ALLOCS; i++) {
@@ -201,6 +225,7 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
     (void)gy; (void)gz; (void)by; (void)bz; (void)shared; (void)stream; (void)extra;
     ENTER("cuLaunchKernel");
     if (!fn || !params || bx == 0) return INVALID_VALUE;
+    if (!server_alive()) return MPS_CONNECTION_FAILED;
     uint32_t *out = (uint32_t *)(uintptr_t)*(CUdeviceptr *)params[0];
     int allowed = sms * pct / 100;
     if (allowed < 1) allowed = 1;
@@ -218,6 +243,7 @@ CUresult cuGetErrorName(CUresult error, const char **name) {
     case INVALID_DEVICE: *name = "CUDA_ERROR_INVALID_DEVICE"; return OK;
     case INVALID_PTX: *name = "CUDA_ERROR_INVALID_PTX"; return OK;
     case NOT_FOUND: *name = "CUDA_ERROR_NOT_FOUND"; return OK;
+    case MPS_CONNECTION_FAILED: *name = "CUDA_ERROR_MPS_CONNECTION_FAILED"; return OK;
     default: return INVALID_VALUE;
     }
 }

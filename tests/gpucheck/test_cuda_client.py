@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from shim.gpucheck import cuda_client
+from tests.broker.fakes import dead_pid
 
 CLIENT = Path(cuda_client.__file__)
 
@@ -85,6 +86,15 @@ def test_a_bad_command_is_answered_and_the_client_goes_on(fake_libcuda: str, com
     assert lines[3]["ok"] is True, "a bad command changes nothing"
 
 
+def test_a_client_whose_mps_server_died_gets_errors_not_answers(fake_libcuda: str, tmp_path: Path) -> None:
+    (tmp_path / "control").touch()
+    (tmp_path / "fake-limits").write_text("1024 50\n")
+    gone = dead_pid()
+    (tmp_path / "fake-daemon.pid").write_text(f"{gone}\n")
+    _, lines, _ = run(fake_libcuda, ["init", "alloc 16", "busy 10"], {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)})
+    assert [(d["ok"], d.get("error")) for d in lines[2:]] == [(False, "CUDA_ERROR_MPS_CONNECTION_FAILED")] * 2
+
+
 def test_busy_before_init_names_what_to_do(fake_libcuda: str) -> None:
     _, lines, _ = run(fake_libcuda, ["busy 10"])
     assert lines[1]["ok"] is False and "send init first" in lines[1]["error"]
@@ -98,7 +108,7 @@ def test_busy_before_init_names_what_to_do(fake_libcuda: str) -> None:
                      id="no-memory-for-a-context"),
         pytest.param("cuModuleLoadData=218", "busy 10", "CUDA_ERROR_INVALID_PTX", "cuModuleLoadData",
                      id="ptx-refused"),
-        pytest.param("cuLaunchKernel=805", "busy 10", "CUDA_ERROR_805", "cuLaunchKernel",
+        pytest.param("cuLaunchKernel=9999", "busy 10", "CUDA_ERROR_9999", "cuLaunchKernel",
                      id="an-error-the-driver-cannot-name"),
     ],
 )
