@@ -3,12 +3,14 @@
 A sandbox whose runtime handler is ``weft`` (the handler of the ``weft``
 RuntimeClass) is forwarded unchanged to containerd, whose ``weft`` handler is
 runc plus weft's OCI hooks, and remembered as opted in: written to the state
-store before kubelet gets the sandbox ID. Every other sandbox passes through
-byte for byte.
+store before kubelet gets the sandbox ID; on a node with a mesh, a host is
+asked at once to prepare the pod's shadow sandbox (``shim.cri.origin.prepare``).
+Every other sandbox passes through byte for byte.
 """
 
 from __future__ import annotations
 
+import sqlite3
 import time
 
 import grpc
@@ -33,6 +35,13 @@ def route(fabric: Fabric) -> Route:
             return fabric.upstream.unary(PATH, request, context)
         if req.runtime_handler != WEFT_HANDLER:
             return fabric.upstream.unary(PATH, request, context)
+        if fabric.prepared is not None:
+            # The likeliest host makes the pod's shadow sandbox while containerd makes this one; in the
+            # background, and never a reason for this call to fail.
+            try:
+                fabric.prepared.begin(req.config)
+            except Exception as exc:  # noqa: BLE001 - a hint only; the container's RunShadow makes it anyway
+                _log.warning("remote.prepare_failed", pod=req.config.metadata.name, error=str(exc))
         response = fabric.upstream.unary(PATH, request, context)
         sandbox_id = cri.RunPodSandboxResponse.FromString(response).pod_sandbox_id
         meta = req.config.metadata
@@ -41,10 +50,14 @@ def route(fabric: Fabric) -> Route:
                 id=sandbox_id, name=meta.name, namespace=meta.namespace, uid=meta.uid,
                 runtime_handler=req.runtime_handler, opted_in=True, annotations=dict(req.config.annotations),
                 created_at=time.time()))
-        except StateError:
+        except (StateError, sqlite3.Error) as exc:
             # Unrecorded, weft would pass its containers through unplaced: the sandbox goes, kubelet retries.
+            # Any failure of the store counts, not only a full disk (a read-only or failing file too).
             _remove_quietly(fabric, sandbox_id)
-            raise
+            if isinstance(exc, StateError):
+                raise
+            raise StateError(f"weft: sandbox {sandbox_id[:13]} could not be recorded as opted in ({exc}); "
+                             "it was removed, and kubelet retries") from exc
         fabric.metrics.sandbox_opted_in(meta.namespace, meta.name, time.time())
         _log.info("sandbox.opted_in", sandbox_id=sandbox_id, pod=meta.name, namespace=meta.namespace)
         return response
