@@ -3,9 +3,8 @@
 A sandbox whose runtime handler is ``weft`` (the handler of the ``weft``
 RuntimeClass) is forwarded unchanged to containerd, whose ``weft`` handler is
 runc plus weft's OCI hooks, and remembered as opted in: written to the state
-store before kubelet gets the sandbox ID; on a node with a mesh, a host is
-asked at once to prepare the pod's shadow sandbox (``shim.cri.origin.prepare``).
-Every other sandbox passes through byte for byte.
+store before kubelet gets the sandbox ID. Every other sandbox passes through
+byte for byte.
 """
 
 from __future__ import annotations
@@ -35,13 +34,6 @@ def route(fabric: Fabric) -> Route:
             return fabric.upstream.unary(PATH, request, context)
         if req.runtime_handler != WEFT_HANDLER:
             return fabric.upstream.unary(PATH, request, context)
-        if fabric.prepared is not None:
-            # The likeliest host makes the pod's shadow sandbox while containerd makes this one; in the
-            # background, and never a reason for this call to fail.
-            try:
-                fabric.prepared.begin(req.config)
-            except Exception as exc:  # noqa: BLE001 - a hint only; the container's RunShadow makes it anyway
-                _log.warning("remote.prepare_failed", pod=req.config.metadata.name, error=str(exc))
         response = fabric.upstream.unary(PATH, request, context)
         sandbox_id = cri.RunPodSandboxResponse.FromString(response).pod_sandbox_id
         meta = req.config.metadata
