@@ -38,6 +38,21 @@ class PlacementReason(enum.Enum):
     VOLUMES_TOO_LARGE = "volumes-too-large"  # its read-only volumes are too large (or unreadable) to copy
 
 
+class PlacementState(enum.Enum):
+    """Where a placement record stands::
+
+        PENDING --created--> CREATED
+
+    A placement is written PENDING before containerd (or a host) creates the
+    container, so a crash in between leaves a record that recovery settles
+    (the container removed, the lease released); CREATED once kubelet has its
+    container ID.
+    """
+
+    PENDING = "pending"
+    CREATED = "created"
+
+
 @dataclass(frozen=True)
 class Placement:
     stage: Stage

@@ -16,6 +16,7 @@ from __future__ import annotations
 from cri_api.v1 import api_pb2 as cri
 
 from shim import log
+from shim.core.placement import PlacementState
 from shim.cri.fabric import Fabric
 from shim.cri.labels import ORIGIN_LABEL
 from shim.errors import WeftError
@@ -40,7 +41,7 @@ def find_shadows(fabric: Fabric) -> None:
 def settle(fabric: Fabric) -> None:
     find_shadows(fabric)
     inflight = fabric.inflight()
-    pending = [p for p in fabric.store.placements() if p.state == "pending" and p.key not in inflight]
+    pending = [p for p in fabric.store.placements() if p.state is PlacementState.PENDING and p.key not in inflight]
     if pending:
         list_containers = fabric.upstream.channel.unary_unary(
             _LIST, request_serializer=cri.ListContainersRequest.SerializeToString,

@@ -19,6 +19,7 @@ changes; uninstall writes them back byte for byte.
 from __future__ import annotations
 
 import contextlib
+import enum
 import glob
 import hashlib
 import json
@@ -116,9 +117,25 @@ class Original:
     backup: str  # host path of the backup copy
 
 
+class JournalState(enum.Enum):
+    """Where an install stands, as its journal records it::
+
+        INSTALLING --all steps done--> INSTALLED --uninstall--> UNINSTALLING --all undone--> (journal removed)
+            |                                                        ^
+            +---- a step failed: undone at once ---------------------+
+
+    A journal left INSTALLING or UNINSTALLING by a crash is finished on the
+    next run, in the direction it was going.
+    """
+
+    INSTALLING = "installing"
+    INSTALLED = "installed"
+    UNINSTALLING = "uninstalling"
+
+
 @dataclass
 class Journal:
-    state: str = "installing"  # installing | installed | uninstalling
+    state: JournalState = JournalState.INSTALLING
     started: list[str] = field(default_factory=list)  # install steps begun, in order
     undone: list[str] = field(default_factory=list)  # uninstall steps begun
     originals: dict[str, Original] = field(default_factory=dict)
@@ -137,13 +154,15 @@ class Journal:
             if doc.get("schema") != SCHEMA:
                 raise ValueError(f"schema {doc.get('schema')!r}, this weft reads {SCHEMA}")
             doc["originals"] = {p: Original(**o) for p, o in doc["originals"].items()}
+            doc["state"] = JournalState(doc.get("state", JournalState.INSTALLING.value))
             return cls(**doc)
         except (ValueError, TypeError, KeyError, AttributeError) as exc:
             raise InstallError(f"{JOURNAL}: cannot read the install journal ({exc}); "
                                "restore the files from its backups/ by hand") from exc
 
     def save(self, host: Host) -> None:
-        host.write(JOURNAL, (json.dumps(asdict(self), indent=2, sort_keys=True) + "\n").encode(), 0o600)
+        doc = {**asdict(self), "state": self.state.value}
+        host.write(JOURNAL, (json.dumps(doc, indent=2, sort_keys=True) + "\n").encode(), 0o600)
 
     def begin(self, host: Host, step: str, undo: bool = False) -> None:
         steps = self.undone if undo else self.started

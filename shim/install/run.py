@@ -32,7 +32,7 @@ from pathlib import Path
 from shim import failpoint
 from shim.errors import InstallError, UnrecognisedHost
 from shim.install import bundle, containerd, kubelet, services
-from shim.install.host import JOURNAL, Host, Journal, OriginalFiles
+from shim.install.host import JOURNAL, Host, Journal, JournalState, OriginalFiles
 from shim.install.plan import AGENT_SOCKET, AGENT_UNIT, BROKER_UNIT, INSTALL_DIR, OPT, Options, Plan, make
 
 INSTALL_STEPS = ("bundle", "units", "containerd-config", "containerd-restart", "weft-start", "agent-verify",
@@ -89,7 +89,7 @@ class _Installer:
             if foreign:
                 raise UnrecognisedHost(f"{foreign[0]}: exists, but no weft install journal does ({JOURNAL}): "
                                        "remove what was installed by hand first; nothing was changed")
-        elif j.state == "installed" and self._converged(plan, stamp):
+        elif j.state is JournalState.INSTALLED and self._converged(plan, stamp):
             self.say("weft is already installed; nothing changed")
             return
         if j is None:
@@ -102,7 +102,7 @@ class _Installer:
             for path in plan.modified:
                 if path not in j.originals:  # never changed by weft: what is there is the original
                     j.backup(self.host, path)
-        j.state = "installing"
+        j.state = JournalState.INSTALLING
         j.added = sorted(set(j.added) | set(plan.added))
         j.containerd_socket = plan.containerd_socket
         j.save(self.host)
@@ -124,7 +124,7 @@ class _Installer:
             also = f" (but: {'; '.join(problems)})" if problems else ""
             raise InstallError(f"{step} failed: {why}; rolled back, containerd's and kubelet's files are as "
                                f"before{also}") from exc
-        j.state = "installed"
+        j.state = JournalState.INSTALLED
         j.save(self.host)
         self.say(f"installed: kubelet -> weft agent (unix://{AGENT_SOCKET}) -> containerd ({plan.containerd_socket})")
 
@@ -242,7 +242,7 @@ class _Installer:
                 problems.append(exc.message)
                 self.say(f"warning: {exc.message}")
 
-        j.state = "uninstalling"
+        j.state = JournalState.UNINSTALLING
         j.save(self.host)
         ours = [*j.added]
         for step in UNINSTALL_STEPS:

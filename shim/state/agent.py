@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from shim.core.placement import PlacementState
 from shim.state.db import Database
 
 MIGRATIONS = (
@@ -81,7 +82,7 @@ class PlacementRecord:
     reason: str
     detail: str
     lease_id: str
-    state: str  # "pending" or "created"
+    state: PlacementState
     created_at: float
     # A remote container: the host it runs on ("" when local), kubelet's
     # ContainerConfig as weft answered it (bytes), the shadow sandbox on the
@@ -141,9 +142,9 @@ class AgentStore:
                 "INSERT OR REPLACE INTO placements (key, container_id, sandbox_id, name, attempt, stage, "
                 "stage_reason, stage_detail, placement, reason, detail, lease_id, state, created_at, remote_node, "
                 "config, sandbox_id_remote, status, log_path, log_offset, log_size) "
-                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 'pending', ?, ?, ?, ?, ?, ?, 0, 0)",
+                "VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, 0, 0)",
                 (rec.key, rec.container_id, rec.sandbox_id, rec.name, rec.attempt, rec.stage, rec.stage_reason,
-                 rec.stage_detail, rec.placement, rec.reason, rec.detail, rec.lease_id,
+                 rec.stage_detail, rec.placement, rec.reason, rec.detail, rec.lease_id, PlacementState.PENDING.value,
                  rec.created_at or time.time(), rec.remote_node, rec.config, rec.sandbox_id_remote, rec.status,
                  rec.log_path),
             )
@@ -169,10 +170,11 @@ class AgentStore:
     def mark_created(self, key: str, container_id: str, *, sandbox_id_remote: str = "",
                      status: bytes | None = None) -> None:
         with self.db.transaction() as conn:
-            conn.execute("UPDATE placements SET container_id = ?, state = 'created', "
+            conn.execute("UPDATE placements SET container_id = ?, state = ?, "
                          "sandbox_id_remote = CASE WHEN ? != '' THEN ? ELSE sandbox_id_remote END, "
                          "status = COALESCE(?, status) WHERE key = ?",
-                         (container_id, sandbox_id_remote, sandbox_id_remote, status, key))
+                         (container_id, PlacementState.CREATED.value, sandbox_id_remote, sandbox_id_remote, status,
+                          key))
 
     def drop_placement(self, key: str) -> None:
         with self.db.transaction() as conn:
@@ -209,7 +211,8 @@ class AgentStore:
 
     @staticmethod
     def _placement(r) -> PlacementRecord:
-        return PlacementRecord(**{k: r[k] for k in r.keys()})  # noqa: SIM118 - sqlite3.Row
+        fields = {k: r[k] for k in r.keys()}  # noqa: SIM118 - sqlite3.Row
+        return PlacementRecord(**{**fields, "state": PlacementState(fields["state"])})
 
     def close(self) -> None:
         self.db.close()

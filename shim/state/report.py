@@ -37,7 +37,7 @@ def _placement(p: PlacementRecord) -> dict[str, Any]:
         "container_id": p.container_id, "name": p.name, "sandbox_id": p.sandbox_id, "attempt": p.attempt,
         "stage": p.stage, "stage_reason": p.stage_reason, "stage_detail": p.stage_detail,
         "placement": p.placement, "reason": p.reason, "detail": p.detail, "lease_id": p.lease_id or None,
-        "state": p.state,
+        "state": p.state.value,
     }
 
 

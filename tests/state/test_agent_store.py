@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from shim.core.placement import PlacementState
 from shim.state.agent import AgentStore, PlacementRecord, SandboxRecord
 
 SB1 = SandboxRecord("sb1" + "0" * 61, "web", "default", "uid-1", "weft", True, {"weft.io/stage.app": "gpu"}, 1.0)
@@ -20,7 +21,7 @@ def placement(sandbox: SandboxRecord, name: str, created_at: float, lease_id: st
         key=f"{sandbox.id}/{name}/0", container_id=None, sandbox_id=sandbox.id, name=name, attempt=0,
         stage="gpu" if lease_id else "cpu", stage_reason="gpu-device" if lease_id else "no-gpu-request",
         stage_detail="device /dev/nvidia0" if lease_id else "nothing", placement="local",
-        reason="gpu-leased" if lease_id else "no-mesh", detail="why", lease_id=lease_id, state="pending",
+        reason="gpu-leased" if lease_id else "no-mesh", detail="why", lease_id=lease_id, state=PlacementState.PENDING,
         created_at=created_at,
     )
 
@@ -53,7 +54,7 @@ def test_pending_placement_becomes_created_with_its_container_id(store: AgentSto
     assert store.placements() == [p]
     assert store.placement(p.key) == p, "a pending placement is found by its key"
     store.mark_created(p.key, "c" * 64)
-    created = replace(p, container_id="c" * 64, state="created")
+    created = replace(p, container_id="c" * 64, state=PlacementState.CREATED)
     assert store.placements() == [created]
     assert store.placement("c" * 64) == created
 
@@ -150,6 +151,6 @@ def test_everything_survives_reopening(tmp_path: Path) -> None:
         assert again.sandboxes() == sandboxes == [SB1, SB2]
         assert again.placements() == placements
         assert again.placement(p2.key) == p2, "still pending after the restart"
-        assert again.placement("c1" * 32) == replace(p1, container_id="c1" * 32, state="created")
+        assert again.placement("c1" * 32) == replace(p1, container_id="c1" * 32, state=PlacementState.CREATED)
     finally:
         again.close()

@@ -33,7 +33,7 @@ from google.protobuf.message import DecodeError
 from shim import failpoint, log
 from shim._pb import mesh_pb2 as pb
 from shim.core.classify import Classification
-from shim.core.placement import PLACEMENT_ANNOTATION, PLACEMENT_REASON_ANNOTATION, PlacementReason
+from shim.core.placement import PLACEMENT_ANNOTATION, PLACEMENT_REASON_ANNOTATION, PlacementReason, PlacementState
 from shim.core.reroute import (
     ContainerFacts,
     RerouteReason,
@@ -41,6 +41,7 @@ from shim.core.reroute import (
     classify_mounts,
     decide,
 )
+from shim.cri import baseline
 from shim.cri.fabric import Fabric
 from shim.cri.origin.remote import REMOTE_PREFIX, Remote, new_id
 from shim.errors import WeftError
@@ -92,7 +93,13 @@ def facts_of(config: cri.ContainerConfig, sandbox: cri.PodSandboxConfig, pods_di
         readonly_copyable_mounts=mounts.readonly_copyable,
         devices=tuple(d.host_path for d in config.devices) + tuple(d.name for d in config.CDI_devices),
         limits=limits_of(config),
+        beyond_baseline=_beyond_baseline(config, sandbox),
     )
+
+
+def _beyond_baseline(config: cri.ContainerConfig, sandbox: cri.PodSandboxConfig) -> str:
+    decision = baseline.check(config, sandbox)
+    return "" if decision.allowed else f"{decision.reason.value}: {decision.detail}"
 
 
 def _read_tree(root: Path, budget: list[int]) -> list[pb.VolumeFile]:
@@ -200,7 +207,9 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
     shadow_config.image.CopyFrom(image)
     limits = facts.limits
     tried: list[str] = []
-    for node in decision.candidates:
+    candidates = (fabric.prepared.order(decision.candidates, sandbox_config) if fabric.prepared is not None
+                  else decision.candidates)
+    for node in candidates:
         client = mesh.client(node)
         if client is None:
             tried.append(f"{node}: no longer a peer")
@@ -245,7 +254,7 @@ def _create_on(fabric: Fabric, node: str, req: cri.CreateContainerRequest, sandb
         attempt=config.metadata.attempt, stage=classification.stage.value,
         stage_reason=classification.reason.value, stage_detail=classification.detail,
         placement=REMOTE_PREFIX + node, reason=RerouteReason.REROUTED.value, detail=detail, lease_id="",
-        state="pending", created_at=time.time(), remote_node=node, config=config.SerializeToString(),
+        state=PlacementState.PENDING, created_at=time.time(), remote_node=node, config=config.SerializeToString(),
         log_path=log_path)
     mesh = fabric.mesh
     client = mesh.client(node)

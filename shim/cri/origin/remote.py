@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 from cri_api.v1 import api_pb2 as cri
 
+from shim.core.placement import PlacementState
 from shim.errors import HostUnavailable
 from shim.state.agent import AgentStore, PlacementRecord
 
@@ -149,7 +150,7 @@ class RemoteContainers:
         self._lock = threading.Lock()
         self._by_id: dict[str, Remote] = {}
         for rec in store.remote_placements():
-            if rec.state == "created" and rec.container_id:
+            if rec.state is PlacementState.CREATED and rec.container_id:
                 self._by_id[rec.container_id] = Remote.from_record(rec)
 
     @property

@@ -36,6 +36,7 @@ from shim.core.placement import (
     PLACEMENT_REASON_ANNOTATION,
     Placement,
     PlacementReason,
+    PlacementState,
     gpu_ask,
     place,
 )
@@ -122,10 +123,10 @@ def _create_opted_in(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, c
         # Only weft writes this annotation; one a user set could name another container's lease.
         config.annotations.pop(LEASE_ANNOTATION, None)
     done = fabric.store.placement_by_key(key)
-    if done is not None and done.state == "created" and done.remote and done.container_id:
+    if done is not None and done.state is PlacementState.CREATED and done.remote and done.container_id:
         # kubelet retrying a create whose answer it lost: the container is on its host already.
         return cri.CreateContainerResponse(container_id=done.container_id).SerializeToString()
-    if done is not None and done.state == "created":
+    if done is not None and done.state is PlacementState.CREATED:
         # kubelet retrying a create that succeeded: containerd answers as it would without
         # weft (the name is taken); weft's records and the lease stay as they are.
         return fabric.upstream.unary(PATH, req.SerializeToString(), context)
@@ -164,7 +165,8 @@ def _lease_and_create(fabric: Fabric, req, sandbox, key: str, ask: ContainerAsk,
         key=key, container_id=None, sandbox_id=sandbox.id, name=name, attempt=attempt,
         stage=classification.stage.value, stage_reason=classification.reason.value,
         stage_detail=classification.detail, placement=placement.target, reason=placement.reason.value,
-        detail=placement.detail, lease_id=lease.lease_id if lease else "", state="pending", created_at=time.time())
+        detail=placement.detail, lease_id=lease.lease_id if lease else "", state=PlacementState.PENDING,
+        created_at=time.time())
     try:
         fabric.store.add_pending(record)
         failpoint.hit("create_container.pending")

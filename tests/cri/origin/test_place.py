@@ -16,7 +16,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim._pb import mesh_pb2 as pb
 from shim.core.classify import Classification, Stage, StageReason
-from shim.core.placement import PlacementReason
+from shim.core.placement import PlacementReason, PlacementState
 from shim.core.reroute import PeerView, Resources
 from shim.cri.fabric import Fabric
 from shim.cri.origin.place import place_remote, read_volumes
@@ -92,7 +92,10 @@ def request(tmp_path: Path, **security) -> cri.CreateContainerRequest:
     res = config.linux.resources
     res.cpu_period, res.cpu_quota, res.memory_limit_in_bytes = 100000, 50000, GI
     for k, v in security.items():
-        setattr(config.linux.security_context, k, v)
+        if k == "capabilities":
+            config.linux.security_context.capabilities.CopyFrom(v)
+        else:
+            setattr(config.linux.security_context, k, v)
     sandbox = cri.PodSandboxConfig(metadata=cri.PodSandboxMetadata(name="infer", uid="uid-1"),
                                    log_directory=str(tmp_path / "logs"))
     return cri.CreateContainerRequest(pod_sandbox_id="sb", config=config, sandbox_config=sandbox)
@@ -110,7 +113,7 @@ def test_a_vanished_peer_is_skipped_for_the_next(fabric, tmp_path) -> None:
     remote, local = place(fabric, tmp_path, peers)
     assert local is None and remote is not None and remote.node == "cpu-2"
     rec = fabric.store.placement(remote.id)
-    assert rec.state == "created" and rec.placement == "remote:cpu-2" and "cpu-1" in rec.detail
+    assert rec.state is PlacementState.CREATED and rec.placement == "remote:cpu-2" and "cpu-1" in rec.detail
     assert fabric.remotes.get(remote.id) is remote
     assert remote.kubelet_status().annotations["weft.io/placement"] == "remote:cpu-2"
 
@@ -153,6 +156,14 @@ def test_unsafe_containers_never_reach_a_peer(fabric, tmp_path) -> None:
     peers = {"cpu-1": Peer()}
     remote, local = place(fabric, tmp_path, peers, privileged=True)
     assert remote is None and local.reason is PlacementReason.UNSAFE and "privileged" in local.detail
+    assert peers["cpu-1"].calls == []
+
+
+def test_a_container_beyond_the_baseline_never_reaches_a_peer(fabric, tmp_path) -> None:
+    peers = {"cpu-1": Peer()}
+    remote, local = place(fabric, tmp_path, peers, capabilities=cri.Capability(add_capabilities=["NET_ADMIN"]))
+    assert remote is None and local.reason is PlacementReason.UNSAFE
+    assert local.detail.startswith("not-baseline: capabilities") and "NET_ADMIN" in local.detail
     assert peers["cpu-1"].calls == []
 
 
