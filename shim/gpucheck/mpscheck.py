@@ -69,7 +69,7 @@ def _others(ours: frozenset[int]) -> Check:
     found = []
     for p in psutil.process_iter(["pid", "name", "ppid"]):
         name = p.info["name"] or ""
-        if not name.startswith(_MPS_PREFIX) or p.info["pid"] in ours or p.info["ppid"] in ours:
+        if not name.startswith(_MPS_PREFIX) or p.info["pid"] in ours or p.info["ppid"] in ours or _brokers(p):
             continue
         try:
             pipe = p.environ().get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
@@ -82,3 +82,15 @@ def _others(ours: frozenset[int]) -> Check:
                              "under limits weft did not set. Change: let weft's broker be the only MPS "
                              "user of the GPUs it leases (turn off the device plugin's sharing.mps; use its "
                              "time-slicing replicas instead)")
+
+
+def _brokers(p: psutil.Process) -> bool:
+    """Started by a weft broker (a lease's daemon, or the server that daemon started)."""
+    try:
+        for parent in p.parents():
+            words = parent.cmdline()
+            if "broker" in words and any(w.endswith(("weft", "shim")) for w in words):
+                return True
+    except (psutil.Error, OSError):
+        return False
+    return False

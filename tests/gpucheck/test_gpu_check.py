@@ -242,3 +242,17 @@ def test_gpu_check_is_in_weft_help() -> None:
     from shim.cli import parser
 
     assert "gpu-check" in parser().format_help()
+
+
+def test_an_mps_daemon_weft_did_not_start_is_named(mps_binary: str, kubelet: Path, tmp_path: Path) -> None:
+    from shim.broker.mps import MpsSupervisor
+
+    theirs = MpsSupervisor(tmp_path / "theirs", mps_binary)  # run by this test, not by a weft broker
+    daemon = theirs.ensure("their-mps", A100)
+    try:
+        code, doc = check(FakeNvml(), mps_binary, kubelet)
+    finally:
+        theirs.stop_all()
+    got = by_name(doc)["other-mps"]
+    assert code == cli.EXIT_OK and got["result"] == "warn"
+    assert f"pid {daemon.pid} (pipe directory {daemon.pipe_dir})" in got["detail"]
