@@ -132,3 +132,33 @@ def test_calls_are_counted_and_timed_by_method_and_code(containerd: Containerd, 
     assert status == 200 and json.loads(body)["containerd"] == "reachable"
     started = [e for e in agent.events() if e.get("event") == "agent.started"]
     assert started and started[0]["containerd"] == str(containerd.socket)
+
+
+def test_each_call_s_log_line_names_its_sandbox_or_container_and_the_pod(containerd: Containerd, agent,
+                                                                         agent_channel) -> None:
+    rt = cri_grpc.RuntimeServiceStub(agent_channel)
+    cfg = pods.sandbox_config("logged", containerd.pod_log_dir, namespace="team-a",
+                              cgroup_parent=containerd.cgroup_root)
+    sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=cfg)).pod_sandbox_id
+    try:
+        config = pods.container_config("app", ["sleep", "3600"])
+        cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=config,
+                                                            sandbox_config=cfg)).container_id
+        rt.StartContainer(cri.StartContainerRequest(container_id=cid))  # passes through: the relay reads the ID
+        rt.StopContainer(cri.StopContainerRequest(container_id=cid, timeout=0))
+    finally:
+        rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sid))
+        rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sid))
+    wanted = {"RunPodSandbox", "CreateContainer", "StartContainer", "StopPodSandbox", "RemovePodSandbox"}
+
+    def logged() -> list[dict] | None:
+        calls = [e for e in agent.events() if e.get("event") == "cri.call"]
+        return calls if wanted <= {e["method"] for e in calls} else None
+
+    lines = {e["method"]: e for e in wait_for(logged, timeout=10, what="the calls' log lines")}
+    run, create, start = lines["RunPodSandbox"], lines["CreateContainer"], lines["StartContainer"]
+    assert (run["pod"], run["namespace"], run["kind"]) == ("logged", "team-a", "intercepted")
+    assert (create["pod_sandbox_id"], create["pod"]) == (sid, "logged")
+    assert 0 < create["upstream_ms"] <= create["ms"]  # containerd's share, apart from weft's
+    assert (start["container_id"], start["kind"]) == (cid, "passthrough")
+    assert lines["StopPodSandbox"]["pod_sandbox_id"] == sid and lines["RemovePodSandbox"]["pod_sandbox_id"] == sid

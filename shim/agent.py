@@ -23,6 +23,7 @@ from shim.broker.client import BrokerClient
 from shim.config import Config
 from shim.cri.fabric import Fabric
 from shim.cri.instrument import Instrument
+from shim.cri.origin.prepare import Prepared
 from shim.cri.origin.supervisor import RemoteSupervisor
 from shim.cri.passthrough import Upstream
 from shim.cri.recovery import Reconciler
@@ -61,7 +62,7 @@ class Agent:
         self.broker = BrokerClient(cfg.agent.broker_socket) if cfg.agent.broker_socket else None
         self.fabric = Fabric(self.upstream, self.store, self.broker, self.metrics)
         self.server = RelayServer(cfg.agent.socket, str(cfg.agent.containerd_socket), routes.table(self.fabric),
-                                  Instrument(self.metrics), cfg.agent.workers)
+                                  Instrument(self.metrics, self.fabric.pod_of), cfg.agent.workers)
         self.reconciler = Reconciler(self.fabric)
         self.mesh = self._mesh(cfg)
         self.http: HttpEndpoint | None = None
@@ -75,7 +76,8 @@ class Agent:
 
         m = cfg.mesh
         host = ShadowHost(self.fabric, cfg.agent.state_dir, fence_timeout=m.fence_timeout,
-                          heartbeat_interval=m.heartbeat_interval, cgroup_parent=m.shadow_cgroup_parent)
+                          heartbeat_interval=m.heartbeat_interval, cgroup_parent=m.shadow_cgroup_parent,
+                          prepared_sandbox_ttl=m.prepared_sandbox_ttl)
         self.host = host
         mesh = MeshNode(node=m.node_name or socketlib.gethostname(), role={"both": "gpu,cpu"}.get(m.role, m.role),
                         address=m.address, peers=m.peers, tls_dir=m.tls_dir, hello_interval=m.hello_interval,
@@ -84,6 +86,8 @@ class Agent:
         self.fabric.mesh = mesh
         self.fabric.pods_dir = m.kubelet_pods_dir
         self.fabric.peer_max_age_s = max(30.0, 3 * m.hello_interval)
+        self.fabric.prepare_shadow_sandbox = m.prepare_shadow_sandbox
+        self.fabric.prepared = Prepared(self.fabric)
         self.supervisor = RemoteSupervisor(self.fabric, loss_timeout=m.loss_timeout,
                                            heartbeat=m.heartbeat_interval, volume_interval=m.volume_sync_interval)
         self._tunnels(cfg, mesh, host)

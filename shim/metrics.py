@@ -36,6 +36,13 @@ class Metrics:
             buckets=_CRI_BUCKETS,
             registry=self.registry,
         )
+        self.cri_upstream = Histogram(
+            "weft_cri_upstream_duration_seconds",
+            "Of an intercepted CRI request's wall time, what it spent waiting on containerd, by method and code.",
+            ["method", "code"],
+            buckets=_CRI_BUCKETS,
+            registry=self.registry,
+        )
         self.cri_streams = Gauge(
             "weft_cri_open_streams",
             "Server-streaming CRI calls (GetContainerEvents) open now.",
@@ -88,6 +95,9 @@ class Metrics:
             oldest = next(iter(self._opted_in_pods))
             del self._opted_in_pods[oldest]
             self.sandbox_opted_in_at.remove(*oldest)
+
+    def observe_cri_upstream(self, method: str, code: str, seconds: float) -> None:
+        self.cri_upstream.labels(method, code).observe(seconds)
 
     def observe_cri(self, method: str, code: str, kind: str, seconds: float) -> None:
         # labels() takes a lock and builds a tuple on every call; the hot path

@@ -39,6 +39,9 @@ class Fabric:
         self.images = PulledImages()
         self.pods_dir = "/var/lib/kubelet/pods"
         self.peer_max_age_s = 30.0
+        # Opted-in pods' shadow sandboxes made ahead on a host (shim.cri.origin.prepare), when the mesh is on.
+        self.prepare_shadow_sandbox = False
+        self.prepared = None
         # Told when a remote container starts (the supervisor copies its log) and when kubelet rotates its log.
         self.on_remote: list = []
         self.on_reopen: list = []
@@ -72,6 +75,20 @@ class Fabric:
     def inflight(self) -> set[str]:
         with self._lock:
             return set(self._inflight)
+
+    def pod_of(self, field: str, value: str) -> tuple[str, str] | None:
+        """(pod, namespace) of an opted-in sandbox, or of a remote container's sandbox; None for anything else.
+
+        Only what is in memory: the log line of every intercepted call asks.
+        """
+        sandbox_id = value
+        if field == "container_id":
+            r = self.remotes.get(value)
+            if r is None:
+                return None
+            sandbox_id = r.sandbox_id
+        rec = self.opted_in.get(sandbox_id)
+        return (rec.name, rec.namespace) if rec is not None else None
 
     def remember(self, rec: SandboxRecord) -> None:
         self.store.add_sandbox(rec)

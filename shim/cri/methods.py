@@ -27,10 +27,16 @@ class Method:
     shape: Shape
     # Polling verbs are logged at debug, the rest at info (as containerd does).
     polling: bool
+    # The request's field 1 when it names what the call is about ("container_id" or "pod_sandbox_id"):
+    # read off the wire for the call's log line, without parsing the request.
+    id_field: str = ""
 
 
 _POLLING_PREFIXES = ("List", "Version", "Status", "ImageStatus", "ImageFsInfo", "ContainerStatus",
                      "PodSandboxStatus", "ContainerStats", "PodSandboxStats", "RuntimeConfig")
+
+
+_ID_FIELDS = ("container_id", "pod_sandbox_id")
 
 
 def _known() -> dict[str, Method]:
@@ -44,7 +50,9 @@ def _known() -> dict[str, Method]:
                 shape = Shape.SERVER_STREAM
             else:
                 shape = Shape.UNARY
-            table[path] = Method(path, m.name, shape, m.name.startswith(_POLLING_PREFIXES))
+            first = m.input_type.fields_by_number.get(1)
+            id_field = first.name if first is not None and first.name in _ID_FIELDS else ""
+            table[path] = Method(path, m.name, shape, m.name.startswith(_POLLING_PREFIXES), id_field)
     return table
 
 

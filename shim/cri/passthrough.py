@@ -11,11 +11,13 @@ here: the relay passes it through frame by frame.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import grpc
 
+from shim.cri.instrument import upstream_took
 from shim.errors import UpstreamError, UpstreamUnavailable
 
 # Keys a gRPC client library sets itself; forwarding them would be refused or
@@ -78,12 +80,15 @@ class Upstream:
         call_fn = self._unary.get(path)
         if call_fn is None:
             call_fn = self._unary[path] = self.channel.unary_unary(path).with_call
+        start = time.perf_counter()
         try:
             response, call = call_fn(
                 request, timeout=timeout_of(context), metadata=outgoing_metadata(context.invocation_metadata())
             )
         except grpc.RpcError as exc:
             raise self.translate(exc) from None
+        finally:
+            upstream_took(time.perf_counter() - start)
         initial = call.initial_metadata()
         if initial:
             context.send_initial_metadata(initial)

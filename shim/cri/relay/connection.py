@@ -31,7 +31,7 @@ import grpc
 from hpack.exceptions import HPACKError
 
 from shim import log
-from shim.cri.instrument import Outcome
+from shim.cri.instrument import Outcome, ids_of
 from shim.cri.methods import Method, Shape, lookup
 from shim.cri.relay import answers, h2
 from shim.cri.relay.context import RelayContext, header_fields, metadata_of
@@ -62,6 +62,7 @@ class Stream:
     pick: Callable[[bytes], bool] | None = None
     held: list[bytes] = field(default_factory=list)
     held_wire: int = 0
+    ids: dict[str, str] | None = None  # what a pass-through call is about, for its log line (non-polling only)
 
 
 class Connection:
@@ -161,6 +162,8 @@ class Connection:
                 self.down.credit(sid, len(payload))
             else:
                 up.append(raw)
+                if st is not None and st.ids is None and st.method.id_field and not st.method.polling:
+                    st.ids = ids_of(st.method, h2.data_payload(flags, payload)[5:])  # past gRPC's own header
         elif ftype == h2.WINDOW_UPDATE:
             forward = self.down.window_update(sid, h2.window_increment(payload))
             if self.up_w is not None and forward is None:
@@ -395,7 +398,7 @@ class Connection:
         if not st.intercepted:
             if st.method.shape is Shape.SERVER_STREAM:
                 self.relay.instrument.stream_closed(st.method)
-            self.relay.instrument.passthrough(st.method, code, details, time.perf_counter() - st.start)
+            self.relay.instrument.passthrough(st.method, code, details, time.perf_counter() - st.start, st.ids)
         self._close_if_done()
 
     def drain(self) -> None:

@@ -42,11 +42,12 @@ from shim.core.placement import (
 )
 from shim.core.quantity import AnnotationError
 from shim.cri.fabric import Fabric
+from shim.cri.instrument import note_pod
 from shim.cri.origin.place import place_remote
 from shim.cri.origin.remote import REMOTE_PREFIX as PLACEMENT_REMOTE
 from shim.cri.passthrough import timeout_of
 from shim.cri.route import Route
-from shim.cri.verbs.wire import string_field
+from shim.cri.wire import string_field
 from shim.errors import BadAnnotation, CreateInProgress, MalformedRequest
 from shim.state.agent import PlacementRecord
 from shim.state.db import StateError
@@ -99,6 +100,7 @@ def route(fabric: Fabric) -> Route:
                 raise MalformedRequest(f"weft: CreateContainer in opted-in sandbox {sandbox_id[:13]} does not "
                                        f"parse ({exc}); weft places every container of an opted-in pod") from None
             return fabric.upstream.unary(PATH, request, context)
+        note_pod(req.sandbox_config.metadata.name, req.sandbox_config.metadata.namespace)
         sandbox = fabric.opted_in.get(req.pod_sandbox_id)
         if sandbox is None:
             return fabric.upstream.unary(PATH, request, context)

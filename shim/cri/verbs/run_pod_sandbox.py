@@ -3,8 +3,9 @@
 A sandbox whose runtime handler is ``weft`` (the handler of the ``weft``
 RuntimeClass) is forwarded unchanged to containerd, whose ``weft`` handler is
 runc plus weft's OCI hooks, and remembered as opted in: written to the state
-store before kubelet gets the sandbox ID. Every other sandbox passes through
-byte for byte.
+store before kubelet gets the sandbox ID; on a node with a mesh, a host is
+asked at once to prepare the pod's shadow sandbox (``shim.cri.origin.prepare``).
+Every other sandbox passes through byte for byte.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim.cri.fabric import WEFT_HANDLER, Fabric
+from shim.cri.instrument import note_pod
 from shim.cri.route import Route
 from shim.state.agent import SandboxRecord
 from shim.state.db import StateError
@@ -32,8 +34,16 @@ def route(fabric: Fabric) -> Route:
             req = cri.RunPodSandboxRequest.FromString(request)
         except DecodeError:  # containerd words the error, as it would without us
             return fabric.upstream.unary(PATH, request, context)
+        note_pod(req.config.metadata.name, req.config.metadata.namespace)
         if req.runtime_handler != WEFT_HANDLER:
             return fabric.upstream.unary(PATH, request, context)
+        if fabric.prepared is not None:
+            # The likeliest host makes the pod's shadow sandbox while containerd makes this one; in the
+            # background, and never a reason for this call to fail.
+            try:
+                fabric.prepared.begin(req.config)
+            except Exception as exc:  # noqa: BLE001 - a hint only; the container's RunShadow makes it anyway
+                _log.warning("remote.prepare_failed", pod=req.config.metadata.name, error=str(exc))
         response = fabric.upstream.unary(PATH, request, context)
         sandbox_id = cri.RunPodSandboxResponse.FromString(response).pod_sandbox_id
         meta = req.config.metadata

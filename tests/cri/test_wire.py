@@ -6,7 +6,7 @@ from cri_api.v1 import api_pb2 as cri
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shim.cri.verbs.wire import string_field
+from shim.cri.wire import string_field
 
 
 def test_the_sandbox_id_of_a_request_with_invalid_utf8_elsewhere() -> None:
