@@ -12,6 +12,10 @@ Example file::
     state_dir = "/var/lib/weft"
     metrics_address = "127.0.0.1:9464"   # "" turns the HTTP endpoint off
     broker_socket = "/run/weft/broker.sock"  # "" on nodes without GPUs
+    log_level = "info"
+    workers = 64                          # threads for intercepted calls
+    stream_address = "127.0.0.1:0"        # exec/attach of rerouted containers (beside containerd's)
+    stream_busy_poll_us = 200             # exec/attach relays spin up to this long after a keystroke; 0: off
 
     [mesh]                                # off unless address is set
     node_name = "gpu-1"                   # default: the host name
@@ -19,10 +23,6 @@ Example file::
     address = "10.0.0.4:7443"
     peers = "/etc/weft/peers.toml"        # or "kubernetes" (EndpointSlices of the weft-mesh Service)
     tls_dir = "/etc/weft/mesh"
-    log_level = "info"
-    workers = 64                          # threads for intercepted calls
-    stream_address = "127.0.0.1:0"        # exec/attach of rerouted containers (beside containerd's)
-    stream_busy_poll_us = 200             # exec/attach relays spin up to this long after a keystroke; 0: off
 
     [report]                              # weft report (flags override)
     prometheus = "http://prometheus.monitoring:9090"
@@ -123,11 +123,15 @@ class MeshConfig:
     shadow_cgroup_parent: str = "/weft-shadows"
     # "CORES,MEMORY" to advertise instead of measuring (test and demo nodes sharing one machine); "" measures.
     fixed_capacity: str = ""
+    # Make an opted-in pod's shadow sandbox on the likeliest host as soon as its RunPodSandbox arrives.
+    prepare_shadow_sandbox: bool = True
+    # A host removes a shadow sandbox no container has used for this long (prepared, or left half-way).
+    prepared_sandbox_ttl: float = 60.0
 
     def validate(self) -> None:
         if self.role not in MESH_ROLES:
             raise ConfigError(f"mesh.role: {self.role!r} is not one of {', '.join(MESH_ROLES)}")
-        for name in ("hello_interval", "fence_timeout", "loss_timeout", "heartbeat_interval"):
+        for name in ("hello_interval", "fence_timeout", "loss_timeout", "heartbeat_interval", "prepared_sandbox_ttl"):
             if getattr(self, name) <= 0:
                 raise ConfigError(f"mesh.{name}: {getattr(self, name)} must be positive")
         if self.fence_timeout < 2 * max(self.hello_interval, self.heartbeat_interval):

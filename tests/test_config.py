@@ -56,3 +56,11 @@ def test_missing_file_is_named(tmp_path: Path) -> None:
 
 def test_empty_metrics_address_turns_http_off() -> None:
     assert config.load(None, {"agent": {"metrics_address": ""}}).agent.metrics_address == ""
+
+
+def test_the_example_file_in_the_docstring_loads_as_written(tmp_path: Path) -> None:
+    example = config.__doc__.split("Example file::", 1)[1]
+    text = "\n".join(line[4:] for line in example.splitlines())
+    (tmp_path / "weft.toml").write_text(text)
+    cfg = config.load(tmp_path / "weft.toml")
+    assert cfg.agent.workers == 64 and cfg.mesh.role == "gpu" and cfg.report.timeout == 10.0
