@@ -72,7 +72,7 @@ class AdmitResponse(_message.Message):
     def __init__(self, admitted: _Optional[bool] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., free_after: _Optional[_Union[Resources, _Mapping]] = ...) -> None: ...
 
 class RunShadowRequest(_message.Message):
-    __slots__ = ("origin_node", "origin_sandbox_id", "key", "sandbox_config", "container_config", "auth", "start", "volumes")
+    __slots__ = ("origin_node", "origin_sandbox_id", "key", "sandbox_config", "container_config", "auth", "start", "volumes", "sandbox_only")
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,7 @@ class RunShadowRequest(_message.Message):
     AUTH_FIELD_NUMBER: _ClassVar[int]
     START_FIELD_NUMBER: _ClassVar[int]
     VOLUMES_FIELD_NUMBER: _ClassVar[int]
+    SANDBOX_ONLY_FIELD_NUMBER: _ClassVar[int]
     origin_node: str
     origin_sandbox_id: str
     key: str
@@ -89,7 +90,8 @@ class RunShadowRequest(_message.Message):
     auth: bytes
     start: bool
     volumes: _containers.RepeatedCompositeFieldContainer[Volume]
-    def __init__(self, origin_node: _Optional[str] = ..., origin_sandbox_id: _Optional[str] = ..., key: _Optional[str] = ..., sandbox_config: _Optional[bytes] = ..., container_config: _Optional[bytes] = ..., auth: _Optional[bytes] = ..., start: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[Volume, _Mapping]]] = ...) -> None: ...
+    sandbox_only: bool
+    def __init__(self, origin_node: _Optional[str] = ..., origin_sandbox_id: _Optional[str] = ..., key: _Optional[str] = ..., sandbox_config: _Optional[bytes] = ..., container_config: _Optional[bytes] = ..., auth: _Optional[bytes] = ..., start: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[Volume, _Mapping]]] = ..., sandbox_only: _Optional[bool] = ...) -> None: ...
 
 class VolumeFile(_message.Message):
     __slots__ = ("path", "data", "mode")

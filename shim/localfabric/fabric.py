@@ -49,6 +49,7 @@ class Fabric3:
     loss_s: float = LOSS_S
     hello_s: float = HELLO_S
     stream_busy_poll_us: int | None = None  # agent.stream_busy_poll_us on every node; None: the default
+    mesh_config: str = ""  # more [mesh] lines for every node ("key = value" TOML lines)
     cluster: Cluster | None = None
     broker: BrokerProcess | None = None
     agents: dict[str, AgentProcess] = field(default_factory=dict)
@@ -89,7 +90,7 @@ class Fabric3:
         common = (f"[mesh]\nhello_interval = {self.hello_s}\nheartbeat_interval = {min(self.hello_s, 1.0)}\n"
                   f"fence_timeout = {self.fence_s}\nloss_timeout = {self.loss_s}\n"
                   f'kubelet_pods_dir = "{self.pods_dir}"\nvolume_sync_interval = 0.5\n'
-                  f'fixed_capacity = "{HOST_CORES},{HOST_MEMORY}"\n')
+                  f'fixed_capacity = "{HOST_CORES},{HOST_MEMORY}"\n' + self.mesh_config)
         for node in self.cluster.nodes:
             # Shadows under the node's own cgroup root, which its harness removes at the end.
             conf = self.workdir / f"{node.name}.toml"

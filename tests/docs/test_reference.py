@@ -66,10 +66,12 @@ def _code(cell: str) -> list[str]:
 
 # -- configuration ----------------------------------------------------------------------------------------------
 
-_TYPES = {Path: "path", str: "string", int: "integer", float: "float", dict: "table"}
+_TYPES = {bool: "boolean", Path: "path", str: "string", int: "integer", float: "float", dict: "table"}
 
 
 def _toml(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, Path | str):
         return '"' + str(value) + '"'
     if isinstance(value, dict):
@@ -82,7 +84,8 @@ def _fields(cls: type) -> dict[str, tuple[str, str]]:
     instance = cls()
     for f in dataclasses.fields(cls):
         value = getattr(instance, f.name)
-        kind = next(name for t, name in _TYPES.items() if isinstance(value, t) and not isinstance(value, bool))
+        kind = next(name for t, name in _TYPES.items()
+                    if isinstance(value, t) and (t is bool or not isinstance(value, bool)))
         out[f.name] = (kind, _toml(value))
     return out
 

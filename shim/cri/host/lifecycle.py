@@ -37,6 +37,7 @@ from shim.cri.labels import (
     KEY_LABEL,
     MEMORY_LIMIT_ANNOTATION,
     ORIGIN_LABEL,
+    POD_LABEL,
     SANDBOX_LABEL,
 )
 from shim.errors import BadAnnotation, UpstreamError, WeftError
@@ -120,7 +121,8 @@ class Lifecycle:
             raise UnsafeShadow(f"RunShadow {req.key}: this host never runs a rerouted container with {unsafe}")
         plans = shadow_volumes.plan(req.volumes)
         volumes = self._volume_dir(origin, req.key)
-        origin_labels = {ORIGIN_LABEL: origin, SANDBOX_LABEL: req.origin_sandbox_id}
+        origin_labels = {ORIGIN_LABEL: origin, SANDBOX_LABEL: req.origin_sandbox_id,
+                         POD_LABEL: label(f"{sandbox.metadata.uid}/{sandbox.metadata.attempt}")}
         # The pull may take minutes: outside the lock, so Watch, RemoveShadow and other RunShadows go on.
         self._pull(config.image, auth)
         with self.lock:
@@ -136,6 +138,8 @@ class Lifecycle:
                                                    host_path=str(shadow_volumes.host_path(volumes, i, p))))
                 shadow_sandbox = self._shadow_sandbox(origin, req, sandbox, origin_labels)
                 sandbox_id = self._sandbox(shadow_sandbox, origin_labels)
+                # A prepared sandbox was made before the origin's sandbox ID, and so this directory, was known.
+                Path(shadow_sandbox.log_directory).mkdir(parents=True, exist_ok=True)
                 cpu, memory = limits(config.linux.resources)
                 config.labels.update({**origin_labels, KEY_LABEL: label(req.key)})
                 config.annotations.update({KEY_ANNOTATION: req.key, CPU_LIMIT_ANNOTATION: repr(cpu),
@@ -179,16 +183,28 @@ class Lifecycle:
         shadow.CopyFrom(sandbox)
         shadow.metadata.uid = f"{sandbox.metadata.uid}-shadow"
         shadow.labels.update(origin_labels)
-        shadow.log_directory = str(self._sandbox_logs(origin, req.origin_sandbox_id))
+        # A prepared sandbox (no origin sandbox ID yet) holds no log: it gets the origin's directory.
+        shadow.log_directory = str(self._sandbox_logs(origin, req.origin_sandbox_id) if req.origin_sandbox_id
+                                   else self.log_root / _safe_component(origin, "origin node"))
         shadow.linux.cgroup_parent = shadow_cgroup(self.cgroup_parent, shadow.metadata.uid,
                                                    systemd=sandbox.linux.cgroup_parent.endswith(".slice"))
         del shadow.port_mappings[:]  # the pod's ports are the origin's; the mesh stitches what is needed
         return shadow
 
     def _sandbox(self, shadow: cri.PodSandboxConfig, origin_labels: dict[str, str]) -> str:
-        """The pod's ready shadow sandbox, or a new one (``shadow``'s attempt set to follow any dead one)."""
-        ready, shadow.metadata.attempt = sandbox_to_use(self.rt.find(origin_labels, containers=False),
-                                                        shadow.metadata.attempt)
+        """The pod's ready shadow sandbox, or a new one (``shadow``'s attempt set to follow any dead one).
+
+        Found by the origin's sandbox ID, or by the pod (``POD_LABEL``): one the
+        origin had prepared before its sandbox ID was known
+        (``shim.cri.host.prepare``).
+        """
+        found: dict[str, cri.PodSandbox] = {}
+        for key in (SANDBOX_LABEL, POD_LABEL):
+            if origin_labels.get(key):
+                for s in self.rt.find({ORIGIN_LABEL: origin_labels[ORIGIN_LABEL], key: origin_labels[key]},
+                                      containers=False):
+                    found.setdefault(s.id, s)
+        ready, shadow.metadata.attempt = sandbox_to_use(found.values(), shadow.metadata.attempt)
         if ready:
             return ready
         return self.rt.call(RT + "RunPodSandbox", cri.RunPodSandboxRequest(config=shadow),

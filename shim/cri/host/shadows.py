@@ -5,6 +5,8 @@ requests; each idea lives in a module of its own:
 
 - ``lifecycle``: RunShadow, StartShadow, ShadowStatus, RemoveShadow and
   SyncVolumes, and what a host refuses to run;
+- ``prepare``: shadow sandboxes made before a container asks, and the sweep
+  of those no container uses;
 - ``watch``: Watch and StreamLog, what the origin sees of its shadows;
 - ``calls``: ShadowCall, the CRI calls an origin may make on a shadow, and the
   tunnels into it;
@@ -28,27 +30,32 @@ from shim.cri.host.calls import Calls
 from shim.cri.host.capacity import HostedCapacity
 from shim.cri.host.fence import Fencer
 from shim.cri.host.lifecycle import Lifecycle
+from shim.cri.host.prepare import Preparer
 from shim.cri.host.runtime import ShadowRuntime
 from shim.cri.host.watch import Watcher
 
 
 class ShadowHost:
     def __init__(self, fabric: Fabric, state_dir: Path, *, fence_timeout: float = 8.0,
-                 heartbeat_interval: float = 1.0, cgroup_parent: str = "/weft-shadows") -> None:
+                 heartbeat_interval: float = 1.0, cgroup_parent: str = "/weft-shadows",
+                 prepared_sandbox_ttl: float = 60.0) -> None:
         self.fabric = fabric
         self.rt = ShadowRuntime(fabric)
         self.fencer = Fencer(self.rt, fabric, fence_timeout)
         self.capacity = HostedCapacity(self.rt, fabric)
         self.lifecycle = Lifecycle(self.rt, fabric, self.capacity, state_dir, cgroup_parent)
+        self.preparer = Preparer(self.lifecycle, prepared_sandbox_ttl)
         self.watcher = Watcher(self.rt, self.lifecycle, heartbeat_interval)
         self.calls = Calls(self.rt, self.capacity)
 
     # -- the agent's ---------------------------------------------------------------
     def open(self) -> None:
         self.fencer.open()
+        self.preparer.open()
 
     def close(self) -> None:
         self.fencer.close()
+        self.preparer.close()
 
     @property
     def net(self) -> Any:
@@ -64,6 +71,8 @@ class ShadowHost:
         self.fencer.touch(origin)
 
     def run(self, origin: str, req: pb.RunShadowRequest) -> pb.ShadowState:
+        if req.sandbox_only:
+            return self.preparer.prepare(origin, req)
         return self.lifecycle.run(origin, req)
 
     def start(self, origin: str, key: str) -> pb.ShadowState:
