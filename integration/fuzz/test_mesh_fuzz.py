@@ -6,7 +6,7 @@ valid request, invalid UTF-8 and huge strings, as gpu-1. After each call: the
 status is a clear one, the agent still serves its mesh and its CRI socket,
 and a shadow that a RunShadow made is removed by the origin's own
 RemoveShadow, leaving the host's containerd as it was. Who may ask at all
-(certificates, node list, claims) is in ``integration/test_security.py``.
+(certificates, node list, claims) is in ``integration/security/test_boundaries.py``.
 """
 
 from __future__ import annotations

@@ -25,7 +25,7 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration.fuzz.mesh_fixture import MESH, MeshHost, mesh_host, run_shadow_request
+from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
 from integration.registry import Registry
 from shim._pb import mesh_pb2 as pb
 from shim.localfabric import images, pods
@@ -119,12 +119,7 @@ def test_a_pod_cannot_take_another_pods_lease_through_its_annotations(gpu_node: 
         assert gpu_node.broker.leases() == []
 
 
-# -- the mesh -------------------------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def mesh(containerd_session: Containerd, tmp_path_factory: pytest.TempPathFactory) -> Iterator[MeshHost]:
-    yield from mesh_host(containerd_session, tmp_path_factory.mktemp("security-mesh"))
-
-
+# -- the mesh (``mesh``: a CPU host, in conftest) ---------------------------------------------------
 _UNARY = [m.name for m in pb.DESCRIPTOR.services_by_name["Mesh"].methods if not m.server_streaming]
 
 

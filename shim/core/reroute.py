@@ -83,6 +83,8 @@ class ContainerFacts:
     readonly_copyable_mounts: tuple[str, ...] = ()
     devices: tuple[str, ...] = ()
     limits: Resources | None = None  # None: the container declares no limits
+    # What breaks the baseline Pod Security Standard (shim.core.baseline), empty when nothing does.
+    beyond_baseline: str = ""
 
 
 class SafetyReason(enum.Enum):
@@ -94,6 +96,8 @@ class SafetyReason(enum.Enum):
     HOST_PATH = "host-path-mount"
     SHARED_WRITABLE_VOLUME = "shared-writable-volume"
     DEVICES = "host-devices"
+    # Capabilities, SELinux options, sysctls or namespaces a baseline pod may not have: a host would refuse it.
+    NOT_BASELINE = "not-baseline"
     NO_LIMITS = "no-limits"  # a peer admits by limits, so without them it cannot admit safely
 
 
@@ -127,6 +131,8 @@ def check_safety(facts: ContainerFacts) -> SafetyDecision:
     for found, reason, what in paths:
         if found:
             return SafetyDecision(reason, f"{what}: {', '.join(found)}")
+    if facts.beyond_baseline:
+        return SafetyDecision(SafetyReason.NOT_BASELINE, facts.beyond_baseline)
     missing = _missing_limits(facts.limits)
     if missing:
         return SafetyDecision(SafetyReason.NO_LIMITS, f"no {missing} limit; a peer admits containers by their limits")

@@ -50,7 +50,8 @@ def peer(node: str, cpu: float = 8.0, gib: int = 16, *, cpu_host: bool = True, h
     ("enum", "values"),
     [
         pytest.param(SafetyReason, {"safe", "privileged", "host-network", "host-pid", "host-ipc", "host-path-mount",
-                                    "shared-writable-volume", "host-devices", "no-limits"}, id="safety"),
+                                    "shared-writable-volume", "host-devices", "not-baseline", "no-limits"},
+                     id="safety"),
         pytest.param(AdmitReason, {"admitted", "insufficient-cpu", "insufficient-memory", "unhealthy",
                                    "not-a-cpu-host", "no-limits", "draining"}, id="admit"),
         pytest.param(PeerRejection, {"stale", "unhealthy", "not-a-cpu-host", "insufficient-cpu",
@@ -150,6 +151,7 @@ limit_values = st.one_of(
 )
 container_facts = st.builds(
     ContainerFacts, flags, flags, flags, flags, some_paths, some_paths, some_paths, some_paths, limit_values,
+    st.sampled_from(["", "capabilities: adds NET_ADMIN"]),
 )
 
 
@@ -162,6 +164,7 @@ def model_first_unsafe(f: ContainerFacts) -> SafetyReason:
         (len(f.host_path_mounts) > 0, SafetyReason.HOST_PATH),
         (len(f.writable_shared_mounts) > 0, SafetyReason.SHARED_WRITABLE_VOLUME),
         (len(f.devices) > 0, SafetyReason.DEVICES),
+        (bool(f.beyond_baseline), SafetyReason.NOT_BASELINE),
         (f.limits is None or f.limits.cpu_cores == 0 or f.limits.memory_bytes == 0, SafetyReason.NO_LIMITS),
     ]
     return next((reason for broken, reason in rules if broken), SafetyReason.SAFE)

@@ -9,8 +9,10 @@ CPU weight so the node's own pods are never starved. Every shadow carries
 which is how this node finds them again after a restart; the full key and
 the limits it was admitted by ride along as annotations. A host never runs
 what is unsafe to reroute (privileged, host namespaces, host paths,
-devices), whatever the origin asks. The pod's read-only volumes come copied
-(``volumes``).
+devices) or what a baseline pod may not run (``shim.core.baseline``),
+whatever the origin asks, and it builds the configs it gives containerd from
+an allowlist of fields (``shim.cri.baseline``), never by passing the
+origin's through. The pod's read-only volumes come copied (``volumes``).
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim._pb import mesh_pb2 as pb
+from shim.cri import baseline
 from shim.cri.fabric import Fabric
 from shim.cri.host import volumes as shadow_volumes
 from shim.cri.host.capacity import HostedCapacity, limits
@@ -46,6 +49,8 @@ _log = log.get("weft.shadows")
 
 # cpu.shares of a hosted container: the floor, so any of the node's own pods outweighs it.
 HOSTED_CPU_SHARES = 2
+# Under memory pressure on the whole host, a hosted container is the first the kernel kills, as a guest.
+HOSTED_OOM_SCORE_ADJ = 1000
 
 
 class UnsafeShadow(BadAnnotation):
@@ -68,6 +73,9 @@ def _unsafe(sandbox: cri.PodSandboxConfig, config: cri.ContainerConfig) -> str:
     # containerd writes the log at <sandbox log directory>/<log_path>: it must stay inside.
     if config.log_path.startswith("/") or ".." in PurePosixPath(config.log_path).parts or "\0" in config.log_path:
         return f"a log path outside the pod's log directory ({config.log_path})"
+    decision = baseline.check(config, sandbox)
+    if not decision.allowed:
+        return f"what a baseline pod may not do ({decision.reason.value}: {decision.detail})"
     return ""
 
 
@@ -119,6 +127,7 @@ class Lifecycle:
         unsafe = _unsafe(sandbox, config)
         if unsafe:
             raise UnsafeShadow(f"RunShadow {req.key}: this host never runs a rerouted container with {unsafe}")
+        config = baseline.hosted_container(config, HOSTED_OOM_SCORE_ADJ)
         plans = shadow_volumes.plan(req.volumes)
         volumes = self._volume_dir(origin, req.key)
         origin_labels = {ORIGIN_LABEL: origin, SANDBOX_LABEL: req.origin_sandbox_id,
@@ -179,8 +188,7 @@ class Lifecycle:
         CreateContainer must be given this one too: containerd takes a
         container's log directory and cgroup from the request's sandbox config.
         """
-        shadow = cri.PodSandboxConfig()
-        shadow.CopyFrom(sandbox)
+        shadow = baseline.hosted_sandbox(sandbox)
         shadow.metadata.uid = f"{sandbox.metadata.uid}-shadow"
         shadow.labels.update(origin_labels)
         # A prepared sandbox (no origin sandbox ID yet) holds no log: it gets the origin's directory.
@@ -188,7 +196,7 @@ class Lifecycle:
                                    else self.log_root / _safe_component(origin, "origin node"))
         shadow.linux.cgroup_parent = shadow_cgroup(self.cgroup_parent, shadow.metadata.uid,
                                                    systemd=sandbox.linux.cgroup_parent.endswith(".slice"))
-        del shadow.port_mappings[:]  # the pod's ports are the origin's; the mesh stitches what is needed
+        # No port mappings: the pod's ports are the origin's; the mesh stitches what is needed.
         return shadow
 
     def _sandbox(self, shadow: cri.PodSandboxConfig, origin_labels: dict[str, str]) -> str:

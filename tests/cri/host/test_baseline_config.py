@@ -1,0 +1,65 @@
+from cri_api.v1 import api_pb2 as cri
+
+from shim.core.baseline import DEFAULT_MASKED_PATHS, DEFAULT_READONLY_PATHS
+from shim.cri.baseline import hosted_container, hosted_sandbox
+
+UNCONFINED = cri.SecurityProfile(profile_type=cri.SecurityProfile.Unconfined)
+DEFAULT = cri.SecurityProfile(profile_type=cri.SecurityProfile.RuntimeDefault)
+
+
+def _hostile() -> tuple[cri.PodSandboxConfig, cri.ContainerConfig]:
+    sandbox = cri.PodSandboxConfig(
+        metadata=cri.PodSandboxMetadata(name="p", uid="u", namespace="n"), hostname="p",
+        labels={"app": "x", "weft.io/origin-node": "liar"},
+        annotations={"kubernetes.io/config.source": "api", "cdi.k8s.io/x": "vendor.com/gpu=all",
+                     "weft.io/lease": "l-1", "io.kubernetes.cri.untrusted-workload": "true"})
+    psc = sandbox.linux.security_context
+    psc.seccomp.CopyFrom(UNCONFINED)
+    psc.apparmor.CopyFrom(UNCONFINED)
+    psc.seccomp_profile_path = "unconfined"
+    sandbox.linux.overhead.memory_limit_in_bytes = 1
+    sandbox.port_mappings.add(container_port=80, host_port=80)
+    config = cri.ContainerConfig(metadata=cri.ContainerMetadata(name="c"), image=cri.ImageSpec(image="busybox",
+                                 runtime_handler="other"), command=["sh"], log_path="c/0.log",
+                                 labels={"weft.io/origin-key": "k"},
+                                 annotations={"io.kubernetes.container.hash": "1", "cdi.k8s.io/y": "z"})
+    sc = config.linux.security_context
+    sc.seccomp.CopyFrom(UNCONFINED)
+    sc.apparmor.CopyFrom(UNCONFINED)
+    sc.apparmor_profile = "unconfined"
+    sc.seccomp_profile_path = "unconfined"
+    sc.masked_paths[:] = ["/nothing"]
+    sc.no_new_privs = True
+    res = config.linux.resources
+    res.cpu_period, res.cpu_quota, res.memory_limit_in_bytes, res.oom_score_adj = 100000, 50000, 1 << 30, -1000
+    res.unified["memory.max"] = "max"
+    res.cpuset_cpus = "0"
+    config.CDI_devices.add(name="vendor.com/gpu=all")
+    return sandbox, config
+
+
+def test_the_hosted_container_is_built_from_what_a_host_allows() -> None:
+    _, config = _hostile()
+    out = hosted_container(config, 1000)
+    sc = out.linux.security_context
+    assert sc.seccomp == DEFAULT and not sc.seccomp_profile_path
+    assert not sc.HasField("apparmor") and not sc.apparmor_profile
+    assert list(sc.masked_paths) == [*DEFAULT_MASKED_PATHS, "/nothing"]
+    assert list(sc.readonly_paths) == list(DEFAULT_READONLY_PATHS)
+    assert sc.no_new_privs
+    assert dict(out.annotations) == {"io.kubernetes.container.hash": "1"} and dict(out.labels) == {}
+    res = out.linux.resources
+    assert (res.cpu_quota, res.memory_limit_in_bytes, res.oom_score_adj) == (50000, 1 << 30, 1000)
+    assert not res.unified and not res.cpuset_cpus and not out.CDI_devices
+    assert out.image == cri.ImageSpec(image="busybox") and list(out.command) == ["sh"]
+
+
+def test_the_hosted_sandbox_is_built_from_what_a_host_allows() -> None:
+    sandbox, _ = _hostile()
+    out = hosted_sandbox(sandbox)
+    psc = out.linux.security_context
+    assert psc.seccomp == DEFAULT and not psc.HasField("apparmor") and not psc.seccomp_profile_path
+    assert dict(out.labels) == {"app": "x"}
+    assert dict(out.annotations) == {"kubernetes.io/config.source": "api"}
+    assert not out.port_mappings and not out.linux.HasField("overhead")
+    assert out.metadata == sandbox.metadata and out.hostname == "p"
