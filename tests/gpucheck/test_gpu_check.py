@@ -54,7 +54,9 @@ def by_name(doc: dict) -> dict[str, dict]:
 def test_a_node_that_can_enforce_leases(mps_binary: str, kubelet: Path) -> None:
     nvml = FakeNvml()
     code, doc = check(nvml, mps_binary, kubelet)
-    assert code == cli.EXIT_OK and doc["verdict"] == "ok"
+    # other-mps reads the whole machine, where another test's daemon may be running at that moment.
+    results = {c["name"]: c["result"] for c in doc["checks"] if c["name"] != "other-mps"}
+    assert code == cli.EXIT_OK and set(results.values()) == {"ok"}, doc
     assert [c["name"] for c in doc["checks"]] == [
         "nvml", "cuda-driver", "devices", "compute-capability", "compute-mode", "mig", "persistence-mode",
         "mps-control", "mps-server", "other-mps", "device-plugin"][:len(doc["checks"])]
