@@ -13,8 +13,8 @@ import threading
 from shim import log
 from shim._pb import broker_pb2 as pb
 from shim.broker.client import BrokerClient
-from shim.cri.origin.remote import PulledImages, RemoteContainers
 from shim.cri.passthrough import Upstream
+from shim.cri.remote import PulledImages, RemoteContainers
 from shim.errors import BrokerUnavailable, WeftError
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore, SandboxRecord

@@ -31,6 +31,7 @@ from typing import Any
 
 from shim.errors import WeftError
 from shim.localfabric.fabric import Fabric3
+from shim.localfabric.show import crictl_lines, progress, say
 
 STATE_FILE = Path("/run/weft-demo/state.json")
 KEEPER_ENV = "WEFT_DEMO_KEEPER_FD"
@@ -76,7 +77,6 @@ def launch(argv: list[str]) -> int:
 
 def keep(f: Fabric3, desc: dict[str, Any], state_file: Path | None, as_json: bool) -> bool:
     """In the keeper: hand the fabric over to ``--down``; returns only after it was removed (True)."""
-    from shim.localfabric.demo import crictl_lines, progress, say
 
     fd = os.environ.get(KEEPER_ENV)
     if fd is None:
@@ -120,7 +120,6 @@ def keep(f: Fabric3, desc: dict[str, Any], state_file: Path | None, as_json: boo
 
 
 def down(state_file: Path | None, timeout: float = 180.0) -> int:
-    from shim.localfabric.demo import progress, say
 
     path = _state_file(state_file)
     if not path.exists():

@@ -43,7 +43,7 @@ from shim.core.reroute import (
 )
 from shim.cri import baseline
 from shim.cri.fabric import Fabric
-from shim.cri.origin.remote import REMOTE_PREFIX, Remote, new_id
+from shim.cri.remote import REMOTE_PREFIX, Remote, new_id
 from shim.errors import WeftError
 from shim.state.agent import PlacementRecord
 

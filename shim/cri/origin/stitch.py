@@ -39,7 +39,7 @@ from shim import log
 from shim.core.stitch import PORTS_ANNOTATION, Collision, HeldBy, declared_ports, plan
 from shim.cri.fabric import Fabric
 from shim.cri.netns import Netns, owner_of, sandbox_netns
-from shim.cri.origin.remote import Remote, host_client
+from shim.cri.remote import Remote, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipe, SocketEnd, dial, tune
 from shim.periodic import Periodic

@@ -30,7 +30,7 @@ from shim import log
 from shim.core.annotations import parse_host_port
 from shim.core.stitch import BadRequest, StreamTokens, head_end, parse_head
 from shim.cri.fabric import Fabric
-from shim.cri.origin.remote import Remote, host_client
+from shim.cri.remote import Remote, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import PipeServer, SocketEnd, dial, tune
 

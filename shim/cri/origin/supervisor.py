@@ -35,7 +35,7 @@ from shim import log
 from shim.core.reroute import classify_mounts
 from shim.cri.fabric import Fabric
 from shim.cri.origin.place import read_volumes
-from shim.cri.origin.remote import Remote
+from shim.cri.remote import Remote
 from shim.errors import WeftError
 from shim.periodic import Periodic
 

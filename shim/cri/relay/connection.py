@@ -23,27 +23,37 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from concurrent.futures import Executor
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 from hpack.exceptions import HPACKError
 
 from shim import log
-from shim.cri.instrument import Outcome, ids_of
+from shim.cri.instrument import Instrument, Outcome, ids_of
 from shim.cri.methods import Method, Shape, lookup
 from shim.cri.relay import answers, h2
 from shim.cri.relay.context import RelayContext, header_fields, metadata_of
 from shim.cri.relay.flow import Downlink
 from shim.cri.relay.frames import HeaderBlocks, take_frames
 from shim.cri.relay.shutdown import CLOSE_DELAY_S, Ending
-
-if TYPE_CHECKING:
-    from shim.cri.relay.server import RelayServer
+from shim.cri.route import Route
 
 _log = log.get("weft.cri")
 _GRPC_CODES = {c.value[0]: c for c in grpc.StatusCode}
+
+
+class Relay(Protocol):
+    """What a connection needs of the server it belongs to (``server.RelayServer``)."""
+
+    upstream_socket: str
+    routes: Mapping[str, Route]
+    instrument: Instrument
+    pool: Executor
+    tasks: set[asyncio.Future]
+    connections: set[Connection]
 
 
 @dataclass(slots=True)
@@ -66,7 +76,7 @@ class Stream:
 
 
 class Connection:
-    def __init__(self, relay: RelayServer, down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
+    def __init__(self, relay: Relay, down_r: asyncio.StreamReader, down_w: asyncio.StreamWriter) -> None:
         self.relay = relay
         self.down_r, self.down_w = down_r, down_w
         self.up_r: asyncio.StreamReader | None = None

@@ -44,8 +44,8 @@ from shim.core.quantity import AnnotationError
 from shim.cri.fabric import Fabric
 from shim.cri.instrument import note_pod
 from shim.cri.origin.place import place_remote
-from shim.cri.origin.remote import REMOTE_PREFIX as PLACEMENT_REMOTE
 from shim.cri.passthrough import timeout_of
+from shim.cri.remote import REMOTE_PREFIX as PLACEMENT_REMOTE
 from shim.cri.route import Route
 from shim.cri.wire import string_field
 from shim.errors import BadAnnotation, CreateInProgress, MalformedRequest

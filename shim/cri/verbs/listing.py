@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 
 from shim.cri.fabric import Fabric
 from shim.cri.labels import ORIGIN_LABEL
-from shim.cri.origin.remote import matches
+from shim.cri.remote import matches
 from shim.cri.route import Route
 from shim.cri.verbs.remote_calls import stats_of
 from shim.errors import WeftError

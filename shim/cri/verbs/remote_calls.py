@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim.cri.fabric import Fabric
-from shim.cri.origin.remote import Remote, host_client
+from shim.cri.remote import Remote, host_client
 from shim.cri.route import Route
 from shim.errors import CannotStart, NoStreamServer, WeftError
 from shim.mesh.client import PeerClient

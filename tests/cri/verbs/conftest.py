@@ -24,10 +24,11 @@ from shim.broker.service import LeaseService
 from shim.broker.simulated import SimulatedBackend
 from shim.cri.fabric import Fabric
 from shim.cri.passthrough import Upstream
+from shim.cri.remote import Remote
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore
 from shim.state.leases import LeaseStore
-from tests.cri.verbs.fakes import FakeMesh, FakeStreams, RecordingContainerd
+from tests.cri.verbs.fakes import HOST, FakeHost, FakeMesh, FakeStreams, RecordingContainerd, add_remote
 
 
 @pytest.fixture
@@ -72,3 +73,14 @@ def broker(tmp_path: Path, fabric: Fabric) -> Iterator[LeaseService]:
     server.stop(0).wait()
     pool.shutdown(wait=True)
     service.store.close()
+
+
+@pytest.fixture
+def remote(fabric: Fabric, mesh: FakeMesh) -> Remote:
+    """A running container of an opted-in pod, rerouted to cpu-1 under a virtual ID."""
+    return add_remote(fabric)
+
+
+@pytest.fixture
+def host(mesh: FakeMesh) -> FakeHost:
+    return mesh.hosts[HOST]

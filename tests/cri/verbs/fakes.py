@@ -34,8 +34,8 @@ from shim.core.placement import PlacementState
 from shim.core.reroute import PeerView, Resources
 from shim.cri.fabric import Fabric
 from shim.cri.labels import ORIGIN_LABEL
-from shim.cri.origin.remote import Remote, new_id
 from shim.cri.relay.context import RelayContext
+from shim.cri.remote import Remote, new_id
 from shim.state.agent import PlacementRecord, SandboxRecord
 
 ORIGIN = "gpu-1"  # this node
@@ -299,3 +299,10 @@ def placed_local(fabric: Fabric, container_id: str, *, sandbox_id: str = SANDBOX
     record = fabric.store.placement(container_id)
     assert record is not None
     return record
+
+
+def lease_for(broker, sandbox_id: str = SANDBOX, name: str = "app") -> str:
+    """A whole-GPU lease the real broker granted for a container of the pod; its ID."""
+    return broker.acquire(key=f"{sandbox_id}/{name}/0", namespace="default", pod="infer", pod_uid="uid-infer",
+                          container=name, sandbox_id=sandbox_id, memory_bytes=0, compute_percent=0, count=0,
+                          allowed=()).lease_id
