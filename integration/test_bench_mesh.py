@@ -96,10 +96,21 @@ def test_bench_e2e_quick_has_every_figure(tmp_path: Path) -> None:
     # Opted in, the CPU container went to a host and the GPU one stayed, leased.
     assert all(p.startswith("remote:cpu-") and p.endswith(" + local") for p in pod_start["opted_in_placements"])
 
+    # The pod start also opted in without the prepared shadow sandbox, side by side.
+    _latency(pod_start["opted_in_unprepared"], "pod start opted in, unprepared")
+    for ratio in ("ratio_p95", "unprepared_ratio_p50", "unprepared_ratio_p95"):
+        _positive(pod_start[ratio], ratio)
+    assert figures["targets"]["pod_start_ratio"] == 1.2 and figures["targets"]["first_start_ratio"] == 1.3
+
     start = figures["container_start"]
     for side in ("remote", "remote_cold", "local"):
         _latency(start[side], side)
     _positive(start["ratio_p50"], "container start ratio")
+    first = start["first"]
+    for side in ("remote", "remote_unprepared", "local"):
+        _latency(first[side], f"first start {side}")
+    for ratio in ("ratio_p50", "ratio_p95", "unprepared_ratio_p50"):
+        _positive(first[ratio], f"first start {ratio}")
 
     assert set(figures["cri_calls"]) == {"Version", "ListContainers", "ContainerStatus"}
     for method, c in figures["cri_calls"].items():
@@ -120,5 +131,6 @@ def test_bench_e2e_quick_has_every_figure(tmp_path: Path) -> None:
     machine = figures["machine"]
     assert machine["cpu_count"] >= 1 and machine["kernel"] and machine["containerd_version"] and machine["date"]
     for row in ("pod start p50", "container start p50, remote vs local", "Version p50", "ListContainers p50",
+                "pod start p50 / p95 ratio", "first container start p50 / p95 in a fresh pod",
                 "ContainerStatus p50", "stitched localhost", "agent gpu-1", "broker", machine["kernel"]):
         assert row in table, row

@@ -10,8 +10,12 @@ turns within the same loop, so drift in the machine's load hits both alike:
    pod (a CPU container with limits and a GPU container asking for 1 GiB of a
    device), RunPodSandbox + Create + Start of both until ContainerStatus says
    RUNNING. Opted in, the CPU container reroutes to a host and the GPU one is
-   leased from the broker and bound by the OCI hook; plain, both run here;
-2. remote against local container start (:mod:`shim.bench.mesh`'s figure 1);
+   leased from the broker and bound by the OCI hook; plain, both run here. A
+   third side opts in with the prepared shadow sandbox switched off by the
+   pod's annotation, so its gain shows in the same run;
+2. remote against local container start (:mod:`shim.bench.mesh`'s figure 1),
+   and a pod's first container right after its RunPodSandbox, in fresh pods:
+   rerouted (shadow sandbox prepared, or not) against pinned local;
 3. CRI call overhead: Version, ListContainers and ContainerStatus through the
    origin's agent against its containerd directly, interleaved call by call,
    while the node has remote containers (so the verbs weft answers when it
@@ -53,6 +57,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 from shim import __version__
 from shim.bench import mesh
 from shim.bench.running import guarded, summary
+from shim.core.prepare import PREPARE_ANNOTATION
 from shim.errors import WeftError
 from shim.localfabric import pods as podspec
 from shim.localfabric.fabric import Fabric3
@@ -61,6 +66,10 @@ RESULTS = Path("bench") / "results"  # relative to where it runs: the checkout's
 RUNTIME = "/runtime.v1.RuntimeService/"
 MB = 1024 * 1024
 CHURN_WORKERS = 4
+# Targets: an opted-in pod starts within 1.2x of the same pod plain (p50 and p95), and a rerouted container's
+# first start in a fresh pod within 1.3x of a local one.
+POD_START_RATIO = 1.2
+FIRST_START_RATIO = 1.3
 GPU_SHARE = "1Gi"
 
 
@@ -97,9 +106,11 @@ class Started:
     placements: list[str]
 
 
-def start_pod(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, name: str, handler: str) -> Started:
+def start_pod(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, name: str, handler: str,
+              annotations: dict[str, str] | None = None) -> Started:
     """RunPodSandbox, then create and start both containers, until both run."""
-    pod = mesh.run_pod(fabric, rt, name, handler=handler, annotations={"weft.io/gpu-memory.model": GPU_SHARE})
+    pod = mesh.run_pod(fabric, rt, name, handler=handler,
+                       annotations={"weft.io/gpu-memory.model": GPU_SHARE, **(annotations or {})})
     ids = []
     for config in _pod_containers():
         cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=pod.id, config=config,
@@ -122,14 +133,22 @@ def stop_pod(rt: cri_grpc.RuntimeServiceStub, pod: Started) -> None:
     mesh.remove_pod(rt, pod.sandbox_id)
 
 
+# The pod start's sides: opted in (with its shadow sandbox prepared as RunPodSandbox arrives), opted in with
+# that switched off by the pod's annotation (how it started before), and plain.
+POD_SIDES = {"opted_in": ("weft", {}), "opted_in_unprepared": ("weft", {PREPARE_ANNOTATION: "false"}),
+             "plain": ("", {})}
+
+
 def pod_starts(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, n: int, warmup: int = 1) -> dict:
-    out: dict[str, list[int]] = {"opted_in": [], "plain": []}
+    out: dict[str, list[int]] = {side: [] for side in POD_SIDES}
     placements: list[list[str]] = []
+    order = list(POD_SIDES)
     for i in range(warmup + n):
-        for side in ("opted_in", "plain") if i % 2 == 0 else ("plain", "opted_in"):
+        k = i % len(order)
+        for side in order[k:] + order[:k]:
+            handler, annotations = POD_SIDES[side]
             t0 = time.perf_counter_ns()
-            started = start_pod(fabric, rt, f"start-{side.replace('_', '-')}-{i}",
-                                "weft" if side == "opted_in" else "")
+            started = start_pod(fabric, rt, f"start-{side.replace('_', '-')}-{i}", handler, annotations)
             dt = time.perf_counter_ns() - t0
             stop_pod(rt, started)  # untimed; every start then sees the same pods running
             if i >= warmup:
@@ -137,8 +156,42 @@ def pod_starts(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, n: int, warmup:
                 if side == "opted_in":
                     placements.append(started.placements)
     opted, plain = mesh.p50_p95(out["opted_in"]), mesh.p50_p95(out["plain"])
+    unprepared = mesh.p50_p95(out["opted_in_unprepared"])
     return {"opted_in": opted, "plain": plain, "ratio_p50": round(opted["p50_ms"] / plain["p50_ms"], 3),
-            "opted_in_placements": sorted({" + ".join(p) for p in placements})}
+            "opted_in_placements": sorted({" + ".join(p) for p in placements}),
+            "ratio_p95": round(opted["p95_ms"] / plain["p95_ms"], 3), "opted_in_unprepared": unprepared,
+            "unprepared_ratio_p50": round(unprepared["p50_ms"] / plain["p50_ms"], 3),
+            "unprepared_ratio_p95": round(unprepared["p95_ms"] / plain["p95_ms"], 3)}
+
+
+def first_starts(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, n: int, warmup: int = 1) -> dict:
+    """A pod's first container, Create + Start until RUNNING right after its RunPodSandbox: rerouted against
+    pinned local, in fresh opted-in pods taking turns (the rerouted one's shadow sandbox is prepared as the
+    pod's RunPodSandbox arrives, and made by its RunShadow when the pod opts out of that)."""
+    sides = {"remote": {}, "remote_unprepared": {PREPARE_ANNOTATION: "false"},
+             "local": {f"weft.io/stage.{mesh.CONTAINER}": "local"}}
+    out: dict[str, list[int]] = {side: [] for side in sides}
+    order = list(sides)
+    for i in range(warmup + n):
+        k = i % len(order)
+        for side in order[k:] + order[:k]:
+            pod = mesh.run_pod(fabric, rt, f"first-{side.replace('_', '-')}-{i}", annotations=sides[side])
+            try:
+                cid, dt, status = mesh.start_container(rt, pod, mesh.cpu_container(mesh.CONTAINER))
+                placed = status.annotations.get(mesh.PLACEMENT, "")
+                if placed.startswith(mesh.REMOTE) != (side != "local"):
+                    raise RuntimeError(f"first start, side {side}: placed {placed!r} "
+                                       f"({status.annotations.get('weft.io/placement-reason')})")
+                rt.StopContainer(cri.StopContainerRequest(container_id=cid, timeout=10), timeout=mesh.RPC_TIMEOUT)
+            finally:
+                mesh.remove_pod(rt, pod.id)
+            if i >= warmup:
+                out[side].append(dt)
+    remote, unprepared, local = (mesh.p50_p95(out[side]) for side in sides)
+    return {"remote": remote, "remote_unprepared": unprepared, "local": local,
+            "ratio_p50": round(remote["p50_ms"] / local["p50_ms"], 3),
+            "ratio_p95": round(remote["p95_ms"] / local["p95_ms"], 3),
+            "unprepared_ratio_p50": round(unprepared["p50_ms"] / local["p50_ms"], 3)}
 
 
 # -- 3. CRI call overhead ------------------------------------------------------------
@@ -315,6 +368,8 @@ def _measure(plan: Plan, workdir: Path) -> dict:
             _say(f"container start: {plan.starts} each remote, remote with a new shadow sandbox, local")
             pair = mesh.start_pods(fabric, rt)
             container_start = mesh.start_figure(mesh.remote_vs_local_start(rt, pair, plan.starts))
+            _say(f"first container start: {plan.starts} each in fresh pods, remote (prepared or not) and local")
+            container_start["first"] = first_starts(fabric, rt, plan.starts)
             # A plain pod's container for ContainerStatus; the keepers stay: the node has remote containers.
             plain = mesh.run_pod(fabric, rt, "bench-plain", handler="")
             cid, _, _ = mesh.start_container(rt, plain, podspec.container_config("sleeper", ["sleep", "3600"]))
@@ -346,13 +401,45 @@ def _figures(raw: dict, plan: Plan, argv: str, load_before: tuple[float, float, 
                "load_average_before": [round(x, 2) for x in load_before]}
     return {"pod_start": raw["pod_start"], "container_start": raw["container_start"], "cri_calls": raw["cri_calls"],
             "resources": raw["resources"], "idle_seconds": raw["idle_s"], "churn": raw["churn"],
-            "network": raw["network"], "targets": {"remote_start_ratio": mesh.LIMITS["remote_start_ratio"]},
+            "network": raw["network"], "targets": {"remote_start_ratio": mesh.LIMITS["remote_start_ratio"],
+                                                   "pod_start_ratio": POD_START_RATIO,
+                                                   "first_start_ratio": FIRST_START_RATIO},
             "plan": {"starts": plan.starts, "samples": plan.samples, "idle_s": plan.idle_s,
                      "churn_pods": plan.churn_pods, "churn_s": plan.churn_s, "quick": plan.quick},
             "command": argv, "machine": machine, "fabric": raw["fabric"]}
 
 
 # -- output ------------------------------------------------------------------------------
+def _met(ok: bool) -> str:
+    return "met" if ok else "missed"
+
+
+def _new_start_rows(f: dict) -> list[tuple[str, ...]]:
+    """The rows of the prepared shadow sandbox: the pod start's p50 and p95 ratios, and the first container."""
+    ps, first = f["pod_start"], f["container_start"].get("first")
+    rows: list[tuple[str, ...]] = []
+    if "ratio_p95" in ps:
+        limit = f["targets"].get("pod_start_ratio", POD_START_RATIO)
+        rows += [("pod start p50 / p95 ratio, opted in vs plain", "", "",
+                  f"{ps['ratio_p50']:.2f}x / {ps['ratio_p95']:.2f}x",
+                  f"≤ {limit:g}x ({_met(max(ps['ratio_p50'], ps['ratio_p95']) <= limit)})"),
+                 ("pod start p50 / p95, opted in without a prepared shadow sandbox vs plain",
+                  f"{ps['opted_in_unprepared']['p50_ms']:.1f} / {ps['opted_in_unprepared']['p95_ms']:.1f} ms",
+                  f"{ps['plain']['p50_ms']:.1f} / {ps['plain']['p95_ms']:.1f} ms",
+                  f"{ps['unprepared_ratio_p50']:.2f}x / {ps['unprepared_ratio_p95']:.2f}x", "before")]
+    if first:
+        limit = f["targets"].get("first_start_ratio", FIRST_START_RATIO)
+        rows += [("first container start p50 / p95 in a fresh pod, remote vs local",
+                  f"{first['remote']['p50_ms']:.1f} / {first['remote']['p95_ms']:.1f} ms",
+                  f"{first['local']['p50_ms']:.1f} / {first['local']['p95_ms']:.1f} ms",
+                  f"{first['ratio_p50']:.2f}x / {first['ratio_p95']:.2f}x",
+                  f"≤ {limit:g}x ({_met(first['ratio_p50'] <= limit)})"),
+                 ("first container start p50 in a fresh pod, remote without a prepared sandbox vs local",
+                  f"{first['remote_unprepared']['p50_ms']:.1f} ms", f"{first['local']['p50_ms']:.1f} ms",
+                  f"{first['unprepared_ratio_p50']:.2f}x", "before")]
+    return rows
+
+
 def markdown(f: dict) -> str:
     m, ps, cs, ch = f["machine"], f["pod_start"], f["container_start"], f["churn"]
     limit = f["targets"]["remote_start_ratio"]
@@ -365,6 +452,7 @@ def markdown(f: dict) -> str:
              f"{cs['local']['p50_ms']:.1f} ms", f"{cs['ratio_p50']:.2f}x", f"≤ {limit:g}x ({met})"),
             ("container start p50, remote with a new shadow sandbox vs local", f"{cs['remote_cold']['p50_ms']:.1f} ms",
              f"{cs['local']['p50_ms']:.1f} ms", f"{cs['cold_ratio_p50']:.2f}x", "—")]
+    rows += _new_start_rows(f)
     for method, c in f["cri_calls"].items():
         rows.append((f"{method} p50 / p99, agent vs containerd",
                      f"{c['agent']['p50_ms']:.3f} / {c['agent']['p99_ms']:.3f} ms",
