@@ -1,17 +1,30 @@
-"""``rewrite_for_lease``: a GPU container's request is edited so it sees exactly its leased devices.
+"""CreateContainer: the containers of opted-in pods are classified, placed, leased and recorded; others pass.
 
-Whatever the device plugin gave the container (device nodes, CDI devices,
-visible-devices variables) is replaced by what the broker leased; everything
-unrelated to GPUs is left as the user wrote it.
+``rewrite_for_lease`` first: a GPU container's request is edited so it sees
+exactly its leased devices (device nodes, CDI devices, visible-devices
+variables are replaced by what the broker leased; everything unrelated to
+GPUs is left as the user wrote it). Then the verb as kubelet sees it, against
+the recording containerd, the real broker over simulated GPUs and a fake mesh.
 """
 
 from __future__ import annotations
 
+import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim._pb import broker_pb2 as pb
+from shim.core.placement import (
+    LEASE_ANNOTATION,
+    PLACEMENT_ANNOTATION,
+    PLACEMENT_REASON_ANNOTATION,
+    PlacementReason,
+    PlacementState,
+)
+from shim.cri.verbs import create_container
 from shim.cri.verbs.create_container import rewrite_for_lease
+from shim.errors import BadAnnotation, BrokerUnavailable, CreateInProgress, MalformedRequest, UpstreamError
+from tests.cri.verbs.fakes import ctx, opt_in
 
 U0 = "GPU-00000000-0000-4000-8000-000000000000"
 U1 = "GPU-00000000-0000-4000-8000-000000000001"
@@ -146,3 +159,186 @@ def test_rewritten_config_survives_serialisation() -> None:
     c = config(devices=["/dev/nvidia0"], cdi=["nvidia.com/gpu=0"], envs=[("NVIDIA_VISIBLE_DEVICES", "0")])
     rewrite_for_lease(c, lease(nodes=["/dev/nvidia1"], env=MPS_ENV, mounts=[("/a", "/b", True)]))
     assert cri.ContainerConfig.FromString(c.SerializeToString()) == c
+
+
+# == the verb ========================================================================================
+# What kubelet sees of CreateContainer: a pod that did not opt in is containerd's alone; a container of an
+# opted-in pod is classified, placed, leased and recorded before kubelet gets its ID, and a failure on the
+# way leaves no lease and no record behind.
+
+SANDBOX_ID = "5b" * 32
+CONTAINER_ID = "c1" * 32
+OTHER_SANDBOX = "07" * 32
+KEY = f"{SANDBOX_ID}/app/0"
+
+
+def create_request(sandbox_id: str = SANDBOX_ID, devices=(), annotations=None, pod_annotations=None,
+                   privileged: bool = False) -> cri.CreateContainerRequest:
+    c = config(devices=devices, annotations=annotations)
+    c.image.image = "busybox:1.36"
+    c.log_path = "app/0.log"
+    res = c.linux.resources
+    res.cpu_period, res.cpu_quota, res.memory_limit_in_bytes = 100_000, 50_000, 1 << 30
+    c.linux.security_context.privileged = privileged
+    sandbox = cri.PodSandboxConfig(metadata=cri.PodSandboxMetadata(name="infer", namespace="default", uid="uid-1"),
+                                   annotations=pod_annotations or {}, log_directory="/var/log/pods/infer")
+    return cri.CreateContainerRequest(pod_sandbox_id=sandbox_id, config=c, sandbox_config=sandbox)
+
+
+def unreadable_request(sandbox_id: str) -> bytes:
+    """A request protobuf refuses (invalid UTF-8 in the config's working_dir) that containerd would take."""
+    working_dir = cri.ContainerConfig.DESCRIPTOR.fields_by_name["working_dir"].number
+    config_field = cri.CreateContainerRequest.DESCRIPTOR.fields_by_name["config"].number
+    inner = bytes([working_dir << 3 | 2, 2]) + b"\xff\xfe"
+    return (cri.CreateContainerRequest(pod_sandbox_id=sandbox_id).SerializeToString()
+            + bytes([config_field << 3 | 2, len(inner)]) + inner)
+
+
+def sent_config(containerd) -> cri.ContainerConfig:
+    return cri.CreateContainerRequest.FromString(containerd.only_request("CreateContainer")).config
+
+
+@pytest.fixture
+def create(fabric, containerd):
+    containerd.answer("CreateContainer", cri.CreateContainerResponse(container_id=CONTAINER_ID))
+    route = create_container.route(fabric)
+    opt_in(fabric, SANDBOX_ID)
+    return route
+
+
+def test_create_is_always_intercepted(create) -> None:
+    assert create.applies() and create.pick is None
+
+
+def test_a_container_of_a_pod_that_did_not_opt_in_passes_byte_for_byte(fabric, containerd, create) -> None:
+    body = create_request(OTHER_SANDBOX, devices=["/dev/nvidia0"]).SerializeToString()
+    answer = create.handle(body, ctx(("x-request-id", "5")))
+    assert containerd.only_request("CreateContainer") == body
+    assert containerd.calls[0].metadata["x-request-id"] == "5"
+    assert cri.CreateContainerResponse.FromString(answer).container_id == CONTAINER_ID
+    assert fabric.store.placements() == []
+
+
+def test_a_cpu_container_of_an_opted_in_pod_is_placed_here_and_recorded_before_kubelet_gets_its_id(
+        fabric, containerd, create) -> None:
+    answer = create.handle(create_request().SerializeToString(), ctx())
+    assert cri.CreateContainerResponse.FromString(answer).container_id == CONTAINER_ID
+    sent = sent_config(containerd)
+    assert sent.annotations[PLACEMENT_ANNOTATION] == "local"
+    assert sent.annotations[PLACEMENT_REASON_ANNOTATION] == PlacementReason.NO_MESH.value
+    assert sent.image.image == "busybox:1.36" and sent.linux.resources.cpu_quota == 50_000, "the rest as kubelet sent"
+    rec = fabric.store.placement(CONTAINER_ID)
+    assert (rec.key, rec.state, rec.stage, rec.placement, rec.lease_id) == (
+        KEY, PlacementState.CREATED, "cpu", "local", "")
+    assert fabric.metrics.registry.get_sample_value(
+        "weft_placements_total", {"stage": "cpu", "placement": "local", "reason": "no-mesh"}) == 1
+
+
+def test_a_lease_annotation_the_user_set_never_reaches_a_cpu_container(containerd, create) -> None:
+    create.handle(create_request(annotations={LEASE_ANNOTATION: "someone-elses-lease"}).SerializeToString(), ctx())
+    assert LEASE_ANNOTATION not in sent_config(containerd).annotations
+
+
+def test_a_gpu_container_gets_a_lease_and_sees_only_its_leased_device(fabric, containerd, broker, create) -> None:
+    create.handle(create_request(devices=["/dev/nvidia1", "/dev/nvidiactl"]).SerializeToString(), ctx())
+    [lease] = broker.leases()
+    assert lease.key == KEY and lease.device_uuids == (broker.devices[1].uuid,), "the device the plugin gave"
+    sent = sent_config(containerd)
+    assert sent.annotations[LEASE_ANNOTATION] == lease.lease_id
+    assert sent.annotations[PLACEMENT_REASON_ANNOTATION] == PlacementReason.GPU_LEASED.value
+    assert [e.value for e in sent.envs if e.key == "NVIDIA_VISIBLE_DEVICES"] == [lease.device_uuids[0]]
+    assert [d.host_path for d in sent.devices] == list(lease.device_nodes), "the plugin's nodes are gone"
+    assert fabric.store.placement(CONTAINER_ID).lease_id == lease.lease_id
+
+
+def test_a_gpu_container_without_a_broker_is_unavailable_and_containerd_is_not_asked(fabric, containerd,
+                                                                                    create) -> None:
+    with pytest.raises(BrokerUnavailable) as err:
+        create.handle(create_request(devices=["/dev/nvidia0"]).SerializeToString(), ctx())
+    assert err.value.code is grpc.StatusCode.UNAVAILABLE
+    assert containerd.calls == [] and fabric.store.placements() == []
+
+
+def test_a_create_containerd_refuses_releases_the_lease_and_leaves_no_record(fabric, containerd, broker,
+                                                                           create) -> None:
+    containerd.refuse("CreateContainer", grpc.StatusCode.NOT_FOUND, "image not found")
+    with pytest.raises(UpstreamError) as err:
+        create.handle(create_request(devices=["/dev/nvidia0"]).SerializeToString(), ctx())
+    assert (err.value.code, err.value.message) == (grpc.StatusCode.NOT_FOUND, "image not found")
+    assert broker.leases() == [] and fabric.store.placements() == []
+
+
+def test_a_retry_of_a_create_that_succeeded_is_containerds_to_answer_and_keeps_the_lease(fabric, containerd,
+                                                                                        broker, create) -> None:
+    body = create_request(devices=["/dev/nvidia0"]).SerializeToString()
+    create.handle(body, ctx())
+    [lease] = broker.leases()
+    containerd.refuse("CreateContainer", grpc.StatusCode.ALREADY_EXISTS, 'name "app" is reserved')
+    with pytest.raises(UpstreamError) as err:
+        create.handle(body, ctx())
+    assert err.value.code is grpc.StatusCode.ALREADY_EXISTS
+    assert broker.leases() == [lease] and fabric.store.placement(CONTAINER_ID).lease_id == lease.lease_id
+
+
+def test_a_create_already_in_progress_for_the_same_container_is_aborted(fabric, containerd, create) -> None:
+    assert fabric.begin(KEY)
+    with pytest.raises(CreateInProgress) as err:
+        create.handle(create_request().SerializeToString(), ctx())
+    assert err.value.code is grpc.StatusCode.ABORTED and "default/infer/app" in err.value.message
+    assert containerd.calls == []
+
+
+def test_a_bad_stage_annotation_is_invalid_argument(fabric, containerd, create) -> None:
+    body = create_request(pod_annotations={"weft.io/stage.app": "quantum"}).SerializeToString()
+    with pytest.raises(BadAnnotation) as err:
+        create.handle(body, ctx())
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT and "weft.io/stage.app" in err.value.message
+    assert containerd.calls == []
+
+
+def test_an_unreadable_request_in_an_opted_in_pod_is_refused(fabric, containerd, create) -> None:
+    with pytest.raises(MalformedRequest) as err:
+        create.handle(unreadable_request(SANDBOX_ID), ctx())
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT
+    assert containerd.calls == [], "never created without weft placing it"
+
+
+def test_an_unreadable_request_in_any_other_pod_is_containerds_to_answer(containerd, create) -> None:
+    body = unreadable_request(OTHER_SANDBOX)
+    create.handle(body, ctx())
+    assert containerd.only_request("CreateContainer") == body
+
+
+# -- on a node with a mesh ----------------------------------------------------------------------------
+@pytest.fixture
+def meshed(fabric, mesh, tmp_path):
+    fabric.pods_dir = str(tmp_path / "pods")
+    return mesh
+
+
+def test_a_cpu_container_is_rerouted_to_a_host_and_kubelet_gets_a_virtual_id(fabric, containerd, meshed,
+                                                                            create) -> None:
+    answer = create.handle(create_request().SerializeToString(), ctx())
+    vid = cri.CreateContainerResponse.FromString(answer).container_id
+    assert len(vid) == 64 and vid != CONTAINER_ID
+    assert containerd.calls == [], "this node's containerd never has it"
+    assert meshed.hosts["cpu-1"].methods() == ["Admit", "RunShadow"]
+    r = fabric.remotes.get(vid)
+    assert r is not None and (r.node, r.key) == ("cpu-1", KEY)
+    assert fabric.store.placement(vid).placement == "remote:cpu-1"
+
+
+def test_a_retry_of_a_rerouted_create_gets_the_same_virtual_id_without_asking_again(fabric, meshed,
+                                                                                    create) -> None:
+    body = create_request().SerializeToString()
+    first = create.handle(body, ctx())
+    assert create.handle(body, ctx()) == first
+    assert meshed.hosts["cpu-1"].methods() == ["Admit", "RunShadow"]
+
+
+def test_an_unsafe_container_stays_here_with_the_reason_shown(fabric, containerd, meshed, create) -> None:
+    create.handle(create_request(privileged=True).SerializeToString(), ctx())
+    sent = sent_config(containerd)
+    assert sent.annotations[PLACEMENT_ANNOTATION] == "local"
+    assert sent.annotations[PLACEMENT_REASON_ANNOTATION] == PlacementReason.UNSAFE.value
+    assert meshed.hosts["cpu-1"].calls == []

@@ -1,0 +1,81 @@
+"""ExecSync: a command in a remote container runs on its host; stdout, stderr and exit code come back unchanged.
+
+Probes are ExecSync calls: their timeout is kubelet's deadline, or the
+command's own timeout and some slack, or an hour when neither is set.
+"""
+
+from __future__ import annotations
+
+import time
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2 as cri
+
+from shim.cri.relay.context import RelayContext
+from shim.cri.verbs import exec_sync
+from shim.errors import CannotStart
+from tests.cri.verbs.fakes import ORIGIN, add_remote, ctx
+
+LOCAL_ID = "1c" * 32
+
+
+def body(container_id: str, timeout: int = 0) -> bytes:
+    return cri.ExecSyncRequest(container_id=container_id, cmd=["cat", "/tmp/ready"], timeout=timeout
+                               ).SerializeToString()
+
+
+@pytest.fixture
+def route(fabric):
+    return exec_sync.route(fabric)
+
+
+def test_not_intercepted_while_this_node_has_no_remote_containers(fabric, mesh, route) -> None:
+    assert not route.applies()
+    add_remote(fabric)
+    assert route.applies()
+
+
+def test_only_a_remote_containers_request_is_wefts(route, remote) -> None:
+    assert route.pick(body(remote.id))
+    assert not route.pick(body(LOCAL_ID))
+
+
+def test_a_local_containers_command_runs_in_containerd_unchanged(containerd, host, route, remote) -> None:
+    containerd.answer("ExecSync", cri.ExecSyncResponse(stdout=b"local", exit_code=0))
+    answer = route.handle(body(LOCAL_ID, timeout=1), ctx())
+    assert containerd.only_request("ExecSync") == body(LOCAL_ID, timeout=1)
+    assert cri.ExecSyncResponse.FromString(answer).stdout == b"local" and host.calls == []
+
+
+def test_a_remote_containers_command_runs_on_its_host_and_its_output_comes_back(containerd, host, route,
+                                                                                remote) -> None:
+    host.answers["ExecSync"] = cri.ExecSyncResponse(stdout=b"ok\n", stderr=b"warn\n", exit_code=3)
+    answer = cri.ExecSyncResponse.FromString(route.handle(body(remote.id, timeout=1), ctx()))
+    assert (answer.stdout, answer.stderr, answer.exit_code) == (b"ok\n", b"warn\n", 3)
+    assert host.calls == [("ExecSync", ORIGIN, remote.key)]
+    assert host.requests["ExecSync"] == [body(remote.id, timeout=1)], "the command as kubelet sent it"
+    assert containerd.calls == []
+
+
+@pytest.mark.parametrize(
+    ("command_timeout", "expected"),
+    [pytest.param(5, 20, id="command-timeout-plus-slack"), pytest.param(0, exec_sync.NO_TIMEOUT_S, id="no-timeout")],
+)
+def test_without_a_deadline_the_call_waits_for_the_command(host, route, remote, command_timeout, expected) -> None:
+    route.handle(body(remote.id, timeout=command_timeout), ctx())
+    assert host.timeouts["ExecSync"] == [expected]
+
+
+def test_kubelets_deadline_bounds_the_call_to_the_host(host, route, remote) -> None:
+    route.handle(body(remote.id, timeout=60), RelayContext([], time.monotonic() + 8.0))
+    [waited] = host.timeouts["ExecSync"]
+    assert 0 < waited <= 8.0
+
+
+def test_a_container_lost_with_its_host_runs_nothing(fabric, host, route, remote) -> None:
+    fabric.remotes.mark_lost(remote, 90.0)
+    with pytest.raises(CannotStart) as err:
+        route.handle(body(remote.id), ctx())
+    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert host.calls == []

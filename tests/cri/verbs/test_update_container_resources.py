@@ -1,0 +1,66 @@
+"""UpdateContainerResources: a remote container's limits change on its host, as kubelet asked."""
+
+from __future__ import annotations
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2 as cri
+
+from shim.cri.verbs import update_container_resources
+from shim.errors import CannotStart
+from shim.mesh.client import PeerUnavailable
+from tests.cri.verbs.fakes import ORIGIN, add_remote, ctx
+
+LOCAL_ID = "1c" * 32
+
+
+def body(container_id: str) -> bytes:
+    return cri.UpdateContainerResourcesRequest(
+        container_id=container_id,
+        linux=cri.LinuxContainerResources(cpu_period=100_000, cpu_quota=150_000, memory_limit_in_bytes=2 << 30),
+    ).SerializeToString()
+
+
+@pytest.fixture
+def route(fabric):
+    return update_container_resources.route(fabric)
+
+
+def test_not_intercepted_while_this_node_has_no_remote_containers(fabric, mesh, route) -> None:
+    assert not route.applies()
+    add_remote(fabric)
+    assert route.applies()
+
+
+def test_only_a_remote_containers_request_is_wefts(route, remote) -> None:
+    assert route.pick(body(remote.id))
+    assert not route.pick(body(LOCAL_ID))
+
+
+def test_a_local_containers_update_is_containerds_unchanged(containerd, host, route, remote) -> None:
+    route.handle(body(LOCAL_ID), ctx())
+    assert containerd.only_request("UpdateContainerResources") == body(LOCAL_ID)
+    assert host.calls == []
+
+
+def test_a_remote_containers_limits_change_on_its_host_as_kubelet_asked(containerd, host, route, remote) -> None:
+    answer = route.handle(body(remote.id), ctx())
+    assert cri.UpdateContainerResourcesResponse.FromString(answer) == cri.UpdateContainerResourcesResponse()
+    assert host.calls == [("UpdateContainerResources", ORIGIN, remote.key)]
+    assert host.requests["UpdateContainerResources"] == [body(remote.id)]
+    assert containerd.calls == []
+
+
+def test_a_container_lost_with_its_host_cannot_be_changed(fabric, host, route, remote) -> None:
+    fabric.remotes.mark_lost(remote, 90.0)
+    with pytest.raises(CannotStart) as err:
+        route.handle(body(remote.id), ctx())
+    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION
+    assert host.calls == []
+
+
+def test_a_host_that_does_not_answer_is_unavailable(host, route, remote) -> None:
+    host.answers["UpdateContainerResources"] = PeerUnavailable("peer cpu-1 did not answer", node="cpu-1")
+    with pytest.raises(PeerUnavailable) as err:
+        route.handle(body(remote.id), ctx())
+    assert err.value.code is grpc.StatusCode.UNAVAILABLE
