@@ -28,6 +28,8 @@ class Registry:
     # reaches over the cluster bridge, and point each of these nodes' containerd at it.
     address: str = ""
     clients: tuple[Containerd, ...] = ()
+    # False: anyone may pull and push (critest pulls its image set without credentials).
+    auth: bool = True
 
     @property
     def workdir(self) -> Path:
@@ -61,11 +63,11 @@ storage:
     enabled: true
 http:
   addr: {self.host}
-auth:
+""" + (f"""auth:
   htpasswd:
     realm: weft-test
     path: {htpasswd}
-""")
+""" if self.auth else ""))
         for node in (self.node, *self.clients):
             hosts = node.registry_config_dir / self.host
             hosts.mkdir(parents=True, exist_ok=True)
@@ -89,8 +91,9 @@ auth:
     def push(self, archive: Path, name: str) -> str:
         """Push an OCI archive as ``name`` (``repo:tag``); returns the reference to pull."""
         ref = f"{self.host}/{name}"
-        res = self._in_node("skopeo", "copy", "--quiet", "--dest-tls-verify=false",
-                            f"--dest-creds={self.user}:{self.password}", f"oci-archive:{archive}", f"docker://{ref}")
+        creds = [f"--dest-creds={self.user}:{self.password}"] if self.auth else []
+        res = self._in_node("skopeo", "copy", "--quiet", "--dest-tls-verify=false", *creds,
+                            f"oci-archive:{archive}", f"docker://{ref}")
         if res.returncode != 0:
             raise RuntimeError(f"skopeo copy {archive} -> {ref} failed: {res.stderr.strip()}")
         return ref

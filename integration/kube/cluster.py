@@ -38,7 +38,7 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from integration.kube.controlplane import ControlPlane
-from integration.kube.kubelet import KernelSettings, Kubelet
+from integration.kube.kubelet import KernelSettings, Kubelet, share_root_dir
 from shim.localfabric.agent import AgentProcess, free_port
 from shim.localfabric.broker import BrokerProcess, weft_handler
 from shim.localfabric.containerd import SLOT_DIR
@@ -98,6 +98,10 @@ class KubeCluster:
 
         self.nodes = Cluster(n=len(self.specs), names=names, handlers_for=handlers)
         self.nodes.open()
+        for node in self.nodes.nodes:
+            # Before the agents start: each agent's own mount namespace (ip netns exec) must hold a copy
+            # of this shared mount to see the volumes kubelet will mount under it.
+            share_root_dir(node.workdir / "kubelet")
         self._start_agents()
         self.timings["nodes and agents up"] = time.monotonic() - t0
 

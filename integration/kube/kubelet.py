@@ -10,7 +10,8 @@ machine's own, never see each other's files.
 Its root directory is outside those, in the node's work directory, and is a shared mount: the
 volumes kubelet mounts under ``pods/`` (Secrets and projected tokens are tmpfs) propagate back to
 the root namespace, where containerd (which bind-mounts them into containers) and the weft agent
-(which copies ConfigMap and Secret volumes to a rerouted container's host) look for them. Pod logs
+(which copies ConfigMap and Secret volumes to a rerouted container's host; it makes its mount namespace
+after the root directory is shared, so it holds a copy that receives them) look for them. Pod logs
 go to ``<root>/pod-logs`` (``podLogsDir``), where containerd writes them.
 
 kubelet rewrites a few kernel settings at start (``protectKernelDefaults: false``);
@@ -47,6 +48,16 @@ if [ -d /var/lib/kubelet ]; then cover /var/lib/kubelet; else cover /var/lib; fi
 mkdir -p /var/lib/kubelet/device-plugins
 exec "$@"
 """
+
+
+def share_root_dir(root_dir: Path) -> None:
+    """kubelet's root directory as a shared mount of its own (once): what kubelet mounts under it in its
+    mount namespace then shows in the root namespace, and in every namespace copied from it later."""
+    if root_dir.is_mount():
+        return
+    root_dir.mkdir(parents=True, exist_ok=True)
+    subprocess.run(["mount", "--bind", str(root_dir), str(root_dir)], check=True)
+    subprocess.run(["mount", "--make-shared", str(root_dir)], check=True)
 
 
 class KernelSettings:
@@ -131,18 +142,10 @@ class Kubelet:
                 f"--node-ip={self.node.mesh_ip}", f"--root-dir={self.root_dir}", f"--cert-dir={self.root_dir / 'pki'}",
                 f"--node-labels=weft.io/role={self.role}", "--v=2"]
 
-    def prepare(self) -> None:
-        """The root directory as a shared mount of its own (once; see the module docstring)."""
-        if self.root_dir.is_mount():
-            return
-        self.root_dir.mkdir(parents=True, exist_ok=True)
-        self.pod_logs_dir.mkdir(exist_ok=True)
-        subprocess.run(["mount", "--bind", str(self.root_dir), str(self.root_dir)], check=True)
-        subprocess.run(["mount", "--make-shared", str(self.root_dir)], check=True)
-
     def start(self, ready_timeout: float = 120.0) -> None:
         """Start kubelet; returns at once (the cluster waits for its Node to turn Ready)."""
-        self.prepare()
+        share_root_dir(self.root_dir)
+        self.pod_logs_dir.mkdir(exist_ok=True)
         (self.root_dir / "config.json").write_text(json.dumps(self.config(), indent=1))
         argv = self.node.nsenter(["unshare", "--mount", "--propagation", "unchanged", "--",
                                   "sh", "-c", _MOUNT_SCRIPT, "kubelet", *self.argv()])

@@ -36,6 +36,7 @@ _OCI_LAYER = "application/vnd.oci.image.layer.v1.tar"
 class ImageSpec:
     name: str
     cmd: tuple[str, ...]
+    user: str = ""  # the config's User ("1002", "www-data:1004"); "" runs as root
 
 
 IMAGES = (
@@ -56,7 +57,7 @@ def _add(tar: tarfile.TarFile, info: tarfile.TarInfo, data: bytes | None = None)
     tar.addfile(info, io.BytesIO(data) if data is not None else None)
 
 
-def _layer() -> bytes:
+def _layer(passwd: str = "", group: str = "") -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for d in ("bin", "etc", "tmp", "proc", "sys", "dev", "root", "var", "var/log"):
@@ -76,8 +77,8 @@ def _layer() -> bytes:
             info.mode = 0o777
             _add(tar, info)
         for name, text in (
-            ("etc/passwd", "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n"),
-            ("etc/group", "root:x:0:\nnogroup:x:65534:\n"),
+            ("etc/passwd", "root:x:0:0:root:/root:/bin/sh\nnobody:x:65534:65534:nobody:/:/bin/false\n" + passwd),
+            ("etc/group", "root:x:0:\nnogroup:x:65534:\n" + group),
         ):
             raw = text.encode()
             info = tarfile.TarInfo(name)
@@ -87,24 +88,51 @@ def _layer() -> bytes:
     return buf.getvalue()
 
 
+def busybox_layer(passwd: str = "", group: str = "") -> bytes:
+    """The busybox layer, with extra ``/etc/passwd`` and ``/etc/group`` lines if given."""
+    return _layer(passwd, group)
+
+
+def files_layer(files: dict[str, bytes]) -> bytes:
+    """A layer holding just these regular files (paths without a leading slash; their directories are made)."""
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        dirs = sorted({str(Path(name).parent) for name in files} - {"."})
+        for d in dirs:
+            info = tarfile.TarInfo(d)
+            info.type = tarfile.DIRTYPE
+            info.mode = 0o755
+            _add(tar, info)
+        for name, data in sorted(files.items()):
+            info = tarfile.TarInfo(name)
+            info.size = len(data)
+            info.mode = 0o644
+            _add(tar, info, data)
+    return buf.getvalue()
+
+
 def _digest(data: bytes) -> str:
     return "sha256:" + hashlib.sha256(data).hexdigest()
 
 
-def build_archive(spec: ImageSpec, dest: Path, layer: bytes | None = None) -> Path:
-    """Write an OCI archive for ``spec`` to ``dest`` and return it."""
-    layer = layer if layer is not None else _layer()
-    layer_digest = _digest(layer)
+def build_archive(spec: ImageSpec, dest: Path, layer: bytes | None = None,
+                  extra_layers: tuple[bytes, ...] = ()) -> Path:
+    """Write an OCI archive for ``spec`` to ``dest`` and return it: ``layer`` (busybox's by default) and
+    ``extra_layers`` over it."""
+    layers = [layer if layer is not None else _layer(), *extra_layers]
+    image_config: dict = {
+        "Cmd": list(spec.cmd),
+        "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+        "WorkingDir": "/",
+    }
+    if spec.user:
+        image_config["User"] = spec.user
     config = json.dumps(
         {
             "architecture": "amd64",
             "os": "linux",
-            "config": {
-                "Cmd": list(spec.cmd),
-                "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
-                "WorkingDir": "/",
-            },
-            "rootfs": {"type": "layers", "diff_ids": [layer_digest]},
+            "config": image_config,
+            "rootfs": {"type": "layers", "diff_ids": [_digest(blob) for blob in layers]},
             "history": [{"created_by": "weft integration harness"}],
         },
         sort_keys=True,
@@ -114,7 +142,7 @@ def build_archive(spec: ImageSpec, dest: Path, layer: bytes | None = None) -> Pa
             "schemaVersion": 2,
             "mediaType": _OCI_MANIFEST,
             "config": {"mediaType": _OCI_CONFIG, "digest": _digest(config), "size": len(config)},
-            "layers": [{"mediaType": _OCI_LAYER, "digest": layer_digest, "size": len(layer)}],
+            "layers": [{"mediaType": _OCI_LAYER, "digest": _digest(blob), "size": len(blob)} for blob in layers],
         },
         sort_keys=True,
     ).encode()
@@ -146,7 +174,7 @@ def build_archive(spec: ImageSpec, dest: Path, layer: bytes | None = None) -> Pa
         sha.type = tarfile.DIRTYPE
         sha.mode = 0o755
         _add(tar, sha)
-        for blob in (layer, config, manifest):
+        for blob in dict.fromkeys([*layers, config, manifest]):
             info = tarfile.TarInfo("blobs/sha256/" + _digest(blob).split(":", 1)[1])
             info.size = len(blob)
             info.mode = 0o644
