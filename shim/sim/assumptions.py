@@ -40,6 +40,14 @@ starts a section; each ``- `` line starts an assumption.
   so the scheduler books only the GPU stage and that token on the GPU node. weft-full-requests is the same with the
   CPU stage's requests left at full size, so the scheduler books the whole pod on the GPU node: the other way of
   declaring (docs/design.md, "What the scheduler sees").
+- weft-reserved: as weft, and each hosted CPU stage has a reservation pod on its host, bound there for the stage's
+  life with the requests the stage was admitted by (its limits), as the agent creates one when a host admits a
+  shadow (docs/design.md, "What the scheduler sees"). The host's scheduler counts reservation pods like any pod, so
+  it binds a plain pod to a CPU node only where that pod fits beside the node's plain pods and reservations, and
+  never onto CPU a hosted stage uses. The host admits a stage by the same real free capacity as in weft. The
+  reservation is bound at the instant the stage is admitted: the gap between the two in a real cluster (where a
+  plain pod bound in between makes kubelet refuse the reservation and the stage be placed afresh), preemption and
+  eviction of reservations are not modelled; reservations carry no priority of their own here.
 - Sharing a GPU between pods needs the device plugin to advertise shared replicas (or a DRA driver with shared
   claims): the model assumes the scheduler binds a weft pod only to a node whose broker can pack its GPU stage, and
   that the broker may use any GPU of that node.
@@ -60,10 +68,26 @@ starts a section; each ``- `` line starts an assumption.
 - Completion time is queueing delay plus run time; a long-running serving pod's run time is its lifetime in the
   trace. Jobs per hour is pods finished over the time from 0 to the last finish.
 - CPU-node utilisation is requested vCPU-seconds on CPU nodes (plain pods, and hosted CPU stages by their limits)
-  over the CPU nodes' vCPU-seconds. A peer admits a stage by its real free capacity, but the scheduler does not see
-  hosted stages and may later bind a plain pod on top of them; the hosted stages run at low CPU weight, so they lose
-  that CPU, reported as the squeezed share of hosted vCPU-hours. A CPU stage that fell back to a GPU node whose
-  books held only its token request is reported as vCPU-hours over that node's capacity.
+  over the CPU nodes' vCPU-seconds. A peer admits a stage by its real free capacity, but in weft and
+  weft-full-requests the scheduler does not see hosted stages and may later bind a plain pod on top of them; the
+  hosted stages run at low CPU weight, so they lose that CPU, reported as the squeezed share of hosted vCPU-hours
+  (vCPU-seconds a CPU node's plain pods and hosted stages use beyond its capacity, over hosted vCPU-seconds; less
+  than a millionth of a vCPU over is rounding in the books, not use). In weft-reserved the scheduler counts every
+  hosted stage, so the share is 0 by construction (the engine stops with an error if a reserved node ever ran
+  over). A CPU stage that fell back to a GPU node whose books held only its token request is reported as
+  vCPU-hours over that node's capacity.
+
+## Cost
+- The fleet's cost of a mode is the GPU nodes and CPU nodes that mode needs on its own (pools that grow by one node
+  whenever nothing fits, so no pod waits and the work is the same in every mode), each paid for the whole run at
+  its hourly price: ``--gpu-node-price`` and ``--cpu-node-price``, by default on-demand list prices of AWS
+  instances shaped like the default nodes (p5.48xlarge, 8 x H100 80 GB, 192 vCPU, 2 TiB, $55.04/h after AWS's
+  June 2025 P5 price cut; r7i.48xlarge, 192 vCPU, 1,536 GiB, $12.7008/h; both us-east-1, Linux). The report states
+  the prices and their sources. A node is paid for whether or not it is busy: no autoscaling, no spot or committed
+  discounts, no storage, network or licence costs. The squeezed share beside each fleet is measured on that fleet.
+- The sizing is first-fit by index order, as the scheduler model binds; a real cluster's packing may need a few
+  nodes more or less, in every mode alike. With both node counts given no mode is sized and no cost per mode is
+  reported.
 
 ## DLRM workload (--dlrm)
 - Each row of the Prism trace is one instance. Within each app, each HN (GPU node) instance, in creation order, is

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import math
 import random
 import re
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 from shim.core.quantity import AnnotationError, parse_memory
 from shim.core.reroute import Resources
 from shim.sim import plots, report
+from shim.sim.cost import DEFAULT_PRICES, Prices
 from shim.sim.model import ClusterSpec, GpuProfile, PodSpec
 from shim.sim.readers import TraceError, read_dlrm, read_genai_samples, read_genai_summary, read_openb_nodes
 from shim.sim.study import study
@@ -54,6 +56,9 @@ def _epilog() -> str:
              f"({SAMPLES}).", "Full traces (download them and pass the paths):"]
     lines += [f"  {flag}: {where}" for flag, where in report.TRACE_SOURCES]
     lines.append("GPU utilisation is the duty cycle (busy / held GPU-seconds), not SM activity.")
+    lines.append("Default node prices ($/hour, on-demand list prices):")
+    lines.append(f"  --gpu-node-price {DEFAULT_PRICES.gpu_node_usd_per_hour:g}: {DEFAULT_PRICES.gpu_node_source}")
+    lines.append(f"  --cpu-node-price {DEFAULT_PRICES.cpu_node_usd_per_hour:g}: {DEFAULT_PRICES.cpu_node_source}")
     return "\n".join(lines)
 
 
@@ -93,6 +98,11 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
     cl.add_argument("--cpu-node-memory", help=f"memory of each CPU node (default {DEFAULT_CPU_NODE[1]})")
     cl.add_argument("--lease", default="peak", choices=LEASE_POLICIES,
                     help="GPU-stage memory lease: each pod's peak (default), p99, p95 or mean GPU memory")
+    co = p.add_argument_group("cost (the fleet each mode needs, at these hourly prices; sources below)")
+    co.add_argument("--gpu-node-price", metavar="USD", help="$ per hour of one GPU node (default "
+                    f"{DEFAULT_PRICES.gpu_node_usd_per_hour:g}: AWS p5.48xlarge on-demand, us-east-1)")
+    co.add_argument("--cpu-node-price", metavar="USD", help="$ per hour of one CPU node (default "
+                    f"{DEFAULT_PRICES.cpu_node_usd_per_hour:g}: AWS r7i.48xlarge on-demand, us-east-1)")
     out = p.add_argument_group("output")
     out.add_argument("--out", metavar="DIR", help="write report.md, results.json, utilisation.png, "
                      "completion_cdf.png here")
@@ -135,6 +145,27 @@ def _positive(flag: str, value: str) -> float:
     if not x > 0 or x == float("inf"):
         raise UsageError(f"{flag}: {value!r} must be more than zero")
     return x
+
+
+def _price(flag: str, value: str) -> float:
+    try:
+        x = float(value)
+    except ValueError:
+        raise UsageError(f"{flag}: {value!r} is not a price in $ per hour (e.g. 55.04)") from None
+    if not math.isfinite(x) or x < 0:
+        raise UsageError(f"{flag}: {value!r} must be a price of 0 or more $ per hour")
+    return x
+
+
+def _prices(args: argparse.Namespace) -> Prices:
+    given = "given with {flag}"
+    gpu, cpu = DEFAULT_PRICES.gpu_node_usd_per_hour, DEFAULT_PRICES.cpu_node_usd_per_hour
+    gpu_source, cpu_source = DEFAULT_PRICES.gpu_node_source, DEFAULT_PRICES.cpu_node_source
+    if args.gpu_node_price is not None:
+        gpu, gpu_source = _price("--gpu-node-price", args.gpu_node_price), given.format(flag="--gpu-node-price")
+    if args.cpu_node_price is not None:
+        cpu, cpu_source = _price("--cpu-node-price", args.cpu_node_price), given.format(flag="--cpu-node-price")
+    return Prices(gpu, cpu, gpu_source, cpu_source)
 
 
 def _duration(flag: str, value: str) -> float:
@@ -221,7 +252,7 @@ def _workload(args: argparse.Namespace, rng: random.Random, inputs: dict) -> tup
         raise UsageError("--dlrm: give either --dlrm FILE or --synthetic (exactly one)")
     samples: list[GpuProfile] = []
     summary: list[GpuProfile] = []
-    sections = ["Cluster", "Modes", "Metrics"]
+    sections = ["Cluster", "Modes", "Metrics", "Cost"]
     if args.genai_pods:
         samples = _read("--genai-pods", args.genai_pods, read_genai_samples)
         inputs["--genai-pods"] = _describe(args.genai_pods, f"{len(samples)} pods with full series")
@@ -285,6 +316,7 @@ def run(args: argparse.Namespace) -> int:
         rng = random.Random(seed)
         pods, dlrm, genai, sections = _workload(args, rng, inputs)
         cluster, gpu_given, cpu_given = _cluster(args, inputs, pods)
+        prices = _prices(args)
         out = Path(args.out) if args.out else None
         if out is not None and out.exists() and not out.is_dir():
             raise UsageError(f"--out: {out} exists and is not a directory")
@@ -292,7 +324,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"weft simulate: {exc}", file=sys.stderr)
         return 2
     st = study(pods, cluster, gpu_nodes_given=gpu_given, cpu_nodes_given=cpu_given, lease=args.lease, dlrm=dlrm,
-               genai=genai)
+               genai=genai, prices=prices)
     doc = report.results(st, inputs)
     if out is not None:
         out.mkdir(parents=True, exist_ok=True)

@@ -41,11 +41,13 @@ _FINISH, _ARRIVE = 0, 1
 # Fresh views: the simulator reads its own books, so nothing is ever stale.
 _FRESH_S = 0.0
 _CPU_SLACK = 1e-9  # as shim.core.reroute: cores that went through subtraction
+_OVER_TOLERANCE = 1e-6  # vCPU over a CPU node's capacity that is only rounding in the books
 
 
 class LogEvent(NamedTuple):
     t: float
-    event: str  # pod.started, pod.finished, pod.unplaceable, lease.acquired, lease.released, container.placed
+    event: str  # pod.started, pod.finished, pod.unplaceable, lease.acquired, lease.released, container.placed,
+    #             reservation.bound, reservation.deleted (hosted stages' reservation pods, in weft-reserved)
     pod: str
     container: str
     node: str
@@ -105,17 +107,43 @@ class _GpuNode:
 
 
 class _CpuNode:
-    __slots__ = ("cap", "hosted_cpu", "hosted_memory", "index", "name", "own_cpu", "own_memory", "view")
+    __slots__ = (
+        "cap",
+        "hosted_cpu",
+        "hosted_memory",
+        "index",
+        "name",
+        "own_cpu",
+        "own_memory",
+        "reserved_cpu",
+        "reserved_memory",
+        "reserves",
+        "view",
+    )
 
-    def __init__(self, index: int, cluster: ClusterSpec) -> None:
+    def __init__(self, index: int, cluster: ClusterSpec, reserves: bool = False) -> None:
         self.index, self.name, self.cap = index, f"cpu-{index:03d}", cluster.cpu_node
         self.own_cpu, self.own_memory = 0.0, 0  # plain pods the scheduler bound here
         self.hosted_cpu, self.hosted_memory = 0.0, 0  # rerouted CPU stages, by their limits
+        # Reservation pods: each hosted stage's requests as admitted, bound here, so the scheduler counts them.
+        # Only where hosted stages are reserved (Mode.WEFT_RESERVED); otherwise the scheduler does not see them.
+        self.reserves = reserves
+        self.reserved_cpu, self.reserved_memory = 0.0, 0
         self.view: PeerView | None = None  # rebuilt after every change
 
     def books_fit(self, request: Resources) -> bool:
-        return (request.cpu_cores <= self.cap.cpu_cores - self.own_cpu + _CPU_SLACK
-                and request.memory_bytes <= self.cap.memory_bytes - self.own_memory)
+        """What the scheduler sees: the node's plain pods and its reservation pods, never a hidden shadow."""
+        return (request.cpu_cores <= self.cap.cpu_cores - self.own_cpu - self.reserved_cpu + _CPU_SLACK
+                and request.memory_bytes <= self.cap.memory_bytes - self.own_memory - self.reserved_memory)
+
+    def over_cpu(self) -> float:
+        """vCPU used beyond capacity: hosted stages the scheduler bound plain pods on top of.
+
+        Rounding below ``_OVER_TOLERANCE`` (what the fit checks' own slack lets through) is not overcommit, so a
+        node whose books hold every stage reads exactly 0.
+        """
+        excess = self.own_cpu + self.hosted_cpu - self.cap.cpu_cores
+        return excess if excess > _OVER_TOLERANCE else 0.0
 
     def peer_view(self) -> PeerView:
         if self.view is None:
@@ -137,6 +165,8 @@ class PodRun:
     unplaceable: str = ""  # why no node of this cluster could ever take it
     leases: list[tuple[_GpuNode, int]] = field(default_factory=list)
     hosted: list[tuple[_CpuNode, Resources]] = field(default_factory=list)
+    # weft-reserved: each hosted stage's reservation pod (host, container, requests as admitted)
+    reservations: list[tuple[_CpuNode, str, Resources]] = field(default_factory=list)
     fallback: list[Resources] = field(default_factory=list)  # beyond the booked request, on the GPU node
     placements: list[tuple[str, str, str]] = field(default_factory=list)  # (container, where, reason)
 
@@ -166,7 +196,8 @@ class _Simulation:
         self.plans = [plan_pod(p, mode, cluster.gpu_memory_bytes) for p in pods]
         self.outcomes = [PodRun() for _ in pods]
         self.gpu_nodes = [_GpuNode(i, cluster) for i in range(cluster.gpu_nodes)]
-        self.cpu_nodes = [_CpuNode(i, cluster) for i in range(cluster.cpu_nodes)]
+        self.reserves = mode is Mode.WEFT_RESERVED
+        self.cpu_nodes = [_CpuNode(i, cluster, self.reserves) for i in range(cluster.cpu_nodes)]
         self.cpu_by_name = {n.name: n for n in self.cpu_nodes}
         self.log: list[LogEvent] = []
         self.leases: list[Lease] = []
@@ -346,6 +377,10 @@ class _Simulation:
             self._set_cpu(peer, hosted=limits, sign=1)
             out.hosted.append((peer, limits))
             out.placements.append((name, peer.name, choice.reason.value))
+            if peer.reserves:
+                out.reservations.append((peer, name, limits))
+                self.log.append(LogEvent(self.last_t, "reservation.bound", self.pods[i].name, name, peer.name, "",
+                                         limits.memory_bytes, 0, f"{limits.cpu_cores:g} vCPU"))
             self.rerouted += 1
             return
         # Running locally is always the agent's fallback; beyond the request the scheduler booked, it
@@ -371,7 +406,7 @@ class _Simulation:
         return decide(ContainerFacts(limits=limits), limits, fitting or views)
 
     def _add_cpu_node(self) -> _CpuNode:
-        node = _CpuNode(len(self.cpu_nodes), self.cluster)
+        node = _CpuNode(len(self.cpu_nodes), self.cluster, self.reserves)
         self.cpu_nodes.append(node)
         self.cpu_by_name[node.name] = node
         return node
@@ -397,6 +432,9 @@ class _Simulation:
                                      held.device_uuid, held.memory_bytes, held.compute_percent, ""))
         for peer, limits in out.hosted:
             self._set_cpu(peer, hosted=limits, sign=-1)
+        for peer, name, limits in out.reservations:
+            self.log.append(LogEvent(t, "reservation.deleted", pod.name, name, peer.name, "", limits.memory_bytes,
+                                     0, f"{limits.cpu_cores:g} vCPU"))
         if out.gpu_node is not None:
             self._set_gpu_books(out.gpu_node, books=plan.node_request, sign=-1)
             for extra in out.fallback:
@@ -416,7 +454,7 @@ class _Simulation:
 
     def _set_cpu(self, node: _CpuNode, *, own: Resources | None = None, hosted: Resources | None = None,
                  sign: int) -> None:
-        before = max(0.0, node.own_cpu + node.hosted_cpu - node.cap.cpu_cores)
+        before = node.over_cpu()
         if own is not None:
             node.own_cpu += sign * own.cpu_cores
             node.own_memory += sign * own.memory_bytes
@@ -425,8 +463,15 @@ class _Simulation:
             node.hosted_cpu += sign * hosted.cpu_cores
             node.hosted_memory += sign * hosted.memory_bytes
             self.cpu_requested += sign * hosted.cpu_cores
+            if node.reserves:  # its reservation pod is bound and deleted with it
+                node.reserved_cpu += sign * hosted.cpu_cores
+                node.reserved_memory += sign * hosted.memory_bytes
         node.view = None
-        after = max(0.0, node.own_cpu + node.hosted_cpu - node.cap.cpu_cores)
+        after = node.over_cpu()
+        if node.reserves and after:
+            # The scheduler counts every reservation and the host admits by its real free capacity, so nothing
+            # can be bound on top of a reserved stage; an excess here is a bug in the books, not a result.
+            raise RuntimeError(f"{node.name} is {after:g} vCPU over capacity with every hosted stage reserved")
         self.overcommit_rate["cpu"] += after - before
         t = self.last_t
         if self.cpu_node_steps[-1][0] == t:

@@ -26,6 +26,9 @@ class Mode(enum.Enum):
     BUNDLED = "bundled"
     WEFT = "weft"  # CPU stage declares small requests and full limits (docs/design.md)
     WEFT_FULL = "weft-full-requests"  # CPU stage requests stay at full size: the scheduler books the whole pod
+    # As WEFT, and each hosted CPU stage has a reservation pod on its host with the requests it was admitted by,
+    # so the host's scheduler counts it and never binds a plain pod onto that CPU (docs/design.md).
+    WEFT_RESERVED = "weft-reserved"
 
 
 # What a team declares as the CPU stage's requests when it wants the

@@ -14,7 +14,8 @@ from pathlib import Path
 
 from shim.sim.metrics import Series
 
-_STYLE = {"bundled": ("tab:red", "-"), "weft": ("tab:blue", "-"), "weft-full-requests": ("tab:blue", ":")}
+_STYLE = {"bundled": ("tab:red", "-"), "weft": ("tab:blue", "-"), "weft-full-requests": ("tab:blue", ":"),
+          "weft-reserved": ("tab:green", "--")}
 
 
 class PlotError(RuntimeError):

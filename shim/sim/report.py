@@ -54,6 +54,9 @@ def results(st: Study, inputs: Mapping[str, object]) -> dict:
         "validation_passed": all(check.passed for check in st.validation),
         "validation_not_applicable": [{"ids": ids, "why": why} for ids, why in NOT_APPLICABLE],
         "lease_sensitivity": st.sensitivity,
+        "prices": st.prices.as_dict(),
+        "fleet_by_mode": st.fleet,
+        "fleet_note": st.fleet_note,
         "series": {
             "edges_h": [e / 3600.0 for e in next(iter(st.series.values())).edges_s] if st.series else [],
             **{name: {"gpu_utilisation": list(s.utilisation), "gpus_held": list(s.gpus_held)}
@@ -127,6 +130,27 @@ def _cells(st: Study) -> list[tuple[str, list[str], str]]:
     return rows
 
 
+def _money(x: float | None) -> str:
+    return "-" if x is None else f"${x:,.0f}"
+
+
+def _fleet_rows(st: Study) -> list[list[str]]:
+    rows = []
+    for mode in MODES:
+        f = st.fleet.get(mode.value)
+        if f is None:
+            continue
+        rows.append([mode.value, _num(f["gpu_nodes_needed"], 0), _num(f["cpu_nodes_needed"], 0),
+                     _pct(f["hosted_squeezed_share"]), _money(f["fleet_usd_per_hour"]) + "/h",
+                     _money(f["fleet_usd_over_run"]), _times(f["gpu_nodes_ratio"]), _times(f["cpu_nodes_ratio"]),
+                     _times(f["cost_ratio"])])
+    return rows
+
+
+_FLEET_HEADER = ("mode", "GPU nodes", "CPU nodes", "hosted squeezed", "fleet cost", "over the run",
+                 "GPU nodes/bundled", "CPU nodes/bundled", "cost/bundled")
+
+
 def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
     out = ["| " + " | ".join(header) + " |", "|" + "|".join("---" for _ in header) + "|"]
     out += ["| " + " | ".join(cell.replace("|", "\\|") for cell in row) + " |" for row in rows]
@@ -167,7 +191,25 @@ def markdown(st: Study, doc: Mapping, sections: Sequence[str]) -> str:
             f"{name} {n['gpu_nodes']}" for name, n in st.needed.items())
             + f" (weft/bundled {_times(st.ratios.get('gpu_nodes_needed'))}); a bundled pod needs its CPU stage's "
             "vCPU on the GPU node, which caps how many GPUs of a node it can use.")
-    lines += ["", "## Results", ""]
+    reserved = st.fleet.get("weft-reserved")
+    if reserved is not None:
+        lines.append(
+            f"- Fleet for the same work, hosted stages reserved (weft-reserved) against bundled: GPU nodes "
+            f"**{_times(reserved['gpu_nodes_ratio'])}**, CPU nodes **{_times(reserved['cpu_nodes_ratio'])}**, cost "
+            f"**{_times(reserved['cost_ratio'])}**, with {_pct(reserved['hosted_squeezed_share'])} of hosted "
+            "vCPU-hours squeezed (see Fleet).")
+    lines += ["", "## Fleet: the nodes each mode needs, and their cost", "", st.fleet_note, ""]
+    if st.fleet:
+        lines += _md_table(_FLEET_HEADER, _fleet_rows(st))
+        lines.append("")
+    p = st.prices
+    lines += [f"- GPU node: ${p.gpu_node_usd_per_hour:g}/h: {p.gpu_node_source}.",
+              f"- CPU node: ${p.cpu_node_usd_per_hour:g}/h: {p.cpu_node_source}.",
+              "- Hosted squeezed: the share of hosted CPU stages' vCPU-hours over their host's capacity, because the "
+              "scheduler bound plain pods on top of stages it could not see. A fleet that squeezes is smaller than "
+              "the work needs: the stages it squeezes starve, and the GPU stages they feed wait. With reservations "
+              "(weft-reserved) the scheduler sees every hosted stage: 0 by construction.",
+              "", "## Results", ""]
     lines += _md_table(["", *[m.value for m in MODES], "weft/bundled"],
                        [[label, *values, ratio] for label, values, ratio in _cells(st)])
     if st.sensitivity:
@@ -217,6 +259,16 @@ def table(st: Study) -> str:
                f"{_verdict(t['gpu_utilisation_met'])} ({_times(t['gpu_utilisation_ratio'])}); p95 completion <= "
                f"{t['completion_p95_ratio_max']:g}x: {_verdict(t['completion_p95_met'])} "
                f"({_times(t['completion_p95_ratio'])})")
+    if st.fleet:
+        p = st.prices
+        out.append(f"fleet each mode needs on its own (GPU node ${p.gpu_node_usd_per_hour:g}/h, CPU node "
+                   f"${p.cpu_node_usd_per_hour:g}/h; sources in report.md):")
+        widths = (18, 9, 9, 15, 12, 14, 17, 17, 12)
+        out.append("  ".join(f"{h:>{w}}" for h, w in zip(_FLEET_HEADER, widths, strict=True)))
+        for row in _fleet_rows(st):
+            out.append("  ".join(f"{c:>{w}}" for c, w in zip(row, widths, strict=True)))
+    elif st.fleet_note:
+        out.append(st.fleet_note)
     passed = sum(1 for v in st.validation if v.passed)
     out.append(f"validation (bundled): {passed}/{len(st.validation)} within tolerance")
     return "\n".join(out)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 
 from shim.core.placement import GPU_MEMORY_ANNOTATION
 from shim.core.quantity import parse_memory
+from shim.sim.cost import DEFAULT_PRICES, Prices, books, fleet_usd_per_hour
 from shim.sim.engine import Run, simulate
 from shim.sim.metrics import Series, Summary, completions, series, summarise
 from shim.sim.model import GIB, ClusterSpec, GpuProfile, Mode, PodSpec
@@ -27,7 +28,7 @@ from shim.sim.workload import LEASE_POLICIES, with_lease
 
 UTILISATION_TARGET = 3.0
 COMPLETION_P95_TARGET = 1.1
-MODES = (Mode.BUNDLED, Mode.WEFT, Mode.WEFT_FULL)
+MODES = (Mode.BUNDLED, Mode.WEFT, Mode.WEFT_FULL, Mode.WEFT_RESERVED)
 
 
 @dataclass
@@ -45,6 +46,10 @@ class Study:
     sensitivity: list[dict]
     runs: dict[str, Run] = field(repr=False)
     elapsed_s: float = 0.0
+    prices: Prices = DEFAULT_PRICES
+    # Per mode, on the fleet it needs on its own: nodes, squeezed share, cost, ratios to bundled (shim.sim.cost)
+    fleet: dict[str, dict] = field(default_factory=dict)
+    fleet_note: str = ""
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
@@ -52,19 +57,21 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 
 def size_cluster(pods: Sequence[PodSpec], cluster: ClusterSpec, gpu_given: bool, cpu_given: bool) -> tuple[
-        ClusterSpec, str, dict[str, dict[str, int]]]:
+        ClusterSpec, str, dict[str, dict[str, int]], dict[str, Run]]:
     """The node counts: as given, or the most any mode needed on pools that grow when nothing fits.
 
     Also returns what each mode needed on its own (empty when both counts
     were given): the number of GPU nodes bundled pods need for their CPU is
-    itself a result.
+    itself a result; and each mode's run on its own grown pools, which the
+    fleet's books (:mod:`shim.sim.cost`) read.
     """
     if gpu_given and cpu_given:
-        return cluster, "Node counts as given", {}
+        return cluster, "Node counts as given", {}, {}
     start = replace(cluster, gpu_nodes=cluster.gpu_nodes if gpu_given else 0,
                     cpu_nodes=cluster.cpu_nodes if cpu_given else 0)
-    grown = {mode.value: simulate(pods, start, mode, grow_gpu=not gpu_given, grow_cpu=not cpu_given).cluster
+    sized = {mode.value: simulate(pods, start, mode, grow_gpu=not gpu_given, grow_cpu=not cpu_given)
              for mode in MODES}
+    grown = {name: run.cluster for name, run in sized.items()}
     needed = {name: {"gpu_nodes": c.gpu_nodes, "cpu_nodes": c.cpu_nodes} for name, c in grown.items()}
     gpu = max(c.gpu_nodes for c in grown.values())
     cpu = max(c.cpu_nodes for c in grown.values())
@@ -72,7 +79,7 @@ def size_cluster(pods: Sequence[PodSpec], cluster: ClusterSpec, gpu_given: bool,
     what = " and ".join(w for w, given in (("GPU", gpu_given), ("CPU", cpu_given)) if not given)
     return (replace(cluster, gpu_nodes=gpu, cpu_nodes=cpu),
             f"{what} node counts sized from the workload: the most any mode needed on a pool that grows whenever "
-            f"nothing fits ({listed})", needed)
+            f"nothing fits ({listed})", needed, sized)
 
 
 def _lease_facts(run: Run) -> tuple[float | None, float | None]:
@@ -107,15 +114,18 @@ def study(
     dlrm: Sequence[DlrmInstance] | None = None,
     genai: Sequence[GpuProfile] = (),
     sensitivity: bool = True,
+    prices: Prices = DEFAULT_PRICES,
 ) -> Study:
     """Size the cluster, run every mode and sum up.
 
     ``genai`` (the GenTD26 profiles pods drew from) and ``dlrm`` (the
-    instances pods were paired from) say which validation figures apply.
+    instances pods were paired from) say which validation figures apply;
+    ``prices`` are the nodes' hourly prices the fleet's cost is counted in.
     """
     began = time.perf_counter()
     leased = with_lease(pods, lease)
-    cluster, sizing, needed = size_cluster(leased, cluster, gpu_nodes_given, cpu_nodes_given)
+    cluster, sizing, needed, sized = size_cluster(leased, cluster, gpu_nodes_given, cpu_nodes_given)
+    fleet, fleet_note = _fleet(needed, sized, cluster, prices)
     runs = {mode.value: simulate(leased, cluster, mode) for mode in MODES}
     summaries = {name: summarise(run) for name, run in runs.items()}
     bundled, weft = summaries[Mode.BUNDLED.value], summaries[Mode.WEFT.value]
@@ -141,8 +151,27 @@ def study(
         series={name: series(run, summaries[name].makespan_s) for name, run in runs.items()},
         completions={name: completions(run) for name, run in runs.items()},
         ratios=ratios, target=target, validation=validation, sensitivity=rows, runs=runs,
-        elapsed_s=time.perf_counter() - began,
+        elapsed_s=time.perf_counter() - began, prices=prices, fleet=fleet, fleet_note=fleet_note,
     )
+
+
+def _fleet(needed: dict[str, dict[str, int]], sized: dict[str, Run], cluster: ClusterSpec,
+           prices: Prices) -> tuple[dict[str, dict], str]:
+    """Each mode's books on the fleet it needs on its own, and a note on what they cover."""
+    if not needed:
+        per_hour = fleet_usd_per_hour(cluster.gpu_nodes, cluster.cpu_nodes, prices)
+        return {}, (f"Both node counts were given, so no mode was sized on its own: every mode runs on the same "
+                    f"fleet, ${per_hour:,.2f}/h. Leave out --gpu-nodes and --cpu-nodes to compare the fleets each "
+                    "mode needs.")
+    squeezed, hours = {}, {}
+    for name, run in sized.items():
+        s = summarise(run)
+        squeezed[name] = s.hosted_squeezed_share
+        hours[name] = s.makespan_s / 3600.0
+    return books(needed, squeezed, hours, prices), (
+        "Each mode on the nodes it needs on its own (pools that grow whenever nothing fits, so no pod waits); "
+        "its squeezed share is measured on that fleet. The cost is those nodes for the whole run at the hourly "
+        "prices below.")
 
 
 def _sensitivity_row(policy: str, run: Run, bundled: Summary) -> dict:

@@ -29,6 +29,27 @@ def test_help_says_where_the_public_traces_are(capsys):
     assert "duty cycle" in out
 
 
+def test_help_states_the_default_node_prices_and_their_source(capsys):
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--gpu-node-price USD" in out and "--cpu-node-price USD" in out
+    assert "default 55.04: AWS p5.48xlarge" in out and "default 12.7008: AWS r7i.48xlarge" in out
+    assert "aws.amazon.com/ec2/pricing/on-demand/" in out and "2026" in out
+
+
+def test_node_prices_given_on_the_command_line_price_every_mode(capsys):
+    assert main([*SMALL, "--gpu-node-price", "10", "--cpu-node-price", "1.5", "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["prices"]["gpu_node_usd_per_hour"] == 10.0 and doc["prices"]["cpu_node_usd_per_hour"] == 1.5
+    assert doc["prices"]["gpu_node_source"] == "given with --gpu-node-price"
+    assert set(doc["fleet_by_mode"]) == set(doc["modes"])
+    for name, row in doc["fleet_by_mode"].items():
+        assert row["fleet_usd_per_hour"] == row["gpu_nodes_needed"] * 10.0 + row["cpu_nodes_needed"] * 1.5, name
+        assert row["gpu_nodes_needed"] == doc["nodes_needed_by_mode"][name]["gpu_nodes"]
+    assert doc["fleet_by_mode"]["weft-reserved"]["hosted_squeezed_share"] in (0.0, None)
+
+
 def test_a_synthetic_run_writes_the_report_the_json_and_both_figures(tmp_path, capsys):
     assert main([*SMALL, "--out", str(tmp_path / "out")]) == 0
     out = capsys.readouterr().out
@@ -36,7 +57,7 @@ def test_a_synthetic_run_writes_the_report_the_json_and_both_figures(tmp_path, c
     for name in ("report.md", "results.json", "utilisation.png", "completion_cdf.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0, name
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert set(doc["modes"]) == {"bundled", "weft", "weft-full-requests"}
+    assert set(doc["modes"]) == {"bundled", "weft", "weft-full-requests", "weft-reserved"}
     assert doc["modes"]["bundled"]["placed"] == 40
     report = (tmp_path / "out" / "report.md").read_text()
     assert "(utilisation.png)" in report and "### Synthetic workload (--synthetic)" in report
@@ -71,6 +92,12 @@ def write(tmp_path, name, text):
         pytest.param([*SMALL, "--run-time", "soon"], "--run-time", ["duration"], id="bad-duration"),
         pytest.param([*SMALL, "--cpu-stage", "8"], "--cpu-stage", ["VCPU:MEMORY"], id="bad-pair"),
         pytest.param([*SMALL, "--duty", "lots"], "--duty", ["uniform:LO,HI"], id="bad-duty"),
+        pytest.param([*SMALL, "--gpu-node-price", "cheap"], "--gpu-node-price", ["'cheap'", "$ per hour"],
+                     id="bad-gpu-node-price"),
+        pytest.param([*SMALL, "--cpu-node-price", "-1"], "--cpu-node-price", ["'-1'", "0 or more"],
+                     id="negative-cpu-node-price"),
+        pytest.param([*SMALL, "--gpu-node-price", "nan"], "--gpu-node-price", ["'nan'"], id="nan-price"),
+        pytest.param([*SMALL, "--cpu-node-price", "inf"], "--cpu-node-price", ["'inf'"], id="infinite-price"),
     ],
 )
 def test_bad_input_is_one_line_naming_the_flag(argv, flag, words, capsys):

@@ -78,3 +78,32 @@ def test_embedded_targets_match_validation_targets_json():
     for key, value in validate.TARGETS.items():
         expected = tuple(published[key]) if isinstance(published[key], list) else published[key]
         assert value == expected, key
+
+
+def test_the_reserved_mode_squeezes_nothing_and_the_fleet_is_priced_per_mode(outcome):
+    _, out = outcome
+    doc = json.loads((out / "results.json").read_text())
+    assert set(doc["modes"]) == {"bundled", "weft", "weft-full-requests", "weft-reserved"}
+    reserved = doc["modes"]["weft-reserved"]
+    assert reserved["cpu_stages_rerouted"] > 0
+    assert reserved["hosted_squeezed_share"] == 0.0  # exactly: the scheduler counts every hosted stage
+    assert reserved["cpu_node_overcommit_vcpu_h"] == 0.0
+    assert doc["modes"]["weft"]["hosted_squeezed_share"] > 0
+    assert reserved["busy_gpu_s"] == pytest.approx(doc["modes"]["bundled"]["busy_gpu_s"])  # the same work
+    prices, fleet = doc["prices"], doc["fleet_by_mode"]
+    assert set(fleet) == set(doc["modes"])
+    bundled = fleet["bundled"]
+    for name, row in fleet.items():
+        assert (row["gpu_nodes_needed"], row["cpu_nodes_needed"]) == tuple(doc["nodes_needed_by_mode"][name].values())
+        assert row["fleet_usd_per_hour"] == pytest.approx(row["gpu_nodes_needed"] * prices["gpu_node_usd_per_hour"]
+                                                          + row["cpu_nodes_needed"] * prices["cpu_node_usd_per_hour"])
+        assert row["gpu_nodes_ratio"] == pytest.approx(row["gpu_nodes_needed"] / bundled["gpu_nodes_needed"])
+        assert row["cpu_nodes_ratio"] == pytest.approx(row["cpu_nodes_needed"] / bundled["cpu_nodes_needed"])
+        assert row["cost_ratio"] == pytest.approx(row["fleet_usd_per_hour"] / bundled["fleet_usd_per_hour"])
+    assert fleet["weft-reserved"]["hosted_squeezed_share"] == 0.0
+    # Reserving hosted stages costs CPU nodes that the squeezed fleet only seemed not to need.
+    assert fleet["weft-reserved"]["cpu_nodes_needed"] > fleet["weft"]["cpu_nodes_needed"]
+    assert fleet["weft-reserved"]["gpu_nodes_needed"] == fleet["weft"]["gpu_nodes_needed"]
+    report = (out / "report.md").read_text()
+    assert "## Fleet: the nodes each mode needs, and their cost" in report and "### Cost" in report
+    assert "p5.48xlarge" in report and "r7i.48xlarge" in report
