@@ -30,6 +30,7 @@ from shim.cri.recovery import Reconciler
 from shim.cri.relay.server import RelayServer
 from shim.cri.verbs import routes
 from shim.httpd import HttpEndpoint
+from shim.kube import access
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore
 
@@ -60,6 +61,7 @@ class Agent:
         self.upstream = Upstream(str(cfg.agent.containerd_socket))
         self.store = AgentStore(cfg.agent.state_dir)
         self.broker = BrokerClient(cfg.agent.broker_socket) if cfg.agent.broker_socket else None
+        self.api = access.resolve(Path(cfg.kubernetes.kubeconfig) if cfg.kubernetes.kubeconfig else None)
         self.fabric = Fabric(self.upstream, self.store, self.broker, self.metrics)
         self.server = RelayServer(cfg.agent.socket, str(cfg.agent.containerd_socket), routes.table(self.fabric),
                                   Instrument(self.metrics, self.fabric.pod_of), cfg.agent.workers)
@@ -82,11 +84,13 @@ class Agent:
         mesh = MeshNode(node=m.node_name or socketlib.gethostname(), role={"both": "gpu,cpu"}.get(m.role, m.role),
                         address=m.address, peers=m.peers, tls_dir=m.tls_dir, hello_interval=m.hello_interval,
                         namespace=m.namespace, service=m.service, metrics=self.metrics, host=host,
-                        fixed_capacity=m.fixed_capacity, drain_file=Path(cfg.agent.state_dir) / "draining")
+                        fixed_capacity=m.fixed_capacity, drain_file=Path(cfg.agent.state_dir) / "draining",
+                        api=self.api)
         self.fabric.mesh = mesh
         self.fabric.pods_dir = m.kubelet_pods_dir
         self.fabric.peer_max_age_s = max(30.0, 3 * m.hello_interval)
         self.fabric.prepare_shadow_sandbox = m.prepare_shadow_sandbox
+        self.fabric.stitch_kernel_path = m.stitch_kernel_path
         self.fabric.prepared = Prepared(self.fabric)
         self.supervisor = RemoteSupervisor(self.fabric, loss_timeout=m.loss_timeout,
                                            heartbeat=m.heartbeat_interval, volume_interval=m.volume_sync_interval)
@@ -108,8 +112,17 @@ class Agent:
         self.fabric.streams = StreamRelay(self.fabric, cfg.agent.stream_address,
                                           busy_poll_us=cfg.agent.stream_busy_poll_us)
         self.stitch = OriginNet(self.fabric)
+        self.fabric.stitch_paths = self.stitch.paths_of
+
+    def _dead_loops(self) -> list[str]:
+        """The accept loops that died (for /healthz): the tunnel port and the stream relay."""
+        if self.mesh is None:
+            return []
+        loops = {"tunnel": self.tunnel, "stream-relay": self.fabric.streams}
+        return [name for name, server in loops.items() if not server.alive]
 
     def start(self) -> None:
+        access.announce(self.api)
         self.server.start()
         self.reconciler.start()
         if self.mesh is not None:
@@ -121,7 +134,8 @@ class Agent:
             self.stitch.start()
         if self.cfg.agent.metrics_address:
             try:
-                self.http = HttpEndpoint(self.cfg.agent.metrics_address, self.metrics, _probe(self.upstream))
+                self.http = HttpEndpoint(self.cfg.agent.metrics_address, self.metrics, _probe(self.upstream),
+                                         self._dead_loops)
             except OSError:
                 self.server.stop(0)
                 raise

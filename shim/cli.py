@@ -47,10 +47,34 @@ def _agent(args: argparse.Namespace) -> int:
                 "node_name": args.node_name, "role": args.role, "address": args.mesh_address,
                 "peers": args.peers, "tls_dir": None if args.tls_dir is None else str(args.tls_dir),
             },
+            "kubernetes": {"kubeconfig": None if args.kubeconfig is None else str(args.kubeconfig)},
         },
     )
     log.configure(cfg.agent.log_level)
     Agent(cfg).run()
+    return 0
+
+
+def _kube_credentials(args: argparse.Namespace) -> int:
+    import signal
+    import threading
+
+    from shim.kube import credentials
+
+    log.configure("info")
+    identity = None
+    if args.namespace or args.service_account:
+        if not (args.namespace and args.service_account):
+            raise WeftError("kube-credentials: --namespace and --service-account go together")
+        identity = credentials.Identity(args.namespace, args.service_account)
+    keeper = credentials.in_cluster_keeper(args.dir, args.lifetime, args.refresh, args.kubeconfig, identity)
+    if args.once:
+        keeper.renew()
+        return 0
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    keeper.run(stop)
     return 0
 
 
@@ -207,7 +231,24 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--mesh-address", help="HOST:PORT for the peer mesh (mutual TLS); omit for no mesh")
     a.add_argument("--peers", help="static peers file (TOML [[peer]] tables) or 'kubernetes'")
     a.add_argument("--tls-dir", type=Path, help="mesh certificates: ca.crt and <node>.crt/.key")
+    a.add_argument("--kubeconfig", type=Path, help="the Kubernetes API for this agent (default: in-cluster "
+                   "configuration where there is one, else none)")
     a.set_defaults(fn=_agent)
+
+    kc = sub.add_parser("kube-credentials", help="keep a kubeconfig for the host agent, with a service-account "
+                        "token renewed before it expires (run by the DaemonSet)")
+    kc.add_argument("--dir", type=Path, default=Path("/etc/weft"), help="where to write kubeconfig and token "
+                    "(default /etc/weft)")
+    kc.add_argument("--lifetime", type=int, default=3600, help="seconds each token lasts (default 3600; the API "
+                    "server's minimum is 600)")
+    kc.add_argument("--refresh", type=float, default=0.5, help="renew when this share of a token's lifetime has "
+                    "passed (default 0.5)")
+    kc.add_argument("--once", action="store_true", help="write a token and the kubeconfig, then exit")
+    kc.add_argument("--kubeconfig", type=Path, help="ask the API as this kubeconfig's user instead of the pod's "
+                    "service account (with --namespace and --service-account)")
+    kc.add_argument("--namespace", help="the service account's namespace (default: the pod's)")
+    kc.add_argument("--service-account", help="the service account (default: the pod's)")
+    kc.set_defaults(fn=_kube_credentials)
 
     br = sub.add_parser("broker", help="serve GPU leases on a unix socket until SIGTERM")
     br.add_argument("--socket", type=Path, required=True, help="unix socket of the broker API")

@@ -24,6 +24,9 @@ Example file::
     peers = "/etc/weft/peers.toml"        # or "kubernetes" (EndpointSlices of the weft-mesh Service)
     tls_dir = "/etc/weft/mesh"
 
+    [kubernetes]
+    kubeconfig = "/etc/weft/kubeconfig"   # kept by the DaemonSet (weft kube-credentials); "" : in-cluster or none
+
     [report]                              # weft report (flags override)
     prometheus = "http://prometheus.monitoring:9090"
     timeout = 10.0                        # seconds per Prometheus request
@@ -127,6 +130,9 @@ class MeshConfig:
     prepare_shadow_sandbox: bool = True
     # A host removes a shadow sandbox no container has used for this long (prepared, or left half-way).
     prepared_sandbox_ttl: float = 60.0
+    # Carry a rerouted container's ports on localhost through the kernel (nftables in the origin pod's
+    # namespace) where the pod network reaches the shadow; the agents' tunnel otherwise.
+    stitch_kernel_path: bool = True
 
     def validate(self) -> None:
         if self.role not in MESH_ROLES:
@@ -179,9 +185,24 @@ class ReportConfig:
 
 
 @dataclass(frozen=True)
+class KubernetesConfig:
+    """The agent's access to the Kubernetes API (``shim.kube.access``)."""
+
+    # A kubeconfig for the agent (the DaemonSet keeps one at /etc/weft/kubeconfig); "" uses in-cluster
+    # configuration where the process has it, and otherwise no API.
+    kubeconfig: str = ""
+    namespace: str = "weft-system"  # weft's own namespace
+
+    def validate(self) -> None:
+        if not self.namespace:
+            raise ConfigError("kubernetes.namespace: required (weft's own namespace)")
+
+
+@dataclass(frozen=True)
 class Config:
     agent: AgentConfig = field(default_factory=AgentConfig)
     mesh: MeshConfig = field(default_factory=MeshConfig)
+    kubernetes: KubernetesConfig = field(default_factory=KubernetesConfig)
     report: ReportConfig = field(default_factory=ReportConfig)
 
 
@@ -231,5 +252,6 @@ def load(path: Path | None = None, overrides: Mapping[str, Mapping[str, Any]] | 
     cfg = Config(**sections)
     cfg.agent.validate()
     cfg.mesh.validate()
+    cfg.kubernetes.validate()
     cfg.report.validate()
     return cfg

@@ -28,6 +28,7 @@ BROKERS = ("nvml", "simulated", "none")
 CONFIG = "/etc/weft/weft.toml"
 MESH_TLS_DIR = "/etc/weft/mesh"
 PEERS_FILE = "/etc/weft/peers.toml"
+API_KUBECONFIG = "/etc/weft/api/kubeconfig"  # kept by the DaemonSet (weft kube-credentials)
 MESH_ROLES = ("gpu", "cpu", "both")
 
 
@@ -56,7 +57,10 @@ class Mesh:
         q = _toml_string
         return (f"# Written by `weft install`; `weft uninstall` removes it.\n[mesh]\nnode_name = {q(self.node_name)}\n"
                 f"role = {q(self.role)}\naddress = {q(self.address)}\npeers = {q(peers)}\n"
-                f"tls_dir = {q(MESH_TLS_DIR)}\n").encode()
+                f"tls_dir = {q(MESH_TLS_DIR)}\n"
+                # Peers from Kubernetes: the DaemonSet keeps the agent's API credentials there.
+                + (f"[kubernetes]\nkubeconfig = {q(API_KUBECONFIG)}\n" if self.peers == "kubernetes" else "")
+                ).encode()
 
 
 def _toml_string(value: str) -> str:

@@ -291,6 +291,7 @@ class EndpointSliceDiscovery:
         service: str,
         *,
         client: KubeClient | None = None,
+        client_factory: Callable[[], KubeClient] | None = None,
         port_name: str = DEFAULT_PORT_NAME,
         self_node: str | None = None,
         backoff_initial: float = 0.5,
@@ -303,6 +304,7 @@ class EndpointSliceDiscovery:
         self.port_name = port_name
         self.self_node = self_node
         self._client = client
+        self._factory = client_factory
         self._owns_client = False
         self._backoff_initial = backoff_initial
         self._backoff_max = backoff_max
@@ -312,7 +314,17 @@ class EndpointSliceDiscovery:
         return {SERVICE_NAME_LABEL: self.service}
 
     def client(self) -> KubeClient:
-        """The injected client, or one built now from in-cluster config or KUBECONFIG."""
+        """The injected client, or one built now by the factory (or from in-cluster config or KUBECONFIG).
+
+        A factory that cannot build one yet (its kubeconfig not written) raises DiscoveryUnavailable: the
+        watch waits and asks again.
+        """
+        if self._client is None and self._factory is not None:
+            try:
+                self._client = self._factory()
+            except WeftError as exc:
+                raise DiscoveryUnavailable(f"no Kubernetes API client yet: {exc.message}") from exc
+            self._owns_client = True
         if self._client is None:
             try:
                 self._client = lightkube.Client()
@@ -322,9 +334,9 @@ class EndpointSliceDiscovery:
                 detail = f"{exc.args[0]} is not set" if isinstance(exc, KeyError) else _describe(exc)
                 raise DiscoveryError(
                     f"no Kubernetes API configuration to discover peers from Service "
-                    f"{self.namespace}/{self.service} ({detail}): run the agent in-cluster with its "
-                    f"service account token mounted, or set KUBECONFIG to a kubeconfig file, "
-                    f'or use mesh.discovery = "static"'
+                    f"{self.namespace}/{self.service} ({detail}): give the agent --kubeconfig (or "
+                    f"[kubernetes] kubeconfig, or KUBECONFIG), run it in-cluster with its service account token mounted, "
+                    f"or set mesh.peers to a static peers file"
                 ) from exc
             self._owns_client = True
         return self._client
@@ -345,16 +357,19 @@ class EndpointSliceDiscovery:
 
         API errors are logged (``mesh.discovery.failed``) and retried after a
         wait that doubles from ``backoff_initial`` up to ``backoff_max``, reset
-        once a watch delivers an event. A missing Kubernetes configuration is
-        raised at once: waiting will not fix it. Exceptions from ``on_change``
-        propagate.
+        once a watch delivers an event. Without a client factory, a missing
+        Kubernetes configuration is raised at once (waiting will not fix it);
+        with one, a client it cannot build yet is retried like an API error.
+        Exceptions from ``on_change`` propagate.
         """
-        client = self.client()
         last: list[Peer] | None = None
         delay = self._backoff_initial
+        if self._factory is None:
+            self.client()  # no way to build one later either: say so at once
         while not stop.is_set():
             had_event = False
             try:
+                client = self.client()
                 slices, version = self._list_slices()
                 peers = self._parse(slices)
                 if peers != last:

@@ -22,10 +22,18 @@ from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import PeerView, Resources
 from shim.errors import WeftError
+from shim.kube.access import ApiAccess
 from shim.mesh.capacity import DRAINING, CapacityProbe, fixed_host
 from shim.mesh.certs import load_node_tls
 from shim.mesh.client import PeerClient
-from shim.mesh.discovery import Discovery, EndpointSliceDiscovery, Peer, StaticDiscovery, load_peers_file
+from shim.mesh.discovery import (
+    Discovery,
+    DiscoveryError,
+    EndpointSliceDiscovery,
+    Peer,
+    StaticDiscovery,
+    load_peers_file,
+)
 from shim.mesh.identity import PeerPolicy
 from shim.mesh.server import MeshServer
 from shim.periodic import Periodic
@@ -46,13 +54,19 @@ class PeerRecord:
 class MeshNode:
     def __init__(self, *, node: str, role: str, address: str, peers: str, tls_dir: str, hello_interval: float,
                  namespace: str, service: str, metrics: Any, host: Any = None, fixed_capacity: str = "",
-                 drain_file: Path | None = None) -> None:
+                 drain_file: Path | None = None, api: ApiAccess | None = None) -> None:
         self.node, self.role, self.hello_interval, self.metrics = node, role, hello_interval, metrics
         self.tls = load_node_tls(tls_dir, node)
         self.discovery: Discovery
         declared: dict[str, str] = {}
-        if peers == "kubernetes":
-            self.discovery = EndpointSliceDiscovery(namespace, service, self_node=node)
+        if peers == "kubernetes" and api is not None and api.available:
+            self.discovery = EndpointSliceDiscovery(namespace, service, self_node=node, client_factory=api.client)
+        elif peers == "kubernetes":
+            # No API to find peers through: the node runs alone (everything placed locally) rather than not at all,
+            # and says why once; the node's kubelet keeps its runtime either way.
+            _log.warning("mesh.no_api", detail="mesh.peers is \"kubernetes\" but the agent has no Kubernetes API "
+                         "configuration (--kubeconfig, [kubernetes] kubeconfig, or in-cluster): no peers")
+            self.discovery = StaticDiscovery([])
         else:
             found, declared = load_peers_file(peers, self_node=node)
             self.discovery = StaticDiscovery(found)
@@ -79,7 +93,11 @@ class MeshNode:
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
-        self._set_peers(self.discovery.list())
+        try:
+            self._set_peers(self.discovery.list())
+        except DiscoveryError as exc:  # the API away, or its credentials not written yet: the watch keeps asking
+            _log.warning("mesh.discovery.deferred", error=exc.message)
+            self._set_peers([])
         self.server.start()
         self._hellos.start()
         threading.Thread(target=self.discovery.watch, args=(self._set_peers, self._stop),

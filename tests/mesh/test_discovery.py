@@ -543,7 +543,7 @@ def test_no_kubernetes_configuration_says_how_to_give_one(monkeypatch, tmp_path,
     message = info.value.message
     assert message.startswith("no Kubernetes API configuration to discover peers from Service weft-system/weft-mesh")
     assert "service account token mounted" in message
-    assert "set KUBECONFIG" in message
+    assert "--kubeconfig" in message and "KUBECONFIG" in message
     assert detail in message
     assert isinstance(info.value.__cause__, (lightkube.ConfigError, KeyError))
 
@@ -552,7 +552,7 @@ def test_watch_without_configuration_fails_at_once_instead_of_retrying(monkeypat
     monkeypatch.setattr(KubeConfig, "from_service_account", _outside_a_pod(lightkube.ConfigError("no token")))
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "absent"))
     stop = RecordingStop()
-    with pytest.raises(DiscoveryError, match="set KUBECONFIG"):
+    with pytest.raises(DiscoveryError, match="--kubeconfig"):
         EndpointSliceDiscovery(NS, SVC).watch(lambda peers: None, stop)
     assert stop.waits == []
 
@@ -649,3 +649,24 @@ def test_real_lightkube_client_lists_and_watches_the_services_slices():
 )
 def test_peer_target_is_what_grpc_dials(peer, target):
     assert peer.target == target
+
+
+def test_a_client_its_factory_cannot_build_yet_is_asked_for_again_and_then_used():
+    stop = RecordingStop()
+    kube = FakeKube(load("endpointslices.json"), stop=stop)
+    attempts = []
+
+    def factory():
+        attempts.append(len(attempts))
+        if len(attempts) < 3:  # the credentials keeper has not written the kubeconfig yet
+            raise ConfigError("kubernetes.kubeconfig: cannot read /etc/weft/kubeconfig: not found")
+        return kube
+
+    reports: list[list[Peer]] = []
+    with capture_logs() as logs:
+        EndpointSliceDiscovery(NS, SVC, client_factory=factory, self_node="gpu-1", backoff_initial=0.5,
+                               backoff_max=2.0).watch(reports.append, stop)
+    assert len(attempts) == 3 and stop.waits[:2] == [0.5, 1.0]
+    failed = [e for e in logs if e["event"] == "mesh.discovery.failed"]
+    assert len(failed) == 2 and all("/etc/weft/kubeconfig" in e["error"] for e in failed)
+    assert reports == [[CPU1, CPU2, CPU3]]

@@ -74,19 +74,22 @@ def test_the_mesh_secret_is_never_applied_by_the_kustomization():
     assert not [d for d in applied if d["kind"] == "Secret"]
 
 
-def test_rbac_grants_only_get_list_watch_on_endpointslices_and_nodes():
+def test_rbac_grants_reads_of_endpointslices_and_nodes_and_a_token_of_weft_s_own_account_only():
     rules = {}
     for _, _, d in ALL:
         if d["kind"] in ("Role", "ClusterRole"):
             assert "aggregationRule" not in d
             for r in d["rules"]:
-                assert "nonResourceURLs" not in r and "resourceNames" not in r
+                assert "nonResourceURLs" not in r
                 for group in r["apiGroups"]:
                     for res in r["resources"]:
-                        rules.setdefault((d["kind"], group, res), set()).update(r["verbs"])
+                        key = (d["kind"], group, res, tuple(r.get("resourceNames", ())))
+                        rules.setdefault(key, set()).update(r["verbs"])
+    sa = _one("ServiceAccount")["metadata"]["name"]
     assert rules == {
-        ("Role", "discovery.k8s.io", "endpointslices"): {"get", "list", "watch"},
-        ("ClusterRole", "", "nodes"): {"get", "list", "watch"},
+        ("Role", "discovery.k8s.io", "endpointslices", ()): {"get", "list", "watch"},
+        ("ClusterRole", "", "nodes", ()): {"get", "list", "watch"},
+        ("Role", "", "serviceaccounts/token", (sa,)): {"create"},  # the keeper's, for the host agent
     }
 
 
@@ -102,8 +105,9 @@ def test_rbac_reaches_only_the_daemonsets_service_account_and_endpointslices_onl
         assert (b["roleRef"]["kind"], b["roleRef"]["name"]) in roles
         if b["kind"] == "RoleBinding":
             assert b["metadata"]["namespace"] == MeshConfig().namespace
-    role = _one("Role")
-    assert role["metadata"]["namespace"] == MeshConfig().namespace
+    for _, _, role in ALL:
+        if role["kind"] == "Role":
+            assert role["metadata"]["namespace"] == MeshConfig().namespace
 
 
 def test_headless_service_is_the_one_mesh_discovery_reads():
@@ -123,21 +127,34 @@ def test_runtime_class_weft_uses_handler_weft():
     assert (rc["metadata"]["name"], rc["handler"]) == ("weft", "weft")
 
 
-def test_daemonset_runs_the_installer_with_the_host_root_at_host_and_mounts_nothing_else_from_the_host():
+def test_daemonset_runs_the_installer_with_the_host_root_and_keeps_only_the_agent_s_credentials_after():
     spec = _one("DaemonSet")["spec"]["template"]["spec"]
     host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host_paths == {"host-root": "/"}
+    assert host_paths == {"host-root": "/", "api-credentials": "/etc/weft/api"}
     (init,) = spec["initContainers"]
     assert init["args"][:5] == ["install", "--root", "/host", "--systemctl", "nsenter -t 1 -m -- systemctl"]
     assert spec["hostPID"] is True  # nsenter -t 1 reaches the host's systemd
     assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["host-root"] == "/host"
-    for c in spec["containers"]:
-        assert "host-root" not in {m["name"] for m in c.get("volumeMounts", [])}
-        assert c["securityContext"]["runAsNonRoot"] is True
-        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+    (keeper,) = spec["containers"]
+    assert keeper["args"] == ["kube-credentials", "--dir", "/etc/weft/api"]
+    assert {m["name"]: m["mountPath"] for m in keeper["volumeMounts"]} == {"api-credentials": "/etc/weft/api"}
+    sc = keeper["securityContext"]  # root for the root-owned host directory, and nothing more
+    assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
+    assert sc["capabilities"] == {"drop": ["ALL"]} and not sc.get("privileged")
     assert spec["hostNetwork"] is True  # the pod's IP is the node's, where the host agent's mesh listens
     for c in (init, *spec["containers"]):
         assert c["image"] == build.DEFAULT_NAME
+
+
+def test_the_installer_points_the_agent_at_the_kubeconfig_the_daemonset_keeps():
+    from shim.install.plan import API_KUBECONFIG, Mesh
+
+    (keeper,) = _one("DaemonSet")["spec"]["template"]["spec"]["containers"]
+    kept_in = keeper["args"][keeper["args"].index("--dir") + 1]
+    mesh = Mesh("n1", "cpu", "10.0.0.1:7443", "kubernetes", b"ca", b"crt", b"key")
+    assert f'kubeconfig = "{kept_in}/kubeconfig"' in mesh.config().decode() and API_KUBECONFIG.startswith(kept_in)
+    static = Mesh("n1", "cpu", "10.0.0.1:7443", "", b"ca", b"crt", b"key", peers_file=b"")
+    assert "[kubernetes]" not in static.config().decode()
 
 
 def test_daemonset_passes_its_mesh_environment_to_the_installer_as_flags_it_takes():
