@@ -335,8 +335,8 @@ class EndpointSliceDiscovery:
                 raise DiscoveryError(
                     f"no Kubernetes API configuration to discover peers from Service "
                     f"{self.namespace}/{self.service} ({detail}): give the agent --kubeconfig (or "
-                    f"[kubernetes] kubeconfig, or KUBECONFIG), run it in-cluster with its service account token mounted, "
-                    f"or set mesh.peers to a static peers file"
+                    f"[kubernetes] kubeconfig, or KUBECONFIG), run it in-cluster with its service account "
+                    f"token mounted, or set mesh.peers to a static peers file"
                 ) from exc
             self._owns_client = True
         return self._client
