@@ -242,17 +242,19 @@ class StitchRequest(_message.Message):
     def __init__(self, origin_node: _Optional[str] = ..., key: _Optional[str] = ..., ports: _Optional[_Iterable[int]] = ..., declared: _Optional[_Iterable[int]] = ..., has_declared: _Optional[bool] = ...) -> None: ...
 
 class StitchEvent(_message.Message):
-    __slots__ = ("listening", "ports", "accepted_port", "token", "address", "problem")
+    __slots__ = ("listening", "ports", "accepted_port", "token", "address", "problem", "pod_ip")
     LISTENING_FIELD_NUMBER: _ClassVar[int]
     PORTS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PORT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_FIELD_NUMBER: _ClassVar[int]
+    POD_IP_FIELD_NUMBER: _ClassVar[int]
     listening: _containers.RepeatedScalarFieldContainer[int]
     ports: bool
     accepted_port: int
     token: bytes
     address: str
     problem: str
-    def __init__(self, listening: _Optional[_Iterable[int]] = ..., ports: _Optional[bool] = ..., accepted_port: _Optional[int] = ..., token: _Optional[bytes] = ..., address: _Optional[str] = ..., problem: _Optional[str] = ...) -> None: ...
+    pod_ip: str
+    def __init__(self, listening: _Optional[_Iterable[int]] = ..., ports: _Optional[bool] = ..., accepted_port: _Optional[int] = ..., token: _Optional[bytes] = ..., address: _Optional[str] = ..., problem: _Optional[str] = ..., pod_ip: _Optional[str] = ...) -> None: ...

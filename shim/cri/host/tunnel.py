@@ -14,7 +14,9 @@
   whose target is that very socket, offered to the origin on the stream,
   which dials it and joins it to the port in its own pod. The stream also
   pushes the ports the shadow listens on (sock_diag every ``POLL_S``, this
-  host's own listeners left out by inode). The listeners go when the last
+  host's own listeners left out by inode), with the shadow's pod IP, where
+  the origin's kernel path forwards (``shim.cri.origin.kernel_path``). The
+  listeners go when the last
   stream of the shadow ends; a connection the origin never claims is closed
   when its token expires.
 
@@ -199,6 +201,7 @@ class ShadowNet:
             for problem in m.set_ports(set(req.ports)):
                 yield pb.StitchEvent(problem=problem)
             last: set[int] | None = None
+            pod_ip = self._pod_ip(c.pod_sandbox_id)
             while context.is_active():
                 if req.has_declared:
                     listening = set(req.declared)
@@ -207,7 +210,7 @@ class ShadowNet:
                     listening = {p for p, inodes in ns.listening().items() if inodes - own}
                 if listening != last:
                     last = listening
-                    yield pb.StitchEvent(listening=sorted(listening), ports=True)
+                    yield pb.StitchEvent(listening=sorted(listening), ports=True, pod_ip=pod_ip)
                 deadline = time.monotonic() + POLL_S
                 while (left := deadline - time.monotonic()) > 0:
                     try:
@@ -219,6 +222,16 @@ class ShadowNet:
                     yield event
         finally:
             self._release(m, q)
+
+    def _pod_ip(self, sandbox_id: str) -> str:
+        """The shadow sandbox's pod IP, for the origin's kernel path; "" when containerd does not say."""
+        try:
+            status = self.host.rt.call("/runtime.v1.RuntimeService/PodSandboxStatus",
+                                       cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id),
+                                       cri.PodSandboxStatusResponse).status
+        except WeftError:
+            return ""
+        return status.network.ip
 
     def _release(self, m: Mirrors, q: queue.Queue) -> None:
         with self._lock:

@@ -8,6 +8,11 @@ every ``POLL_S``, and at once when a host reports a change):
   pod declares its local containers' ports (``weft.io/ports.<name>``);
 * each host says, over a ``Stitch`` stream per remote container, what its
   shadow listens on (or the declared ports of that container);
+* where the pod network is flat, the kernel carries 127.0.0.1:<port> of a
+  shadow's port to the shadow's pod IP (``kernel_path``: nftables rules in
+  the origin sandbox's namespace, chosen port by port by
+  ``shim.core.datapath``); the mirror below still carries ::1, the pod IP
+  and every port the kernel path does not;
 * ``shim.core.stitch.plan`` decides: each port of a shadow gets a listener on
   every address of the origin sandbox, IPv4 and IPv6 (so localhost, ::1 and
   the pod IP reach it, and so does containerd's PortForward, which dials
@@ -39,6 +44,8 @@ from shim import log
 from shim.core.stitch import PORTS_ANNOTATION, Collision, HeldBy, declared_ports, plan
 from shim.cri.fabric import Fabric
 from shim.cri.netns import Netns, owner_of, sandbox_netns
+from shim.cri.origin.kernel_path import KernelForwards
+from shim.cri.origin.kernel_path import sweep as sweep_kernel_rules
 from shim.cri.remote import Remote, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipe, SocketEnd, dial, tune
@@ -57,6 +64,7 @@ class Link:
         self.pod, self.r = pod, r
         self.name = r.config.metadata.name
         self.listening: frozenset[int] = frozenset()
+        self.pod_ip = ""  # the shadow's, as its host tells it: where the kernel path forwards
         self.want: frozenset[int] | None = None
         self._call: Any = None
         self._stop = threading.Event()
@@ -100,6 +108,7 @@ class Link:
                 for ev in call:
                     if ev.ports:
                         self.listening = frozenset(ev.listening)
+                        self.pod_ip = ev.pod_ip or self.pod_ip
                         self.pod.net.loop.wake()
                     if ev.token:
                         threading.Thread(target=self.pod.reverse, args=(self, ev), name="weft-stitch-in",
@@ -124,6 +133,7 @@ class PodNet:
         self.net, self.sandbox_id, self.ns, self.annotations = net, sandbox_id, ns, annotations
         self.links: dict[str, Link] = {}
         self.mirrors: dict[int, tuple[socket.socket, str]] = {}  # port -> (listener, container)
+        self.kernel = KernelForwards(ns, sandbox_id, enabled=net.fabric.stitch_kernel_path)
         self._reported: set[tuple[int, str]] = set()
         self._lock = threading.Lock()
 
@@ -170,6 +180,12 @@ class PodNet:
                       port=port)
         for name, link in links.items():
             link.set_want(p.into_shadow.get(name, frozenset()))
+        # Only a port mirrored here (no local listener holds it) may be forwarded by the kernel; connections to
+        # a shadow whose host does not answer the mesh are reset, as a tunnel's are.
+        healthy = {v.node for v in self.net.fabric.mesh.views() if v.healthy}
+        self.kernel.update({port: (links[name].pod_ip, name) for port, (_, name) in self.mirrors.items()
+                            if name in links},
+                           frozenset(link.pod_ip for link in links.values() if link.r.node not in healthy))
 
     def _collision(self, c: Collision, error: str = "") -> None:
         if (c.port, c.container) in self._reported:
@@ -231,6 +247,7 @@ class PodNet:
         for sock, _ in self.mirrors.values():
             _close_listener(sock)
         self.mirrors.clear()
+        self.kernel.close()
         self.ns.close()
 
 
@@ -250,6 +267,7 @@ class OriginNet:
         self._lock = threading.Lock()
         # At once, then every POLL_S, and at once when a host reports a change (``loop.wake``).
         self.loop = Periodic("weft-stitch", POLL_S, self.round, failed="stitch.round_failed", first=True)
+        self._swept = False
 
     def start(self) -> None:
         self.loop.start()
@@ -281,6 +299,9 @@ class OriginNet:
                 running.setdefault(r.sandbox_id, []).append(r)
         for sid in [s for s in self.pods if s not in running]:
             self.pods.pop(sid).close()
+        if not self._swept:  # once, at start: kernel rules a killed agent left in pods with nothing to forward
+            self._swept = True
+            self._sweep([sid for sid in self.fabric.opted_in if sid not in running])
         for sid, remotes in running.items():
             pod = self.pods.get(sid)
             if pod is None:
@@ -298,6 +319,28 @@ class OriginNet:
                 if r.id not in pod.links:
                     pod.links[r.id] = Link(pod, r)
             pod.tick()
+
+    def _sweep(self, sandbox_ids: list[str]) -> None:
+        for sid in sandbox_ids:
+            try:
+                path = sandbox_netns(self._call, sid)
+            except WeftError:
+                continue  # gone, or stopped: its namespace, and any rules in it, went with it
+            ns = Netns(path, workers=1)
+            try:
+                sweep_kernel_rules(ns, sid)
+            finally:
+                ns.close()
+
+    def paths_of(self, container_id: str) -> dict[int, dict[str, str]]:
+        """Port -> the data path that carries it into the origin pod, for a remote container (``weft explain``)."""
+        for pod in list(self.pods.values()):
+            link = pod.links.get(container_id)
+            if link is None:
+                continue
+            return {port: {"path": d.path, "reason": d.reason.value, "detail": d.detail}
+                    for port, (name, d) in sorted(pod.kernel.paths().items()) if name == link.name}
+        return {}
 
     def _call(self, path: str, request, response_type):
         try:
