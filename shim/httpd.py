@@ -2,7 +2,9 @@
 
 ``/metrics``  Prometheus text exposition of the agent's registry.
 ``/healthz``  200 while the agent serves CRI (liveness), with containerd's
-              reachability in the JSON body.
+              reachability in the JSON body; 503 when one of its accept
+              loops (the tunnel port, the stream relay) has died, named in
+              ``dead``.
 ``/readyz``   200 only when containerd answers through the agent's upstream
               channel (readiness), 503 with the reason otherwise.
 """
@@ -21,12 +23,14 @@ from shim.metrics import Metrics
 
 # () -> (containerd reachable, detail)
 Probe = Callable[[], tuple[bool, str]]
+# () -> the names of the agent's loops that died (empty while all run)
+Loops = Callable[[], list[str]]
 
 
 class HttpEndpoint:
-    def __init__(self, address: str, metrics: Metrics, probe: Probe) -> None:
+    def __init__(self, address: str, metrics: Metrics, probe: Probe, loops: Loops | None = None) -> None:
         host, port = parse_host_port(address, field="agent.metrics_address")
-        registry, check = metrics.registry, probe
+        registry, check, dead_loops = metrics.registry, probe, loops or (lambda: [])
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:
@@ -37,6 +41,10 @@ class HttpEndpoint:
                     ok, detail = check()
                     body = {"serving": True, "containerd": "reachable" if ok else "unreachable", "detail": detail}
                     status = 200 if ok or path == "/healthz" else 503
+                    dead = dead_loops()
+                    if dead:  # an agent that no longer accepts what it must is not alive
+                        body["dead"] = dead
+                        status = 503
                     self._send(status, json.dumps(body).encode() + b"\n", "application/json")
                 else:
                     self._send(404, b"not found: try /metrics, /healthz or /readyz\n", "text/plain")

@@ -293,3 +293,107 @@ def test_pauses_close_a_directions_window_and_an_exchange_opens_it_again() -> No
     assert pause.calls == [None]  # a closed window: straight to sleep, no spinning
     bp.wait(_Poll(clock, blocks_ns=300_000), 1)  # an answer 0.3 ms later: an exchange again
     assert bp.window_ns[1] == 200_000
+
+
+# -- an accept loop outlives what is done to it --------------------------------------------------------
+def _closed_by_server(s: socket.socket) -> bool:
+    try:
+        return s.recv(100) == b"" or True  # EOF, or an ERR line before the close
+    except TimeoutError:
+        return False
+    except OSError:
+        return True
+
+
+def test_a_handshake_has_one_deadline_however_slowly_its_bytes_come(server: TunnelServer, monkeypatch) -> None:
+    """A byte every 0.2 s never waits the 0.5 s a single read may: only a deadline for the whole ends it."""
+    monkeypatch.setattr("shim.mesh.tunnel.server.HANDSHAKE_TIMEOUT_S", 0.5)
+    host, port = server.address.rsplit(":", 1)
+    with socket.create_connection((host, int(port))) as s:
+        s.settimeout(0.2)
+        header = b"WEFT-TUNNEL/1 " + b"ab" * 20  # 54 bytes: 11 s at this pace
+        sent = 0
+        for b in header:
+            try:
+                s.sendall(bytes([b]))
+            except OSError:
+                break
+            if _closed_by_server(s):
+                break
+            sent += 1
+        assert sent < len(header)
+
+
+def test_connections_beyond_the_handshake_cap_are_closed_and_the_port_still_serves(certs: Path, echo) -> None:
+    s = TunnelServer("127.0.0.1", certs, "host", max_handshakes=2)
+    s.start()
+    host, port = s.address.rsplit(":", 1)
+    try:
+        idle = [socket.create_connection((host, int(port))) for _ in range(2)]
+        time.sleep(0.2)  # both accepted and in their handshake
+        with socket.create_connection((host, int(port))) as third:
+            third.settimeout(4)  # under the handshake deadline: closed at once, not when the deadline passes
+            assert third.recv(100) == b""
+        for c in idle:
+            c.close()
+        assert _round_trip(_dial_retrying(s, echo), b"hello") == b"hello<5>"
+        assert s.alive
+    finally:
+        s.stop()
+
+
+def _dial_retrying(server: TunnelServer, echo):
+    """The idle connections' slots come back as the server sees them close."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return dial(server.address, _grant(server, echo, tls=False))
+        except TunnelError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
+def test_a_thread_that_cannot_start_drops_one_connection_not_the_loop(server: TunnelServer, echo,
+                                                                       monkeypatch) -> None:
+    real = threading.Thread
+    failures = [3]
+
+    class Starved(real):
+        def start(self) -> None:
+            if self.name.endswith("-conn") and failures[0] > 0:
+                failures[0] -= 1
+                raise RuntimeError("can't start new thread")
+            super().start()
+
+    monkeypatch.setattr("shim.mesh.tunnel.server.threading.Thread", Starved)
+    for _ in range(3):
+        with pytest.raises(TunnelError):
+            dial(server.address, _grant(server, echo, tls=False))
+    assert _round_trip(dial(server.address, _grant(server, echo, tls=False)), b"hi") == b"hi<2>"
+    assert server.alive
+
+
+def test_a_loop_that_died_says_so(server: TunnelServer, monkeypatch) -> None:
+    assert server.alive
+    monkeypatch.setattr(server, "_sock", _Broken(server._sock))
+    host, port = server.address.rsplit(":", 1)
+    with contextlib.suppress(OSError):
+        socket.create_connection((host, int(port)), timeout=1).close()
+    deadline = time.monotonic() + 5
+    while server.alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not server.alive
+
+
+class _Broken:
+    """A listening socket whose next accept fails in a way no accept loop expects."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self._sock = sock
+
+    def accept(self):
+        raise ValueError("not an OSError")
+
+    def __getattr__(self, name: str):
+        return getattr(self._sock, name)

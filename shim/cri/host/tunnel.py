@@ -28,6 +28,7 @@ origin as a problem.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import queue
 import socket
@@ -104,11 +105,19 @@ class Mirrors:
         return problems
 
     def _accept(self, sock: socket.socket, port: int) -> None:
+        backoff = 0.05
         while True:
             try:
                 conn, _ = sock.accept()
-            except OSError:
-                return  # closed
+            except OSError as exc:
+                if sock.fileno() < 0 or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # closed
+                # Out of descriptors or memory: wait it out, the listener stays.
+                _log.warning("stitch.accept_failed", container=self.name, port=port, side="shadow", error=str(exc))
+                time.sleep(backoff)
+                backoff = min(1.0, backoff * 2)
+                continue
+            backoff = 0.05
             q = self.subscriber
             if q is None:
                 conn.close()

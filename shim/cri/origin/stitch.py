@@ -32,9 +32,11 @@ the local process holding it.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import socket
 import threading
+import time
 from typing import Any
 
 import grpc
@@ -201,13 +203,27 @@ class PodNet:
                           f"{held}{f' ({holder})' if holder else ''} already listens on it")
 
     def _accept(self, sock: socket.socket, port: int, link: Link) -> None:
+        backoff = 0.05
         while True:
             try:
                 conn, _ = sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._forward, args=(conn, port, link), name="weft-stitch-out",
-                             daemon=True).start()
+            except OSError as exc:
+                if sock.fileno() < 0 or exc.errno in (errno.EBADF, errno.EINVAL):
+                    return  # closed
+                error = str(exc)
+            else:
+                try:
+                    threading.Thread(target=self._forward, args=(conn, port, link), name="weft-stitch-out",
+                                     daemon=True).start()
+                    backoff = 0.05
+                    continue
+                except RuntimeError as exc:  # no thread to be had: this connection is dropped
+                    conn.close()
+                    error = str(exc)
+            # Out of descriptors, memory or threads: wait it out, the listener stays.
+            _log.warning("stitch.accept_failed", container=link.name, port=port, side="origin", error=error)
+            time.sleep(backoff)
+            backoff = min(1.0, backoff * 2)
 
     def _forward(self, conn: socket.socket, port: int, link: Link) -> None:
         """A connection to a shadow's port here: a tunnel to that port in the shadow."""

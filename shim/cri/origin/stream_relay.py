@@ -32,7 +32,7 @@ from shim.core.stitch import BadRequest, StreamTokens, head_end, parse_head
 from shim.cri.fabric import Fabric
 from shim.cri.remote import Remote, host_client
 from shim.errors import WeftError
-from shim.mesh.tunnel import PipeServer, SocketEnd, dial, tune
+from shim.mesh.tunnel import Deadline, PipeServer, SocketEnd, dial, tune
 
 _log = log.get("weft.stream")
 
@@ -60,10 +60,11 @@ class StreamRelay(PipeServer):
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         tune(conn, tunnel=False)
-        conn.settimeout(HEAD_TIMEOUT_S)
+        deadline = Deadline(HEAD_TIMEOUT_S)  # for the whole head, however slowly it comes
         data = b""
         try:
             while (end := head_end(data)) < 0:
+                deadline.apply(conn)
                 chunk = conn.recv(65536)
                 if not chunk:
                     conn.close()

@@ -33,7 +33,7 @@ from shim.mesh.tunnel.ends import (
 )
 from shim.mesh.tunnel.grants import Grant, Grants
 from shim.mesh.tunnel.pipe import BusyPoll, Pipe
-from shim.mesh.tunnel.server import PipeServer, TunnelServer, read_line
+from shim.mesh.tunnel.server import Deadline, PipeServer, TunnelServer, read_line
 
-__all__ = ["CONNECT_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "BusyPoll", "End", "Grant", "Grants", "Pipe", "PipeServer",
-           "SocketEnd", "TlsEnd", "TunnelError", "TunnelServer", "contexts", "dial", "read_line", "tune"]
+__all__ = ["CONNECT_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "BusyPoll", "Deadline", "End", "Grant", "Grants", "Pipe",
+           "PipeServer", "SocketEnd", "TlsEnd", "TunnelError", "TunnelServer", "contexts", "dial", "read_line", "tune"]

@@ -4,11 +4,20 @@ On the wire, the dialler sends (inside TLS for a stream tunnel)
 ``WEFT-TUNNEL/1 <token hex>\\n`` and reads ``OK\\n`` or ``ERR <why>\\n``;
 bytes flow both ways after ``OK``. A TLS connection is told from a plain one
 by its first byte (a TLS handshake record starts with 0x16).
+
+An accept loop must outlive whatever is done to it: the tunnel port is
+reachable from any pod. At most ``MAX_HANDSHAKES`` connections are in their
+handshake at once (more are closed at once), each with one deadline for the
+whole handshake however slowly its bytes come (``Deadline``); a failed
+accept (out of file descriptors, memory) or a thread that cannot start is
+logged and waited out, not the end of the loop; and ``alive`` says whether
+the loop still runs, for ``/healthz``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import errno
 import socket
 import ssl
 import threading
@@ -25,13 +34,33 @@ _log = log.get("weft.tunnel")
 
 MAGIC = b"WEFT-TUNNEL/1 "
 _MAX_LINE = 512
+# Connections in their handshake at once, per listening socket (each holds a thread until its deadline).
+MAX_HANDSHAKES = 64
+# After a failed accept or thread start: wait this long, doubling up to the most, before the next accept.
+_BACKOFF_S = (0.05, 1.0)
+_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
-def read_line(end: End, limit: int = _MAX_LINE) -> bytes:
-    """One line, read byte-exactly for a plain end (nothing past it is consumed)."""
+class Deadline:
+    """One deadline for a whole handshake: each blocking read gets what is left of it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.at = time.monotonic() + seconds
+
+    def apply(self, sock: socket.socket) -> None:
+        left = self.at - time.monotonic()
+        if left <= 0:
+            raise TimeoutError("handshake deadline passed")
+        sock.settimeout(left)
+
+
+def read_line(end: End, limit: int = _MAX_LINE, deadline: Deadline | None = None) -> bytes:
+    """One line, read byte-exactly for a plain end (nothing past it is consumed), by ``deadline`` if given."""
     buf = bytearray()
     one = bytearray(1)
     while not buf.endswith(b"\n"):
+        if deadline is not None:
+            deadline.apply(end.sock)
         if isinstance(end, TlsEnd):
             chunk = bytearray(limit)
             n = end.recv_into(chunk)
@@ -59,13 +88,19 @@ class PipeServer:
 
     thread_name = "weft-pipe"
 
-    def __init__(self, sock: socket.socket, *, busy_poll_us: int = 0) -> None:
+    def __init__(self, sock: socket.socket, *, busy_poll_us: int = 0, max_handshakes: int = MAX_HANDSHAKES) -> None:
         self._sock = sock
         self.busy_poll_us = busy_poll_us  # for the pipes of interactive streams (agent.stream_busy_poll_us)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.pipes: set[Pipe] = set()
         self._lock = threading.Lock()
+        self._handshakes = threading.BoundedSemaphore(max_handshakes)
+
+    @property
+    def alive(self) -> bool:
+        """Whether the accept loop runs (or was stopped on purpose): False only for a loop that died."""
+        return self._thread is None or self._stop.is_set() or self._thread.is_alive()
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._accept_loop, name=f"{self.thread_name}-accept", daemon=True)
@@ -84,16 +119,48 @@ class PipeServer:
             p.abort()
 
     def _accept_loop(self) -> None:
+        try:
+            self._accept_until_stopped()
+        except Exception as exc:  # noqa: BLE001 - nothing expected gets here; /healthz says the loop died
+            _log.error("tunnel.accept_loop_died", server=self.thread_name, error=f"{type(exc).__name__}: {exc}")
+
+    def _accept_until_stopped(self) -> None:
+        backoff = _BACKOFF_S[0]
         while not self._stop.is_set():
             try:
                 conn, peer = self._sock.accept()
-            except OSError:
+            except OSError as exc:
                 if self._stop.is_set():
                     return
-                time.sleep(0.05)
+                if exc.errno in _RESOURCE_ERRNOS:
+                    _log.warning("tunnel.accept_failed", server=self.thread_name, error=str(exc))
+                self._stop.wait(backoff)
+                backoff = min(_BACKOFF_S[1], backoff * 2)
                 continue
-            threading.Thread(target=self._serve, args=(conn, peer), name=f"{self.thread_name}-conn",
-                             daemon=True).start()
+            if not self._handshakes.acquire(blocking=False):
+                _log.warning("tunnel.busy", server=self.thread_name, peer=_peer(peer))
+                _drop(conn)
+                continue
+            try:
+                threading.Thread(target=self._handshake, args=(conn, peer), name=f"{self.thread_name}-conn",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had (a task limit): this connection waits for none
+                self._handshakes.release()
+                _log.warning("tunnel.accept_failed", server=self.thread_name, error=str(exc))
+                _drop(conn)
+                self._stop.wait(backoff)
+                backoff = min(_BACKOFF_S[1], backoff * 2)
+                continue
+            backoff = _BACKOFF_S[0]
+
+    def _handshake(self, conn: socket.socket, peer: tuple) -> None:
+        try:
+            self._serve(conn, peer)
+        except Exception as exc:  # noqa: BLE001 - one connection's failure is never the server's
+            _log.warning("tunnel.refused", peer=_peer(peer), error=f"{type(exc).__name__}: {exc}")
+            _drop(conn)
+        finally:
+            self._handshakes.release()
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         raise NotImplementedError
@@ -110,16 +177,26 @@ class PipeServer:
             self.pipes.discard(pipe)
 
 
+def _peer(peer: tuple) -> str:
+    return f"{peer[0]}:{peer[1]}" if len(peer) >= 2 else str(peer)
+
+
+def _drop(conn: socket.socket) -> None:
+    with contextlib.suppress(OSError):
+        conn.close()
+
+
 class TunnelServer(PipeServer):
     """The host's tunnel port: a token, then the granted target, joined to the connection."""
 
     thread_name = "weft-tunnel"
 
-    def __init__(self, host: str, tls_dir: str | Path, node: str, *, port: int = 0, busy_poll_us: int = 0) -> None:
+    def __init__(self, host: str, tls_dir: str | Path, node: str, *, port: int = 0, busy_poll_us: int = 0,
+                 max_handshakes: int = MAX_HANDSHAKES) -> None:
         self.grants = Grants()
         self._server_ctx, _ = contexts(tls_dir, node)
         super().__init__(socket.create_server((host, port), backlog=512, reuse_port=False),
-                         busy_poll_us=busy_poll_us)
+                         busy_poll_us=busy_poll_us, max_handshakes=max_handshakes)
         self.address = "{}:{}".format(*self._sock.getsockname()[:2])
 
     def start(self) -> None:
@@ -129,16 +206,16 @@ class TunnelServer(PipeServer):
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         tune(conn, tunnel=True)
         end: SocketEnd = SocketEnd(conn)
+        deadline = Deadline(HANDSHAKE_TIMEOUT_S)  # for everything up to OK, however slowly it comes
         try:
-            conn.settimeout(HANDSHAKE_TIMEOUT_S)
+            deadline.apply(conn)
             first = conn.recv(1, socket.MSG_PEEK)
             node = None
             if first == b"\x16":
                 end = TlsEnd(conn, self._server_ctx, server_side=True)
-                end.handshake()
+                end.handshake(max(0.001, deadline.at - time.monotonic()))
                 node = end.peer_node()
-                end.sock.settimeout(HANDSHAKE_TIMEOUT_S)
-            line = read_line(end)
+            line = read_line(end, deadline=deadline)
             if not line.startswith(MAGIC):
                 raise TunnelError("not a weft tunnel")
             try:
@@ -164,7 +241,7 @@ class TunnelServer(PipeServer):
             end.sendall(b"OK\n")
             end.sock.settimeout(None)
         except (OSError, ssl.SSLError, TunnelError) as exc:
-            _log.warning("tunnel.refused", peer=f"{peer[0]}:{peer[1]}", error=str(exc))
+            _log.warning("tunnel.refused", peer=_peer(peer), error=str(exc) or type(exc).__name__)
             with contextlib.suppress(OSError):
                 if isinstance(exc, TunnelError):
                     end.sendall(f"ERR {exc}\n".encode())

@@ -1,0 +1,133 @@
+"""The host's tunnel port, reachable from any pod, cannot be held or killed by connections to it.
+
+Attacks on a real CPU host agent: a handshake trickled a byte a second (each
+read well inside the handshake timeout) must be cut when the handshake's
+deadline passes; sixty idle connections while the agent cannot start more
+than a few threads (a pids cgroup, as a task limit would) must not end the
+accept loop: once they are gone, a valid token is answered and ``/healthz``
+names no dead loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import socket
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
+from shim._pb import mesh_pb2 as pb
+from shim.mesh.tunnel import TunnelError, dial
+
+PIDS = Path("/sys/fs/cgroup/pids")
+
+
+@pytest.fixture(scope="module")
+def tunnel(mesh: MeshHost) -> Iterator[tuple[str, pb.TunnelGrant]]:
+    """The tunnel port's address, and a way to get fresh grants there (a shadow of gpu-1's to tunnel to)."""
+    key = "origin-sb-1/tunnel-target/0"
+    with mesh.channel("gpu-1") as ch:
+        ch.unary_unary(MESH + "RunShadow")(run_shadow_request(mesh.containerd, "gpu-1", key).SerializeToString(),
+                                             timeout=120)
+        try:
+            yield key, _grant(mesh, key)
+        finally:
+            ch.unary_unary(MESH + "RemoveShadow")(pb.ShadowRef(origin_node="gpu-1", key=key).SerializeToString(),
+                                                  timeout=120)
+
+
+def _grant(mesh: MeshHost, key: str) -> pb.TunnelGrant:
+    with mesh.channel("gpu-1") as ch:
+        raw = ch.unary_unary(MESH + "OpenTunnel")(
+            pb.TunnelRequest(origin_node="gpu-1", key=key, port=8080).SerializeToString(), timeout=30)
+    return pb.TunnelGrant.FromString(raw)
+
+
+def _addr(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def test_a_trickled_handshake_is_cut_at_its_deadline(tunnel) -> None:
+    _, grant = tunnel
+    with socket.create_connection(_addr(grant.address), timeout=5) as s:
+        s.settimeout(1.0)
+        header = b"WEFT-TUNNEL/1 " + b"00" * 8  # 30 bytes, a second apart: far past any handshake timeout
+        sent = 0
+        for b in header:
+            try:
+                s.sendall(bytes([b]))
+                if s.recv(100) is not None:  # EOF or an ERR line: the server let go
+                    break
+            except TimeoutError:
+                sent += 1  # still held open
+            except OSError:
+                break
+    assert sent < len(header), "the server held a trickled handshake open for all of it"
+
+
+@contextlib.contextmanager
+def _task_limit(pid: int, extra: int) -> Iterator[None]:
+    """``pid`` in a pids cgroup that lets it start only ``extra`` more threads."""
+    group = PIDS / f"weft-test-{uuid.uuid4().hex[:8]}"
+    group.mkdir()
+    try:
+        (group / "cgroup.procs").write_text(str(pid))
+        threads = len(os.listdir(f"/proc/{pid}/task"))
+        (group / "pids.max").write_text(str(threads + extra))
+        yield
+    finally:
+        (group / "pids.max").write_text("max")
+        with contextlib.suppress(OSError):
+            (PIDS / "cgroup.procs").write_text(str(pid))
+        for _ in range(50):
+            try:
+                group.rmdir()
+                break
+            except OSError:
+                time.sleep(0.1)
+
+
+def _healthz(mesh: MeshHost) -> tuple[int, dict]:
+    try:
+        with urllib.request.urlopen(mesh.agent.metrics_url + "/healthz", timeout=5) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as exc:
+        return exc.code, json.loads(exc.read())
+
+
+def test_idle_connections_under_a_task_limit_do_not_kill_the_tunnel_port(mesh: MeshHost, tunnel) -> None:
+    key, grant = tunnel
+    assert mesh.agent.proc is not None
+    idle: list[socket.socket] = []
+    with _task_limit(mesh.agent.proc.pid, extra=8):
+        try:
+            for _ in range(60):
+                with contextlib.suppress(OSError):
+                    idle.append(socket.create_connection(_addr(grant.address), timeout=5))
+            time.sleep(3)  # the agent tries to start a thread for each
+        finally:
+            for s in idle:
+                s.close()
+    time.sleep(1)
+    fresh = _grant(mesh, key)
+    try:
+        end = dial(fresh.address, fresh.token, node="cpu-1", timeout=10)
+        end.close()
+        answered = "OK"
+    except TunnelError as exc:
+        answered = str(exc)
+    # Nothing listens on 8080 in the shadow: the host answers with the target's refusal, not silence.
+    assert answered == "OK" or "nothing listens on port 8080" in answered, answered
+    status, body = _healthz(mesh)
+    assert (status, body.get("dead")) == (200, None), body
+
+
