@@ -24,6 +24,8 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── RemoteStopFailed           a pod's remote containers could not all be stopped (UNAVAILABLE)
     ├── PeerRefused                a peer's identity or claim is refused (shim.mesh.identity; PERMISSION_DENIED)
     ├── PeerUnavailable            a peer cannot be reached (shim.mesh.client; UNAVAILABLE)
+    ├── PeerBusy                   a peer has as many calls of a kind open as it may (shim.mesh.server;
+    │                              RESOURCE_EXHAUSTED)
     ├── TunnelError                a tunnel cannot be opened or broke (shim.mesh.tunnel.ends; UNAVAILABLE)
     ├── TunnelRefused              a tunnel token is refused (shim.cri.host.tunnel; PERMISSION_DENIED)
     ├── RefusedCall                a peer asks for a shadow call that is not allowed (shim.cri.host.calls;

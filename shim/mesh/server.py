@@ -6,13 +6,26 @@ know, and a peer that claims to speak for another node than its certificate
 names. Only then is a Hello recorded (the last ``PeerState`` per node, which
 placement reads) or an Admit answered. weft's typed errors become gRPC
 statuses here, as in the broker's server.
+
+Workers: a server stream holds a worker thread for its life (a host keeps a
+log stream and a stitch stream per hosted container, and a Watch per
+origin). ``MeshLimits`` caps each kind of call, per peer and in all, and the
+pool has a worker for every call the caps let in: streams, however many,
+never take the workers Hello, Admit and Watch need, and one peer cannot take
+another's. A call over its cap is RESOURCE_EXHAUSTED at once (``PeerBusy``).
+A host counts an origin as heard from while any call or stream of it is open
+here (the connection's keepalive ends them within seconds of a cut), not only
+when one of its calls starts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
-from collections.abc import Callable
+from collections import Counter
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -30,6 +43,83 @@ _log = log.get("weft.mesh")
 Admit = Callable[[pb.AdmitRequest], pb.AdmitResponse]
 
 
+class PeerBusy(WeftError):
+    """A peer has as many calls of a kind open here as it may, or this node serves all it can."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+# The kinds of call, each with its own caps: Hello and Admit (quick, the liveness and placement path), Watch
+# (one stream per origin), the other unary calls (RunShadow may pull an image for minutes) and the
+# per-container streams (StreamLog, Stitch).
+HELLO, WATCH, CALL, STREAM = "hello", "watch", "call", "stream"
+
+
+@dataclass(frozen=True)
+class MeshLimits:
+    """Concurrent calls of each kind: per peer, and in all (the pool has a worker for each)."""
+
+    streams: int = 1024
+    streams_per_peer: int = 768
+    calls: int = 192
+    calls_per_peer: int = 32
+    hellos: int = 128  # Hello, Admit and Watch together
+    hellos_per_peer: int = 4
+    watches_per_peer: int = 2
+
+    def per_peer(self, kind: str) -> int:
+        return {HELLO: self.hellos_per_peer, WATCH: self.watches_per_peer, CALL: self.calls_per_peer,
+                STREAM: self.streams_per_peer}[kind]
+
+    def total(self, kind: str) -> int:
+        return {HELLO: self.hellos, WATCH: self.hellos, CALL: self.calls, STREAM: self.streams}[kind]
+
+    @property
+    def workers(self) -> int:
+        return self.streams + self.calls + self.hellos
+
+
+class PeerLimits:
+    """What each peer has open now, held against ``MeshLimits``; which peers have anything open."""
+
+    def __init__(self, limits: MeshLimits) -> None:
+        self.limits = limits
+        self._lock = threading.Lock()
+        self._open: Counter[tuple[str, str]] = Counter()  # (node or "", kind) -> open now; "" counts all
+        self._active: Counter[str] = Counter()  # node -> its calls and streams open now
+
+    @contextlib.contextmanager
+    def hold(self, node: str, kind: str, method: str) -> Iterator[None]:
+        pool = HELLO if kind == WATCH else kind  # Watch shares the quick lane's workers
+        with self._lock:
+            if self._open[(node, kind)] >= self.limits.per_peer(kind):
+                raise PeerBusy(f"{node} has {self._open[(node, kind)]} {kind} calls open here, the most a peer "
+                               f"may; {method} refused")
+            if self._open[("", pool)] >= self.limits.total(kind):
+                raise PeerBusy(f"this node serves {self._open[('', pool)]} {pool} calls, the most it may; "
+                               f"{method} from {node} refused")
+            self._open[(node, kind)] += 1
+            self._open[("", pool)] += 1
+            self._active[node] += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self._open[(node, kind)] -= 1
+                self._open[("", pool)] -= 1
+                self._active[node] -= 1
+
+    def active(self, node: str) -> bool:
+        """Whether ``node`` has a call or stream open here: its connection is alive (keepalive ends them
+        otherwise)."""
+        with self._lock:
+            return self._active[node] > 0
+
+    def open_now(self) -> dict[str, int]:
+        with self._lock:
+            return {kind: n for (node, kind), n in self._open.items() if not node}
+
+
 def _abort(method: str, exc: WeftError, context) -> None:
     """weft's typed error as the call's gRPC status; a refused peer is also logged."""
     if isinstance(exc, PeerRefused):
@@ -37,31 +127,41 @@ def _abort(method: str, exc: WeftError, context) -> None:
     context.abort(exc.code, exc.message)
 
 
-def _mapped(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def handler(self, request, context):
-        try:
-            return fn(self, request, context)
-        except WeftError as exc:
-            _abort(fn.__name__, exc, context)
+def _mapped(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def handler(self, request, context):
+            try:
+                node = self.policy.check(context.auth_context())  # who it is, before anything else
+                with self.limits.hold(node, kind, fn.__name__):
+                    return fn(self, request, context)
+            except WeftError as exc:
+                _abort(fn.__name__, exc, context)
 
-    handler.__name__ = fn.__name__
-    return handler
+        handler.__name__ = fn.__name__
+        return handler
+
+    return wrap
 
 
-def _mapped_stream(fn: Callable[..., Any]) -> Callable[..., Any]:
-    def handler(self, request, context):
-        try:
-            yield from fn(self, request, context)
-        except WeftError as exc:
-            _abort(fn.__name__, exc, context)
+def _mapped_stream(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def handler(self, request, context):
+            try:
+                node = self.policy.check(context.auth_context())
+                with self.limits.hold(node, kind, fn.__name__):
+                    yield from fn(self, request, context)
+            except WeftError as exc:
+                _abort(fn.__name__, exc, context)
 
-    handler.__name__ = fn.__name__
-    return handler
+        handler.__name__ = fn.__name__
+        return handler
+
+    return wrap
 
 
 class MeshServicer(pb_grpc.MeshServicer):
     def __init__(self, node: str, policy: PeerPolicy, probe: CapacityProbe, admit: Admit | None = None,
-                 host: Any = None) -> None:
+                 host: Any = None, limits: MeshLimits | None = None) -> None:
         # ``host`` runs shadows (``shim.cri.host.shadows.ShadowHost``); None on a node that hosts nothing.
         self.host = host
         self.node = node
@@ -70,13 +170,16 @@ class MeshServicer(pb_grpc.MeshServicer):
         self._admit = admit or probe.admit
         self._lock = threading.Lock()
         self._peers: dict[str, pb.PeerState] = {}
+        self.limits = PeerLimits(limits or MeshLimits())
+        if host is not None:
+            host.in_contact = self.limits.active  # an origin with a call or stream open is heard from
 
     def peer_states(self) -> dict[str, pb.PeerState]:
         """The last state each peer reported in its Hello (copies)."""
         with self._lock:
             return {node: _copy(state) for node, state in self._peers.items()}
 
-    @_mapped
+    @_mapped(HELLO)
     def Hello(self, request, context):  # noqa: N802 - gRPC method names
         node = self.policy.check(context.auth_context())
         self.policy.check_claim(node, request.origin.node, "Hello")
@@ -99,59 +202,59 @@ class MeshServicer(pb_grpc.MeshServicer):
         self.host.touch(node)
         return node
 
-    @_mapped
+    @_mapped(CALL)
     def RunShadow(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "RunShadow")
         return self.host.run(node, request)
 
-    @_mapped
+    @_mapped(CALL)
     def StartShadow(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "StartShadow")
         return self.host.start(node, request.key)
 
-    @_mapped
+    @_mapped(CALL)
     def ShadowStatus(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "ShadowStatus")
         return self.host.status(node, request.key)
 
-    @_mapped
+    @_mapped(CALL)
     def RemoveShadow(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "RemoveShadow")
         return pb.RemoveShadowResponse(removed=self.host.remove(node, request.key))
 
-    @_mapped
+    @_mapped(CALL)
     def ShadowCall(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "ShadowCall")
         return self.host.call(node, request)
 
-    @_mapped
+    @_mapped(CALL)
     def SyncVolumes(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "SyncVolumes")
         return self.host.sync_volumes(node, request)
 
     # The two streams: the checks run before the first message, and an error
     # after that ends the stream with its status as the unary calls do.
-    @_mapped_stream
+    @_mapped_stream(WATCH)
     def Watch(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "Watch")
         return self.host.watch(node, request, context)
 
-    @_mapped_stream
+    @_mapped_stream(STREAM)
     def StreamLog(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "StreamLog")
         return self.host.stream_log(node, request, context)
 
-    @_mapped
+    @_mapped(CALL)
     def OpenTunnel(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "OpenTunnel")
         return self.host.open_tunnel(node, request)
 
-    @_mapped_stream
+    @_mapped_stream(STREAM)
     def Stitch(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "Stitch")
         return self.host.stitch(node, request, context)
 
-    @_mapped
+    @_mapped(HELLO)
     def Admit(self, request, context):  # noqa: N802
         node = self.policy.check(context.auth_context())
         self.policy.check_claim(node, request.origin_node, "Admit")
@@ -173,7 +276,7 @@ class MeshServer:
         probe: CapacityProbe,
         admit: Admit | None = None,
         *,
-        max_workers: int = 64,
+        limits: MeshLimits | None = None,
         host: Any = None,
     ) -> None:
         key_pem, cert_pem, ca_pem = tls
@@ -184,11 +287,13 @@ class MeshServer:
         self.node = node
         self.address = address
         self.port: int | None = None
-        self.servicer = MeshServicer(node, policy, probe, admit, host=host)
+        limits = limits or MeshLimits()
+        self.servicer = MeshServicer(node, policy, probe, admit, host=host, limits=limits)
         self._credentials = grpc.ssl_server_credentials(
             [(key_pem, cert_pem)], root_certificates=ca_pem, require_client_auth=True)
-        # Every origin holds a Watch and a log stream per hosted container open, each a worker.
-        self._server = grpc.server(ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="weft-mesh"),
+        # A worker for every call the limits let in (threads start as calls need them), so that a call
+        # admitted is never queued behind streams.
+        self._server = grpc.server(ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="weft-mesh"),
                                    options=(*KEEPALIVE_OPTIONS,
                                             # RunShadow carries copied volumes (up to 64 MiB, see shadow_volumes).
                                             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),

@@ -14,7 +14,7 @@ from shim.errors import ConfigError
 from shim.mesh import certs
 from shim.mesh.capacity import CapacityProbe, FixedHost
 from shim.mesh.identity import PeerPolicy
-from shim.mesh.server import MeshServer, MeshServicer
+from shim.mesh.server import CALL, HELLO, STREAM, WATCH, MeshLimits, MeshServer, MeshServicer, PeerBusy, PeerLimits
 
 GI = 2**30
 
@@ -113,3 +113,43 @@ def test_server_refuses_to_serve_a_certificate_of_another_node() -> None:
     probe = CapacityProbe("cpu", host=FixedHost(1, GI, GI))
     with pytest.raises(ConfigError, match=r"names \['cpu-2'\], but this node is 'cpu-1'"):
         MeshServer("cpu-1", "127.0.0.1:0", (key, cert, ca[1]), PeerPolicy(set()), probe)
+
+
+# -- limits: one peer's calls never take what the others' need --------------------------------------
+def test_each_kind_of_call_is_capped_per_peer_and_in_all() -> None:
+    limits = PeerLimits(MeshLimits(streams=3, streams_per_peer=2, calls=1, calls_per_peer=1))
+    with limits.hold("gpu-1", STREAM, "StreamLog"), limits.hold("gpu-1", STREAM, "Stitch"):
+        with pytest.raises(PeerBusy, match="gpu-1 has 2 stream calls open here"), \
+                limits.hold("gpu-1", STREAM, "StreamLog"):
+            pass
+        # Another peer is not held back by gpu-1's streams, only by the node's cap.
+        with limits.hold("gpu-2", STREAM, "StreamLog"), \
+                pytest.raises(PeerBusy, match="this node serves 3 stream calls"), \
+                limits.hold("gpu-3", STREAM, "StreamLog"):
+            pass
+        with limits.hold("gpu-1", CALL, "RunShadow"), limits.hold("gpu-1", HELLO, "Hello"):
+            pass  # streams at their cap leave calls and Hellos their own
+    assert limits.open_now() == {STREAM: 0, CALL: 0, HELLO: 0}
+
+
+def test_the_pool_has_a_worker_for_every_call_the_limits_let_in() -> None:
+    limits = MeshLimits()
+    assert limits.workers == limits.streams + limits.calls + limits.hellos
+
+
+def test_a_peer_with_a_call_or_stream_open_is_in_contact() -> None:
+    limits = PeerLimits(MeshLimits())
+    assert not limits.active("gpu-1")
+    with limits.hold("gpu-1", WATCH, "Watch"):
+        assert limits.active("gpu-1") and not limits.active("gpu-2")
+    assert not limits.active("gpu-1")
+
+
+def test_a_call_over_its_peers_cap_is_resource_exhausted() -> None:
+    servicer = MeshServicer("cpu-1", PeerPolicy({"gpu-1"}), CapacityProbe("cpu", 0.5, 0, host=FixedHost(
+        cores=4, memory_total=8 * GI, memory_available=8 * GI)), limits=MeshLimits(hellos_per_peer=1))
+    ctx = FakeContext("gpu-1")
+    with servicer.limits.hold("gpu-1", HELLO, "Hello"), pytest.raises(Aborted):
+        servicer.Hello(_hello("gpu-1"), ctx)
+    assert ctx.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "1 hello calls open" in ctx.details
+    assert servicer.Hello(_hello("gpu-1"), FakeContext("gpu-1")).node == "cpu-1"

@@ -1,17 +1,21 @@
 """Fencing: at most one live copy of a rerouted container.
 
-A host kills the running shadows of an origin it has not heard from (Hello,
-Watch or any shadow call) for the fence timeout. What this host sends itself
-(Watch heartbeats) proves nothing about the origin and does not count. The
-origin gives up on its shadows only after its longer loss timeout, by which
-time they are dead. A fenced shadow stays until the origin removes it or a
-Watch finds it orphaned.
+A host kills the running shadows of an origin it has not heard from for the
+fence timeout: no Hello, Watch or shadow call started, and no call or stream
+of it open (an open one is the origin's live connection: the mesh's
+keepalive ends it within seconds of a cut link, in either direction, long
+before the fence timeout). What this host sends itself (Watch heartbeats)
+proves nothing about the origin and does not count. The origin gives up on
+its shadows only after its longer loss timeout, by which time they are dead.
+A fenced shadow stays until the origin removes it or a Watch finds it
+orphaned.
 """
 
 from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Callable
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
@@ -33,6 +37,8 @@ class Fencer:
         self._contact_lock = threading.Lock()
         self._contact: dict[str, float] = {}  # origin -> monotonic time it was last heard from
         self._seeded = False
+        # Whether an origin has a mesh call or stream open here (set by the mesh server): that is contact too.
+        self.in_contact: Callable[[str], bool] = lambda origin: False
         self._loop = Periodic("weft-shadow-fencer", FENCE_TICK_S, self._round, failed="shadow.fence_crashed")
 
     def open(self) -> None:
@@ -75,6 +81,11 @@ class Fencer:
             if not self._seeded:
                 return
         now = time.monotonic()
+        with self._contact_lock:
+            origins = list(self._contact)
+        for origin in origins:
+            if self.in_contact(origin):
+                self.touch(origin)
         with self._contact_lock:
             overdue = {o: t for o, t in self._contact.items() if now - t > self.fence_timeout}
         if not overdue:

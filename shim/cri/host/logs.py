@@ -22,6 +22,8 @@ from pathlib import Path
 
 CHUNK = 256 << 10
 POLL_S = 0.1
+# A quiet log is looked at less and less often, up to this: a host follows a log per hosted container.
+IDLE_POLL_S = 0.5
 STATE_EVERY_S = 0.5
 
 
@@ -33,14 +35,17 @@ class Life(enum.Enum):
 
 
 def follow(path: Path, offset: int, life: Callable[[], Life], active: Callable[[], bool],
-           wait: Callable[[float], object], *, poll: float = POLL_S, state_every: float = STATE_EVERY_S,
+           wait: Callable[[float], object], *, poll: float = POLL_S, idle_poll: float = IDLE_POLL_S,
+           state_every: float = STATE_EVERY_S,
            clock: Callable[[], float] = time.monotonic) -> Iterator[tuple[int, bytes]]:
     """(offset, data) chunks of ``path`` from ``offset`` until the container is done or ``active()`` is false.
 
     ``life`` says where the container is; ``wait(seconds)`` sleeps (and may
-    return early when the reader goes away).
+    return early when the reader goes away). The wait starts at ``poll`` and
+    doubles while nothing is written, up to ``idle_poll``.
     """
     pos = offset
+    pause = poll
     final = False  # the container was seen exited: read to the end, then stop
     checked = float("-inf")
     f = None
@@ -60,6 +65,7 @@ def follow(path: Path, offset: int, life: Callable[[], Life], active: Callable[[
             if cut:
                 yield pos, data[:cut]
                 pos += cut
+                pause = poll
                 continue
             # Nothing new (or only a line being written).
             if final:
@@ -70,7 +76,8 @@ def follow(path: Path, offset: int, life: Callable[[], Life], active: Callable[[
                 if life() in (Life.EXITED, Life.GONE):
                     final = True
                     continue
-            wait(poll)
+            wait(pause)
+            pause = min(idle_poll, pause * 2)
     finally:
         if f is not None:
             f.close()

@@ -17,7 +17,7 @@ requests; each idea lives in a module of its own:
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -65,6 +65,15 @@ class ShadowHost:
     @net.setter
     def net(self, value: Any) -> None:
         self.calls.net = value
+
+    @property
+    def in_contact(self) -> Callable[[str], bool]:
+        """Whether an origin has a mesh call or stream open here (the mesh server's, set when it serves this host)."""
+        return self.fencer.in_contact
+
+    @in_contact.setter
+    def in_contact(self, value: Callable[[str], bool]) -> None:
+        self.fencer.in_contact = value
 
     # -- the mesh server's, one per request of an origin ---------------------------
     def touch(self, origin: str) -> None:

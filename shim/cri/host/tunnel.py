@@ -148,6 +148,9 @@ class ShadowNet:
         self._urls: dict[str, tuple[str, str, float]] = {}  # url -> (origin, key, expires)
         self._netns: dict[str, Netns] = {}  # shadow sandbox id -> its namespace
         self._mirrors: dict[tuple[str, str], Mirrors] = {}
+        # Each namespace's listening ports, read at most once a poll for all its containers' streams.
+        self._listening: dict[str, tuple[float, dict[int, set[int]]]] = {}  # by shadow sandbox id
+        self._listening_lock = threading.Lock()
 
     # -- streams -----------------------------------------------------------------------
     def issued(self, origin: str, key: str, method: str, response: bytes) -> None:
@@ -216,7 +219,7 @@ class ShadowNet:
                     listening = set(req.declared)
                 else:
                     own = m.inodes()
-                    listening = {p for p, inodes in ns.listening().items() if inodes - own}
+                    listening = {p for p, inodes in self._listening_in(c.pod_sandbox_id, ns).items() if inodes - own}
                 if listening != last:
                     last = listening
                     yield pb.StitchEvent(listening=sorted(listening), ports=True, pod_ip=pod_ip)
@@ -242,6 +245,14 @@ class ShadowNet:
             return ""
         return status.network.ip
 
+    def _listening_in(self, sandbox_id: str, ns: Netns) -> dict[int, set[int]]:
+        with self._listening_lock:
+            at, ports = self._listening.get(sandbox_id, (float("-inf"), {}))
+            if time.monotonic() - at >= POLL_S / 2:
+                ports = ns.listening()
+                self._listening[sandbox_id] = (time.monotonic(), ports)
+            return ports
+
     def _release(self, m: Mirrors, q: queue.Queue) -> None:
         with self._lock:
             m.refs -= 1
@@ -260,6 +271,9 @@ class ShadowNet:
             del self._mirrors[(m.origin, m.key)]
             in_use = any(x.sandbox_id == m.sandbox_id for x in self._mirrors.values())
             ns = None if in_use else self._netns.pop(m.sandbox_id, None)
+            if not in_use:
+                with self._listening_lock:
+                    self._listening.pop(m.sandbox_id, None)
         m.close()
         if ns is not None:
             ns.close()

@@ -18,6 +18,7 @@
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim._pb import mesh_pb2 as pb
 from shim.cri.host.lifecycle import Lifecycle
-from shim.cri.host.logs import Life, follow
+from shim.cri.host.logs import STATE_EVERY_S, Life, follow
 from shim.cri.host.runtime import ShadowRuntime, label
 from shim.cri.labels import KEY_ANNOTATION, KEY_LABEL, ORIGIN_LABEL
 from shim.errors import UnknownContainer, WeftError
@@ -52,9 +53,36 @@ def heartbeat_s(asked: float, default: float) -> float:
     return min(high, max(low, asked if asked > 0 else default))
 
 
+class States:
+    """Every container's state from one ListContainers, shared by all log streams, at most ``ttl`` old.
+
+    A host follows one log per hosted container: asking containerd for each
+    one's status twice a second would cost it more than the containers do.
+    """
+
+    def __init__(self, rt: ShadowRuntime, ttl: float = STATE_EVERY_S) -> None:
+        self.rt, self.ttl = rt, ttl
+        self._lock = threading.Lock()
+        self._at = float("-inf")
+        self._states: dict[str, int] = {}
+
+    def of(self, container_id: str) -> int | None:
+        """The container's CRI state; None once containerd no longer has it."""
+        with self._lock:
+            if time.monotonic() - self._at > self.ttl:
+                self._states = {c.id: c.state for c in self.rt.containers()}
+                self._at = time.monotonic()
+            state = self._states.get(container_id)
+        if state is None:  # created after the listing, or gone: ask for it alone
+            s = self.rt.status(container_id)
+            return None if s is None else s.state
+        return state
+
+
 class Watcher:
     def __init__(self, rt: ShadowRuntime, lifecycle: Lifecycle, heartbeat_interval: float) -> None:
         self.rt, self.lifecycle, self.heartbeat_interval = rt, lifecycle, heartbeat_interval
+        self.states = States(rt)
 
     def watch(self, origin: str, req: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.ShadowState]:
         """Orphans removed; one state per shadow; a heartbeat; then changes and a heartbeat every interval.
@@ -117,11 +145,11 @@ class Watcher:
         context.add_callback(gone.set)
 
         def life() -> Life:
-            s = self.rt.status(c.id)
-            if s is None:
+            state = self.states.of(c.id)
+            if state is None:
                 return Life.GONE
             return {cri.CONTAINER_CREATED: Life.CREATED, cri.CONTAINER_RUNNING: Life.RUNNING}.get(
-                s.state, Life.EXITED)
+                state, Life.EXITED)
 
         for offset, data in follow(Path(status.log_path), req.offset, life, context.is_active, gone.wait):
             yield pb.LogChunk(offset=offset, data=data)
