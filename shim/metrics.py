@@ -84,6 +84,11 @@ class Metrics:
                                       registry=self.registry)
         self.shadows_hosted = Gauge("weft_shadows_hosted", "Shadows (other nodes' containers) running on this host.",
                                     registry=self.registry)
+        self.reservations = Gauge("weft_reservations", "This host's reservation pods for its shadows, by state "
+                                  "(pending, admitted, lost).", ["state"], registry=self.registry)
+        self.shadows_stopped = Counter("weft_shadows_stopped_reservation", "Shadows this host stopped because "
+                                       "their reservation was refused, evicted, preempted, deleted or never "
+                                       "admitted, by reason.", ["reason"], registry=self.registry)
         self._children: dict[tuple[str, str, str], tuple[object, object]] = {}
 
     def sandbox_opted_in(self, namespace: str, pod: str, at: float) -> None:

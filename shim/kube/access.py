@@ -18,8 +18,10 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import httpx2
 import lightkube
 import yaml
+from lightkube.config import client_adapter
 from lightkube.config.kubeconfig import KubeConfig
 
 from shim import log
@@ -53,6 +55,15 @@ class ApiAccess:
             raise ConfigError("no Kubernetes API configuration: give the agent --kubeconfig (or [kubernetes] "
                               "kubeconfig), or run it where in-cluster configuration exists")
         return lightkube.Client(config=self.config)
+
+    def http(self, *, read_timeout: float = 10.0) -> httpx2.Client:
+        """A plain HTTP client on this access (base URL, TLS and auth as lightkube's), for a watch whose
+        response must be closed exactly when its reader stops."""
+        config = _read(Path(self.where)) if self.source is Source.KUBECONFIG else self.config
+        if config is None:
+            raise ConfigError("no Kubernetes API configuration for an HTTP client")
+        params = client_adapter.ConnectionParams(timeout=httpx2.Timeout(10.0, read=read_timeout))
+        return client_adapter.Client(config.get(), params)
 
     def describe(self) -> str:
         if self.source is Source.KUBECONFIG:

@@ -1,0 +1,269 @@
+"""A host's reservation pods: one per shadow, so Kubernetes counts, arbitrates and shows hosted stages.
+
+For each shadow it runs, the host creates a Pod in weft's namespace bound to
+itself (``shim.core.reservation``: the stage's requests, the origin pod's
+priority) and watches the reservation pods bound to it. The shadow starts
+before its reservation is admitted (a CRI start is not held up by an API
+round trip and kubelet's admission), and lives only as long as it: a
+reservation kubelet refuses, or that is deleted, evicted or preempted, stops
+its shadow at once (``on_lost``); one still not admitted after ``grace`` stops
+it too. Both ways round, nothing is left: a reservation whose shadow is gone
+is deleted, at start and every ``RECONCILE_S``.
+
+The origin pod is read from the API before anything is made: a peer can ask
+for a reservation only for a pod bound to itself (the pod's ``nodeName`` is
+the calling origin), and the reservation takes that pod's priority and its
+container's memory request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import grpc
+import lightkube
+from lightkube.resources.core_v1 import Pod
+
+from shim import log
+from shim.core.quantity import AnnotationError, parse_memory
+from shim.core.reservation import (
+    ROLE,
+    ROLE_LABEL,
+    LossReason,
+    ReservationState,
+    Stage,
+    Verdict,
+    name_of,
+    pod_manifest,
+    verdict,
+)
+from shim.errors import WeftError
+from shim.kube.access import ApiAccess
+from shim.kube.watch import list_pods, watch_pods
+from shim.periodic import Periodic
+
+_log = log.get("weft.reservations")
+RECONCILE_S = 5.0
+WATCH_S = 5
+
+
+class ReservationRefused(WeftError):
+    """The API server would not make the reservation (quota, admission webhook, Pod Security), or the origin
+    does not own the pod it asked for."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+@dataclass(frozen=True)
+class OriginPod:
+    priority_class: str
+    memory_request: int  # of the container, bytes; 0 when it declares none
+
+
+@dataclass
+class Held:
+    key: str
+    name: str
+    created: float  # monotonic
+    state: ReservationState = ReservationState.PENDING
+    lost: Verdict | None = None
+
+
+class Reservations:
+    def __init__(self, api: ApiAccess, node: str, namespace: str, pause_image: str,
+                 on_lost: Callable[[str, Verdict], None], live_keys: Callable[[], Iterable[str]],
+                 *, grace: float = 10.0, metrics=None) -> None:
+        self.api, self.node, self.namespace, self.pause_image = api, node, namespace, pause_image
+        self.on_lost, self.live_keys, self.grace, self.metrics = on_lost, live_keys, grace, metrics
+        self._lock = threading.Lock()
+        self._held: dict[str, Held] = {}  # by shadow key
+        self._client: lightkube.Client | None = None
+        self._client_lock = threading.Lock()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        self._reconciler = Periodic("weft-reservations", RECONCILE_S, self.reconcile,
+                                    failed="reservation.reconcile_failed", first=True)
+
+    # -- the API -------------------------------------------------------------------------
+    def client(self) -> lightkube.Client:
+        with self._client_lock:  # one client, however many threads ask first
+            if self._client is None:
+                self._client = self.api.client()
+            return self._client
+
+    def origin_pod(self, origin: str, namespace: str, pod: str, container: str) -> OriginPod:
+        """The origin's pod, checked to be bound to the origin: a peer reserves only for its own pods."""
+        try:
+            obj = self.client().get(Pod, pod, namespace=namespace)
+        except lightkube.ApiError as exc:
+            raise ReservationRefused(f"pod {namespace}/{pod} of {origin}: {exc.status.message}") from exc
+        if obj.spec is None or obj.spec.nodeName != origin:
+            raise ReservationRefused(f"pod {namespace}/{pod} is not bound to {origin} (it is on "
+                                     f"{getattr(obj.spec, 'nodeName', None) or 'no node'}): a peer reserves only "
+                                     "for its own pods")
+        memory = 0
+        for c in obj.spec.containers or []:
+            if c.name == container and c.resources is not None and c.resources.requests:
+                try:
+                    memory = parse_memory("requests.memory", str(c.resources.requests.get("memory", "0")))
+                except AnnotationError:
+                    memory = 0
+        return OriginPod(obj.spec.priorityClassName or "", memory)
+
+    def reserve(self, stage: Stage) -> None:
+        """Create the stage's reservation (idempotent: the same key's one may already be there)."""
+        manifest = pod_manifest(stage, namespace=self.namespace, pause_image=self.pause_image)
+        with self._lock:
+            self._held.setdefault(stage.key, Held(stage.key, manifest["metadata"]["name"], time.monotonic()))
+        try:
+            self.client().create(Pod.from_dict(manifest), namespace=self.namespace)
+        except lightkube.ApiError as exc:
+            if exc.status.code == 409:  # the origin retried: ours is there already
+                return
+            with self._lock:
+                self._held.pop(stage.key, None)
+            raise ReservationRefused(f"reservation for {stage.namespace}/{stage.pod}/{stage.container}: "
+                                     f"{exc.status.message}") from exc
+        _log.info("reservation.created", key=stage.key, name=manifest["metadata"]["name"], pod=stage.pod,
+                  namespace=stage.namespace, container=stage.container, cpu_m=stage.cpu_millis,
+                  memory=stage.memory_bytes)
+
+    def release(self, key: str) -> None:
+        """Delete the shadow's reservation (the shadow is gone); a missing one is fine."""
+        with self._lock:
+            held = self._held.pop(key, None)
+        name = held.name if held else name_of(key)
+        try:
+            self.client().delete(Pod, name, namespace=self.namespace, grace_period=0)
+        except lightkube.ApiError as exc:
+            if exc.status.code != 404:
+                _log.warning("reservation.delete_failed", key=key, name=name, error=exc.status.message)
+                return
+        _log.info("reservation.deleted", key=key, name=name)
+
+    def state(self, key: str) -> dict | None:
+        """For ``weft status``: the reservation's name and state."""
+        with self._lock:
+            held = self._held.get(key)
+        if held is None:
+            return None
+        out = {"name": held.name, "state": held.state.value}
+        if held.lost is not None and held.lost.reason is not None:
+            out["reason"] = held.lost.reason.value
+        return out
+
+    # -- watching --------------------------------------------------------------------------
+    def start(self) -> None:
+        self._stop.clear()
+        self._watcher = threading.Thread(target=self._watch, name="weft-reservations-watch", daemon=True)
+        self._watcher.start()
+        self._reconciler.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._reconciler.stop()
+        if self._watcher is not None:
+            self._watcher.join(WATCH_S + 5)
+        with self._client_lock:
+            if self._client is not None:
+                self._client.close()
+                self._client = None
+
+    def _selectors(self) -> tuple[dict[str, str], dict[str, str]]:
+        return {ROLE_LABEL: ROLE}, {"spec.nodeName": self.node}
+
+    def _watch(self) -> None:
+        delay, version = 0.5, ""
+        http = None
+        try:
+            while not self._stop.is_set():
+                try:
+                    if http is None:
+                        http = self.api.http(read_timeout=WATCH_S + 10)
+                    if not version:
+                        pods, version = list_pods(http, self.namespace, *self._selectors())
+                        for p in pods:
+                            self.seen(p)
+                    # The API ends each watch after WATCH_S, so a stopping agent is never held up for long.
+                    for event, obj in watch_pods(http, self.namespace, *self._selectors(), version, WATCH_S):
+                        version = obj.get("metadata", {}).get("resourceVersion", version)
+                        self.seen(obj, deleted=event == "DELETED")
+                        if self._stop.is_set():
+                            break
+                    delay = 0.5
+                except WeftError as exc:  # the API away, or our version too old: list again, soon
+                    version = ""
+                    if self._stop.is_set():
+                        return
+                    _log.warning("reservation.watch_failed", error=exc.message, retry_in=delay)
+                    self._stop.wait(delay)
+                    delay = min(delay * 2, 30.0)
+        finally:
+            if http is not None:
+                http.close()
+
+    def seen(self, pod: dict, *, deleted: bool = False) -> None:
+        """What the API shows of one reservation: its shadow stops if it is lost."""
+        key = (pod.get("metadata", {}).get("annotations") or {}).get("weft.io/origin-key-full", "")
+        v = verdict(pod, deleted=deleted)
+        with self._lock:
+            held = self._held.get(key)
+            if held is None or held.lost is not None:
+                return
+            held.state = v.state
+            if v.state is ReservationState.LOST:
+                held.lost = v
+        if v.state is ReservationState.LOST:
+            self._lost(key, v)
+
+    def _give_up(self, held: Held, v: Verdict) -> None:
+        with self._lock:
+            held.lost, held.state = v, ReservationState.LOST
+        self._lost(held.key, v)
+
+    def _lost(self, key: str, v: Verdict) -> None:
+        if self.metrics is not None:
+            self.metrics.shadows_stopped.labels(v.reason.value if v.reason else "").inc()
+        _log.warning("reservation.lost", key=key, reason=v.reason.value if v.reason else "", detail=v.detail)
+        try:
+            self.on_lost(key, v)
+        except WeftError as exc:
+            _log.warning("reservation.stop_failed", key=key, error=exc.message)
+
+    def reconcile(self) -> None:
+        """No reservation without its shadow, no shadow past the grace without an admitted reservation."""
+        live = set(self.live_keys())
+        labels, fields = self._selectors()
+        pods = list(self.client().list(Pod, namespace=self.namespace, labels=labels, fields=fields))
+        on_api = {(p.metadata.annotations or {}).get("weft.io/origin-key-full", ""): p for p in pods}
+        for key, p in on_api.items():
+            if key not in live:
+                _log.info("reservation.orphan", key=key, name=p.metadata.name)
+                with self._lock:
+                    self._held.setdefault(key, Held(key, p.metadata.name, time.monotonic()))
+                self.release(key)
+        now = time.monotonic()
+        for key in live:
+            with self._lock:
+                held = self._held.get(key)
+                if held is None:  # a shadow from before a restart: adopt its reservation, if there is one
+                    p = on_api.get(key)
+                    held = self._held[key] = Held(key, p.metadata.name if p else name_of(key), now)
+            p = on_api.get(key)
+            if p is not None:
+                self.seen(p.to_dict())
+            elif held.lost is None and now - held.created > self.grace:
+                self._give_up(held, Verdict(ReservationState.LOST, LossReason.DELETED, "its reservation pod is gone"))
+            if held.lost is None and held.state is ReservationState.PENDING and now - held.created > self.grace:
+                self._give_up(held, Verdict(ReservationState.LOST, LossReason.NOT_ADMITTED,
+                                            f"not admitted by kubelet within {self.grace:g} s"))
+        if self.metrics is not None:
+            with self._lock:
+                counts: dict[str, int] = {}
+                for h in self._held.values():
+                    counts[h.state.value] = counts.get(h.state.value, 0) + 1
+            for state in ReservationState:
+                self.metrics.reservations.labels(state.value).set(counts.get(state.value, 0))
