@@ -75,8 +75,9 @@ class Stage:
     key: str  # the shadow's key on the host
     cpu_millis: int
     memory_bytes: int
+    # The origin pod's PriorityClass (its priority comes with it). Never a bare priority value: the API's
+    # Priority admission refuses one, and sets the class (or the global default's) on every pod anyway.
     priority_class: str = ""
-    priority: int | None = None
 
 
 def _digest(value: str, n: int) -> str:
@@ -127,8 +128,6 @@ def pod_manifest(stage: Stage, *, namespace: str, pause_image: str) -> dict[str,
     }
     if stage.priority_class:
         spec["priorityClassName"] = stage.priority_class
-    elif stage.priority is not None:
-        spec["priority"] = stage.priority
     return {
         "apiVersion": "v1", "kind": "Pod",
         "metadata": {

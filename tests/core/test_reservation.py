@@ -34,10 +34,10 @@ def test_the_pod_is_bound_to_its_host_with_the_stage_s_requests_and_the_origin_s
         "weft.io/origin-key": pod["metadata"]["labels"]["weft.io/origin-key"]}
 
 
-def test_a_priority_value_is_carried_when_the_origin_has_no_class() -> None:
-    stage = Stage(**{**STAGE.__dict__, "priority_class": "", "priority": 1000})
+def test_without_a_class_no_priority_is_set_and_the_api_s_default_applies() -> None:
+    stage = Stage(**{**STAGE.__dict__, "priority_class": ""})
     spec = pod_manifest(stage, namespace="weft-system", pause_image="pause")["spec"]
-    assert spec["priority"] == 1000 and "priorityClassName" not in spec
+    assert "priority" not in spec and "priorityClassName" not in spec
 
 
 def test_it_passes_the_restricted_pod_security_standard() -> None:
