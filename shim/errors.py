@@ -7,6 +7,7 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── ConfigError                configuration file or flag is invalid (INVALID_ARGUMENT)
     ├── BadAnnotation              a weft.io/ annotation holds a bad value (INVALID_ARGUMENT)
     │   └── UnsafeShadow           a host refuses a shadow it may not run (shim.cri.host.lifecycle; PERMISSION_DENIED)
+    ├── NotAdmitted                a host would not admit a RunShadow now (shim.cri.host.lifecycle; RESOURCE_EXHAUSTED)
     ├── MalformedRequest           a request weft must read does not parse (INVALID_ARGUMENT)
     ├── SocketInUse                another process serves the socket (ALREADY_EXISTS)
     ├── StateError                 the state database cannot be used (shim.state.db; INTERNAL)

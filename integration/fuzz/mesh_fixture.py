@@ -56,6 +56,8 @@ def run_shadow_request(node: Containerd, origin: str, key: str, sandbox: str = "
                        **container) -> pb.RunShadowRequest:
     sandbox_cfg = pods.sandbox_config("infer", node.pod_log_dir, cgroup_parent=node.cgroup_root)
     config = pods.container_config("tokenize", ["sh", "-c", "exec sleep 3600"], **container)
+    res = config.linux.resources  # a host admits by limits: 0.1 core and the 64 MiB of container_config
+    res.cpu_period, res.cpu_quota = 100000, 10000
     return pb.RunShadowRequest(origin_node=origin, origin_sandbox_id=sandbox, key=key,
                                sandbox_config=sandbox_cfg.SerializeToString(),
                                container_config=config.SerializeToString())
@@ -74,8 +76,12 @@ def mesh_host(containerd: Containerd, workdir: Path) -> Iterator[MeshHost]:
     listed = [(o, free_port(), "gpu") for o in ORIGINS] + [("cpu-1", port, "cpu")]
     peers.write_text("".join(f'[[peer]]\nname = "{name}"\naddress = "127.0.0.1:{p}"\nrole = "{role}"\n\n'
                              for name, p, role in listed))
+    # A fixed capacity, as the local fabric's hosts have: what this shared machine happens to be busy with
+    # must not decide whether RunShadow admits.
+    config = workdir / "weft.toml"
+    config.write_text('[mesh]\nfixed_capacity = "8,32Gi"\n')
     agent = AgentProcess(containerd, workdir / "cpu-1", name="cpu-1", extra_args=[
-        "--node-name", "cpu-1", "--role", "cpu", "--mesh-address", f"127.0.0.1:{port}", "--peers", str(peers),
-        "--tls-dir", str(cert_dir)])
+        "--config", str(config), "--node-name", "cpu-1", "--role", "cpu", "--mesh-address", f"127.0.0.1:{port}",
+        "--peers", str(peers), "--tls-dir", str(cert_dir)])
     with agent:
         yield MeshHost(agent, containerd, port, tls)

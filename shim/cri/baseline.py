@@ -19,6 +19,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim.core.baseline import (
     DEFAULT_MASKED_PATHS,
     DEFAULT_READONLY_PATHS,
+    SAFE_SYSCTLS,
     BaselineDecision,
     SecurityFacts,
     check_baseline,
@@ -91,7 +92,9 @@ def hosted_sandbox(src: cri.PodSandboxConfig) -> cri.PodSandboxConfig:
     osc.readonly_rootfs = psc.readonly_rootfs
     osc.supplemental_groups.extend(psc.supplemental_groups)
     osc.seccomp.CopyFrom(_default_profile())
-    out.linux.sysctls.update(src.linux.sysctls)  # checked against the safe set before this
+    # Checked against the safe set before this where a container comes with it; a sandbox made ahead of its
+    # containers keeps only the safe ones.
+    out.linux.sysctls.update({k: v for k, v in src.linux.sysctls.items() if k in SAFE_SYSCTLS})
     return out
 
 

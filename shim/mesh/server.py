@@ -173,6 +173,7 @@ class MeshServicer(pb_grpc.MeshServicer):
         self.limits = PeerLimits(limits or MeshLimits())
         if host is not None:
             host.in_contact = self.limits.active  # an origin with a call or stream open is heard from
+            host.admit = self._admit  # RunShadow admits again, whatever the origin was told
 
     def peer_states(self) -> dict[str, pb.PeerState]:
         """The last state each peer reported in its Hello (copies)."""

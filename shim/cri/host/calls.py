@@ -21,8 +21,9 @@ from google.protobuf.message import DecodeError
 from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.cri.host.capacity import HostedCapacity, limits
-from shim.cri.host.lifecycle import HOSTED_CPU_SHARES
+from shim.cri.host.lifecycle import HOSTED_CPU_SHARES, HOSTED_OOM_SCORE_ADJ
 from shim.cri.host.runtime import RT, ShadowRuntime
+from shim.cri.labels import CPU_LIMIT_ANNOTATION, MEMORY_LIMIT_ANNOTATION
 from shim.errors import BadAnnotation, WeftError
 
 _log = log.get("weft.shadows")
@@ -48,6 +49,27 @@ class RefusedCall(WeftError):
     """ShadowCall named a CRI method that an origin may not make on a shadow."""
 
     code = grpc.StatusCode.PERMISSION_DENIED
+
+
+def clamped(asked: cri.LinuxContainerResources, c: cri.Container) -> cri.LinuxContainerResources:
+    """What an UpdateContainerResources of a shadow may set: CPU and memory within what the host admitted it
+    with (an unlimited or larger ask becomes that), at the floor's weight, nothing else (no cpuset,
+    hugepages, ``unified`` keys or OOM score of the origin's choosing)."""
+    try:
+        cpu = float(c.annotations.get(CPU_LIMIT_ANNOTATION, "0"))
+        memory = int(c.annotations.get(MEMORY_LIMIT_ANNOTATION, "0"))
+    except ValueError:
+        cpu, memory = 0.0, 0
+    out = cri.LinuxContainerResources(cpu_shares=HOSTED_CPU_SHARES, oom_score_adj=HOSTED_OOM_SCORE_ADJ)
+    period = asked.cpu_period if asked.cpu_period > 0 else 100000
+    want = asked.cpu_quota / period if asked.cpu_quota > 0 else 0.0
+    if cpu > 0:
+        out.cpu_period = period
+        out.cpu_quota = int(period * (want if 0 < want <= cpu else cpu))
+    want_memory = asked.memory_limit_in_bytes
+    if memory > 0:
+        out.memory_limit_in_bytes = want_memory if 0 < want_memory <= memory else memory
+    return out
 
 
 class Calls:
@@ -76,7 +98,7 @@ class Calls:
         if req.method in ("ExecSync", "StopContainer"):
             timeout = request.timeout + CALL_SLACK_S if request.timeout > 0 else None
         if req.method == "UpdateContainerResources" and request.HasField("linux"):
-            request.linux.cpu_shares = HOSTED_CPU_SHARES  # a hosted container never outweighs the host's own pods
+            request.linux.CopyFrom(clamped(request.linux, c))
         response = self.rt.raw(RT + req.method, request.SerializeToString(), timeout)
         if req.method in ("Exec", "Attach") and self.net is not None:
             self.net.issued(origin, req.key, req.method, response)

@@ -18,9 +18,10 @@ origin's through. The pod's read-only volumes come copied (``volumes``).
 from __future__ import annotations
 
 import contextlib
+import re
 import shutil
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path, PurePosixPath
 
 import grpc
@@ -51,6 +52,16 @@ _log = log.get("weft.shadows")
 HOSTED_CPU_SHARES = 2
 # Under memory pressure on the whole host, a hosted container is the first the kernel kills, as a guest.
 HOSTED_OOM_SCORE_ADJ = 1000
+
+
+# A pod UID as an origin may send it: Kubernetes' are UUIDs; no '/', no '..', nothing a cgroup path would read.
+_UID = re.compile(r"(?!.*\.\.)[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+
+
+class NotAdmitted(WeftError):
+    """RunShadow of a container this host would not admit now (its limits against its free capacity)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class UnsafeShadow(BadAnnotation):
@@ -112,6 +123,9 @@ class Lifecycle:
         self.volume_root = state_dir / "shadow-volumes"
         # Creating and removing shadows (and their sandboxes) one at a time: sandbox reuse stays simple.
         self.lock = threading.Lock()
+        # The mesh server's Admit rule (AdmitRequest -> AdmitResponse), asked again by RunShadow itself: an
+        # origin that skipped Admit, or asks for more than it was admitted with, is refused. None: no mesh.
+        self.admit: Callable[[pb.AdmitRequest], pb.AdmitResponse] | None = None
         self._volume_lock = threading.Lock()
 
     def _volume_dir(self, origin: str, key: str) -> Path:
@@ -138,6 +152,7 @@ class Lifecycle:
             existing = self.rt.find({ORIGIN_LABEL: origin, KEY_LABEL: label(req.key)}, containers=True)
             if existing:  # idempotent: the origin retried
                 return self.rt.state(req.key, existing[0].pod_sandbox_id, existing[0].id)
+            self._admitted(origin, req.key, config)
             try:
                 if plans:
                     shadow_volumes.remove(volumes)  # a leftover of a RunShadow that failed half-way
@@ -172,6 +187,16 @@ class Lifecycle:
                   volumes=len(plans))
         return self.rt.state(req.key, sandbox_id, created.container_id)
 
+    def _admitted(self, origin: str, key: str, config: cri.ContainerConfig) -> None:
+        """Admission again, under the lock every creation holds: what fits now, limits required."""
+        if self.admit is None:
+            return
+        cpu, memory = limits(config.linux.resources)
+        answer = self.admit(pb.AdmitRequest(origin_node=origin, key=key,
+                                            limits=pb.Resources(cpu_cores=cpu, memory_bytes=memory)))
+        if not answer.admitted:
+            raise NotAdmitted(f"RunShadow {key}: this host does not admit it now ({answer.reason}: {answer.detail})")
+
     def start(self, origin: str, key: str) -> pb.ShadowState:
         c = self.rt.one(origin, key)
         if c.state == cri.CONTAINER_CREATED:
@@ -188,6 +213,10 @@ class Lifecycle:
         CreateContainer must be given this one too: containerd takes a
         container's log directory and cgroup from the request's sandbox config.
         """
+        if not _UID.fullmatch(sandbox.metadata.uid):
+            # It names the shadow's cgroup: "../../x" would put the shadow outside this host's cgroup parent.
+            raise UnsafeShadow(f"RunShadow {req.key}: pod UID {sandbox.metadata.uid[:80]!r} from {origin} is not a "
+                               "UID (letters, digits, '-', '_' and '.', at most 128, no '..')")
         shadow = baseline.hosted_sandbox(sandbox)
         shadow.metadata.uid = f"{sandbox.metadata.uid}-shadow"
         shadow.labels.update(origin_labels)

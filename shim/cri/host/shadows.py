@@ -67,6 +67,15 @@ class ShadowHost:
         self.calls.net = value
 
     @property
+    def admit(self) -> Callable[[pb.AdmitRequest], pb.AdmitResponse] | None:
+        """The mesh server's Admit rule, which RunShadow asks again (set when the mesh server serves this host)."""
+        return self.lifecycle.admit
+
+    @admit.setter
+    def admit(self, value: Callable[[pb.AdmitRequest], pb.AdmitResponse] | None) -> None:
+        self.lifecycle.admit = value
+
+    @property
     def in_contact(self) -> Callable[[str], bool]:
         """Whether an origin has a mesh call or stream open here (the mesh server's, set when it serves this host)."""
         return self.fencer.in_contact

@@ -63,3 +63,19 @@ def test_the_hosted_sandbox_is_built_from_what_a_host_allows() -> None:
     assert dict(out.annotations) == {"kubernetes.io/config.source": "api"}
     assert not out.port_mappings and not out.linux.HasField("overhead")
     assert out.metadata == sandbox.metadata and out.hostname == "p"
+
+
+def test_an_update_is_clamped_to_what_the_shadow_was_admitted_with() -> None:
+    from shim.cri.host.calls import clamped
+
+    c = cri.Container(annotations={"weft.io/hosted-cpu-limit": "0.5", "weft.io/hosted-memory-limit": str(1 << 30)})
+    asked = cri.LinuxContainerResources(cpu_period=100000, cpu_quota=400000, memory_limit_in_bytes=8 << 30,
+                                        cpu_shares=1024, oom_score_adj=-1000, cpuset_cpus="0")
+    asked.unified["memory.max"] = "max"
+    out = clamped(asked, c)
+    assert (out.cpu_quota, out.memory_limit_in_bytes, out.cpu_shares, out.oom_score_adj) == (50000, 1 << 30, 2, 1000)
+    assert not out.unified and not out.cpuset_cpus
+    smaller = clamped(cri.LinuxContainerResources(cpu_period=100000, cpu_quota=20000, memory_limit_in_bytes=1 << 20), c)
+    assert (smaller.cpu_quota, smaller.memory_limit_in_bytes) == (20000, 1 << 20)
+    unlimited = clamped(cri.LinuxContainerResources(), c)
+    assert (unlimited.cpu_period, unlimited.cpu_quota, unlimited.memory_limit_in_bytes) == (100000, 50000, 1 << 30)

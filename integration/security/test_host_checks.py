@@ -1,0 +1,117 @@
+"""A host checks what a peer asks of it, and keeps what it admitted.
+
+Attacks a node with a valid mesh certificate can make on a CPU host:
+
+- a pod UID that climbs out of the host's shadow cgroup parent
+  (``../../../x``), with RunShadow and with a sandbox prepared ahead;
+- RunShadow without Admit, for a container with no CPU limit or with more
+  than the host has: it would have run unlimited;
+- UpdateContainerResources through ShadowCall lifting a shadow past the
+  limits it was admitted with (or to unlimited), or setting its OOM score so
+  the kernel kills the host's own pods first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2 as cri
+
+from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
+from shim._pb import mesh_pb2 as pb
+
+
+def _ask(ch: grpc.Channel, method: str, request) -> tuple[grpc.StatusCode, str, bytes | None]:
+    try:
+        return grpc.StatusCode.OK, "", ch.unary_unary(MESH + method)(request.SerializeToString(), timeout=120)
+    except grpc.RpcError as e:
+        return e.code(), e.details() or "", None
+
+
+# Where "/weft-shadows/pod" + "../../../x" + "-shadow" lands: the cgroup root itself.
+ESCAPED = [Path(f"/sys/fs/cgroup/{c}/x-shadow") for c in ("cpu", "memory", "pids")]
+
+
+@pytest.mark.parametrize("sandbox_only", [False, True], ids=["run-shadow", "prepared-sandbox"])
+def test_a_pod_uid_cannot_put_a_shadow_outside_the_hosts_cgroup_parent(mesh: MeshHost, sandbox_only: bool) -> None:
+    before = {p for p in ESCAPED if p.exists()}
+    req = run_shadow_request(mesh.containerd, "gpu-1", "origin-sb-uid/tokenize/0", sandbox="origin-sb-uid")
+    sandbox = cri.PodSandboxConfig.FromString(req.sandbox_config)
+    sandbox.metadata.uid = "../../../x"
+    req.sandbox_config = sandbox.SerializeToString()
+    req.start = True
+    req.sandbox_only = sandbox_only
+    with mesh.channel("gpu-1") as ch:
+        code, details, _ = _ask(ch, "RunShadow", req)
+        escaped = [p for p in ESCAPED if p.exists() and p not in before]
+        _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=req.key))
+        leftover = mesh.shadows()
+    assert code is grpc.StatusCode.PERMISSION_DENIED, (code, details, escaped)
+    assert "is not a UID" in details
+    assert escaped == [] and leftover == (set(), set())
+
+
+def _limits(req: pb.RunShadowRequest, cpu_quota: int, memory: int) -> pb.RunShadowRequest:
+    config = cri.ContainerConfig.FromString(req.container_config)
+    config.linux.resources.cpu_period, config.linux.resources.cpu_quota = 100000, cpu_quota
+    config.linux.resources.memory_limit_in_bytes = memory
+    req.container_config = config.SerializeToString()
+    return req
+
+
+@pytest.mark.parametrize(("cpu_quota", "memory", "reason"), [
+    (0, 64 << 20, "no-limits"),
+    (0, 0, "no-limits"),
+    (64 * 100000, 64 << 20, "insufficient-cpu"),
+    (10000, 1 << 50, "insufficient-memory"),
+], ids=["no-cpu-limit", "no-limits", "more-cpu-than-the-host", "more-memory-than-the-host"])
+def test_run_shadow_admits_again_whatever_the_origin_skipped(mesh: MeshHost, cpu_quota: int, memory: int,
+                                                              reason: str) -> None:
+    req = _limits(run_shadow_request(mesh.containerd, "gpu-1", "origin-sb-adm/tokenize/0", sandbox="origin-sb-adm"),
+                  cpu_quota, memory)
+    req.start = True
+    with mesh.channel("gpu-1") as ch:
+        code, details, _ = _ask(ch, "RunShadow", req)
+        _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=req.key))
+        leftover = mesh.shadows()
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
+    assert f"does not admit it now ({reason}" in details
+    assert leftover[1] == set()
+
+
+@pytest.fixture
+def admitted(mesh: MeshHost) -> Iterator[tuple[grpc.Channel, str, str]]:
+    """A running shadow admitted with 0.1 core and 64 MiB (the fixture's request)."""
+    key = "origin-sb-upd/tokenize/0"
+    req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox="origin-sb-upd")
+    req.start = True
+    with mesh.channel("gpu-1") as ch:
+        code, details, raw = _ask(ch, "RunShadow", req)
+        assert code is grpc.StatusCode.OK, details
+        try:
+            yield ch, key, pb.ShadowState.FromString(raw).shadow_container_id
+        finally:
+            _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=key))
+
+
+def _cgroup(container_id: str, controller: str, name: str) -> int:
+    found = list(Path(f"/sys/fs/cgroup/{controller}/weft-shadows").glob(f"*/{container_id}/{name}"))
+    assert found, (controller, container_id)
+    return int(found[0].read_text().split()[0])
+
+
+@pytest.mark.parametrize(("cpu_quota", "memory"), [(0, 0), (4 * 100000, 8 << 30)], ids=["unlimited", "larger"])
+def test_update_container_resources_cannot_lift_a_shadow_past_what_was_admitted(admitted, cpu_quota: int,
+                                                                                 memory: int) -> None:
+    ch, key, cid = admitted
+    update = cri.UpdateContainerResourcesRequest(linux=cri.LinuxContainerResources(
+        cpu_period=100000, cpu_quota=cpu_quota, memory_limit_in_bytes=memory, cpu_shares=1024, oom_score_adj=-1000))
+    code, details, _ = _ask(ch, "ShadowCall", pb.ShadowCallRequest(
+        origin_node="gpu-1", key=key, method="UpdateContainerResources", request=update.SerializeToString()))
+    assert code is grpc.StatusCode.OK, details
+    assert _cgroup(cid, "cpu", "cpu.cfs_quota_us") == 10000  # 0.1 core of a 100 ms period, as admitted
+    assert _cgroup(cid, "memory", "memory.limit_in_bytes") == 64 << 20
+    assert _cgroup(cid, "cpu", "cpu.shares") == 2
