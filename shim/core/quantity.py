@@ -100,6 +100,18 @@ def _too_large(max_bytes: int | None) -> str:
     return "is larger than any device" + ("" if max_bytes is None else f" ({format_bytes(max_bytes)})")
 
 
+_CPU = re.compile(r"(?P<number>\d+(\.\d*)?|\.\d+)(?P<milli>m?)")
+
+
+def parse_cpu(field: str, value: str) -> float:
+    """Cores of a Kubernetes CPU quantity (``500m``, ``2``, ``0.5``), as a pod spec's requests hold them."""
+    match = _CPU.fullmatch(value.strip())
+    if match is None:
+        raise AnnotationError(field, value, "is not a CPU quantity (e.g. 500m, 2, 0.5)")
+    cores = float(match["number"])
+    return cores / 1000 if match["milli"] else cores
+
+
 def parse_compute(annotation: str, value: str) -> int:
     """Percent of a device's compute declared by a ``weft.io/gpu-compute.*`` annotation, 1..100."""
     text = value.strip()
