@@ -8,6 +8,7 @@ code refuses to open rather than be misread.
 
 from __future__ import annotations
 
+import os
 import sqlite3
 import threading
 from collections.abc import Iterator, Sequence
@@ -42,6 +43,13 @@ class Database:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
         self.path = path
         try:
+            # Root's alone: the state directory 0700 whoever made it, the database (and so its journal files,
+            # which SQLite makes with the database's mode) 0600. It holds remote containers' configs.
+            path.parent.chmod(0o700)
+            os.close(os.open(path, os.O_RDWR | os.O_CREAT, 0o600))
+            for f in (path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")):
+                if f.exists():
+                    f.chmod(0o600)
             self._conn = sqlite3.connect(path, check_same_thread=False, isolation_level=None, timeout=10)
             self._conn.row_factory = sqlite3.Row
             self._conn.execute("PRAGMA journal_mode=WAL")
@@ -50,7 +58,7 @@ class Database:
             # container and lease is gone anyway, and the node starts afresh.
             self._conn.execute("PRAGMA synchronous=NORMAL")
             self._conn.execute("PRAGMA foreign_keys=ON")
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise StateError(f"cannot open state database {path}: {exc}") from exc
         self._lock = threading.RLock()
         self._migrate(migrations)

@@ -33,6 +33,21 @@ def test_opens_in_wal_mode_creating_the_directory(path: Path) -> None:
         db.close()
 
 
+def test_the_database_and_its_directory_are_roots_alone_whoever_made_them(path: Path) -> None:
+    path.parent.mkdir(mode=0o755)
+    path.touch(mode=0o644)
+    db = Database(path, [M1])
+    try:
+        with db.transaction() as conn:
+            conn.execute("INSERT INTO things VALUES ('a')")
+        files = [path, path.with_name(path.name + "-wal"), path.with_name(path.name + "-shm")]
+        assert [(f.name, f.stat().st_mode & 0o777) for f in files if f.exists()] == [
+            (f.name, 0o600) for f in files if f.exists()]
+        assert path.parent.stat().st_mode & 0o777 == 0o700
+    finally:
+        db.close()
+
+
 @pytest.mark.parametrize(
     "migrations",
     [pytest.param([], id="no-migrations"), pytest.param([M1], id="one"), pytest.param([M1, M2], id="two")],

@@ -156,6 +156,7 @@ class Lifecycle:
             try:
                 if plans:
                     shadow_volumes.remove(volumes)  # a leftover of a RunShadow that failed half-way
+                    shadow_volumes.check_origin_cap(volumes.parent, plans)
                     shadow_volumes.write(volumes, plans)
                 for i, p in enumerate(plans):
                     config.mounts.append(cri.Mount(container_path=p.container_path, readonly=True,
@@ -306,7 +307,9 @@ class Lifecycle:
         plans = shadow_volumes.plan(req.volumes)
         c = self.rt.one(origin, req.key)
         with self._volume_lock:
-            changed = shadow_volumes.sync(self._volume_dir(origin, req.key), plans)
+            where = self._volume_dir(origin, req.key)
+            shadow_volumes.check_origin_cap(where.parent, plans, replacing=where)
+            changed = shadow_volumes.sync(where, plans)
         _log.info("shadow.volumes_synced", origin=origin, key=req.key, container_id=c.id, changed=changed)
         return pb.SyncVolumesResponse(changed=changed)
 

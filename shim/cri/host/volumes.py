@@ -13,7 +13,10 @@ Everything the origin sends is untrusted: a relative path may not be
 absolute, hold ``.``/``..``/empty components or NUL, and nothing is written
 through a symlink (there are none unless someone else made one; we check
 anyway, with ``O_NOFOLLOW`` and ``lstat``). A container's volumes are capped
-at ``MAX_BYTES`` and ``MAX_FILES`` in all.
+at ``MAX_BYTES`` and ``MAX_FILES`` in all, and an origin's, all its
+containers' together, at ``MAX_ORIGIN_BYTES``. The directories above a
+container's own are root's alone (0700): what came from a Secret is read by
+the container through its bind mount, and by no one else on the host.
 
 ``plan`` is pure (the checks); ``write`` and ``sync`` touch the disk. A file
 is replaced atomically (a temporary file in the same directory, then
@@ -39,6 +42,7 @@ import grpc
 from shim.errors import WeftError
 
 MAX_BYTES = 64 << 20
+MAX_ORIGIN_BYTES = 256 << 20
 MAX_FILES = 4096
 MAX_PATH = 4096
 DEFAULT_MODE = 0o644
@@ -142,9 +146,41 @@ def host_path(root: Path, index: int, p: VolumePlan) -> Path:
     return root / str(index) / SINGLE if p.single_file else root / str(index)
 
 
+def plan_bytes(plans: Iterable[VolumePlan]) -> int:
+    return sum(len(data) for p in plans for data, _ in p.files.values())
+
+
+def used_bytes(path: Path, *, besides: Path | None = None) -> int:
+    """Bytes of the regular files under ``path`` (not following links), those under ``besides`` left out."""
+    total = 0
+    for dirpath, dirnames, filenames in os.walk(path):
+        if besides is not None and Path(dirpath) == besides:
+            dirnames[:] = []
+            continue
+        for name in filenames:
+            with contextlib.suppress(OSError):
+                st = os.lstat(os.path.join(dirpath, name))
+                if stat.S_ISREG(st.st_mode):
+                    total += st.st_size
+    return total
+
+
+def check_origin_cap(origin_root: Path, plans: list[VolumePlan], *, replacing: Path | None = None) -> None:
+    """VolumesTooLarge if ``plans`` (in place of what is under ``replacing``) take the origin past its cap."""
+    used = used_bytes(origin_root, besides=replacing) if origin_root.is_dir() else 0
+    wanted = plan_bytes(plans)
+    if used + wanted > MAX_ORIGIN_BYTES:
+        raise VolumesTooLarge(f"an origin's hosted containers' volumes may hold at most {MAX_ORIGIN_BYTES >> 20} MiB "
+                              f"on this host; {used} bytes are held and these add {wanted}")
+
+
 def write(root: Path, plans: list[VolumePlan]) -> None:
-    """Write a new container's volumes under ``root`` (made here; must not exist)."""
-    root.mkdir(parents=True, mode=0o755)
+    """Write a new container's volumes under ``root`` (made here; must not exist), its parents root's alone."""
+    root.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    for d in (root.parent, root.parent.parent):
+        with contextlib.suppress(OSError):
+            d.chmod(0o700)
+    root.mkdir(mode=0o755)
     for i, p in enumerate(plans):
         _sync_one(root / str(i), p)
     (root / MANIFEST).write_text(json.dumps(manifest(plans)))
