@@ -27,26 +27,30 @@ def _selector(pairs: Mapping[str, str]) -> str:
     return ",".join(f"{k}={v}" for k, v in pairs.items())
 
 
-def list_pods(http: httpx2.Client, namespace: str, labels: Mapping[str, str],
+def _path(namespace: str | None) -> str:
+    return f"/api/v1/namespaces/{namespace}/pods" if namespace else "/api/v1/pods"
+
+
+def list_pods(http: httpx2.Client, namespace: str | None, labels: Mapping[str, str],
               fields: Mapping[str, str]) -> tuple[list[dict[str, Any]], str]:
-    """The matching Pods (as the API's JSON) and the list's resourceVersion."""
+    """The matching Pods (as the API's JSON; in every namespace when ``namespace`` is None) and the list's
+    resourceVersion."""
     try:
-        r = http.get(f"/api/v1/namespaces/{namespace}/pods",
-                     params={"labelSelector": _selector(labels), "fieldSelector": _selector(fields)})
+        r = http.get(_path(namespace), params={"labelSelector": _selector(labels), "fieldSelector": _selector(fields)})
         r.raise_for_status()
     except httpx2.HTTPError as exc:
-        raise WatchError(f"list pods in {namespace}: {exc}") from exc
+        raise WatchError(f"list pods in {namespace or 'every namespace'}: {exc}") from exc
     doc = r.json()
     return doc.get("items") or [], doc.get("metadata", {}).get("resourceVersion", "")
 
 
-def watch_pods(http: httpx2.Client, namespace: str, labels: Mapping[str, str], fields: Mapping[str, str],
+def watch_pods(http: httpx2.Client, namespace: str | None, labels: Mapping[str, str], fields: Mapping[str, str],
                version: str, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
     """(event type, Pod) from ``version`` on, until the API server ends the watch."""
     params = {"watch": "1", "labelSelector": _selector(labels), "fieldSelector": _selector(fields),
               "timeoutSeconds": str(timeout), "allowWatchBookmarks": "true", "resourceVersion": version}
     try:
-        with http.stream("GET", f"/api/v1/namespaces/{namespace}/pods", params=params) as r:
+        with http.stream("GET", _path(namespace), params=params) as r:
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line:
