@@ -13,6 +13,7 @@ import threading
 from shim import log
 from shim._pb import broker_pb2 as pb
 from shim.broker.client import BrokerClient
+from shim.cri.mark import ShadowMark
 from shim.cri.passthrough import Upstream
 from shim.cri.remote import PulledImages, RemoteContainers
 from shim.errors import BrokerUnavailable, WeftError
@@ -56,6 +57,8 @@ class Fabric:
         # Whether containerd holds shadows (labelled weft.io/origin-node) that
         # kubelet must not see; set by the reconciler, read on every List call.
         self.shadows_present = False
+        # This host's mark on the shadows it made (shim.cri.mark), set when it hosts: what the list verbs hide.
+        self.shadow_mark: ShadowMark | None = None
         # CreateContainer calls between their lease and their answer: recovery must not
         # take their pending rows (or their leases) for leftovers of a crash.
         self._inflight: set[str] = set()

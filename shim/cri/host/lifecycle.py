@@ -44,6 +44,7 @@ from shim.cri.labels import (
     POD_LABEL,
     SANDBOX_LABEL,
 )
+from shim.cri.mark import MARK_LABEL, ShadowMark
 from shim.errors import BadAnnotation, UpstreamError, WeftError
 
 _log = log.get("weft.shadows")
@@ -120,6 +121,9 @@ class Lifecycle:
         # nothing here, and one under kubelet's own tree would be cleaned up by it as an orphaned pod.
         self.cgroup_parent = cgroup_parent
         self.log_root = state_dir / "shadow-logs"
+        # What marks a sandbox or container as one this host made (the list verbs hide only those).
+        self.mark = ShadowMark.load(state_dir)
+        fabric.shadow_mark = self.mark
         self.volume_root = state_dir / "shadow-volumes"
         # Creating and removing shadows (and their sandboxes) one at a time: sandbox reuse stays simple.
         self.lock = threading.Lock()
@@ -166,7 +170,8 @@ class Lifecycle:
                 # A prepared sandbox was made before the origin's sandbox ID, and so this directory, was known.
                 Path(shadow_sandbox.log_directory).mkdir(parents=True, exist_ok=True)
                 cpu, memory = limits(config.linux.resources)
-                config.labels.update({**origin_labels, KEY_LABEL: label(req.key)})
+                config.labels.update({**origin_labels, KEY_LABEL: label(req.key),
+                                      MARK_LABEL: self.mark.container(origin, label(req.key))})
                 config.annotations.update({KEY_ANNOTATION: req.key, CPU_LIMIT_ANNOTATION: repr(cpu),
                                            MEMORY_LIMIT_ANNOTATION: str(memory)})
                 config.linux.resources.cpu_shares = HOSTED_CPU_SHARES
@@ -221,6 +226,7 @@ class Lifecycle:
         shadow = baseline.hosted_sandbox(sandbox)
         shadow.metadata.uid = f"{sandbox.metadata.uid}-shadow"
         shadow.labels.update(origin_labels)
+        shadow.labels[MARK_LABEL] = self.mark.sandbox(origin, shadow.metadata.uid)
         # A prepared sandbox (no origin sandbox ID yet) holds no log: it gets the origin's directory.
         shadow.log_directory = str(self._sandbox_logs(origin, req.origin_sandbox_id) if req.origin_sandbox_id
                                    else self.log_root / _safe_component(origin, "origin node"))

@@ -1,7 +1,9 @@
 """What the four list verbs share: a host's shadows hidden, an origin's remote containers shown.
 
 A shadow sandbox or container (one this node runs for another node's pod) is
-labelled ``weft.io/origin-node``. kubelet would take it for an unknown pod and
+labelled ``weft.io/origin-node``, and marked by the host that made it
+(``shim.cri.mark``): only what bears this host's mark is hidden, so a pod
+that carries the label itself stays in kubelet's view. kubelet would take it for an unknown pod and
 kill it, so the agent leaves shadows out of what the four list verbs
 (``list_pod_sandbox``, ``list_containers``, ``list_container_stats``,
 ``list_pod_sandbox_stats``) return. They are intercepted only while this node hosts shadows at all (``Fabric.
@@ -24,29 +26,41 @@ from google.protobuf.message import DecodeError
 
 from shim.cri.fabric import Fabric
 from shim.cri.labels import ORIGIN_LABEL
+from shim.cri.mark import ShadowMark
 from shim.cri.remote import matches
 from shim.cri.route import Route
 from shim.cri.verbs.remote_calls import stats_of
 from shim.errors import WeftError
 
-# path -> (response type, repeated field, how to reach an item's labels)
-_VERBS: dict[str, tuple[Any, str, Callable[[Any], Any]]] = {
-    "/runtime.v1.RuntimeService/ListPodSandbox": (cri.ListPodSandboxResponse, "items", lambda i: i.labels),
-    "/runtime.v1.RuntimeService/ListContainers": (cri.ListContainersResponse, "containers", lambda i: i.labels),
+# path -> (response type, repeated field, how to reach an item's labels, whether an item is a sandbox)
+_VERBS: dict[str, tuple[Any, str, Callable[[Any], Any], Callable[[Any], Any]]] = {
+    "/runtime.v1.RuntimeService/ListPodSandbox": (
+        cri.ListPodSandboxResponse, "items", lambda i: i.labels, lambda i: i.metadata.uid),
+    "/runtime.v1.RuntimeService/ListContainers": (
+        cri.ListContainersResponse, "containers", lambda i: i.labels, None),
     "/runtime.v1.RuntimeService/ListContainerStats": (
-        cri.ListContainerStatsResponse, "stats", lambda i: i.attributes.labels),
+        cri.ListContainerStatsResponse, "stats", lambda i: i.attributes.labels, None),
     "/runtime.v1.RuntimeService/ListPodSandboxStats": (
-        cri.ListPodSandboxStatsResponse, "stats", lambda i: i.attributes.labels),
+        cri.ListPodSandboxStatsResponse, "stats", lambda i: i.attributes.labels, lambda i: i.attributes.metadata.uid),
 }
 PATHS = tuple(_VERBS)
 
 
-def without_shadows(response: bytes, path: str) -> bytes:
-    """The response with every item labelled as a shadow removed (pure)."""
-    rtype, field, labels = _VERBS[path]
+def without_shadows(response: bytes, path: str, mark: ShadowMark | None = None) -> bytes:
+    """The response with every shadow removed (pure): with ``mark``, what bears this host's mark; without,
+    everything labelled as a shadow."""
+    rtype, field, labels, uid = _VERBS[path]
+
+    def shadow(item) -> bool:
+        if ORIGIN_LABEL not in labels(item):
+            return False
+        if mark is None:
+            return True
+        return mark.is_sandbox(labels(item), uid(item)) if uid is not None else mark.is_container(labels(item))
+
     msg = rtype.FromString(response)
     items = getattr(msg, field)
-    keep = [item for item in items if ORIGIN_LABEL not in labels(item)]
+    keep = [item for item in items if not shadow(item)]
     if len(keep) == len(items):
         return response
     kept = [type(item)() for item in keep]
@@ -92,7 +106,7 @@ def route_for(fabric: Fabric, path: str) -> Route:
     def hide(request: bytes, context: grpc.ServicerContext) -> bytes:
         response = fabric.upstream.unary(path, request, context)
         if fabric.shadows_present:
-            response = without_shadows(response, path)
+            response = without_shadows(response, path, fabric.shadow_mark)
         return with_remotes(fabric, path, request, response)
 
     return Route(hide, when=lambda: fabric.shadows_present or fabric.remotes.present)

@@ -79,3 +79,20 @@ def test_an_update_is_clamped_to_what_the_shadow_was_admitted_with() -> None:
     assert (smaller.cpu_quota, smaller.memory_limit_in_bytes) == (20000, 1 << 20)
     unlimited = clamped(cri.LinuxContainerResources(), c)
     assert (unlimited.cpu_period, unlimited.cpu_quota, unlimited.memory_limit_in_bytes) == (100000, 50000, 1 << 30)
+
+
+def test_only_what_bears_this_hosts_mark_is_a_shadow(tmp_path) -> None:
+    from shim.cri.mark import MARK_LABEL, ShadowMark
+
+    mark = ShadowMark.load(tmp_path)
+    assert (tmp_path / "shadow-mark.key").stat().st_mode & 0o777 == 0o600
+    assert ShadowMark.load(tmp_path).sandbox("gpu-1", "u") == mark.sandbox("gpu-1", "u")  # the same key again
+    real = {"weft.io/origin-node": "gpu-1", MARK_LABEL: mark.sandbox("gpu-1", "u-shadow")}
+    assert mark.is_sandbox(real, "u-shadow")
+    assert not mark.is_sandbox(real, "other-uid")  # a mark copied onto another pod
+    assert not mark.is_sandbox({"weft.io/origin-node": "gpu-1", MARK_LABEL: "0" * 40}, "u-shadow")
+    assert not mark.is_sandbox({MARK_LABEL: mark.sandbox("gpu-1", "u-shadow")}, "u-shadow")
+    other = ShadowMark.load(tmp_path / "other-host")
+    assert not other.is_sandbox(real, "u-shadow")
+    c = {"weft.io/origin-node": "gpu-1", "weft.io/origin-key": "k", MARK_LABEL: mark.container("gpu-1", "k")}
+    assert mark.is_container(c) and not mark.is_container({**c, "weft.io/origin-key": "k2"})

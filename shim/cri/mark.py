@@ -1,0 +1,67 @@
+"""How a host knows its own shadows from a pod that only carries their labels.
+
+Any pod may carry the label ``weft.io/origin-node`` (kubelet passes a pod's
+labels to its sandbox), and the list verbs hide what is labelled a shadow
+from kubelet: a pod could hide itself. So a host marks what it creates with
+``weft.io/shadow-mark``, an HMAC of what it made under a key only it holds
+(``<state dir>/shadow-mark.key``, 0600, made on first use): a sandbox by
+its origin and UID (a shadow sandbox's UID is the origin pod's plus
+``-shadow``; the API server gives each pod its own), a container by its
+origin and key label (container labels are kubelet's alone). Only what bears
+a mark this host could have made counts as a shadow.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import hmac
+import os
+import secrets
+from pathlib import Path
+
+from shim.cri.labels import KEY_LABEL, ORIGIN_LABEL
+
+MARK_LABEL = "weft.io/shadow-mark"
+KEY_FILE = "shadow-mark.key"
+
+
+class ShadowMark:
+    def __init__(self, key: bytes) -> None:
+        self._key = key
+
+    @classmethod
+    def load(cls, state_dir: Path) -> ShadowMark:
+        """The host's key from ``state_dir``, made there (0600) on first use."""
+        path = state_dir / KEY_FILE
+        state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
+        with contextlib.suppress(FileExistsError):
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            try:
+                os.write(fd, secrets.token_bytes(32))
+            finally:
+                os.close(fd)
+        key = path.read_bytes()
+        if len(key) < 32:  # a torn first write: make it again
+            path.unlink()
+            return cls.load(state_dir)
+        return cls(key)
+
+    def _mac(self, *parts: str) -> str:
+        return hmac.new(self._key, "\0".join(parts).encode(), hashlib.sha256).hexdigest()[:40]
+
+    def sandbox(self, origin: str, uid: str) -> str:
+        return self._mac("sandbox", origin, uid)
+
+    def container(self, origin: str, key_label: str) -> str:
+        return self._mac("container", origin, key_label)
+
+    def is_sandbox(self, labels, uid: str) -> bool:
+        """Whether a sandbox with these labels and UID is one this host made for a peer."""
+        origin = labels.get(ORIGIN_LABEL)
+        return origin is not None and hmac.compare_digest(labels.get(MARK_LABEL, ""), self.sandbox(origin, uid))
+
+    def is_container(self, labels) -> bool:
+        origin = labels.get(ORIGIN_LABEL)
+        return origin is not None and hmac.compare_digest(
+            labels.get(MARK_LABEL, ""), self.container(origin, labels.get(KEY_LABEL, "")))
