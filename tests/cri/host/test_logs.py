@@ -69,3 +69,33 @@ def test_the_stream_ends_when_the_reader_goes_away(tmp_path: Path) -> None:
     log.write_bytes(b"a\n")
     active = iter([True, True, False])
     assert list(follow(log, 0, lambda: Life.RUNNING, lambda: next(active), lambda s: None)) == [(0, b"a\n")]
+
+
+def _allocated(path: Path) -> int:
+    return path.stat().st_blocks * 512
+
+
+def test_what_was_sent_leaves_the_disk_and_a_reader_resuming_there_starts_at_a_line(tmp_path: Path) -> None:
+    log = tmp_path / "c.log"
+    line = b"2026-12-03T10:00:00.000000000Z stdout F " + b"y" * 1000 + b"\n"
+    log.write_bytes(line * 8192)  # 8 MiB
+    c = _Container(log, [_Container.exit])
+    sent = b"".join(data for _, data in follow(log, 0, lambda: c.life, lambda: True, c.wait, state_every=0,
+                                               keep_sent=1 << 20))
+    assert sent == line * 8192
+    assert log.stat().st_size == len(line) * 8192  # offsets stay
+    assert _allocated(log) <= (1 << 20) + (CHUNK * 2)  # all but the last MiB sent is freed
+    resumed = _follow(_Container(log, [_Container.exit]), 4096)  # inside the punched part
+    assert resumed and resumed[0][1].startswith(b"2026-") and b"\0" not in b"".join(d for _, d in resumed)
+
+
+def test_a_backlog_past_its_cap_drops_the_oldest_from_a_line_end(tmp_path: Path) -> None:
+    log = tmp_path / "c.log"
+    line = b"2026-12-03T10:00:00.000000000Z stdout F " + b"y" * 100 + b"\n"
+    log.write_bytes(line * 100000)  # ~14 MiB waiting
+    c = _Container(log, [_Container.exit])
+    chunks = list(follow(log, 0, lambda: c.life, lambda: True, c.wait, state_every=0, max_backlog=1 << 20))
+    first_offset, first = chunks[0]
+    assert first_offset >= log.stat().st_size - (1 << 20) and first_offset % len(line) == 0
+    assert first.startswith(b"2026-")
+    assert sum(len(d) for _, d in chunks) <= 1 << 20

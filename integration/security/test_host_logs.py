@@ -1,0 +1,59 @@
+"""A shadow's log cannot fill its host's disk.
+
+The attack: a rerouted container that writes as fast as it can (``yes``),
+its log streamed to the origin as it runs. The host's copy of the log keeps
+only what the origin may still need (the last MiB sent and at most 64 MiB
+unsent); before, it kept every byte (563 MiB in 8 s in the review that found
+it).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+
+from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
+from shim._pb import mesh_pb2 as pb
+from shim.cri.host.logs import KEEP_SENT, MAX_BACKLOG
+
+RUN_S = 20.0
+
+
+def _drain(call, received: list[int]) -> None:
+    try:
+        for chunk in call:
+            received[0] += len(pb.LogChunk.FromString(chunk).data)
+    except grpc.RpcError:
+        pass  # cancelled at the end
+
+
+def test_a_fast_writer_does_not_fill_the_hosts_disk_with_its_log(mesh: MeshHost) -> None:
+    key = "origin-sb-yes/yes/0"
+    req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox="origin-sb-yes")
+    config = cri.ContainerConfig.FromString(req.container_config)
+    config.command[:] = ["yes"]
+    config.linux.resources.cpu_quota = 100000  # a whole core
+    req.container_config, req.start = config.SerializeToString(), True
+    received = [0]
+    with mesh.channel("gpu-1") as ch:
+        state = pb.ShadowState.FromString(ch.unary_unary(MESH + "RunShadow")(req.SerializeToString(), timeout=120))
+        log = Path(cri.ContainerStatus.FromString(state.status).log_path)
+        stream = ch.unary_stream(MESH + "StreamLog")(pb.LogRequest(origin_node="gpu-1", key=key).SerializeToString())
+        reader = threading.Thread(target=_drain, args=(stream, received), daemon=True)
+        reader.start()
+        try:
+            time.sleep(RUN_S)
+            written = log.stat().st_size
+            allocated = log.stat().st_blocks * 512
+        finally:
+            stream.cancel()
+            ch.unary_unary(MESH + "RemoveShadow")(pb.ShadowRef(origin_node="gpu-1", key=key).SerializeToString(),
+                                                  timeout=120)
+    print(f"\nyes for {RUN_S:.0f} s: {written >> 20} MiB written, {allocated >> 20} MiB on disk, "
+          f"{received[0] >> 20} MiB received by the origin")
+    assert written > KEEP_SENT + MAX_BACKLOG + (16 << 20), "the writer was too slow to show anything"
+    assert allocated <= KEEP_SENT + MAX_BACKLOG + (4 << 20)
