@@ -44,6 +44,10 @@ gRPC status, so the mapping lives here and nowhere else::
     │   ├── UnknownWorkload        no such workload in Prometheus (shim.report.errors; UNKNOWN)
     │   ├── NoOptInRecord          no opt-in time is known (shim.report.errors; UNKNOWN)
     │   └── PrometheusError        Prometheus answered an error (shim.report.errors; UNKNOWN)
+    ├── CredentialsError           no token from the API now; the keeper retries (shim.kube.credentials; UNKNOWN)
+    ├── WatchError                 a watch of Pods failed (shim.kube.watch; UNKNOWN)
+    ├── ReservationRefused         the API would not make a shadow's reservation pod, or the origin does not own
+    │                              the pod (shim.cri.host.reservations; FAILED_PRECONDITION)
     ├── InstallError               install/uninstall stopped; the message says what was undone (FAILED_PRECONDITION)
     │   └── UnrecognisedHost       a containerd/kubelet file it cannot parse or does not know; nothing changed
     └── UpstreamError              containerd answered with a status (any code)
