@@ -397,3 +397,16 @@ class _Broken:
 
     def __getattr__(self, name: str):
         return getattr(self._sock, name)
+
+
+def test_the_origin_dials_the_hosts_known_address_whatever_address_the_host_supplies(server: TunnelServer,
+                                                                                     echo) -> None:
+    from shim.mesh.tunnel.dial import at_known_host
+
+    port = server.address.rsplit(":", 1)[1]
+    # A host that names an address elsewhere (here one nothing answers on) gets only its port used.
+    supplied = f"192.0.2.1:{port}"
+    end = dial(supplied, _grant(server, echo, tls=False), known="127.0.0.1:7443", timeout=5)
+    assert _round_trip(end, b"x") == b"x<1>"
+    assert at_known_host("[fd00::7]:7443", "10.0.0.9:40001") == "[fd00::7]:40001"
+    assert at_known_host("", "10.0.0.9:40001") == "10.0.0.9:40001"

@@ -230,8 +230,9 @@ class PodNet:
         fabric = self.net.fabric
         tune(conn, tunnel=False)
         try:
-            grant = host_client(fabric.mesh, link.r).open_tunnel(fabric.mesh.node, link.r.key, port=port)
-            end = dial(grant.address, grant.token, node=link.r.node)
+            client = host_client(fabric.mesh, link.r)
+            grant = client.open_tunnel(fabric.mesh.node, link.r.key, port=port)
+            end = dial(grant.address, grant.token, node=link.r.node, known=client.address)
         except WeftError as exc:
             _log.warning("stitch.connect_failed", container=link.name, node=link.r.node, port=port,
                          error=exc.message)
@@ -242,7 +243,8 @@ class PodNet:
     def reverse(self, link: Link, ev) -> None:
         """A connection in a shadow to a port of the pod: dial the host's token, join it to the port here."""
         try:
-            end = dial(ev.address, ev.token, node=link.r.node)
+            end = dial(ev.address, ev.token, node=link.r.node,
+                       known=host_client(self.net.fabric.mesh, link.r).address)
         except WeftError as exc:
             _log.warning("stitch.connect_failed", container=link.name, node=link.r.node, port=ev.accepted_port,
                          error=exc.message, direction="to-origin")

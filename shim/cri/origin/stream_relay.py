@@ -82,8 +82,10 @@ class StreamRelay(PipeServer):
             return
         r, host_url = found.target
         try:
-            grant = host_client(self.fabric.mesh, r).open_tunnel(self.fabric.mesh.node, r.key, stream_url=host_url)
-            tunnel = dial(grant.address, grant.token, tls=self.fabric.tunnel_tls if grant.tls else None, node=r.node)
+            client = host_client(self.fabric.mesh, r)
+            grant = client.open_tunnel(self.fabric.mesh.node, r.key, stream_url=host_url)
+            tunnel = dial(grant.address, grant.token, tls=self.fabric.tunnel_tls if grant.tls else None, node=r.node,
+                          known=client.address)
             parts = urlsplit(host_url)
             tunnel.sendall(head.rewritten(parts.path + (f"?{parts.query}" if parts.query else ""), parts.netloc)
                            + data[end:])
