@@ -25,6 +25,9 @@ from shim.localfabric.fabric import Fabric3
 from shim.localfabric.pods import PLACEMENT, cpu_container, create, run_pod, status
 from shim.localfabric.waiting import wait_for
 
+# The local container: 9090 on every address, 9091 on 127.0.0.1 only.
+LOCAL = ("mkdir -p /www && echo local-ok > /www/index.html && httpd -p 9090 -h /www && "
+         "exec httpd -f -p 127.0.0.1:9091 -h /www")
 SERVE = ("mkdir -p /www && echo {text} > /www/index.html && httpd -p 8080 -h /www && "
          "exec httpd -f -p 127.0.0.1:8081 -h /www")
 
@@ -60,7 +63,7 @@ def _start(f: Fabric3) -> dict:
     sid, sandbox = run_pod(f, "kernel")
     web = create(f, sid, sandbox, cpu_container("web", ["sh", "-c", SERVE.format(text="remote-ok")],
                                                 memory=256 << 20))
-    local = create(f, sid, sandbox, pods.container_config("gpu", ["sleep", "3600"],
+    local = create(f, sid, sandbox, pods.container_config("gpu", ["sh", "-c", LOCAL],
                                                           envs={"NVIDIA_VISIBLE_DEVICES": "all"}))
     for cid in (web, local):
         wait_for(lambda c=cid: status(f, c).state == cri.CONTAINER_RUNNING, what="running")
@@ -110,6 +113,41 @@ def test_localhost_goes_through_the_kernel_and_loopback_only_ports_keep_the_tunn
         wait_for(lambda: "weft_stitch" not in _tables(p["ns"]), timeout=20, what="the rules removed")
         assert _route_localnet(p["ns"]) == "0"
     finally:
+        p["ns"].close()
+
+
+def _shadow_ns(f: Fabric3, host: str) -> Netns:
+    ch, _ = f.direct(host)
+    with ch:
+        sid = f.shadows(host)[0].pod_sandbox_id
+        path = sandbox_netns(lambda p, r, t: t.FromString(ch.unary_unary(p)(r.SerializeToString(), timeout=10)), sid)
+    return Netns(path, workers=1)
+
+
+def test_the_way_back_goes_through_the_kernel_too(fabric: Fabric3) -> None:
+    f = fabric
+    p = _start(f)
+    host = status(f, p["web"]).annotations[PLACEMENT].removeprefix("remote:")
+    shadow = _shadow_ns(f, host)
+    try:
+        # In the shadow, the pod's 9090 (every address) goes to the origin pod's IP through the kernel; 9091, on
+        # the origin's loopback only, keeps the tunnel; both answer on the shadow's localhost.
+        wait_for(lambda: "weft_stitch" in _tables(shadow), timeout=30, what="the host's kernel path set up")
+        events = wait_for(lambda: {e["port"]: e["path"] for e in f.agents[host].events()
+                                   if e.get("event") == "stitch.path" and e.get("port") in (9090, 9091)} or None,
+                          timeout=30, what="the host's path choices")
+        wait_for(lambda: len(events) == 2 or events.update({e["port"]: e["path"] for e in f.agents[host].events()
+                                                            if e.get("event") == "stitch.path"}), timeout=10,
+                 what="both ports chosen")
+        assert events[9090] == "kernel" and events[9091] == "tunnel"
+        assert wait_for(lambda: _get(f, p["web"], 9090) == b"local-ok\n", timeout=20, what="9090 via the kernel")
+        assert wait_for(lambda: _get(f, p["web"], 9091) == b"local-ok\n", timeout=20, what="9091 via the tunnel")
+        ch, rt = f.runtime("gpu-1")
+        with ch:
+            rt.StopContainer(cri.StopContainerRequest(container_id=p["web"], timeout=0))
+            rt.RemoveContainer(cri.RemoveContainerRequest(container_id=p["web"]))
+    finally:
+        shadow.close()
         p["ns"].close()
 
 

@@ -108,6 +108,7 @@ class Agent:
         self.tunnel = TunnelServer(parse_host_port(cfg.mesh.address, field="mesh.address")[0], cfg.mesh.tls_dir,
                                    mesh.node, busy_poll_us=cfg.agent.stream_busy_poll_us)
         host.net = ShadowNet(host, self.tunnel)
+        host.net.kernel_path = cfg.mesh.stitch_kernel_path
         self.fabric.tunnel_tls = contexts(cfg.mesh.tls_dir, mesh.node)[1]
         self.fabric.streams = StreamRelay(self.fabric, cfg.agent.stream_address,
                                           busy_poll_us=cfg.agent.stream_busy_poll_us)

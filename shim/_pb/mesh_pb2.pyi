@@ -228,18 +228,20 @@ class TunnelGrant(_message.Message):
     def __init__(self, address: _Optional[str] = ..., token: _Optional[bytes] = ..., tls: _Optional[bool] = ...) -> None: ...
 
 class StitchRequest(_message.Message):
-    __slots__ = ("origin_node", "key", "ports", "declared", "has_declared")
+    __slots__ = ("origin_node", "key", "ports", "declared", "has_declared", "origin_pod_ip")
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
     PORTS_FIELD_NUMBER: _ClassVar[int]
     DECLARED_FIELD_NUMBER: _ClassVar[int]
     HAS_DECLARED_FIELD_NUMBER: _ClassVar[int]
+    ORIGIN_POD_IP_FIELD_NUMBER: _ClassVar[int]
     origin_node: str
     key: str
     ports: _containers.RepeatedScalarFieldContainer[int]
     declared: _containers.RepeatedScalarFieldContainer[int]
     has_declared: bool
-    def __init__(self, origin_node: _Optional[str] = ..., key: _Optional[str] = ..., ports: _Optional[_Iterable[int]] = ..., declared: _Optional[_Iterable[int]] = ..., has_declared: _Optional[bool] = ...) -> None: ...
+    origin_pod_ip: str
+    def __init__(self, origin_node: _Optional[str] = ..., key: _Optional[str] = ..., ports: _Optional[_Iterable[int]] = ..., declared: _Optional[_Iterable[int]] = ..., has_declared: _Optional[bool] = ..., origin_pod_ip: _Optional[str] = ...) -> None: ...
 
 class StitchEvent(_message.Message):
     __slots__ = ("listening", "ports", "accepted_port", "token", "address", "problem", "pod_ip")

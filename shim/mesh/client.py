@@ -125,10 +125,10 @@ class PeerClient:
             req.port = port
         return self._call("OpenTunnel", self._stub.OpenTunnel, req, self.hello_timeout)
 
-    def stitch(self, origin: str, key: str, ports, declared=None):
+    def stitch(self, origin: str, key: str, ports, declared=None, origin_pod_ip: str = ""):
         """The shadow's stitched network; a ``grpc`` call object of StitchEvents (iterate it, ``cancel()`` it)."""
         req = pb.StitchRequest(origin_node=origin, key=key, ports=sorted(ports), declared=sorted(declared or ()),
-                               has_declared=declared is not None)
+                               has_declared=declared is not None, origin_pod_ip=origin_pod_ip)
         return self._stub.Stitch(req)
 
     def unavailable(self, method: str, exc: grpc.RpcError) -> WeftError:

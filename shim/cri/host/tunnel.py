@@ -43,6 +43,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.cri.netns import Netns, owner_of, sandbox_netns
+from shim.cri.origin.kernel_path import KernelForwards, forget_connections
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, TunnelServer
 
@@ -67,6 +68,7 @@ class Mirrors:
         self.net, self.origin, self.key, self.name, self.ns = net, origin, key, name, ns
         self.sandbox_id = sandbox_id
         self.listeners: dict[int, list[socket.socket]] = {}  # port -> its listeners (127.0.0.1, ::1)
+        self.origin_pod_ip = ""  # where the kernel path sends this shadow's 127.0.0.1:<port> (ShadowNet.forward)
         self.refs = 0
         self.subscriber: queue.Queue | None = None
         self._lock = threading.Lock()
@@ -126,6 +128,10 @@ class Mirrors:
                                                what=f"{self.name} <- :{port}", on_expire=conn.close)
             q.put(pb.StitchEvent(accepted_port=port, token=token, address=self.net.tunnel.address))
 
+    def ports(self) -> list[int]:
+        with self._lock:
+            return list(self.listeners)
+
     def close(self) -> None:
         with self._lock:
             socks = self._sockets()
@@ -148,6 +154,10 @@ class ShadowNet:
         self._urls: dict[str, tuple[str, str, float]] = {}  # url -> (origin, key, expires)
         self._netns: dict[str, Netns] = {}  # shadow sandbox id -> its namespace
         self._mirrors: dict[tuple[str, str], Mirrors] = {}
+        self.kernel_path = True  # mesh.stitch_kernel_path, set by the agent
+        # The way back through the kernel, one per shadow sandbox (its containers share the namespace).
+        self._kernels: dict[str, KernelForwards] = {}
+        self._kernel_lock = threading.Lock()
         # Each namespace's listening ports, read at most once a poll for all its containers' streams.
         self._listening: dict[str, tuple[float, dict[int, set[int]]]] = {}  # by shadow sandbox id
         self._listening_lock = threading.Lock()
@@ -212,6 +222,8 @@ class ShadowNet:
         try:
             for problem in m.set_ports(set(req.ports)):
                 yield pb.StitchEvent(problem=problem)
+            m.origin_pod_ip = req.origin_pod_ip or m.origin_pod_ip
+            self.forward(m.sandbox_id)
             last: set[int] | None = None
             pod_ip = self._pod_ip(c.pod_sandbox_id)
             while context.is_active():
@@ -234,6 +246,31 @@ class ShadowNet:
                     yield event
         finally:
             self._release(m, q)
+
+    def forward(self, sandbox_id: str) -> None:
+        """The pod's ports mirrored in a shadow sandbox, through the kernel to the origin pod's IP where it accepts
+        them (``shim.cri.origin.kernel_path``, the origin's way, the other way round); all gone with its last
+        stream, and their connections then end with a reset."""
+        with self._kernel_lock:
+            with self._lock:
+                mirrors = [m for m in self._mirrors.values() if m.sandbox_id == sandbox_id]
+            kernel = self._kernels.get(sandbox_id)
+            if not mirrors:
+                if kernel is not None:
+                    del self._kernels[sandbox_id]
+                    ips = {ip for ip, _, _ in kernel.decisions.values() if ip}
+                    kernel.close()
+                    if ips:
+                        try:
+                            kernel.ns.run(forget_connections, ips)
+                        except Exception as exc:  # noqa: BLE001 - they end on their own; only quicker with this
+                            _log.info("stitch.conntrack_failed", sandbox_id=sandbox_id, error=str(exc))
+                return
+            if kernel is None:
+                kernel = self._kernels[sandbox_id] = KernelForwards(mirrors[0].ns, sandbox_id,
+                                                                    enabled=self.kernel_path)
+            wanted = {port: (m.origin_pod_ip, "origin pod") for m in mirrors for port in m.ports()}
+            kernel.update(wanted)
 
     def _pod_ip(self, sandbox_id: str) -> str:
         """The shadow sandbox's pod IP, for the origin's kernel path; "" when containerd does not say."""
@@ -275,6 +312,7 @@ class ShadowNet:
                 with self._listening_lock:
                     self._listening.pop(m.sandbox_id, None)
         m.close()
+        self.forward(m.sandbox_id)  # the kernel path of what is left in the sandbox (nothing: rules removed)
         if ns is not None:
             ns.close()
         _log.info("stitch.closed", origin=m.origin, key=m.key, container=m.name)
@@ -285,5 +323,9 @@ class ShadowNet:
             spaces, self._netns = list(self._netns.values()), {}
         for m in mirrors:
             m.close()
+        with self._kernel_lock:
+            kernels, self._kernels = list(self._kernels.values()), {}
+        for k in kernels:
+            k.close()
         for ns in spaces:
             ns.close()

@@ -106,7 +106,8 @@ class Link:
                 client = host_client(fabric.mesh, self.r)
                 with self._lock:
                     want = self.want or frozenset()
-                    self._call = call = client.stitch(fabric.mesh.node, self.r.key, want, self.declared)
+                    self._call = call = client.stitch(fabric.mesh.node, self.r.key, want, self.declared,
+                                                      origin_pod_ip=self.pod.pod_ip)
                 for ev in call:
                     if ev.ports:
                         self.listening = frozenset(ev.listening)
@@ -133,6 +134,7 @@ class PodNet:
 
     def __init__(self, net: OriginNet, sandbox_id: str, ns: Netns, annotations: dict[str, str]) -> None:
         self.net, self.sandbox_id, self.ns, self.annotations = net, sandbox_id, ns, annotations
+        self.pod_ip = ""  # this sandbox's: where a host's kernel path sends the shadow's localhost (set by OriginNet)
         self.links: dict[str, Link] = {}
         self.mirrors: dict[int, tuple[socket.socket, str]] = {}  # port -> (listener, container)
         self.kernel = KernelForwards(ns, sandbox_id, enabled=net.fabric.stitch_kernel_path)
@@ -330,6 +332,7 @@ class OriginNet:
                     continue
                 rec = self.fabric.opted_in.get(sid)
                 pod = self.pods[sid] = PodNet(self, sid, Netns(path), dict(rec.annotations) if rec else {})
+                pod.pod_ip = self._pod_ip(sid)
             ids = {r.id for r in remotes}
             for rid in [rid for rid in pod.links if rid not in ids]:
                 pod.links.pop(rid).stop()
@@ -349,6 +352,14 @@ class OriginNet:
                 sweep_kernel_rules(ns, sid)
             finally:
                 ns.close()
+
+    def _pod_ip(self, sandbox_id: str) -> str:
+        try:
+            return self._call("/runtime.v1.RuntimeService/PodSandboxStatus",
+                              cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id),
+                              cri.PodSandboxStatusResponse).status.network.ip
+        except WeftError:
+            return ""  # the host's side then keeps the tunnel
 
     def paths_of(self, container_id: str) -> dict[int, dict[str, str]]:
         """Port -> the data path that carries it into the origin pod, for a remote container (``weft explain``)."""
