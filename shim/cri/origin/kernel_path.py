@@ -1,4 +1,8 @@
-"""The stitched pod network through the kernel: nftables rules in the origin pod's network namespace.
+"""The stitched pod network through the kernel: nftables rules in a pod's network namespace.
+
+Written for the origin's side below (127.0.0.1 of the origin pod to the
+shadow's pod IP); the host uses the same class the other way round, in the
+shadow sandbox's namespace, to the origin pod's IP (``shim.cri.host.tunnel``).
 
 For each port of a shadow that the kernel path carries (``shim.core.datapath``
 decides), one table, ``weft_stitch`` (family ip), in the origin sandbox's
