@@ -22,10 +22,15 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import SLOT_DIR, Containerd
 
+# Modules that run real Kubernetes components (kube/build.sh's binaries). They go last, so that the build
+# scripts/test.sh starts in the background has the whole run before them to finish in.
+_KUBE_MODULES = ("test_kube_", "test_critest")
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     if any("integration" in str(item.path) for item in items) and os.geteuid() != 0:
         raise pytest.UsageError("integration tests drive real containerd, runc and netns: run them as root")
+    items.sort(key=lambda item: item.path.name.startswith(_KUBE_MODULES))  # stable: the rest keep their order
 
 
 def _netns() -> set[str]:

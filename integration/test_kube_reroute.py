@@ -49,8 +49,8 @@ pytestmark = pytest.mark.slow
 
 ORIGIN, HOST = "gpu-1", "cpu-1"
 AUDIENCE = "weft-test"
-# The host kubelet's housekeeping runs every 2 s and its container GC every minute: watch the shadow longer.
-WATCH_SHADOW_S = 75.0
+# The host kubelet's housekeeping runs every 2 s: a dozen of its rounds pass while the shadow is watched.
+WATCH_SHADOW_S = 25.0
 
 MODEL = ('echo "model up on GPU ${NVIDIA_VISIBLE_DEVICES:-none}"; mkdir -p /www; echo model-says-hi > /www/index.html; '
          "exec httpd -f -p 9090 -h /www")

@@ -13,6 +13,7 @@
 #
 # Usage: kube/build.sh             build if not cached; prints the bin directory last
 #        kube/build.sh --bin-dir   print the bin directory only (built or not)
+#        kube/build.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=/dev/null
@@ -29,6 +30,10 @@ if [ "${1:-}" = "--bin-dir" ]; then
   exit 0
 fi
 complete() { [ -f "$DIR/bin/.complete" ]; }
+if [ "${1:-}" = "--cached" ]; then  # exit 0 when built already, 1 when not; builds nothing
+  complete
+  exit
+fi
 if complete; then
   echo "$DIR/bin"
   exit 0

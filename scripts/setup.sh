@@ -64,7 +64,14 @@ fi
 # The Kubernetes components the integration tests run (kubelet, kube-apiserver, kube-scheduler, kubectl,
 # etcd, crictl, critest), built from Go modules once per set of pins (kube/versions.env) into
 # /var/cache/weft/kube, outside the checkout, and reused by every later run and clone on this machine.
-# Only the tests need them: scripts/test.sh asks for them with WEFT_SETUP_KUBE=1.
+# Only the tests need them: scripts/test.sh starts the build (WEFT_SETUP_KUBE=background: at the lowest CPU
+# priority, beside the tests that do not need it, which run first); WEFT_SETUP_KUBE=1 builds before going on.
 if [ "${WEFT_SETUP_KUBE:-0}" = 1 ]; then
   bash "$ROOT/kube/build.sh" >&2
+elif [ "${WEFT_SETUP_KUBE:-0}" = background ] && ! bash "$ROOT/kube/build.sh" --cached >/dev/null; then
+  mkdir -p "$VENV/log"
+  echo "weft: building the Kubernetes components in the background (log: $VENV/log/kube-build.log)"
+  # A session of its own, so that the whole build (go and its compilers) can be stopped as one.
+  setsid nice -n 19 bash "$ROOT/kube/build.sh" >"$VENV/log/kube-build.log" 2>&1 &
+  WEFT_KUBE_BUILD_PID=$!
 fi
