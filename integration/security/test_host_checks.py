@@ -6,9 +6,9 @@ Attacks a node with a valid mesh certificate can make on a CPU host:
   (``../../../x``), with RunShadow and with a sandbox prepared ahead;
 - RunShadow without Admit, for a container with no CPU limit or with more
   than the host has: it would have run unlimited;
-- UpdateContainerResources through ShadowCall lifting a shadow past the
-  limits it was admitted with (or to unlimited), or setting its OOM score so
-  the kernel kills the host's own pods first.
+- UpdateContainerResources through ShadowCall lifting a shadow past what the
+  host can admit (or to unlimited), or setting its OOM score so the kernel
+  kills the host's own pods first.
 """
 
 from __future__ import annotations
@@ -103,15 +103,21 @@ def _cgroup(container_id: str, controller: str, name: str) -> int:
     return int(found[0].read_text().split()[0])
 
 
-@pytest.mark.parametrize(("cpu_quota", "memory"), [(0, 0), (4 * 100000, 8 << 30)], ids=["unlimited", "larger"])
-def test_update_container_resources_cannot_lift_a_shadow_past_what_was_admitted(admitted, cpu_quota: int,
-                                                                                 memory: int) -> None:
+# The fixture's host has 8 cores and 32 GiB: "larger" cannot be admitted and leaves the shadow as admitted;
+# a resize that can be (kubelet resizing a pod in place) is applied.
+@pytest.mark.parametrize(("cpu_quota", "memory", "expected"), [
+    (0, 0, (10000, 64 << 20)),
+    (64 * 100000, 1 << 40, (10000, 64 << 20)),
+    (20000, 96 << 20, (20000, 96 << 20)),
+], ids=["unlimited", "larger-than-the-host", "admitted-resize"])
+def test_update_container_resources_cannot_lift_a_shadow_past_what_the_host_admits(
+        admitted, cpu_quota: int, memory: int, expected: tuple[int, int]) -> None:
     ch, key, cid = admitted
     update = cri.UpdateContainerResourcesRequest(linux=cri.LinuxContainerResources(
         cpu_period=100000, cpu_quota=cpu_quota, memory_limit_in_bytes=memory, cpu_shares=1024, oom_score_adj=-1000))
     code, details, _ = _ask(ch, "ShadowCall", pb.ShadowCallRequest(
         origin_node="gpu-1", key=key, method="UpdateContainerResources", request=update.SerializeToString()))
     assert code is grpc.StatusCode.OK, details
-    assert _cgroup(cid, "cpu", "cpu.cfs_quota_us") == 10000  # 0.1 core of a 100 ms period, as admitted
-    assert _cgroup(cid, "memory", "memory.limit_in_bytes") == 64 << 20
+    got = (_cgroup(cid, "cpu", "cpu.cfs_quota_us"), _cgroup(cid, "memory", "memory.limit_in_bytes"))
+    assert got == expected
     assert _cgroup(cid, "cpu", "cpu.shares") == 2

@@ -51,15 +51,22 @@ class RefusedCall(WeftError):
     code = grpc.StatusCode.PERMISSION_DENIED
 
 
-def clamped(asked: cri.LinuxContainerResources, c: cri.Container) -> cri.LinuxContainerResources:
-    """What an UpdateContainerResources of a shadow may set: CPU and memory within what the host admitted it
-    with (an unlimited or larger ask becomes that), at the floor's weight, nothing else (no cpuset,
-    hugepages, ``unified`` keys or OOM score of the origin's choosing)."""
+def admitted_limits(c: cri.Container, updated: tuple[float, int] | None = None) -> tuple[float, int]:
+    """The CPU cores and memory bytes a shadow was admitted with (or last updated to, when admitted)."""
+    if updated is not None:
+        return updated
     try:
-        cpu = float(c.annotations.get(CPU_LIMIT_ANNOTATION, "0"))
-        memory = int(c.annotations.get(MEMORY_LIMIT_ANNOTATION, "0"))
+        return float(c.annotations.get(CPU_LIMIT_ANNOTATION, "0")), int(c.annotations.get(MEMORY_LIMIT_ANNOTATION, "0"))
     except ValueError:
-        cpu, memory = 0.0, 0
+        return 0.0, 0
+
+
+def clamped(asked: cri.LinuxContainerResources, c: cri.Container,
+            admitted: tuple[float, int] | None = None) -> cri.LinuxContainerResources:
+    """What an UpdateContainerResources of a shadow may set: CPU and memory within ``admitted`` (what the
+    host admitted it with; an unlimited or larger ask becomes that), at the floor's weight, nothing else (no
+    cpuset, hugepages, ``unified`` keys or OOM score of the origin's choosing)."""
+    cpu, memory = admitted if admitted is not None else admitted_limits(c)
     out = cri.LinuxContainerResources(cpu_shares=HOSTED_CPU_SHARES, oom_score_adj=HOSTED_OOM_SCORE_ADJ)
     period = asked.cpu_period if asked.cpu_period > 0 else 100000
     want = asked.cpu_quota / period if asked.cpu_quota > 0 else 0.0
@@ -77,6 +84,8 @@ class Calls:
         self.rt, self.capacity = rt, capacity
         # Tunnels into shadows (shim.cri.host.tunnel.ShadowNet), set by the agent when it serves them.
         self.net: Any = None
+        # The mesh server's Admit rule, for an update that asks for more (set with the lifecycle's).
+        self.admit: Any = None
 
     def call(self, origin: str, req: pb.ShadowCallRequest) -> pb.ShadowCallResponse:
         types = CALLS.get(req.method)
@@ -98,7 +107,7 @@ class Calls:
         if req.method in ("ExecSync", "StopContainer"):
             timeout = request.timeout + CALL_SLACK_S if request.timeout > 0 else None
         if req.method == "UpdateContainerResources" and request.HasField("linux"):
-            request.linux.CopyFrom(clamped(request.linux, c))
+            request.linux.CopyFrom(clamped(request.linux, c, self._readmitted(origin, req.key, c, request.linux)))
         response = self.rt.raw(RT + req.method, request.SerializeToString(), timeout)
         if req.method in ("Exec", "Attach") and self.net is not None:
             self.net.issued(origin, req.key, req.method, response)
@@ -109,6 +118,24 @@ class Calls:
             self.capacity.forget()
         _log.debug("shadow.call", origin=origin, key=req.key, method=req.method, container_id=c.id)
         return pb.ShadowCallResponse(response=response)
+
+    def _readmitted(self, origin: str, key: str, c: cri.Container,
+                    asked: cri.LinuxContainerResources) -> tuple[float, int]:
+        """The limits an update may set: more than the shadow has only if the host admits the difference now
+        (kubelet resizing a pod in place); otherwise what it has."""
+        cpu, memory = admitted_limits(c, self.capacity.updated.get(c.id))
+        want_cpu, want_memory = limits(asked)
+        more = pb.Resources(cpu_cores=max(0.0, want_cpu - cpu), memory_bytes=max(0, want_memory - memory))
+        if (more.cpu_cores <= 0 and more.memory_bytes <= 0) or self.admit is None or want_cpu <= 0 or want_memory <= 0:
+            return cpu, memory
+        # The difference against what is free now (the shadow's current limits are already counted).
+        answer = self.admit(pb.AdmitRequest(origin_node=origin, key=key, limits=pb.Resources(
+            cpu_cores=max(more.cpu_cores, 0.001), memory_bytes=max(more.memory_bytes, 1))))
+        if not answer.admitted:
+            _log.warning("shadow.update_clamped", origin=origin, key=key, container_id=c.id,
+                         detail=f"{answer.reason}: {answer.detail}")
+            return cpu, memory
+        return max(cpu, want_cpu), max(memory, want_memory)
 
     def open_tunnel(self, origin: str, req: pb.TunnelRequest) -> pb.TunnelGrant:
         return self._net().open_tunnel(origin, req)

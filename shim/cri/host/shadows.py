@@ -74,6 +74,7 @@ class ShadowHost:
     @admit.setter
     def admit(self, value: Callable[[pb.AdmitRequest], pb.AdmitResponse] | None) -> None:
         self.lifecycle.admit = value
+        self.calls.admit = value
 
     @property
     def in_contact(self) -> Callable[[str], bool]:
