@@ -53,6 +53,11 @@ from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipe, SocketEnd, dial, tune
 from shim.periodic import Periodic
 
+# Connections to stitched ports being opened to their hosts at once (each holds a thread until its tunnel
+# is up): more are closed at once, so a pod cannot take every thread of the agent.
+MAX_OPENING = 256
+_OPENING = threading.BoundedSemaphore(MAX_OPENING)
+
 _log = log.get("weft.stitch")
 
 POLL_S = 0.5
@@ -214,12 +219,18 @@ class PodNet:
                     return  # closed
                 error = str(exc)
             else:
+                if not _OPENING.acquire(blocking=False):
+                    # As many connections as may be are being opened to hosts: this one is closed at once.
+                    _log.warning("stitch.busy", container=link.name, port=port)
+                    conn.close()
+                    continue
                 try:
                     threading.Thread(target=self._forward, args=(conn, port, link), name="weft-stitch-out",
                                      daemon=True).start()
                     backoff = 0.05
                     continue
                 except RuntimeError as exc:  # no thread to be had: this connection is dropped
+                    _OPENING.release()
                     conn.close()
                     error = str(exc)
             # Out of descriptors, memory or threads: wait it out, the listener stays.
@@ -240,6 +251,8 @@ class PodNet:
                          error=exc.message)
             SocketEnd(conn).abort()
             return
+        finally:
+            _OPENING.release()
         self.net.pipe(SocketEnd(conn), end, f"{link.name}:{port}")
 
     def reverse(self, link: Link, ev) -> None:
