@@ -13,7 +13,9 @@ wrong with the fabric right now, against these invariants (DESIGN 2.3, 2.4):
   no placement is left pending;
 - no leaked shadow: the shadows on the hosts are exactly the origin's remote
   placements, one each, on the host the placement names, and no shadow
-  sandbox is left without a container;
+  sandbox is left without a container (once the hosts' TTL for those has
+  passed: a sandbox prepared for a pod whose container a fault kept away is
+  removed by its host then, 5 s in these tests);
 - the origin and its hosts agree: a remote container the origin reports
   running runs on its host, and one it reports exited does not;
 - at most one live copy: per pod and container name, at most one running

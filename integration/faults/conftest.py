@@ -17,6 +17,8 @@ from integration.faults.checks import HOSTS, ORIGIN, Kubelet, repair
 from shim.localfabric.fabric import Fabric3
 from shim.localfabric.waiting import wait_for
 
+PREPARED_SANDBOX_TTL_S = 5.0
+
 
 class FabricHolder:
     def __init__(self, workdir: Path) -> None:
@@ -27,7 +29,10 @@ class FabricHolder:
     def get(self) -> Fabric3:
         if self.fabric is None:
             self.opened += 1
-            self.fabric = Fabric3(self.workdir / f"fabric{self.opened}")
+            # A short TTL for shadow sandboxes without a container (prepared ones a fault left unused), so the
+            # checks' settle window sees the hosts remove them.
+            self.fabric = Fabric3(self.workdir / f"fabric{self.opened}",
+                                  mesh_config=f"prepared_sandbox_ttl = {PREPARED_SANDBOX_TTL_S}\n")
             self.fabric.__enter__()
         return self.fabric
 
