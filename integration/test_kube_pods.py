@@ -33,7 +33,7 @@ def _pod(name: str, node: str, containers: list[dict], volumes: list[dict] = ())
 
 @pytest.fixture
 def cache(api: ControlPlane) -> Iterator[PodCache]:
-    c = PodCache(access.resolve(api.kubeconfig("admin")), NODE, miss_wait=5.0)
+    c = PodCache(access.resolve(api.kubeconfig("admin")), NODE, miss_wait=5.0, backoff_max=2.0, watch_s=2)
     c.start()
     try:
         yield c

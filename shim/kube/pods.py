@@ -23,13 +23,16 @@ WATCH_S = 30
 
 
 class PodCache:
-    def __init__(self, api: ApiAccess, node: str, *, miss_wait: float = 1.0) -> None:
-        self.api, self.node, self.miss_wait = api, node, miss_wait
+    def __init__(self, api: ApiAccess, node: str, *, miss_wait: float = 1.0, backoff_max: float = 30.0,
+                 watch_s: int = WATCH_S) -> None:
+        self.api, self.node, self.miss_wait, self.backoff_max = api, node, miss_wait, backoff_max
+        self.watch_s = watch_s  # each watch request ends after this long, so a stop waits at most that
         self._pods: dict[tuple[str, str], dict[str, Any]] = {}
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.synced = False
+        self._http = None  # the watch's client, which stop closes
 
     def start(self) -> None:
         self._stop.clear()
@@ -40,8 +43,11 @@ class PodCache:
         self._stop.set()
         with self._cond:
             self._cond.notify_all()
+            http = self._http
+        if http is not None:
+            http.close()
         if self._thread is not None:
-            self._thread.join(WATCH_S + 5)
+            self._thread.join(self.watch_s + 5)
 
     def spec_of(self, namespace: str, name: str) -> dict[str, Any] | None:
         """The pod as the API has it; None when the cache does not have it (after a short wait for the watch)."""
@@ -71,7 +77,9 @@ class PodCache:
             while not self._stop.is_set():
                 try:
                     if http is None:
-                        http = self.api.http(read_timeout=WATCH_S + 10)
+                        http = self.api.http(read_timeout=self.watch_s + 10)
+                        with self._cond:
+                            self._http = http
                     if not version:
                         pods, version = list_pods(http, None, {}, fields)
                         with self._cond:
@@ -79,7 +87,7 @@ class PodCache:
                                            (p.get("metadata") or {}).get("name", "")): p for p in pods}
                             self.synced = True
                             self._cond.notify_all()
-                    for kind, pod in watch_pods(http, None, {}, fields, version, WATCH_S):
+                    for kind, pod in watch_pods(http, None, {}, fields, version, self.watch_s):
                         version = (pod.get("metadata") or {}).get("resourceVersion", version)
                         self._put(kind, pod)
                         if self._stop.is_set():
@@ -91,7 +99,7 @@ class PodCache:
                         return
                     _log.warning("kube.pods_watch_failed", error=exc.message, retry_in=delay)
                     self._stop.wait(delay)
-                    delay = min(delay * 2, 30.0)
+                    delay = min(delay * 2, self.backoff_max)
         finally:
             if http is not None:
                 http.close()

@@ -82,6 +82,7 @@ class Reservations:
         self._held: dict[str, Held] = {}  # by shadow key
         self._client: lightkube.Client | None = None
         self._client_lock = threading.Lock()
+        self._http = None  # the watch's client, which stop closes
         self._stop = threading.Event()
         self._watcher: threading.Thread | None = None
         self._reconciler = Periodic("weft-reservations", RECONCILE_S, self.reconcile,
@@ -165,6 +166,10 @@ class Reservations:
     def stop(self) -> None:
         self._stop.set()
         self._reconciler.stop()
+        with self._client_lock:
+            http = self._http
+        if http is not None:
+            http.close()
         if self._watcher is not None:
             self._watcher.join(WATCH_S + 5)
         with self._client_lock:
@@ -183,6 +188,8 @@ class Reservations:
                 try:
                     if http is None:
                         http = self.api.http(read_timeout=WATCH_S + 10)
+                        with self._client_lock:
+                            self._http = http
                     if not version:
                         pods, version = list_pods(http, self.namespace, *self._selectors())
                         for p in pods:
