@@ -86,6 +86,11 @@ class Agent:
                         namespace=m.namespace, service=m.service, metrics=self.metrics, host=host,
                         fixed_capacity=m.fixed_capacity, drain_file=Path(cfg.agent.state_dir) / "draining",
                         api=self.api)
+        k = cfg.kubernetes
+        if self.api.available and k.reservations and "cpu" in mesh.role.split(","):
+            host.reserve_with(self.api, mesh.node, k.namespace, k.reservation_image, grace=k.reservation_grace,
+                              metrics=self.metrics)
+            self.fabric.reservation_of = host.reservation
         self.fabric.mesh = mesh
         self.fabric.pods_dir = m.kubelet_pods_dir
         self.fabric.peer_max_age_s = max(30.0, 3 * m.hello_interval)

@@ -191,11 +191,22 @@ class KubernetesConfig:
     # A kubeconfig for the agent (the DaemonSet keeps one at /etc/weft/kubeconfig); "" uses in-cluster
     # configuration where the process has it, and otherwise no API.
     kubeconfig: str = ""
-    namespace: str = "weft-system"  # weft's own namespace
+    namespace: str = "weft-system"  # weft's own namespace: where a host's reservation pods live
+    # A host with the API gives each shadow a reservation pod, so that Kubernetes counts, arbitrates and shows it.
+    reservations: bool = True
+    reservation_image: str = "registry.k8s.io/pause:3.10"  # the node's pause image (kubelet's sandbox image)
+    # How long a shadow may run before kubelet admits its reservation; then it stops.
+    reservation_grace: float = 10.0
+    # Placement reads the pod spec from a cache of the node's Pods (emptyDirs, init containers, requests).
+    pod_spec: bool = True
 
     def validate(self) -> None:
         if not self.namespace:
             raise ConfigError("kubernetes.namespace: required (weft's own namespace)")
+        if not self.reservation_image:
+            raise ConfigError("kubernetes.reservation_image: required (the pause image reservation pods run)")
+        if self.reservation_grace <= 0:
+            raise ConfigError(f"kubernetes.reservation_grace: {self.reservation_grace} must be positive")
 
 
 @dataclass(frozen=True)

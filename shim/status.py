@@ -91,7 +91,10 @@ def table(doc: dict[str, Any]) -> str:
         lines.append(f"HOSTED (unknown: {hosted})")
     elif hosted is not None and (hosted or (node and "cpu" in str(node.get("role", "")))):
         lines.append(f"HOSTED ({len(hosted)})")
-        lines += [f"  {h['id'][:13]}  {h['name']:<16} {h['state']:<8} for {h['origin']}" for h in hosted]
+        reservations = {s["id"]: s["reservation"] for s in doc.get("shadows") or []}
+        lines += [f"  {h['id'][:13]}  {h['name']:<16} {h['state']:<8} for {h['origin']}"
+                  + (f"  reservation {r['name']} {r['state']}" if (r := reservations.get(h["id"])) and r["name"]
+                     else "") for h in hosted]
     if "recent_errors" in doc:
         lines.append(f"RECENT ERRORS ({len(doc['recent_errors'])})")
         lines += [f"  {e.get('timestamp', '')[:19]}  {e.get('level', ''):<7} {e.get('event', '')}  "

@@ -42,6 +42,7 @@ from integration.kube.kubelet import KernelSettings, Kubelet, share_root_dir
 from shim.localfabric.agent import AgentProcess, free_port
 from shim.localfabric.broker import BrokerProcess, weft_handler
 from shim.localfabric.containerd import SLOT_DIR
+from shim.localfabric.images import PAUSE_IMAGE
 from shim.localfabric.nodes import Cluster, Node
 from shim.localfabric.waiting import wait_for
 
@@ -70,6 +71,9 @@ class KubeCluster:
     kubelets: dict[str, Kubelet] = field(default_factory=dict)
     control: ControlPlane | None = None
     kernel: KernelSettings = field(default_factory=KernelSettings)
+    # Give the agents the Kubernetes API as weft's own service account (the shipped namespace, account and
+    # RBAC applied first): reservation pods on hosts, the pod cache on origins.
+    agent_api: bool = False
 
     def __enter__(self) -> KubeCluster:
         try:
@@ -110,6 +114,8 @@ class KubeCluster:
         self.control = ControlPlane(self.nodes.workdir / "control-plane", self.nodes.bridge_ip, names)
         self.control.start()
         self.timings.update(self.control.timings)
+        if self.agent_api:
+            self._agent_api()
         self.timings["control plane up"] = time.monotonic() - t
 
         t = time.monotonic()
@@ -142,12 +148,16 @@ class KubeCluster:
                 f"fence_timeout = {self.fence_s}\nloss_timeout = {self.loss_s}\n"
                 f'kubelet_pods_dir = "{node.workdir / "kubelet" / "pods"}"\nvolume_sync_interval = 0.5\n'
                 f'fixed_capacity = "{HOST_CORES},{HOST_MEMORY}"\n'
-                f'shadow_cgroup_parent = "{node.containerd.cgroup_root}/shadows"\n')
+                f'shadow_cgroup_parent = "{node.containerd.cgroup_root}/shadows"\n'
+                # The node's own pause image, imported with the others: reservation pods run it.
+                + (f'[kubernetes]\nreservation_image = "{PAUSE_IMAGE}"\n' if self.agent_api else ""))
             extra = ["--config", str(conf), "--node-name", node.name, "--role", role,
                      "--mesh-address", f"{node.mesh_ip}:{MESH_PORT}", "--peers", str(peers), "--tls-dir", str(certs),
                      "--log-level", "debug"]
             if role == "gpu" and self.broker is not None:
                 extra += ["--broker-socket", str(self.broker.socket)]
+            if self.agent_api:
+                extra += ["--kubeconfig", str(self.agent_kubeconfig)]
             self.agents[node.name] = AgentProcess(node.containerd, self.workdir / node.name, name=node.name,
                                                   extra_args=extra, netns=node.netns, metrics_host=node.mesh_ip,
                                                   metrics_port=free_port())
@@ -155,6 +165,27 @@ class KubeCluster:
             agent.start(timeout=60)
         if len(self.specs) > 1:
             wait_for(self._meshed, timeout=60, what="every agent to see its peers healthy", every=0.2)
+
+    @property
+    def agent_kubeconfig(self) -> Path:
+        return self.workdir / "agent-api" / "kubeconfig"
+
+    def _agent_api(self) -> None:
+        """weft's namespace, account and RBAC as shipped, and the agents' kubeconfig as that account: the
+        agents started before it existed, and read it once it is written (as from the DaemonSet's keeper)."""
+        assert self.control is not None
+        manifests = Path(__file__).resolve().parents[2] / "nodeimage" / "manifests"
+        for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml"):
+            self.control.kubectl("apply", "-f", str(manifests / name))
+        # No controller-manager: the default account of weft's namespace, which reservation pods run as.
+        self.control.kubectl("create", "serviceaccount", "default", "-n", "weft-system", check=False)
+        token = self.control.kubectl("create", "token", "weft", "-n", "weft-system", "--duration", "2h").stdout
+        doc = json.loads(self.control.kubeconfig("admin").read_text())
+        doc["users"] = [{"name": "weft", "user": {"token": token.strip()}}]
+        doc["contexts"][0]["context"]["user"] = "weft"
+        self.agent_kubeconfig.parent.mkdir(parents=True, exist_ok=True)
+        self.agent_kubeconfig.write_text(json.dumps(doc))
+        self.agent_kubeconfig.chmod(0o600)
 
     def _meshed(self) -> bool:
         for name in self.agents:

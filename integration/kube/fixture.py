@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator, Sequence
+from typing import Any
 
 import pytest
 
@@ -21,8 +22,8 @@ def report(config: pytest.Config, line: str) -> None:
 
 
 def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory,
-            specs: Sequence[NodeSpec]) -> Iterator[KubeCluster]:
-    c = KubeCluster(tmp_path_factory.mktemp("kube"), specs)
+            specs: Sequence[NodeSpec], **options: Any) -> Iterator[KubeCluster]:
+    c = KubeCluster(tmp_path_factory.mktemp("kube"), specs, **options)
     try:
         with c:
             report(request.config, c.report())

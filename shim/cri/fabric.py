@@ -9,6 +9,7 @@ kept: devices do not come and go under a running broker.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 from shim import log
 from shim._pb import broker_pb2 as pb
@@ -59,6 +60,8 @@ class Fabric:
         self.shadows_present = False
         # This host's mark on the shadows it made (shim.cri.mark), set when it hosts: what the list verbs hide.
         self.shadow_mark: ShadowMark | None = None
+        # A shadow's reservation pod (name, state) by its key, on a host that makes them (weft status).
+        self.reservation_of: Callable[[str], dict | None] | None = None
         # CreateContainer calls between their lease and their answer: recovery must not
         # take their pending rows (or their leases) for leftovers of a crash.
         self._inflight: set[str] = set()

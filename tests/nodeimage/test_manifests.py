@@ -74,7 +74,7 @@ def test_the_mesh_secret_is_never_applied_by_the_kustomization():
     assert not [d for d in applied if d["kind"] == "Secret"]
 
 
-def test_rbac_grants_reads_of_endpointslices_and_nodes_and_a_token_of_weft_s_own_account_only():
+def test_rbac_grants_reads_and_writes_pods_only_in_weft_s_namespace():
     rules = {}
     for _, _, d in ALL:
         if d["kind"] in ("Role", "ClusterRole"):
@@ -89,6 +89,8 @@ def test_rbac_grants_reads_of_endpointslices_and_nodes_and_a_token_of_weft_s_own
     assert rules == {
         ("Role", "discovery.k8s.io", "endpointslices", ()): {"get", "list", "watch"},
         ("ClusterRole", "", "nodes", ()): {"get", "list", "watch"},
+        ("ClusterRole", "", "pods", ()): {"get", "list", "watch"},  # read anywhere: pod specs, ownership
+        ("Role", "", "pods", ()): {"create", "delete", "get", "list", "watch"},  # written in weft-system only
         ("Role", "", "serviceaccounts/token", (sa,)): {"create"},  # the keeper's, for the host agent
     }
 

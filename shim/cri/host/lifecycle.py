@@ -30,10 +30,12 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim._pb import mesh_pb2 as pb
+from shim.core.reservation import Stage
 from shim.cri import baseline
 from shim.cri.fabric import Fabric
 from shim.cri.host import volumes as shadow_volumes
 from shim.cri.host.capacity import HostedCapacity, limits
+from shim.cri.host.reservations import ReservationRefused, Reservations
 from shim.cri.host.runtime import IMG, RT, ShadowRuntime, label
 from shim.cri.labels import (
     CPU_LIMIT_ANNOTATION,
@@ -127,6 +129,9 @@ class Lifecycle:
         self.volume_root = state_dir / "shadow-volumes"
         # Creating and removing shadows (and their sandboxes) one at a time: sandbox reuse stays simple.
         self.lock = threading.Lock()
+        # Reservation pods (shim.cri.host.reservations), where the agent has the Kubernetes API; None: none,
+        # and shadows run at the lowest CPU weight, off Kubernetes' books.
+        self.reservations: Reservations | None = None
         # The mesh server's Admit rule (AdmitRequest -> AdmitResponse), asked again by RunShadow itself: an
         # origin that skipped Admit, or asks for more than it was admitted with, is refused. None: no mesh.
         self.admit: Callable[[pb.AdmitRequest], pb.AdmitResponse] | None = None
@@ -145,11 +150,15 @@ class Lifecycle:
         unsafe = _unsafe(sandbox, config)
         if unsafe:
             raise UnsafeShadow(f"RunShadow {req.key}: this host never runs a rerouted container with {unsafe}")
+        asked_shares = config.linux.resources.cpu_shares  # kubelet's, from the container's CPU request
         config = baseline.hosted_container(config, HOSTED_OOM_SCORE_ADJ)
         plans = shadow_volumes.plan(req.volumes)
         volumes = self._volume_dir(origin, req.key)
         origin_labels = {ORIGIN_LABEL: origin, SANDBOX_LABEL: req.origin_sandbox_id,
                          POD_LABEL: label(f"{sandbox.metadata.uid}/{sandbox.metadata.attempt}")}
+        # A reservation is made only for a pod bound to the calling origin (asked of the API, before anything).
+        priority_class = "" if self.reservations is None else self.reservations.origin_pod(
+            origin, sandbox.metadata.namespace, sandbox.metadata.name, config.metadata.name).priority_class
         # The pull may take minutes: outside the lock, so Watch, RemoveShadow and other RunShadows go on.
         self._pull(config.image, auth)
         with self.lock:
@@ -174,11 +183,17 @@ class Lifecycle:
                                       MARK_LABEL: self.mark.container(origin, label(req.key))})
                 config.annotations.update({KEY_ANNOTATION: req.key, CPU_LIMIT_ANNOTATION: repr(cpu),
                                            MEMORY_LIMIT_ANNOTATION: str(memory)})
-                config.linux.resources.cpu_shares = HOSTED_CPU_SHARES
+                # With a reservation on the host's books, the weight of its request, as a local container of
+                # that request has; without one, the floor, so that the host's own pods always win.
+                config.linux.resources.cpu_shares = (HOSTED_CPU_SHARES if self.reservations is None
+                                                     else max(HOSTED_CPU_SHARES, asked_shares))
                 created = self.rt.call(RT + "CreateContainer", cri.CreateContainerRequest(
                     pod_sandbox_id=sandbox_id, config=config, sandbox_config=shadow_sandbox),
                     cri.CreateContainerResponse)
                 self.fabric.shadows_present = True
+                if self.reservations is not None:
+                    self._reserve(origin, req.key, sandbox, config, cpu, memory, priority_class,
+                                  created.container_id)
                 if req.start:
                     self.rt.call(RT + "StartContainer", cri.StartContainerRequest(container_id=created.container_id),
                                cri.StartContainerResponse)
@@ -192,6 +207,23 @@ class Lifecycle:
                   container_id=created.container_id, image=config.image.image, started=req.start,
                   volumes=len(plans))
         return self.rt.state(req.key, sandbox_id, created.container_id)
+
+    def _reserve(self, origin: str, key: str, sandbox: cri.PodSandboxConfig, config: cri.ContainerConfig,
+                 cpu: float, memory: int, priority_class: str, container_id: str) -> None:
+        """The shadow's reservation pod, with the limits it was admitted by; the API refusing it undoes the
+        shadow (the origin then runs the container itself, with the reason)."""
+        assert self.reservations is not None
+        meta = sandbox.metadata
+        try:
+            self.reservations.reserve(Stage(
+                host=self.reservations.node, origin_node=origin, namespace=meta.namespace, pod=meta.name,
+                container=config.metadata.name, key=key, cpu_millis=round(cpu * 1000), memory_bytes=memory,
+                priority_class=priority_class))
+        except ReservationRefused:
+            with contextlib.suppress(WeftError):
+                self.rt.call(RT + "RemoveContainer", cri.RemoveContainerRequest(container_id=container_id),
+                             cri.RemoveContainerResponse)
+            raise
 
     def _admitted(self, origin: str, key: str, config: cri.ContainerConfig) -> None:
         """Admission again, under the lock every creation holds: what fits now, limits required."""
@@ -306,6 +338,8 @@ class Lifecycle:
             _rmtree_quietly(self._sandbox_logs(origin, c.labels[SANDBOX_LABEL]))
             _rmdir_up(self.log_root / origin, self.log_root)
         self.capacity.updated.pop(c.id, None)
+        if self.reservations is not None:
+            self.reservations.release(key or c.annotations.get(KEY_ANNOTATION, ""))
         self.capacity.forget()
         _log.info(f"shadow.{why}", origin=origin, key=key, container_id=c.id)
 

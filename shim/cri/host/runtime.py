@@ -24,6 +24,9 @@ def label(value: str) -> str:
 class ShadowRuntime:
     def __init__(self, fabric: Fabric) -> None:
         self.fabric = fabric
+        # Why the host stopped a shadow itself (its reservation lost): container id -> (reason, message), put
+        # on its ContainerStatus once it has exited, so the origin's kubelet shows weft's reason, not "Error".
+        self.reasons: dict[str, tuple[str, str]] = {}
 
     def call(self, path: str, request, response_type, timeout: float | None = 120.0):
         return response_type.FromString(self.raw(path, request.SerializeToString(), timeout))
@@ -56,12 +59,17 @@ class ShadowRuntime:
     def status(self, container_id: str) -> cri.ContainerStatus | None:
         """The container's status; None once containerd no longer has it."""
         try:
-            return self.call(RT + "ContainerStatus", cri.ContainerStatusRequest(container_id=container_id),
-                             cri.ContainerStatusResponse).status
+            status = self.call(RT + "ContainerStatus", cri.ContainerStatusRequest(container_id=container_id),
+                               cri.ContainerStatusResponse).status
         except UpstreamError as exc:
             if exc.code is grpc.StatusCode.NOT_FOUND:
+                self.reasons.pop(container_id, None)
                 return None
             raise
+        why = self.reasons.get(container_id)
+        if why is not None and status.state == cri.CONTAINER_EXITED:
+            status.reason, status.message = why
+        return status
 
     def state(self, key: str, sandbox_id: str, container_id: str) -> pb.ShadowState:
         status = self.status(container_id)

@@ -22,17 +22,25 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from cri_api.v1 import api_pb2 as cri
 
+from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import Resources
+from shim.core.reservation import Verdict
 from shim.cri.fabric import Fabric
 from shim.cri.host.calls import Calls
 from shim.cri.host.capacity import HostedCapacity
 from shim.cri.host.fence import Fencer
 from shim.cri.host.lifecycle import Lifecycle
 from shim.cri.host.prepare import Preparer
-from shim.cri.host.runtime import ShadowRuntime
+from shim.cri.host.reservations import Reservations
+from shim.cri.host.runtime import RT, ShadowRuntime, label
 from shim.cri.host.watch import Watcher
+from shim.cri.labels import KEY_ANNOTATION, KEY_LABEL
+from shim.kube.access import ApiAccess
+
+_log = log.get("weft.shadows")
 
 
 class ShadowHost:
@@ -47,15 +55,49 @@ class ShadowHost:
         self.preparer = Preparer(self.lifecycle, prepared_sandbox_ttl)
         self.watcher = Watcher(self.rt, self.lifecycle, heartbeat_interval)
         self.calls = Calls(self.rt, self.capacity)
+        self.reservations: Reservations | None = None
 
     # -- the agent's ---------------------------------------------------------------
+    def reserve_with(self, api: ApiAccess, node: str, namespace: str, pause_image: str, *, grace: float,
+                     metrics: Any = None) -> None:
+        """Give every shadow a reservation pod on this host (``reservations``), through the Kubernetes API."""
+        self.reservations = Reservations(api, node, namespace, pause_image, self._reservation_lost,
+                                         self._live_keys, grace=grace, metrics=metrics)
+        self.lifecycle.reservations = self.reservations
+
     def open(self) -> None:
         self.fencer.open()
         self.preparer.open()
+        if self.reservations is not None:
+            self.reservations.start()
 
     def close(self) -> None:
         self.fencer.close()
         self.preparer.close()
+        if self.reservations is not None:
+            self.reservations.stop()
+
+    def _live_keys(self) -> list[str]:
+        """The keys of the shadows that hold CPU now (created or running): each should have a reservation."""
+        return [c.annotations[KEY_ANNOTATION] for c in self.rt.containers()
+                if self.lifecycle.mark.is_container(c.labels) and KEY_ANNOTATION in c.annotations
+                and c.state in (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING)]
+
+    def _reservation_lost(self, key: str, v: Verdict) -> None:
+        """Kubernetes took the stage's reservation away: its shadow stops now, with the reason for the origin."""
+        for c in self.rt.find({KEY_LABEL: label(key)}, containers=True):
+            if c.state not in (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING):
+                continue
+            self.rt.reasons[c.id] = (v.reason.value if v.reason else "ReservationLost", v.detail)
+            self.rt.call(RT + "StopContainer", cri.StopContainerRequest(container_id=c.id, timeout=0),
+                         cri.StopContainerResponse)
+            self.capacity.forget()
+            _log.warning("shadow.reservation_lost", key=key, container_id=c.id,
+                         reason=v.reason.value if v.reason else "", detail=v.detail)
+
+    def reservation(self, key: str) -> dict | None:
+        """For ``weft status``: the shadow's reservation (name, state), when this host makes them."""
+        return None if self.reservations is None else self.reservations.state(key)
 
     @property
     def net(self) -> Any:

@@ -179,6 +179,16 @@ def pullable(fabric: Fabric, image: cri.ImageSpec) -> tuple[cri.ImageSpec, cri.A
     return spec, (known[1] if known else None)
 
 
+def reservation_lost_on(fabric: Fabric, sandbox_id: str, name: str, attempt: int) -> tuple[str, str] | None:
+    """(host, reason) when the previous attempt of this container ran on a host that stopped it because its
+    reservation there was lost (refused, evicted, preempted, deleted); None otherwise."""
+    for r in fabric.remotes.all():
+        if (r.sandbox_id == sandbox_id and r.config.metadata.name == name and r.config.metadata.attempt == attempt - 1
+                and r.status is not None and r.status.reason.startswith("Reservation")):
+            return r.node, r.status.reason
+    return None
+
+
 def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: str,
                  classification: Classification, budget_s: float | None = None) -> tuple[
                      Remote | None, LocalBecause | None]:
@@ -209,6 +219,10 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
     tried: list[str] = []
     candidates = (fabric.prepared.order(decision.candidates, sandbox_config) if fabric.prepared is not None
                   else decision.candidates)
+    lost = reservation_lost_on(fabric, req.pod_sandbox_id, config.metadata.name, config.metadata.attempt)
+    if lost is not None:  # Kubernetes took the last attempt's CPU away there: placed afresh, elsewhere or here
+        candidates = [n for n in candidates if n != lost[0]]
+        tried.append(f"{lost[0]}: not asked again, the last attempt's reservation there was lost ({lost[1]})")
     for node in candidates:
         client = mesh.client(node)
         if client is None:

@@ -24,7 +24,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.cri.fabric import Fabric
-from shim.cri.labels import ORIGIN_LABEL
+from shim.cri.labels import KEY_ANNOTATION, ORIGIN_LABEL
 from shim.cri.route import Route
 from shim.errors import ConfigError, MalformedRequest, UnknownContainer, WeftError
 from shim.state import report
@@ -58,8 +58,15 @@ def hosted(fabric: Fabric) -> list[dict[str, Any]]:
     raw = fabric.upstream.channel.unary_unary("/runtime.v1.RuntimeService/ListContainers")(
         cri.ListContainersRequest().SerializeToString(), timeout=10)
     return [{"id": c.id, "name": c.metadata.name, "origin": c.labels[ORIGIN_LABEL],
-             "state": _STATES.get(c.state, str(c.state))}
+             "state": _STATES.get(c.state, str(c.state)), "key": c.annotations.get(KEY_ANNOTATION, "")}
             for c in cri.ListContainersResponse.FromString(raw).containers if ORIGIN_LABEL in c.labels]
+
+
+def shadows(fabric: Fabric, hosted: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The hosted shadows with their reservation pods (name and state; "none" where this host makes none)."""
+    none = {"name": "", "state": "none"}
+    return [{**h, "reservation": (fabric.reservation_of(h["key"]) if fabric.reservation_of else None) or none}
+            for h in hosted]
 
 
 def _hosted_or_error(fabric: Fabric) -> list[dict[str, Any]] | str:
@@ -75,6 +82,8 @@ def status(fabric: Fabric) -> Route:
         if fabric.mesh is not None:
             doc["peers"] = fabric.mesh.status()
         doc["hosted"] = _hosted_or_error(fabric)
+        if isinstance(doc["hosted"], list) and fabric.mesh is not None and "cpu" in fabric.mesh.role.split(","):
+            doc["shadows"] = shadows(fabric, doc["hosted"])
         doc["recent_errors"] = log.recent()[-20:]
         return json.dumps(doc).encode()
 

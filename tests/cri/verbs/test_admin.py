@@ -23,7 +23,7 @@ from tests.cri.verbs.fakes import HOST, SANDBOX, FakeMesh, ctx, lease_for, opt_i
 LOCAL_ID = "1c" * 32
 HOSTED = cri.ListContainersResponse(containers=[
     cri.Container(id="shadow-1", metadata=cri.ContainerMetadata(name="gpu-2_tokenize"), state=cri.CONTAINER_RUNNING,
-                  labels={ORIGIN_LABEL: "gpu-2"}),
+                  labels={ORIGIN_LABEL: "gpu-2"}, annotations={"weft.io/origin-key-full": "sb/tokenize/0"}),
     cri.Container(id="own-1", metadata=cri.ContainerMetadata(name="web"), state=cri.CONTAINER_RUNNING),
 ])
 
@@ -75,7 +75,18 @@ def test_status_of_a_cpu_host_shows_its_peers_and_the_shadows_it_hosts(fabric, c
     assert doc["node"] == {"name": "gpu-1", "role": "cpu", "mesh_address": "10.0.0.1:7443", "draining": False,
                            "gpu_broker": False}
     assert [p["node"] for p in doc["peers"]] == [HOST]
-    assert doc["hosted"] == [{"id": "shadow-1", "name": "gpu-2_tokenize", "origin": "gpu-2", "state": "running"}]
+    assert doc["hosted"] == [{"id": "shadow-1", "name": "gpu-2_tokenize", "origin": "gpu-2", "state": "running",
+                              "key": "sb/tokenize/0"}]
+    # Without the API this host makes no reservation pods, and says so for each shadow.
+    assert [(s["id"], s["reservation"]) for s in doc["shadows"]] == [("shadow-1", {"name": "", "state": "none"})]
+
+
+def test_status_shows_each_shadow_s_reservation_on_a_host_that_makes_them(fabric, containerd, mesh) -> None:
+    mesh.role = "cpu"
+    containerd.answer("ListContainers", HOSTED)
+    fabric.reservation_of = lambda key: {"name": "weft-hosted-abc", "state": "admitted"} if key else None
+    doc = status(fabric)
+    assert doc["shadows"][0]["reservation"] == {"name": "weft-hosted-abc", "state": "admitted"}
 
 
 def test_status_says_when_containerd_cannot_tell_what_is_hosted(fabric, containerd, mesh) -> None:

@@ -1,0 +1,171 @@
+"""Hosted stages that Kubernetes can see, on a real cluster: each a reservation pod on its host.
+
+Two nodes with their own kubelets, the agents given the API as weft's own
+service account under the shipped RBAC. A two-stage pod's CPU stage is
+rerouted to the CPU host, which makes the stage's reservation pod: bound to
+itself, the stage's admitted limits as requests, the origin pod's priority,
+labelled with its origin. The scheduler then counts that CPU, kubectl lists
+the hosted stage, ``weft status`` shows the reservation, and a higher-priority
+pod that needs the CPU preempts it: the shadow stops first, the origin's
+kubelet sees the container end with weft's reason, and the restart is placed
+afresh (here, locally), never two live copies.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+
+import pytest
+from cri_api.v1.api_pb2 import CONTAINER_RUNNING
+
+from integration.kube import fixture
+from integration.kube.cluster import KubeCluster, NodeSpec
+from integration.kube.workloads import apply, container, container_status, delete, get_pod, pod, wait_ready
+from shim.localfabric.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+ORIGIN, HOST = "gpu-1", "cpu-1"
+NS = "weft-system"
+
+
+@pytest.fixture(scope="module")
+def kube(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
+    for c in fixture.cluster(request, tmp_path_factory, [NodeSpec(ORIGIN, "gpu"), NodeSpec(HOST, "cpu")],
+                             agent_api=True):
+        apply(c,
+              {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "low"},
+               "value": 10},
+              {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "high"},
+               "value": 1000})
+        yield c
+
+
+def _two_stage(name: str) -> dict:
+    prep = container("prep", "echo prep up; exec sleep 3600",
+                     resources={"requests": {"cpu": "200m", "memory": "32Mi"},
+                                "limits": {"cpu": "500m", "memory": "64Mi"}})
+    model = container("model", "exec sleep 3600", env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}])
+    p = pod(name, [model, prep], runtime_class="weft", node_selector={"weft.io/role": "gpu"},
+            annotations={"weft.io/gpu-memory.model": "10Gi"})
+    p["spec"]["priorityClassName"] = "low"
+    return p
+
+
+def _plain(name: str, cpu_millis: int, priority_class: str) -> dict:
+    p = pod(name, [container("c", "exec sleep 3600", resources={"requests": {"cpu": f"{cpu_millis}m"}})],
+            node_selector={"kubernetes.io/hostname": HOST}, grace=0)
+    p["spec"]["priorityClassName"] = priority_class
+    return p
+
+
+def _reservations(kube: KubeCluster) -> list[dict]:
+    out = kube.kubectl("get", "pods", "-A", "-l", "weft.io/role=hosted-stage", "-o", "json").stdout
+    return json.loads(out)["items"]
+
+
+def _shadows(kube: KubeCluster, running: bool = True) -> list:
+    return [c for c in kube.containers(HOST) if c.labels.get("weft.io/origin-node") == ORIGIN
+            and (c.state == CONTAINER_RUNNING or not running)]
+
+
+def _free_cpu_millis(kube: KubeCluster) -> int:
+    """What the host's books leave: allocatable CPU less the requests of the pods bound to it."""
+    node = json.loads(kube.kubectl("get", "node", HOST, "-o", "json").stdout)
+    alloc = node["status"]["allocatable"]["cpu"]
+    total = int(alloc[:-1]) if alloc.endswith("m") else int(alloc) * 1000
+    pods = json.loads(kube.kubectl("get", "pods", "-A", "--field-selector", f"spec.nodeName={HOST}",
+                                   "-o", "json").stdout)["items"]
+    used = 0
+    for p in pods:
+        if p["status"].get("phase") in ("Succeeded", "Failed"):
+            continue
+        for c in p["spec"]["containers"]:
+            cpu = (c.get("resources", {}).get("requests") or {}).get("cpu", "0")
+            used += int(cpu[:-1]) if cpu.endswith("m") else int(float(cpu) * 1000)
+    return total - used
+
+
+@pytest.fixture
+def infer(kube: KubeCluster, request: pytest.FixtureRequest) -> Iterator[str]:
+    apply(kube, _two_stage("infer"))
+    try:
+        wait_ready(kube, "infer")
+        shadow = wait_for(lambda: _shadows(kube), timeout=30, what="the shadow running")[0]
+        seen = time.monotonic()
+        wait_for(lambda: _reservations(kube), timeout=30, what="the reservation", every=0.05)
+        fixture.report(request.config, f"reservation visible {time.monotonic() - seen:.2f} s after the shadow was "
+                       f"seen running ({shadow.id[:13]})")
+        yield "infer"
+    finally:
+        delete(kube, "infer", "squeezed", "important")
+
+
+def test_the_hosted_stage_is_a_pod_on_its_host_with_its_requests_labels_and_priority(kube, infer) -> None:
+    (r,) = _reservations(kube)
+    assert r["metadata"]["namespace"] == NS and r["spec"]["nodeName"] == HOST
+    assert r["spec"]["priorityClassName"] == "low" and r["spec"]["priority"] == 10
+    (c,) = r["spec"]["containers"]
+    assert c["resources"]["requests"] == {"cpu": "500m", "memory": str(64 << 20)}  # as the host admitted it
+    labels = r["metadata"]["labels"]
+    assert (labels["weft.io/role"], labels["weft.io/origin-node"], labels["weft.io/origin-namespace"],
+            labels["weft.io/origin-pod"], labels["weft.io/origin-container"]) == (
+        "hosted-stage", ORIGIN, "default", "infer", "prep")
+    wait_for(lambda: _reservations(kube)[0]["status"].get("phase") == "Running", timeout=60,
+             what="kubelet running the reservation")
+    # kubectl get pods -A -l weft.io/role=hosted-stage -o wide: every hosted stage with its node and origin
+    wide = kube.kubectl("get", "pods", "-A", "-l", "weft.io/role=hosted-stage", "-o", "wide",
+                        "-L", "weft.io/origin-pod").stdout
+    assert HOST in wide and "infer" in wide
+    status = kube.agent_status(HOST)
+    (shadow,) = [s for s in status["shadows"] if s["name"] == "prep"]
+    assert shadow["reservation"] == {"name": r["metadata"]["name"], "state": "admitted"}
+
+
+def test_the_scheduler_counts_the_stage_s_cpu(kube, infer) -> None:
+    wait_for(lambda: _reservations(kube)[0]["status"].get("phase") == "Running", timeout=60,
+             what="the reservation running")
+    apply(kube, _plain("squeezed", _free_cpu_millis(kube) + 300, "low"))  # fits only with the stage's CPU
+    wait_for(lambda: any("Insufficient cpu" in c.get("message", "")
+                         for c in get_pod(kube, "squeezed").get("status", {}).get("conditions", [])),
+             timeout=60, what="the plain pod waiting for CPU")
+    delete(kube, "infer")
+    wait_for(lambda: get_pod(kube, "squeezed").get("status", {}).get("phase") == "Running", timeout=120,
+             what="the plain pod running once the stage is gone")
+    assert not _reservations(kube) and not _shadows(kube, running=False)
+
+
+def test_a_higher_priority_pod_preempts_the_stage_which_is_placed_afresh(kube, infer) -> None:
+    wait_for(lambda: _reservations(kube)[0]["status"].get("phase") == "Running", timeout=60,
+             what="the reservation running")
+    copies: list[int] = []
+    apply(kube, _plain("important", _free_cpu_millis(kube) + 300, "high"))  # needs the stage's CPU
+    stopped = None
+
+    def settled() -> bool:
+        nonlocal stopped
+        live = len(_shadows(kube))
+        prep = container_status(get_pod(kube, "infer"), "prep")
+        copies.append(live + (1 if prep.get("state", {}).get("running") and live == 0 else 0))
+        if stopped is None and not live:
+            stopped = get_pod(kube, "important").get("status", {}).get("phase")
+        return prep.get("restartCount", 0) >= 1 and "running" in prep.get("state", {})
+
+    wait_for(settled, timeout=120, what="prep restarted after its reservation was preempted", every=0.2)
+    assert stopped != "Running", "the preemptor ran before the shadow stopped"
+    prep = container_status(get_pod(kube, "infer"), "prep")
+    assert prep["lastState"]["terminated"]["reason"] == "ReservationPreempted", prep
+    assert max(copies) <= 1  # never two live copies
+    wait_for(lambda: get_pod(kube, "important").get("status", {}).get("phase") == "Running", timeout=120,
+             what="the preemptor running")
+    assert not _shadows(kube)  # placed afresh: here, on the origin, since its host's CPU is taken
+    wait_ready(kube, "infer")
+
+
+def test_deleting_the_pod_leaves_no_reservation(kube, infer) -> None:
+    assert _reservations(kube)
+    delete(kube, "infer")
+    wait_for(lambda: not _reservations(kube), timeout=60, what="the reservation gone with its pod")
+    assert not _shadows(kube, running=False)
