@@ -28,7 +28,9 @@ from shim._pb import mesh_pb2 as pb
 from shim.localfabric import pods
 from shim.mesh.client import HELLO_TIMEOUT_S
 
-HOSTED = int(os.environ.get("WEFT_TEST_HOSTED", "300"))
+# 48 shadows hold 97 streams, past the 64 workers that starved Hellos before; WEFT_TEST_HOSTED=300 measures the
+# figure docs/benchmarks.md gives (creating them takes minutes: it is not for every run).
+HOSTED = int(os.environ.get("WEFT_TEST_HOSTED", "48"))
 PER_POD = 30  # containers per shadow sandbox (one runc shim each)
 HELLO_FOR_S = 20.0  # with every stream open: > the fence timeout (8 s)
 
