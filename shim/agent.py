@@ -31,6 +31,7 @@ from shim.cri.relay.server import RelayServer
 from shim.cri.verbs import routes
 from shim.httpd import HttpEndpoint
 from shim.kube import access
+from shim.kube.pods import PodCache
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore
 
@@ -66,6 +67,7 @@ class Agent:
         self.server = RelayServer(cfg.agent.socket, str(cfg.agent.containerd_socket), routes.table(self.fabric),
                                   Instrument(self.metrics, self.fabric.pod_of), cfg.agent.workers)
         self.reconciler = Reconciler(self.fabric)
+        self.pods: PodCache | None = None
         self.mesh = self._mesh(cfg)
         self.http: HttpEndpoint | None = None
         self._stop = threading.Event()
@@ -87,6 +89,9 @@ class Agent:
                         fixed_capacity=m.fixed_capacity, drain_file=Path(cfg.agent.state_dir) / "draining",
                         api=self.api)
         k = cfg.kubernetes
+        if self.api.available and k.pod_spec and "gpu" in mesh.role.split(","):
+            self.pods = PodCache(self.api, mesh.node)
+            self.fabric.pod_spec = self.pods.spec_of
         if self.api.available and k.reservations and "cpu" in mesh.role.split(","):
             host.reserve_with(self.api, mesh.node, k.namespace, k.reservation_image, grace=k.reservation_grace,
                               metrics=self.metrics)
@@ -135,6 +140,8 @@ class Agent:
             self.host.open()
             self.mesh.start()
             self.supervisor.start()
+            if self.pods is not None:
+                self.pods.start()
             self.tunnel.start()
             self.fabric.streams.start()
             self.stitch.start()
@@ -164,6 +171,8 @@ class Agent:
             self.tunnel.stop()
             self.host.net.close()
             self.supervisor.stop()
+            if self.pods is not None:
+                self.pods.stop()
             self.mesh.stop()
             self.host.close()
         self.reconciler.stop()

@@ -72,7 +72,7 @@ class AdmitResponse(_message.Message):
     def __init__(self, admitted: _Optional[bool] = ..., reason: _Optional[str] = ..., detail: _Optional[str] = ..., free_after: _Optional[_Union[Resources, _Mapping]] = ...) -> None: ...
 
 class RunShadowRequest(_message.Message):
-    __slots__ = ("origin_node", "origin_sandbox_id", "key", "sandbox_config", "container_config", "auth", "start", "volumes", "sandbox_only")
+    __slots__ = ("origin_node", "origin_sandbox_id", "key", "sandbox_config", "container_config", "auth", "start", "volumes", "sandbox_only", "admitted", "empty_dirs")
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     ORIGIN_SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -82,6 +82,8 @@ class RunShadowRequest(_message.Message):
     START_FIELD_NUMBER: _ClassVar[int]
     VOLUMES_FIELD_NUMBER: _ClassVar[int]
     SANDBOX_ONLY_FIELD_NUMBER: _ClassVar[int]
+    ADMITTED_FIELD_NUMBER: _ClassVar[int]
+    EMPTY_DIRS_FIELD_NUMBER: _ClassVar[int]
     origin_node: str
     origin_sandbox_id: str
     key: str
@@ -91,7 +93,17 @@ class RunShadowRequest(_message.Message):
     start: bool
     volumes: _containers.RepeatedCompositeFieldContainer[Volume]
     sandbox_only: bool
-    def __init__(self, origin_node: _Optional[str] = ..., origin_sandbox_id: _Optional[str] = ..., key: _Optional[str] = ..., sandbox_config: _Optional[bytes] = ..., container_config: _Optional[bytes] = ..., auth: _Optional[bytes] = ..., start: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[Volume, _Mapping]]] = ..., sandbox_only: _Optional[bool] = ...) -> None: ...
+    admitted: Resources
+    empty_dirs: _containers.RepeatedCompositeFieldContainer[EmptyDir]
+    def __init__(self, origin_node: _Optional[str] = ..., origin_sandbox_id: _Optional[str] = ..., key: _Optional[str] = ..., sandbox_config: _Optional[bytes] = ..., container_config: _Optional[bytes] = ..., auth: _Optional[bytes] = ..., start: _Optional[bool] = ..., volumes: _Optional[_Iterable[_Union[Volume, _Mapping]]] = ..., sandbox_only: _Optional[bool] = ..., admitted: _Optional[_Union[Resources, _Mapping]] = ..., empty_dirs: _Optional[_Iterable[_Union[EmptyDir, _Mapping]]] = ...) -> None: ...
+
+class EmptyDir(_message.Message):
+    __slots__ = ("container_path", "size_limit")
+    CONTAINER_PATH_FIELD_NUMBER: _ClassVar[int]
+    SIZE_LIMIT_FIELD_NUMBER: _ClassVar[int]
+    container_path: str
+    size_limit: int
+    def __init__(self, container_path: _Optional[str] = ..., size_limit: _Optional[int] = ...) -> None: ...
 
 class VolumeFile(_message.Message):
     __slots__ = ("path", "data", "mode")

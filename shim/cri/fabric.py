@@ -60,6 +60,9 @@ class Fabric:
         self.shadows_present = False
         # This host's mark on the shadows it made (shim.cri.mark), set when it hosts: what the list verbs hide.
         self.shadow_mark: ShadowMark | None = None
+        # The pod spec of a pod on this node, by namespace and name (shim.kube.pods.PodCache), where the agent
+        # has the API: placement reads emptyDirs, init containers and requests from it.
+        self.pod_spec: Callable[[str, str], dict | None] | None = None
         # A shadow's reservation pod (name, state) by its key, on a host that makes them (weft status).
         self.reservation_of: Callable[[str], dict | None] | None = None
         # CreateContainer calls between their lease and their answer: recovery must not

@@ -3,8 +3,8 @@
 Placement reads a container's pod spec from here (``spec_of``). The cache is
 kept by a watch with ``spec.nodeName`` as field selector, re-listed after any
 failure; a pod kubelet has just been told about may not be in it yet, so a
-miss waits briefly for the watch to catch up before placement falls back to
-its own rules.
+miss waits briefly for the list or the watch to catch up before placement falls
+back to its own rules.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ class PodCache:
         """The pod as the API has it; None when the cache does not have it (after a short wait for the watch)."""
         deadline = time.monotonic() + self.miss_wait
         with self._cond:
-            while (pod := self._pods.get((namespace, name))) is None and self.synced:
+            while (pod := self._pods.get((namespace, name))) is None:  # not listed yet, or not watched yet
                 left = deadline - time.monotonic()
                 if left <= 0 or self._stop.is_set():
                     break

@@ -115,6 +115,23 @@ def _safe_component(value: str, what: str) -> str:
     return value
 
 
+def admitted_with(req: pb.RunShadowRequest, config: cri.ContainerConfig) -> tuple[float, int]:
+    """(CPU cores, memory bytes) the origin was admitted with: the container's limits, or the requests from the
+    pod spec the origin sent for one without limits."""
+    if req.HasField("admitted") and (req.admitted.cpu_cores > 0 or req.admitted.memory_bytes > 0):
+        return req.admitted.cpu_cores, int(req.admitted.memory_bytes)
+    return limits(config.linux.resources)
+
+
+def _empty_dir(volumes: Path, i: int, e: pb.EmptyDir) -> Path:
+    if not e.container_path.startswith("/"):
+        raise BadAnnotation(f"emptyDir at {e.container_path!r}: a container path must be absolute")
+    path = volumes / f"empty-{i}"
+    path.mkdir(parents=True, exist_ok=True)
+    path.chmod(0o777)  # as kubelet makes an emptyDir: any user of the container may write it
+    return path
+
+
 class Lifecycle:
     def __init__(self, rt: ShadowRuntime, fabric: Fabric, capacity: HostedCapacity, state_dir: Path,
                  cgroup_parent: str) -> None:
@@ -165,20 +182,24 @@ class Lifecycle:
             existing = self.rt.find({ORIGIN_LABEL: origin, KEY_LABEL: label(req.key)}, containers=True)
             if existing:  # idempotent: the origin retried
                 return self.rt.state(req.key, existing[0].pod_sandbox_id, existing[0].id)
-            self._admitted(origin, req.key, config)
+            cpu, memory = admitted_with(req, config)
+            self._admitted(origin, req.key, cpu, memory)
             try:
-                if plans:
+                if plans or req.empty_dirs:
                     shadow_volumes.remove(volumes)  # a leftover of a RunShadow that failed half-way
+                if plans:
                     shadow_volumes.check_origin_cap(volumes.parent, plans)
                     shadow_volumes.write(volumes, plans)
                 for i, p in enumerate(plans):
                     config.mounts.append(cri.Mount(container_path=p.container_path, readonly=True,
                                                    host_path=str(shadow_volumes.host_path(volumes, i, p))))
+                for i, e in enumerate(req.empty_dirs):  # fresh and empty, writable, as kubelet makes one
+                    config.mounts.append(cri.Mount(container_path=e.container_path, readonly=False,
+                                                   host_path=str(_empty_dir(volumes, i, e))))
                 shadow_sandbox = self._shadow_sandbox(origin, req, sandbox, origin_labels)
                 sandbox_id = self._sandbox(shadow_sandbox, origin_labels)
                 # A prepared sandbox was made before the origin's sandbox ID, and so this directory, was known.
                 Path(shadow_sandbox.log_directory).mkdir(parents=True, exist_ok=True)
-                cpu, memory = limits(config.linux.resources)
                 config.labels.update({**origin_labels, KEY_LABEL: label(req.key),
                                       MARK_LABEL: self.mark.container(origin, label(req.key))})
                 config.annotations.update({KEY_ANNOTATION: req.key, CPU_LIMIT_ANNOTATION: repr(cpu),
@@ -199,7 +220,8 @@ class Lifecycle:
                                cri.StartContainerResponse)
             except BaseException:
                 with contextlib.suppress(WeftError):  # the original error is the one to report
-                    if plans and not self.rt.find({ORIGIN_LABEL: origin, KEY_LABEL: label(req.key)}, containers=True):
+                    if (plans or req.empty_dirs) and not self.rt.find({ORIGIN_LABEL: origin,
+                                                                       KEY_LABEL: label(req.key)}, containers=True):
                         shadow_volumes.remove(volumes)
                 raise
         self.capacity.forget()
@@ -225,11 +247,10 @@ class Lifecycle:
                              cri.RemoveContainerResponse)
             raise
 
-    def _admitted(self, origin: str, key: str, config: cri.ContainerConfig) -> None:
-        """Admission again, under the lock every creation holds: what fits now, limits required."""
+    def _admitted(self, origin: str, key: str, cpu: float, memory: int) -> None:
+        """Admission again, under the lock every creation holds: what fits now, limits (or requests) required."""
         if self.admit is None:
             return
-        cpu, memory = limits(config.linux.resources)
         answer = self.admit(pb.AdmitRequest(origin_node=origin, key=key,
                                             limits=pb.Resources(cpu_cores=cpu, memory_bytes=memory)))
         if not answer.admitted:

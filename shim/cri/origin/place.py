@@ -34,6 +34,7 @@ from shim import failpoint, log
 from shim._pb import mesh_pb2 as pb
 from shim.core.classify import Classification
 from shim.core.placement import PLACEMENT_ANNOTATION, PLACEMENT_REASON_ANNOTATION, PlacementReason, PlacementState
+from shim.core.podspec import SpecFacts, spec_facts
 from shim.core.reroute import (
     ContainerFacts,
     RerouteReason,
@@ -76,23 +77,32 @@ def limits_of(config: cri.ContainerConfig) -> Resources | None:
     return Resources(cpu, memory)
 
 
-def facts_of(config: cri.ContainerConfig, sandbox: cri.PodSandboxConfig, pods_dir: str) -> ContainerFacts:
+def _volume_name(host_path: str) -> str:
+    return host_path.rstrip("/").rsplit("/", 1)[-1]
+
+
+def facts_of(config: cri.ContainerConfig, sandbox: cri.PodSandboxConfig, pods_dir: str,
+             spec: SpecFacts | None = None) -> ContainerFacts:
+    """The safety facts of a CreateContainer; with the pod spec (``spec``), an emptyDir only this container
+    mounts is not shared, and a container without limits is described by its requests."""
     sc, psc = config.linux.security_context, sandbox.linux.security_context
     ns = (sc.namespace_options, psc.namespace_options)
     mounts = classify_mounts(((m.host_path, m.container_path, m.readonly) for m in config.mounts), pods_dir,
                              pod_uid=sandbox.metadata.uid or None)
+    # Without the pod spec weft cannot see which other containers of the pod mount an emptyDir (kubelet creates
+    # them one by one), so every emptyDir counts as shared with one that stays.
+    shared = tuple(m for m in mounts.pod_volumes
+                   if spec is None or _volume_name(m) not in spec.private_empty_dirs)
     return ContainerFacts(
         privileged=sc.privileged or psc.privileged,
         host_network=any(o.network == cri.NODE for o in ns),
         host_pid=any(o.pid == cri.NODE for o in ns),
         host_ipc=any(o.ipc == cri.NODE for o in ns),
         host_path_mounts=mounts.host_path_mounts,
-        # weft cannot see which other containers of the pod mount an emptyDir (kubelet creates them one by
-        # one), so every emptyDir counts as shared with one that stays.
-        writable_shared_mounts=mounts.pod_volumes,
+        writable_shared_mounts=shared,
         readonly_copyable_mounts=mounts.readonly_copyable,
         devices=tuple(d.host_path for d in config.devices) + tuple(d.name for d in config.CDI_devices),
-        limits=limits_of(config),
+        limits=limits_of(config) or (spec.requests if spec is not None else None),
         beyond_baseline=_beyond_baseline(config, sandbox),
     )
 
@@ -179,6 +189,28 @@ def pullable(fabric: Fabric, image: cri.ImageSpec) -> tuple[cri.ImageSpec, cri.A
     return spec, (known[1] if known else None)
 
 
+def pod_spec_of(fabric: Fabric, sandbox: cri.PodSandboxConfig, name: str) -> tuple[SpecFacts | None, str]:
+    """What the pod spec says of the container, from the node's pod cache, and which rules placement follows."""
+    if fabric.pod_spec is None:
+        return None, "no pod spec: no Kubernetes API, so every emptyDir counts as shared and limits are required"
+    pod = fabric.pod_spec(sandbox.metadata.namespace, sandbox.metadata.name)
+    if pod is None:
+        return None, "pod spec not found: every emptyDir counts as shared and limits are required"
+    facts = spec_facts(pod, name)
+    if facts is None:
+        return None, f"the pod spec has no container {name!r}: every emptyDir counts as shared"
+    return facts, "pod spec read"
+
+
+def _empty_dirs(config: cri.ContainerConfig, spec: SpecFacts | None) -> list[pb.EmptyDir]:
+    """The container's emptyDirs only it mounts, for its host to make fresh."""
+    if spec is None:
+        return []
+    return [pb.EmptyDir(container_path=m.container_path, size_limit=spec.private_empty_dirs[_volume_name(m.host_path)])
+            for m in config.mounts if "kubernetes.io~empty-dir" in m.host_path
+            and _volume_name(m.host_path) in spec.private_empty_dirs]
+
+
 def reservation_lost_on(fabric: Fabric, sandbox_id: str, name: str, attempt: int) -> tuple[str, str] | None:
     """(host, reason) when the previous attempt of this container ran on a host that stopped it because its
     reservation there was lost (refused, evicted, preempted, deleted); None otherwise."""
@@ -199,10 +231,13 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
     started = time.monotonic()
     mesh = fabric.mesh
     config, sandbox_config = req.config, req.sandbox_config
-    facts = facts_of(config, sandbox_config, fabric.pods_dir)
+    spec, rules = pod_spec_of(fabric, sandbox_config, config.metadata.name)
+    if spec is not None and spec.init:
+        return None, LocalBecause(PlacementReason.INIT_CONTAINER, f"an init container runs on the pod's node ({rules})")
+    facts = facts_of(config, sandbox_config, fabric.pods_dir, spec)
     decision = decide(facts, facts.limits or Resources(0.0, 0), mesh.views(), max_age_s=fabric.peer_max_age_s)
     if decision.reason is not RerouteReason.REROUTED:
-        return None, LocalBecause(PlacementReason(decision.reason.value), decision.detail)
+        return None, LocalBecause(PlacementReason(decision.reason.value), f"{decision.detail} ({rules})")
     try:
         volumes = read_volumes(config, facts.readonly_copyable_mounts)
     except _TooLarge as exc:
@@ -243,8 +278,10 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
         if left < MIN_SHADOW_WAIT_S:
             tried.append(f"{node}: not asked, too little of kubelet's deadline left ({left:.1f} s)")
             break
-        remote = _create_on(fabric, node, req, sandbox, key, classification, detail, shadow_config, auth, volumes,
-                            tried, min(left, MAX_SHADOW_WAIT_S))
+        remote = _create_on(fabric, node, req, sandbox, key, classification, f"{detail} ({rules})", shadow_config,
+                            auth, volumes, tried, min(left, MAX_SHADOW_WAIT_S),
+                            admitted=limits if limits_of(config) is None else None,  # by requests
+                            empty_dirs=_empty_dirs(config, spec))
         if remote is not None:
             return remote, None
     return None, LocalBecause(PlacementReason.PEERS_REFUSED, "; ".join(tried))
@@ -253,7 +290,8 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
 def _create_on(fabric: Fabric, node: str, req: cri.CreateContainerRequest, sandbox, key: str,
                classification: Classification, detail: str, shadow_config: cri.ContainerConfig,
                auth: cri.AuthConfig | None, volumes: list[pb.Volume], tried: list[str],
-               timeout: float) -> Remote | None:
+               timeout: float, *, admitted: Resources | None = None,
+               empty_dirs: list[pb.EmptyDir] | None = None) -> Remote | None:
     config = cri.ContainerConfig()
     config.CopyFrom(req.config)
     config.annotations[PLACEMENT_ANNOTATION] = REMOTE_PREFIX + node
@@ -279,7 +317,10 @@ def _create_on(fabric: Fabric, node: str, req: cri.CreateContainerRequest, sandb
             origin_node=mesh.node, origin_sandbox_id=record.sandbox_id, key=key,
             sandbox_config=req.sandbox_config.SerializeToString(),
             container_config=shadow_config.SerializeToString(),
-            auth=auth.SerializeToString() if auth is not None else b"", start=False, volumes=volumes),
+            auth=auth.SerializeToString() if auth is not None else b"", start=False, volumes=volumes,
+            admitted=(pb.Resources(cpu_cores=admitted.cpu_cores, memory_bytes=admitted.memory_bytes)
+                      if admitted is not None else None),
+            empty_dirs=empty_dirs or []),
             timeout=timeout)
         failpoint.hit("place_remote.created")
         status = cri.ContainerStatus.FromString(state.status) if state.status else None
