@@ -58,3 +58,26 @@ def _sandbox(sid: str, state: int, attempt: int = 0) -> cri.PodSandbox:
 def test_a_dead_shadow_sandbox_is_not_reused_and_its_name_not_asked_for_again(existing, asked, expected) -> None:
     # After a host reboot the pod's shadow sandbox is NOTREADY and its name stays reserved until removed.
     assert sandbox_to_use(existing, asked) == expected
+
+
+def test_a_shadow_is_admitted_by_what_the_origin_was_admitted_with() -> None:
+    from shim._pb import mesh_pb2 as pb
+    from shim.cri.host.lifecycle import admitted_with
+
+    config = cri.ContainerConfig()
+    config.linux.resources.cpu_period, config.linux.resources.cpu_quota = 100000, 50000
+    config.linux.resources.memory_limit_in_bytes = 1 << 30
+    assert admitted_with(pb.RunShadowRequest(), config) == (0.5, 1 << 30)  # its limits
+    by_requests = pb.RunShadowRequest(admitted=pb.Resources(cpu_cores=0.25, memory_bytes=128 << 20))
+    assert admitted_with(by_requests, cri.ContainerConfig()) == (0.25, 128 << 20)  # no limits: its requests
+
+
+def test_an_empty_dir_is_made_fresh_and_writable_at_an_absolute_path_only(tmp_path) -> None:
+    from shim._pb import mesh_pb2 as pb
+    from shim.cri.host.lifecycle import _empty_dir
+    from shim.errors import BadAnnotation
+
+    made = _empty_dir(tmp_path / "v", 0, pb.EmptyDir(container_path="/scratch", size_limit=1 << 20))
+    assert made.is_dir() and not any(made.iterdir()) and made.stat().st_mode & 0o777 == 0o777
+    with pytest.raises(BadAnnotation, match="must be absolute"):
+        _empty_dir(tmp_path / "v", 1, pb.EmptyDir(container_path="scratch"))

@@ -193,3 +193,95 @@ def test_weft_errors_are_what_the_peer_said(fabric, tmp_path) -> None:
     peers = {"cpu-1": Peer(run=refused)}
     remote, local = place(fabric, tmp_path, peers)
     assert remote is None and "never runs a rerouted container" in local.detail
+
+
+# -- what the pod spec adds (an origin with the Kubernetes API) ---------------------------------------------
+
+
+def _with_spec(fabric: Fabric, spec: dict | None) -> None:
+    fabric.pod_spec = lambda namespace, name: spec
+
+
+def _mounted(req: cri.CreateContainerRequest, tmp_path: Path, volume: str, path: str) -> None:
+    host = tmp_path / "pods" / "uid-1" / "volumes" / "kubernetes.io~empty-dir" / volume
+    req.config.mounts.append(cri.Mount(container_path=path, host_path=str(host)))
+
+
+SPEC = {"spec": {
+    "volumes": [{"name": "scratch", "emptyDir": {"sizeLimit": "64Mi"}}, {"name": "handoff", "emptyDir": {}}],
+    "initContainers": [{"name": "fetch"}],
+    "containers": [
+        {"name": "tokenize", "resources": {"requests": {"cpu": "250m", "memory": "128Mi"}},
+         "volumeMounts": [{"name": "scratch", "mountPath": "/scratch"}, {"name": "handoff", "mountPath": "/out"}]},
+        {"name": "model", "volumeMounts": [{"name": "handoff", "mountPath": "/in"}]}]}}
+
+
+def test_with_the_pod_spec_an_empty_dir_only_it_mounts_goes_with_it(fabric, tmp_path) -> None:
+    spec = {"spec": {**SPEC["spec"], "containers": [{**SPEC["spec"]["containers"][0], "volumeMounts": [
+        {"name": "scratch", "mountPath": "/scratch"}]}, SPEC["spec"]["containers"][1]]}}
+    _with_spec(fabric, spec)
+    sent: list[pb.RunShadowRequest] = []
+    peer = Peer()
+    run = peer.run_shadow
+    peer.run_shadow = lambda request, timeout=300.0: sent.append(request) or run(request, timeout)
+    fabric.mesh = FakeMesh({"cpu-1": peer})
+    req = request(tmp_path)
+    _mounted(req, tmp_path, "scratch", "/scratch")
+    remote, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/0", CPU)
+    assert local is None and remote.node == "cpu-1"
+    (shadow,) = sent
+    assert [(e.container_path, e.size_limit) for e in shadow.empty_dirs] == [("/scratch", 64 << 20)]
+    assert not shadow.HasField("admitted")  # it has limits: admitted by them
+
+
+def test_with_the_pod_spec_a_shared_empty_dir_keeps_it_here_and_says_which_rules(fabric, tmp_path) -> None:
+    _with_spec(fabric, SPEC)
+    fabric.mesh = FakeMesh({"cpu-1": Peer()})
+    req = request(tmp_path)
+    _mounted(req, tmp_path, "handoff", "/out")
+    remote, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/0", CPU)
+    assert remote is None and local.reason is PlacementReason.UNSAFE
+    assert "pod spec read" in local.detail
+
+
+def test_without_limits_it_is_admitted_by_its_requests_from_the_spec(fabric, tmp_path) -> None:
+    _with_spec(fabric, SPEC)
+    sent: list[pb.RunShadowRequest] = []
+    peer = Peer()
+    run = peer.run_shadow
+    peer.run_shadow = lambda request, timeout=300.0: sent.append(request) or run(request, timeout)
+    fabric.mesh = FakeMesh({"cpu-1": peer})
+    req = request(tmp_path)
+    req.config.linux.resources.Clear()
+    remote, _ = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/0", CPU)
+    assert remote is not None
+    assert (sent[0].admitted.cpu_cores, sent[0].admitted.memory_bytes) == (0.25, 128 << 20)
+
+
+def test_without_the_pod_spec_limits_are_required_and_the_detail_says_why(fabric, tmp_path) -> None:
+    fabric.mesh = FakeMesh({"cpu-1": Peer()})
+    req = request(tmp_path)
+    req.config.linux.resources.Clear()
+    remote, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/0", CPU)
+    assert remote is None and local.reason is PlacementReason.UNSAFE and "no Kubernetes API" in local.detail
+
+
+def test_an_init_container_stays_on_the_pod_s_node(fabric, tmp_path) -> None:
+    _with_spec(fabric, SPEC)
+    fabric.mesh = FakeMesh({"cpu-1": Peer()})
+    req = request(tmp_path)
+    req.config.metadata.name = "fetch"
+    remote, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/fetch/0", CPU)
+    assert remote is None and local.reason is PlacementReason.INIT_CONTAINER
+
+
+def test_a_restart_is_not_sent_back_to_the_host_that_lost_its_reservation(fabric, tmp_path) -> None:
+    peers = {"cpu-1": Peer(), "cpu-2": Peer()}
+    remote, _ = place(fabric, tmp_path, peers)
+    assert remote.node == "cpu-1"
+    fabric.remotes.update(remote, cri.ContainerStatus(state=cri.CONTAINER_EXITED, reason="ReservationPreempted"))
+    req = request(tmp_path)
+    req.config.metadata.attempt = 1
+    again, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/1", CPU)
+    assert local is None and again.node == "cpu-2" and "ReservationPreempted" in again.config.annotations.get(
+        "weft.io/placement-reason", "") + fabric.store.placement_by_key("sb/tokenize/1").detail
