@@ -215,3 +215,45 @@ def test_placement_reads_the_pod_spec(kube: KubeCluster) -> None:
         assert r["spec"]["containers"][0]["resources"]["requests"] == {"cpu": "150m", "memory": str(48 << 20)}
     finally:
         delete(kube, "own-scratch", "shared-scratch", "no-limits")
+
+
+def _started_after(kube: KubeCluster, name: str, container_name: str, since: float) -> float:
+    def running() -> float | None:
+        for c in get_pod(kube, name).get("status", {}).get("containerStatuses", []):
+            if c["name"] == container_name and "running" in c.get("state", {}):
+                return time.monotonic() - since
+        return None
+
+    return wait_for(running, timeout=120, what=f"{name}/{container_name} running", every=0.05)
+
+
+def test_figures_start_with_a_reservation_and_the_alternative(kube: KubeCluster, request) -> None:
+    """Start of the CPU stage rerouted (with its reservation) against the same pod all local, the
+    reservation's delay after the shadow, and, for the design's comparison, a pod bound to the host through
+    the API (what a shadow made as a real Pod would take). Reported, not asserted: they measure the machine."""
+    rows: dict[str, list[float]] = {"rerouted": [], "local": [], "bound pod": [], "reservation after shadow": []}
+    for i in range(2):
+        for mode in ("rerouted", "local"):
+            p = _two_stage(f"fig-{mode}-{i}")
+            if mode == "local":
+                p["metadata"]["annotations"].update({"weft.io/stage.prep": "local", "weft.io/stage.model": "local"})
+            began = time.monotonic()
+            apply(kube, p)
+            rows[mode].append(_started_after(kube, p["metadata"]["name"], "prep", began))
+            if mode == "rerouted":
+                seen = time.monotonic()
+                wait_for(lambda n=p["metadata"]["name"]: [r for r in _reservations(kube)
+                                                          if r["metadata"]["labels"]["weft.io/origin-pod"] == n],
+                         timeout=30, what="the reservation", every=0.02)
+                rows["reservation after shadow"].append(time.monotonic() - seen)
+            delete(kube, p["metadata"]["name"])
+        bound = pod(f"fig-bound-{i}", [container("prep", "exec sleep 3600")], grace=0)
+        bound["spec"]["nodeName"] = HOST
+        began = time.monotonic()
+        apply(kube, bound)
+        rows["bound pod"].append(_started_after(kube, f"fig-bound-{i}", "prep", began))
+        delete(kube, f"fig-bound-{i}")
+    med = {k: sorted(v)[len(v) // 2] for k, v in rows.items()}
+    fixture.report(request.config, "figures (the later of 2, apply to the CPU stage running): " + ", ".join(
+        f"{k} {v:.2f} s" for k, v in med.items()) + f"; rerouted/local {med['rerouted'] / med['local']:.2f}x")
+    assert all(rows.values())
