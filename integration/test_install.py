@@ -199,7 +199,7 @@ def test_an_agent_that_does_not_answer_cri_never_gets_kubelet(tmp_path: Path, he
 
 @pytest.fixture(scope="module")
 def mesh_certs(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The weft-mesh-tls Secret's files, as `weft mesh-certs` writes them."""
+    """A --tls-source directory, as `weft mesh-certs` writes it (static clusters)."""
     out = tmp_path_factory.mktemp("mesh-tls")
     subprocess.run([sys.executable, "-m", "shim", "mesh-certs", "--out", str(out), "--nodes", "cpu-7,gpu-1"],
                    check=True, capture_output=True, cwd=REPO)

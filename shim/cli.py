@@ -6,6 +6,8 @@
 ``weft explain ID``   why a container was placed where it is
 ``weft drain``        a host takes no new containers and waits until those it hosts are gone
 ``weft mesh-certs``   a mesh CA and node certificates for tests and small clusters
+``weft mesh-signer``  sign nodes' mesh certificates asked through the Kubernetes CSR API
+``weft mesh-identity`` keep this node's mesh key and certificate, asked of the signer
 ``weft simulate``     a fleet simulation: bundled pods against weft, on public traces
 ``weft install``      install weft onto the node's host (``weft uninstall`` restores it)
 ``weft report``       did opting a workload in pay off: its GPUs held vs active before and since, from Prometheus
@@ -287,6 +289,9 @@ def parser() -> argparse.ArgumentParser:
     mc.add_argument("--node", action="append", metavar="NAME[=ADDR,...]",
                     help="a node with the addresses its certificate should name too (repeatable)")
     mc.set_defaults(fn=_mesh_certs)
+    from shim.mesh import cli as mesh_cli
+
+    mesh_cli.add_parser(sub)
 
     from shim.sim import cli as sim_cli
 

@@ -45,6 +45,9 @@ gRPC status, so the mapping lives here and nowhere else::
     │   ├── NoOptInRecord          no opt-in time is known (shim.report.errors; UNKNOWN)
     │   └── PrometheusError        Prometheus answered an error (shim.report.errors; UNKNOWN)
     ├── CredentialsError           no token from the API now; the keeper retries (shim.kube.credentials; UNKNOWN)
+    ├── EnrollError                no mesh certificate from the API now; the keeper retries (shim.mesh.enroll; UNKNOWN)
+    │   └── CertificateDenied      the mesh signer refused this node's request, with its reason (shim.mesh.enroll;
+    │                              UNKNOWN)
     ├── WatchError                 a watch of Pods failed (shim.kube.watch; UNKNOWN)
     ├── ReservationRefused         the API would not make a shadow's reservation pod, or the origin does not own
     │                              the pod (shim.cri.host.reservations; FAILED_PRECONDITION)

@@ -42,9 +42,10 @@ def _mesh(args: argparse.Namespace, broker: str) -> plan.Mesh:
     """The mesh settings, with this node's TLS files (and a static peers file) read from where the flags name."""
     if not args.node_name:
         raise InstallError("--mesh-address needs --node-name (or WEFT_NODE_NAME); nothing was changed")
-    if not args.tls_source:
+    on_host = bool(getattr(args, "tls_on_host", False))
+    if not args.tls_source and not on_host:
         raise InstallError("--mesh-address needs --tls-source (or WEFT_TLS_SOURCE): the directory with ca.crt and "
-                           f"{args.node_name}.crt/.key; nothing was changed")
+                           f"{args.node_name}.crt/.key, or --tls-on-host; nothing was changed")
     if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?", args.node_name):
         raise InstallError(f"--node-name {args.node_name!r} is not a Kubernetes node name; nothing was changed")
     try:
@@ -60,13 +61,14 @@ def _mesh(args: argparse.Namespace, broker: str) -> plan.Mesh:
         except OSError as exc:
             raise InstallError(f"{path}: cannot read {what} ({exc.strerror}); nothing was changed") from None
 
-    tls = Path(args.tls_source)
+    tls = args.root.resolve() / plan.MESH_TLS_DIR.lstrip("/") if on_host else Path(args.tls_source)
     return plan.Mesh(
         node_name=args.node_name, role=role, address=args.mesh_address, peers=peers,
         ca_crt=read(tls / "ca.crt", "the mesh CA certificate"),
         node_crt=read(tls / f"{args.node_name}.crt", "this node's mesh certificate"),
         node_key=read(tls / f"{args.node_name}.key", "this node's mesh key"),
-        peers_file=None if peers == "kubernetes" else read(Path(peers), "the static peers file"))
+        peers_file=None if peers == "kubernetes" else read(Path(peers), "the static peers file"),
+        tls_on_host=on_host)
 
 
 def _install(args: argparse.Namespace) -> int:
@@ -113,6 +115,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="'kubernetes' (default) or a static peers file to copy to /etc/weft/peers.toml (WEFT_PEERS)")
     m.add_argument("--tls-source", type=Path, default=os.environ.get("WEFT_TLS_SOURCE") or None, metavar="DIR",
                    help="ca.crt and <node>.crt/.key, copied to /etc/weft/mesh (keys 0600) (WEFT_TLS_SOURCE)")
+    m.add_argument("--tls-on-host", action="store_true", default=os.environ.get("WEFT_TLS_ON_HOST") == "1",
+                   help="the host's /etc/weft/mesh already holds them, kept by weft mesh-identity (the node's own "
+                   "key, made there): check them, copy nothing (WEFT_TLS_ON_HOST=1)")
     i.add_argument("--source", type=Path, help="copy this prepared weft tree to /opt/weft instead of bundling "
                    "the running Python and weft")
     i.set_defaults(fn=_install)

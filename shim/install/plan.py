@@ -44,10 +44,15 @@ class Mesh:
     node_crt: bytes
     node_key: bytes
     peers_file: bytes | None = None
+    # The TLS files are already in MESH_TLS_DIR, kept there by `weft mesh-identity` (the node made its key
+    # there): the installer checks them and neither writes nor removes them.
+    tls_on_host: bool = False
 
     def files(self) -> dict[str, bytes]:
-        out = {f"{MESH_TLS_DIR}/ca.crt": self.ca_crt, f"{MESH_TLS_DIR}/{self.node_name}.crt": self.node_crt,
-               f"{MESH_TLS_DIR}/{self.node_name}.key": self.node_key, CONFIG: self.config()}
+        out = {} if self.tls_on_host else {
+            f"{MESH_TLS_DIR}/ca.crt": self.ca_crt, f"{MESH_TLS_DIR}/{self.node_name}.crt": self.node_crt,
+            f"{MESH_TLS_DIR}/{self.node_name}.key": self.node_key}
+        out[CONFIG] = self.config()
         if self.peers_file is not None:
             out[PEERS_FILE] = self.peers_file
         return out

@@ -33,9 +33,11 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from shim.core import meshcsr
 from shim.errors import ConfigError
 
-NODE_URI_PREFIX = "weft://node/"
+NODE_URI_PREFIX = meshcsr.NODE_URI_PREFIX
+
 CA_VALID_DAYS = 3650
 NODE_VALID_DAYS = 365
 
@@ -129,17 +131,38 @@ def issue_node_cert(
     ``addresses`` are extra names: IP addresses become IP SANs, anything else a DNS SAN.
     """
     check_node_name(node)
-    ca_key, ca_cert = _load_ca(ca_key_pem, ca_cert_pem)
     key = ec.generate_private_key(ec.SECP256R1())
     now = dt.datetime.now(dt.UTC)
-    not_after = min(now + dt.timedelta(days=valid_days), ca_cert.not_valid_after_utc)
+    cert_pem = sign_node_cert(ca_key_pem, ca_cert_pem, node, key.public_key(), addresses,
+                              not_after=now + dt.timedelta(days=valid_days))
+    return _key_pem(key), cert_pem
+
+
+def sign_node_cert(
+    ca_key_pem: bytes,
+    ca_cert_pem: bytes,
+    node: str,
+    public_key: ec.EllipticCurvePublicKey,
+    addresses: Sequence[str] = (),
+    *,
+    not_after: dt.datetime,
+    backdate: dt.timedelta = _BACKDATE,
+) -> bytes:
+    """A node certificate for a public key (the node keeps the private one): PEM, signed by the CA.
+
+    ``not_after`` is cut to the CA's own end; ``backdate`` allows for clocks a little behind.
+    """
+    check_node_name(node)
+    ca_key, ca_cert = _load_ca(ca_key_pem, ca_cert_pem)
+    now = dt.datetime.now(dt.UTC)
+    not_after = min(not_after, ca_cert.not_valid_after_utc)
     cert = (
         x509.CertificateBuilder()
         .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, node)]))
         .issuer_name(ca_cert.subject)
-        .public_key(key.public_key())
+        .public_key(public_key)
         .serial_number(x509.random_serial_number())
-        .not_valid_before(now - _BACKDATE)
+        .not_valid_before(now - backdate)
         .not_valid_after(not_after)
         .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
         .add_extension(
@@ -153,11 +176,11 @@ def issue_node_cert(
             critical=False,
         )
         .add_extension(x509.SubjectAlternativeName(_san(node, addresses)), critical=False)
-        .add_extension(x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+        .add_extension(x509.SubjectKeyIdentifier.from_public_key(public_key), critical=False)
         .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()), critical=False)
         .sign(ca_key, hashes.SHA256())
     )
-    return _key_pem(key), cert.public_bytes(serialization.Encoding.PEM)
+    return cert.public_bytes(serialization.Encoding.PEM)
 
 
 def write_mesh_certs(
@@ -274,6 +297,10 @@ def _load_ca(ca_key_pem: bytes, ca_cert_pem: bytes) -> tuple[ec.EllipticCurvePri
     if key.public_key() != cert.public_key():
         raise ConfigError("mesh CA key does not belong to the CA certificate")
     return key, cert
+
+
+load_ca = _load_ca
+BACKDATE = _BACKDATE
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:

@@ -24,7 +24,6 @@ from shim.core.reroute import PeerView, Resources
 from shim.errors import WeftError
 from shim.kube.access import ApiAccess
 from shim.mesh.capacity import DRAINING, CapacityProbe, fixed_host
-from shim.mesh.certs import load_node_tls
 from shim.mesh.client import PeerClient
 from shim.mesh.discovery import (
     Discovery,
@@ -36,6 +35,7 @@ from shim.mesh.discovery import (
 )
 from shim.mesh.identity import PeerPolicy
 from shim.mesh.server import MeshServer
+from shim.mesh.tlsreload import NodeTls
 from shim.periodic import Periodic
 
 _log = log.get("weft.mesh")
@@ -56,7 +56,7 @@ class MeshNode:
                  namespace: str, service: str, metrics: Any, host: Any = None, fixed_capacity: str = "",
                  drain_file: Path | None = None, api: ApiAccess | None = None) -> None:
         self.node, self.role, self.hello_interval, self.metrics = node, role, hello_interval, metrics
-        self.tls = load_node_tls(tls_dir, node)
+        self.tls = NodeTls(tls_dir, node)  # reloaded when the keeper renews the certificate
         self.discovery: Discovery
         declared: dict[str, str] = {}
         if peers == "kubernetes" and api is not None and api.available:

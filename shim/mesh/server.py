@@ -37,6 +37,7 @@ from shim.errors import ConfigError, WeftError
 from shim.mesh.capacity import CapacityProbe
 from shim.mesh.certs import MeshTls, cert_nodes
 from shim.mesh.identity import PeerPolicy, PeerRefused
+from shim.mesh.tlsreload import NodeTls, server_credentials
 
 _log = log.get("weft.mesh")
 
@@ -272,7 +273,7 @@ class MeshServer:
         self,
         node: str,
         address: str,
-        tls: MeshTls | tuple[bytes, bytes, bytes],
+        tls: MeshTls | NodeTls | tuple[bytes, bytes, bytes],
         policy: PeerPolicy,
         probe: CapacityProbe,
         admit: Admit | None = None,
@@ -280,7 +281,7 @@ class MeshServer:
         limits: MeshLimits | None = None,
         host: Any = None,
     ) -> None:
-        key_pem, cert_pem, ca_pem = tls
+        _key, cert_pem, _ca = tls
         # Peers dial us by node name and check that our certificate names it;
         # serving another node's certificate would only fail there, obscurely.
         if node not in cert_nodes(cert_pem):
@@ -290,8 +291,8 @@ class MeshServer:
         self.port: int | None = None
         limits = limits or MeshLimits()
         self.servicer = MeshServicer(node, policy, probe, admit, host=host, limits=limits)
-        self._credentials = grpc.ssl_server_credentials(
-            [(key_pem, cert_pem)], root_certificates=ca_pem, require_client_auth=True)
+        # A NodeTls hands a renewed certificate to every new connection (shim.mesh.tlsreload).
+        self._credentials = server_credentials(tls)
         # A worker for every call the limits let in (threads start as calls need them), so that a call
         # admitted is never queued behind streams.
         self._server = grpc.server(ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="weft-mesh"),

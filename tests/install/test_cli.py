@@ -226,7 +226,7 @@ def test_the_copied_weft_runs_on_its_own(tmp_path: Path) -> None:
 # -- the mesh settings (the DaemonSet's WEFT_* environment, as flags) ----------------------------------------
 @pytest.fixture
 def mesh_tls(tmp_path: Path) -> Path:
-    """What the weft-mesh-tls Secret holds, as `weft mesh-certs` writes it (its own CA: nothing is verified here)."""
+    """A --tls-source directory, as `weft mesh-certs` writes it (its own CA: nothing is verified here)."""
     tls = tmp_path / "secret"
     tls.mkdir()
     for name, data in (("ca.crt", b"CA"), ("cpu-7.crt", b"CERT cpu-7"), ("cpu-7.key", b"KEY cpu-7"),
@@ -268,6 +268,28 @@ def test_mesh_settings_give_the_agent_its_config_and_only_this_nodes_keys_and_un
 
     assert main(["uninstall", "--root", str(root)]) == 0
     assert snapshot(root) == before
+
+
+def test_tls_on_host_checks_the_files_the_node_keeps_and_never_writes_or_removes_them(
+        tmp_path: Path, source: Path, mesh_tls: Path) -> None:
+    """The DaemonSet's way: weft mesh-identity made the key in the host's /etc/weft/mesh before the installer."""
+    from shim import config
+
+    root = copy_shape(SHAPES[0], tmp_path / "host")
+    flags = ["--node-name", "cpu-7", "--mesh-address", "10.0.0.7:7443", "--tls-on-host"]
+    before = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source), *flags]) == 2  # nothing there yet
+    assert snapshot(root) == before
+    mesh_dir = root / "etc/weft/mesh"
+    mesh_dir.mkdir(parents=True)
+    for name in ("ca.crt", "cpu-7.crt", "cpu-7.key"):
+        (mesh_dir / name).write_bytes((mesh_tls / name).read_bytes())
+    (mesh_dir / "cpu-7.key").chmod(0o600)
+    kept = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in mesh_dir.iterdir()}
+    assert main(["install", "--root", str(root), "--source", str(source), *flags]) == 0
+    assert config.load(root / "etc/weft/weft.toml").mesh.tls_dir == "/etc/weft/mesh"
+    assert main(["uninstall", "--root", str(root)]) == 0
+    assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in mesh_dir.iterdir()} == kept
 
 
 def test_mesh_flags_default_to_the_daemonsets_environment_and_a_static_peers_file_is_copied(

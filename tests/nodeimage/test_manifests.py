@@ -9,7 +9,6 @@ from what the agent looks for.
 
 from __future__ import annotations
 
-import base64
 from pathlib import Path
 
 import kubernetes_validate
@@ -19,9 +18,9 @@ import yaml
 from nodeimage import build
 from shim.config import MeshConfig
 from shim.mesh import discovery
-from shim.mesh.certs import load_node_tls, write_mesh_certs
 
 MANIFESTS = Path(__file__).resolve().parents[2] / "nodeimage" / "manifests"
+SIGNER = "signer.yaml"  # the mesh signer's Deployment and RBAC, checked on their own below
 # Oldest still-common release, a recent one, the newest the library bundles.
 K8S_VERSIONS = ("1.29.0", "1.33.0", kubernetes_validate.latest_version())
 
@@ -37,8 +36,9 @@ def _resource_files() -> list[Path]:
 ALL = [(p.name, i, d) for p in _resource_files() for i, d in enumerate(_docs(p))]
 
 
-def _one(kind: str) -> dict:
-    found = [d for _, _, d in ALL if d["kind"] == kind]
+def _one(kind: str, file: str | None = None) -> dict:
+    """The one object of ``kind`` (in ``file``; by default, outside the signer's manifest)."""
+    found = [d for name, _, d in ALL if d["kind"] == kind and (name == file if file else name != SIGNER)]
     assert len(found) == 1, f"expected one {kind}, found {len(found)}"
     return found[0]
 
@@ -68,7 +68,7 @@ def test_kustomization_lists_exactly_the_manifests_present_and_each_loads():
     assert {i["name"] for i in kust.get("images", [])} == {build.DEFAULT_NAME.rsplit(":", 1)[0]}
 
 
-def test_the_mesh_secret_is_never_applied_by_the_kustomization():
+def test_no_secret_is_applied_by_the_kustomization():
     kust = yaml.safe_load((MANIFESTS / "kustomization.yaml").read_text())
     applied = [d for name in kust["resources"] for d in _docs(MANIFESTS / name)]
     assert not [d for d in applied if d["kind"] == "Secret"]
@@ -76,8 +76,8 @@ def test_the_mesh_secret_is_never_applied_by_the_kustomization():
 
 def test_rbac_grants_reads_and_writes_pods_only_in_weft_s_namespace():
     rules = {}
-    for _, _, d in ALL:
-        if d["kind"] in ("Role", "ClusterRole"):
+    for name, _, d in ALL:
+        if d["kind"] in ("Role", "ClusterRole") and name != SIGNER:
             assert "aggregationRule" not in d
             for r in d["rules"]:
                 assert "nonResourceURLs" not in r
@@ -100,8 +100,8 @@ def test_rbac_reaches_only_the_daemonsets_service_account_and_endpointslices_onl
     sa = (ds["metadata"]["namespace"], ds["spec"]["template"]["spec"]["serviceAccountName"])
     assert sa == (_one("ServiceAccount")["metadata"]["namespace"], _one("ServiceAccount")["metadata"]["name"])
     roles = {(d["kind"], d["metadata"]["name"]): d for _, _, d in ALL if d["kind"] in ("Role", "ClusterRole")}
-    for _, _, b in ALL:
-        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding"):
+    for name, _, b in ALL:
+        if b["kind"] not in ("RoleBinding", "ClusterRoleBinding") or name == SIGNER:
             continue
         assert [(s["kind"], s["namespace"], s["name"]) for s in b["subjects"]] == [("ServiceAccount", *sa)]
         assert (b["roleRef"]["kind"], b["roleRef"]["name"]) in roles
@@ -132,12 +132,13 @@ def test_runtime_class_weft_uses_handler_weft():
 def test_daemonset_runs_the_installer_with_the_host_root_and_keeps_only_the_agent_s_credentials_after():
     spec = _one("DaemonSet")["spec"]["template"]["spec"]
     host_paths = {v["name"]: v["hostPath"]["path"] for v in spec["volumes"] if "hostPath" in v}
-    assert host_paths == {"host-root": "/", "api-credentials": "/etc/weft/api"}
-    (init,) = spec["initContainers"]
+    assert host_paths == {"host-root": "/", "api-credentials": "/etc/weft/api", "mesh-identity": "/etc/weft/mesh",
+                          "kubelet-kubeconfig": "/etc/kubernetes/kubelet.conf", "kubelet-pki": "/var/lib/kubelet/pki"}
+    _, init = spec["initContainers"]
     assert init["args"][:5] == ["install", "--root", "/host", "--systemctl", "nsenter -t 1 -m -- systemctl"]
     assert spec["hostPID"] is True  # nsenter -t 1 reaches the host's systemd
     assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["host-root"] == "/host"
-    (keeper,) = spec["containers"]
+    keeper, _ = spec["containers"]
     assert keeper["args"] == ["kube-credentials", "--dir", "/etc/weft/api"]
     assert {m["name"]: m["mountPath"] for m in keeper["volumeMounts"]} == {"api-credentials": "/etc/weft/api"}
     sc = keeper["securityContext"]  # root for the root-owned host directory, and nothing more
@@ -151,7 +152,7 @@ def test_daemonset_runs_the_installer_with_the_host_root_and_keeps_only_the_agen
 def test_the_installer_points_the_agent_at_the_kubeconfig_the_daemonset_keeps():
     from shim.install.plan import API_KUBECONFIG, Mesh
 
-    (keeper,) = _one("DaemonSet")["spec"]["template"]["spec"]["containers"]
+    keeper, _ = _one("DaemonSet")["spec"]["template"]["spec"]["containers"]
     kept_in = keeper["args"][keeper["args"].index("--dir") + 1]
     mesh = Mesh("n1", "cpu", "10.0.0.1:7443", "kubernetes", b"ca", b"crt", b"key")
     assert f'kubeconfig = "{kept_in}/kubeconfig"' in mesh.config().decode() and API_KUBECONFIG.startswith(kept_in)
@@ -162,18 +163,18 @@ def test_the_installer_points_the_agent_at_the_kubeconfig_the_daemonset_keeps():
 def test_daemonset_passes_its_mesh_environment_to_the_installer_as_flags_it_takes():
     from shim.cli import parser
 
-    (init,) = _one("DaemonSet")["spec"]["template"]["spec"]["initContainers"]
+    _, init = _one("DaemonSet")["spec"]["template"]["spec"]["initContainers"]
     env = {e["name"]: e.get("value", "<from the downward API>") for e in init["env"]}
-    flags = dict(zip(init["args"][5::2], init["args"][6::2], strict=True))
+    assert init["args"][-1] == "--tls-on-host"  # the files mesh-identity keeps on the host
+    flags = dict(zip(init["args"][5:-1:2], init["args"][6:-1:2], strict=True))
     assert flags == {"--node-name": "$(WEFT_NODE_NAME)", "--mesh-address": "$(WEFT_MESH_ADDRESS)",
-                     "--peers": "$(WEFT_PEERS)", "--tls-source": "$(WEFT_TLS_SOURCE)", "--role": "$(WEFT_ROLE)"}
+                     "--peers": "$(WEFT_PEERS)", "--role": "$(WEFT_ROLE)"}
     assert all(v[2:-1] in env for v in flags.values())  # kubelet expands only variables the container declares
-    assert env["WEFT_TLS_SOURCE"] == {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["mesh-tls"]
     expanded = [env.get(a[2:-1], a) if a.startswith("$(") else a for a in init["args"]]
     expanded = [a.replace("$(WEFT_NODE_IP)", "10.0.0.7") for a in expanded]
     args = parser().parse_args([a if a != "<from the downward API>" else "cpu-7" for a in expanded])
-    assert (args.mesh_address, args.peers, args.role, str(args.tls_source)) == (
-        "10.0.0.7:7443", "kubernetes", "auto", "/etc/weft/mesh")
+    assert (args.mesh_address, args.peers, args.role, args.tls_on_host) == (
+        "10.0.0.7:7443", "kubernetes", "auto", True)
 
 
 def test_daemonset_lands_on_gpu_and_cpu_nodes():
@@ -184,23 +185,81 @@ def test_daemonset_lands_on_gpu_and_cpu_nodes():
     assert ("weft.io/role", "NoSchedule") in tolerated
 
 
-def test_mesh_tls_secret_keys_are_the_files_tls_dir_reads(tmp_path):
-    """A Secret laid out as the example says, mounted as kubelet mounts it, is a --tls-dir the agent loads."""
-    example = _one("Secret")
-    ds = _one("DaemonSet")["spec"]["template"]["spec"]
-    (vol,) = [v for v in ds["volumes"] if "secret" in v]
-    assert vol["secret"]["secretName"] == example["metadata"]["name"]
-    assert set(example["data"]) == {"ca.crt", "gpu-1.crt", "gpu-1.key"}
+def test_each_node_makes_its_own_mesh_identity_and_no_node_mounts_a_key_secret():
+    """No Secret in the DaemonSet: the node's key is made on the host by mesh-identity (before the installer,
+    which takes the files from the same host directory, and then to renew), with the kubelet's credentials."""
+    from shim.cli import parser
 
-    issued = write_mesh_certs(tmp_path / "issued", ["gpu-1", "cpu-1"])
-    secret = {**example, "data": {name: base64.b64encode(path.read_bytes()).decode()
-                                  for name, path in issued.items() if name != "ca.key"}}
-    kubernetes_validate.validate(secret, K8S_VERSIONS[-1], strict=True)
-    mounted = tmp_path / "mounted"  # a secret volume: one file per key
+    spec = _one("DaemonSet")["spec"]["template"]["spec"]
+    assert not [v for v in spec["volumes"] if "secret" in v or "projected" in v]
+    first, install = spec["initContainers"]
+    _, renew = spec["containers"]
+    assert first["args"] == ["mesh-identity", "--dir", "/etc/weft/mesh", "--once"]
+    assert renew["args"] == ["mesh-identity", "--dir", "/etc/weft/mesh"]
+    for c in (first, renew):
+        mounts = {m["name"]: (m["mountPath"], m.get("readOnly", False)) for m in c["volumeMounts"]}
+        assert mounts == {"mesh-identity": ("/etc/weft/mesh", False),
+                          "kubelet-kubeconfig": ("/etc/kubernetes/kubelet.conf", True),
+                          "kubelet-pki": ("/var/lib/kubelet/pki", True)}
+        env = {e["name"]: e.get("value") or e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
+        assert env == {"WEFT_NODE_NAME": "spec.nodeName", "WEFT_KUBELET_KUBECONFIG": "/etc/kubernetes/kubelet.conf"}
+        sc = c["securityContext"]
+        assert sc["capabilities"] == {"drop": ["ALL"]} and sc["allowPrivilegeEscalation"] is False
+        assert not sc.get("privileged") and sc["readOnlyRootFilesystem"] is True
+        args = parser().parse_args(c["args"])
+        assert str(args.dir) == "/etc/weft/mesh" and args.fn.__module__ == "shim.mesh.cli"
+    assert "mesh-identity" not in {m["name"] for m in install["volumeMounts"]}  # it reads them under /host
+
+
+def test_only_the_signer_mounts_the_mesh_ca_and_its_secret_is_what_init_ca_writes(tmp_path):
+    from shim.cli import parser
+    from shim.mesh import signer
+
+    example = _one("Secret", "mesh-ca-secret.example.yaml")
+    mounting = [(name, d["kind"]) for name, _, d in ALL if d["kind"] in ("DaemonSet", "Deployment")
+                for v in d["spec"]["template"]["spec"]["volumes"] if "secret" in v]
+    assert mounting == [(SIGNER, "Deployment")]
+    deploy = _one("Deployment", SIGNER)
+    pod = deploy["spec"]["template"]["spec"]
+    (vol,) = pod["volumes"]
+    assert vol["secret"]["secretName"] == example["metadata"]["name"]
+    (c,) = pod["containers"]
+    args = parser().parse_args(c["args"])
+    assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]}[vol["name"]] == str(args.ca_dir)
+    assert deploy["spec"]["replicas"] == 1 and pod["serviceAccountName"] == _one("ServiceAccount", SIGNER)[
+        "metadata"]["name"]
+    assert pod["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
+    assert c["image"] == build.DEFAULT_NAME
+
+    assert signer.init_ca(tmp_path / "made") == 0
+    assert set(example["data"]) == {p.name for p in (tmp_path / "made").iterdir()}
+    mounted = tmp_path / "mounted"
     mounted.mkdir()
-    for key, value in secret["data"].items():
-        (mounted / key).write_bytes(base64.b64decode(value))
-    for node in ("gpu-1", "cpu-1"):
-        tls = load_node_tls(mounted, node)
-        assert tls.ca_pem == (tmp_path / "issued" / "ca.crt").read_bytes()
-    assert not (mounted / "ca.key").exists()
+    for key in example["data"]:
+        (mounted / key).write_bytes((tmp_path / "made" / key).read_bytes())
+    signer.Signer(None, (mounted / "ca.key").read_bytes(), (mounted / "ca.crt").read_bytes())  # a usable CA pair
+
+
+def test_signer_rbac_approves_and_signs_for_weft_io_mesh_only_and_nodes_only_ask():
+    rules: dict[str, set] = {}
+    for name, _, d in ALL:
+        if name == SIGNER and d["kind"] == "ClusterRole":
+            for r in d["rules"]:
+                for group in r["apiGroups"]:
+                    for res in r["resources"]:
+                        key = (d["metadata"]["name"], group, res, tuple(r.get("resourceNames", ())))
+                        rules.setdefault(key, set()).update(r["verbs"])
+    g = "certificates.k8s.io"
+    assert rules == {
+        ("weft-mesh-signer", g, "certificatesigningrequests", ()): {"get", "list", "watch"},
+        ("weft-mesh-signer", g, "certificatesigningrequests/approval", ()): {"update"},
+        ("weft-mesh-signer", g, "certificatesigningrequests/status", ()): {"update"},
+        ("weft-mesh-signer", g, "signers", ("weft.io/mesh",)): {"approve", "sign"},
+        ("weft-mesh-signer", "", "nodes", ()): {"get"},
+        ("weft-mesh-node", g, "certificatesigningrequests", ()): {"create", "get", "list", "watch"},
+    }
+    sa = _one("ServiceAccount", SIGNER)["metadata"]
+    bound = {b["roleRef"]["name"]: [(s["kind"], s.get("namespace"), s["name"]) for s in b["subjects"]]
+             for name, _, b in ALL if name == SIGNER and b["kind"] == "ClusterRoleBinding"}
+    assert bound == {"weft-mesh-signer": [("ServiceAccount", sa["namespace"], sa["name"])],
+                     "weft-mesh-node": [("Group", None, "system:nodes")]}

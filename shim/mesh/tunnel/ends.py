@@ -17,6 +17,7 @@ import grpc
 
 from shim.errors import WeftError
 from shim.mesh.certs import NODE_URI_PREFIX
+from shim.mesh.tlsreload import NodeTls, ReloadingContext
 
 HANDSHAKE_TIMEOUT_S = 5.0
 CONNECT_TIMEOUT_S = 5.0
@@ -110,7 +111,7 @@ class TlsEnd(SocketEnd):
     thread uses an end at a time: the tunnel's setup, then its pipe.
     """
 
-    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext, *, server_side: bool,
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext | ReloadingContext, *, server_side: bool,
                  server_hostname: str | None = None) -> None:
         super().__init__(ctx.wrap_socket(sock, server_side=server_side, server_hostname=server_hostname,
                                          do_handshake_on_connect=False))
@@ -164,18 +165,31 @@ class TlsEnd(SocketEnd):
             return 0
 
 
-def contexts(tls_dir: str | Path, node: str) -> tuple[ssl.SSLContext, ssl.SSLContext]:
-    """(server, client) contexts from the node's mesh pair and the cluster CA, both requiring the other's cert."""
-    d = Path(tls_dir)
-    key, cert, ca = d / f"{node}.key", d / f"{node}.crt", d / "ca.crt"
+def contexts(tls_dir: str | Path, node: str) -> tuple[ReloadingContext, ReloadingContext]:
+    """(server, client) contexts from the node's mesh pair and the cluster CA, both requiring the other's cert.
+
+    Each wraps a socket with the files as they are then: a renewed certificate is used by the next tunnel
+    (``shim.mesh.tlsreload``)."""
+    source = NodeTls(tls_dir, node)
+    return ReloadingContext(source, _server_context), ReloadingContext(source, _client_context)
+
+
+def _server_context(key: Path, cert: Path, ca: Path) -> ssl.SSLContext:
     server = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     server.load_cert_chain(cert, key)
     server.load_verify_locations(ca)
     server.verify_mode = ssl.CERT_REQUIRED
+    return _common(server)
+
+
+def _client_context(key: Path, cert: Path, ca: Path) -> ssl.SSLContext:
     client = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
     client.load_cert_chain(cert, key)
     client.load_verify_locations(ca)
-    for ctx in (server, client):
-        ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-        ctx.options |= getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)  # EOF ends a stream (see TlsEnd)
-    return server, client
+    return _common(client)
+
+
+def _common(ctx: ssl.SSLContext) -> ssl.SSLContext:
+    ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+    ctx.options |= getattr(ssl, "OP_IGNORE_UNEXPECTED_EOF", 0)  # EOF ends a stream (see TlsEnd)
+    return ctx
