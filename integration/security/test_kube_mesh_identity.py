@@ -120,16 +120,23 @@ def _enroller(api: ControlPlane, who: str, out: Path, node: str | None = None) -
     return Enroller(_as(api, who), out, node or who, share=0.5, retry_s=1.0, wait_s=30.0, poll_s=0.2)
 
 
-def _serve(node: str, tls: NodeTls, known: set[str]) -> MeshServer:
+def _serve(node: str, tls: NodeTls, known: set[str], port: int = 0) -> MeshServer:
     probe = CapacityProbe("cpu", reserve_cpu=0.5, reserve_memory=512 * MIB,
                           host=FixedHost(cores=4, memory_total=8 * GI, memory_available=6 * GI, busy=0.25))
-    server = MeshServer(node, "127.0.0.1:0", tls, PeerPolicy(known), probe)
+    server = MeshServer(node, f"127.0.0.1:{port}", tls, PeerPolicy(known), probe)
     server.start()
     return server
 
 
 def _hello(client: PeerClient, node: str) -> str:
     return client.hello(pb.PeerState(node=node, role="gpu", healthy=True)).node
+
+
+def _answers(client: PeerClient, node: str) -> bool:
+    try:
+        return _hello(client, node) != ""
+    except PeerUnavailable:
+        return False
 
 
 def _served_serial(port: int, client_dir: Path, client_node: str) -> int:
@@ -229,6 +236,8 @@ def test_rotation_under_a_running_mesh_new_connections_present_the_new_certifica
         assert _served_serial(server_a.port, c, "node-c") == first
         old = PeerClient("node-a", f"127.0.0.1:{server_a.port}", NodeTls(c, "node-c"))
         assert _hello(old, "node-c") == "node-a"
+        early = PeerClient("node-c", f"127.0.0.1:{server_c.port}", tls_a)  # node-a's, made with its first cert
+        assert _hello(early, "node-a") == "node-c"
 
         wait_for(lambda: _serial(a / "node-a.crt") != first, timeout=LIFETIME_S * 2, what="a renewed certificate")
         wait_for(lambda: _served_serial(server_a.port, c, "node-c") != first, timeout=10,
@@ -242,6 +251,13 @@ def test_rotation_under_a_running_mesh_new_connections_present_the_new_certifica
             assert _hello(new, "node-c") == "node-a"
         with PeerClient("node-c", f"127.0.0.1:{server_c.port}", tls_a) as out:
             assert _hello(out, "node-a") == "node-c"
+        # node-c restarts on the same port: node-a's client from before must connect again, and its first
+        # certificate has expired, so it gets in only by presenting the renewed one.
+        port = server_c.port
+        server_c.stop()
+        server_c = _serve("node-c", NodeTls(c, "node-c"), {"node-a"}, port=port)
+        assert wait_for(lambda: _answers(early, "node-a"), timeout=15, what="node-a's early client reconnecting")
+        early.close()
         assert tls_a.generation >= 1
         old.close()
     finally:

@@ -14,6 +14,7 @@ answered that it will not deal with us).
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -25,6 +26,7 @@ from shim.errors import WeftError
 from shim.mesh.certs import MeshTls
 from shim.mesh.identity import PeerRefused
 from shim.mesh.server import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
+from shim.mesh.tlsreload import generation_of
 
 HELLO_TIMEOUT_S = 2.0
 ADMIT_TIMEOUT_S = 2.0
@@ -59,15 +61,21 @@ class PeerClient:
         hello_timeout: float = HELLO_TIMEOUT_S,
         admit_timeout: float = ADMIT_TIMEOUT_S,
     ) -> None:
-        key_pem, cert_pem, ca_pem = tls
         self.node = node
         self.address = address
         self.hello_timeout = hello_timeout
         self.admit_timeout = admit_timeout
+        self._tls = tls
+        self._lock = threading.Lock()
+        self._open()
+
+    def _open(self) -> None:
+        key_pem, cert_pem, ca_pem = self._tls
+        self._generation = generation_of(self._tls)  # of this node's TLS (shim.mesh.tlsreload)
         credentials = grpc.ssl_channel_credentials(
             root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem)
-        self._channel = grpc.secure_channel(address, credentials, options=[
-            ("grpc.ssl_target_name_override", node),
+        self._channel = grpc.secure_channel(self.address, credentials, options=[
+            ("grpc.ssl_target_name_override", self.node),
             # A peer that restarts should be found again within a Hello period or two,
             # not after gRPC's default two-minute backoff.
             ("grpc.max_reconnect_backoff_ms", 5000),
@@ -75,7 +83,17 @@ class PeerClient:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             *KEEPALIVE_OPTIONS,
         ])
-        self._stub = pb_grpc.MeshStub(self._channel)
+        self._stub_ = pb_grpc.MeshStub(self._channel)
+
+    @property
+    def _stub(self) -> pb_grpc.MeshStub:
+        """The stub; on a new channel once this node's certificate was renewed, which presents it (a channel
+        reconnecting with the old one is refused once that expires). The old channel is left to finish the
+        streams it carries (gRPC frees it with its last call)."""
+        with self._lock:
+            if generation_of(self._tls) != self._generation:
+                self._open()
+            return self._stub_
 
     def hello(self, origin_state: pb.PeerState) -> pb.PeerState:
         """Tell the peer who we are; its answer is its own state."""

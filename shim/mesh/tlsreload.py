@@ -13,8 +13,10 @@ Who reads it, and when the new certificate shows:
 
 - the mesh server's credentials (``server_credentials``): gRPC asks for them
   at every new connection, so a new connection gets the new certificate;
-- a peer client unpacks ``(key, cert, ca)`` when it opens its channel, so a
-  channel opened after the change presents the new certificate;
+- a peer client unpacks ``(key, cert, ca)`` when it opens its channel, and
+  opens a new one for its next call once the generation changed
+  (``generation_of``), so new connections present the new certificate and
+  no reconnect presents one that expired;
 - the tunnel contexts (``shim.mesh.tunnel.ends.contexts``): each new tunnel
   wraps its socket with a context built from the current files.
 
@@ -124,6 +126,15 @@ def server_credentials(tls: MeshTls | NodeTls | tuple[bytes, bytes, bytes]) -> g
         return tls.server_credentials()
     key_pem, cert_pem, ca_pem = tls
     return grpc.ssl_server_credentials([(key_pem, cert_pem)], root_certificates=ca_pem, require_client_auth=True)
+
+
+def generation_of(tls: object) -> int:
+    """How many times ``tls`` was reloaded, checking its files first (0 for a fixed triple): a peer client opens
+    a new channel when it changes, so that a channel reconnecting never presents a certificate that expired."""
+    if not isinstance(tls, NodeTls):
+        return 0
+    tls.current()
+    return tls.generation
 
 
 class ReloadingContext:
