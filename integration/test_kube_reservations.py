@@ -74,9 +74,10 @@ def reservations(setup: KubeCluster) -> Iterator[tuple[Reservations, Losses, set
         yield r, losses, live
     finally:
         r.stop()
-        setup.control.kubectl("delete", "pods", "-n", NS, "--all", "--grace-period=0", "--force", check=False)
-        setup.control.kubectl("delete", "pods", "-n", "default", "--all", "--grace-period=0", "--force",
-                              check=False)
+        # Gone from kubelet too, not only from the API: the next test's pods must find the node's CPU free.
+        for ns in (NS, "default"):
+            setup.control.kubectl("delete", "pods", "-n", ns, "--all", "--grace-period=1", "--wait=true",
+                                  "--timeout=90s", check=False, timeout=120)
 
 
 def _stage(key: str, cpu_millis: int, priority_class: str = "low") -> Stage:
@@ -145,8 +146,17 @@ def test_a_higher_priority_pod_preempts_it_and_the_shadow_stops_first(setup: Kub
     apply(setup, _plain("important", 500, "high"))
     v = wait_for(lambda: losses.of("sb/low/0"), timeout=90, what="the preemption")
     assert v.reason in (LossReason.PREEMPTED, LossReason.DELETED)
-    wait_for(lambda: get_pod(setup, "important").get("status", {}).get("phase") == "Running", timeout=90,
-             what="the preemptor running")
+    try:
+        wait_for(lambda: get_pod(setup, "important").get("status", {}).get("phase") == "Running", timeout=90,
+                 what="the preemptor running")
+    except AssertionError as exc:
+        described = setup.control.kubectl("describe", "pod", "important", check=False).stdout[-2500:]
+        pods = setup.control.kubectl("get", "pods", "-A", "-o", "wide", check=False).stdout
+        kubelet = [line for line in setup.kubelets[HOST].log_path.read_text(errors="replace").splitlines()
+                   if "important" in line][-30:]
+        agent = [line for line in setup.agents[HOST].log_path.read_text(errors="replace").splitlines()
+                 if "StartContainer" in line or "important" in line][-15:]
+        raise AssertionError("\n".join([str(exc), pods, described, "kubelet:", *kubelet, "agent:", *agent])) from None
 
 
 def test_a_deleted_reservation_stops_its_shadow(setup: KubeCluster, reservations) -> None:

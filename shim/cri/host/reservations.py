@@ -42,7 +42,7 @@ from shim.core.reservation import (
 )
 from shim.errors import WeftError
 from shim.kube.access import ApiAccess
-from shim.kube.watch import list_pods, watch_pods
+from shim.kube.watch import PodWatch
 from shim.periodic import Periodic
 
 _log = log.get("weft.reservations")
@@ -82,9 +82,12 @@ class Reservations:
         self._held: dict[str, Held] = {}  # by shadow key
         self._client: lightkube.Client | None = None
         self._client_lock = threading.Lock()
-        self._http = None  # the watch's client, which stop closes
-        self._stop = threading.Event()
-        self._watcher: threading.Thread | None = None
+        labels, fields = self._selectors()
+        self._watch = PodWatch(lambda read: api.http(read_timeout=read), namespace, labels, fields,
+                               on_list=lambda pods: [self.seen(p) for p in pods],
+                               on_event=lambda kind, pod: self.seen(pod, deleted=kind == "DELETED"),
+                               name="weft-reservations-watch", failed_event="reservation.watch_failed",
+                               watch_s=WATCH_S)
         self._reconciler = Periodic("weft-reservations", RECONCILE_S, self.reconcile,
                                     failed="reservation.reconcile_failed", first=True)
 
@@ -158,20 +161,12 @@ class Reservations:
 
     # -- watching --------------------------------------------------------------------------
     def start(self) -> None:
-        self._stop.clear()
-        self._watcher = threading.Thread(target=self._watch, name="weft-reservations-watch", daemon=True)
-        self._watcher.start()
+        self._watch.start()
         self._reconciler.start()
 
     def stop(self) -> None:
-        self._stop.set()
         self._reconciler.stop()
-        with self._client_lock:
-            http = self._http
-        if http is not None:
-            http.close()
-        if self._watcher is not None:
-            self._watcher.join(WATCH_S + 5)
+        self._watch.stop()
         with self._client_lock:
             if self._client is not None:
                 self._client.close()
@@ -179,38 +174,6 @@ class Reservations:
 
     def _selectors(self) -> tuple[dict[str, str], dict[str, str]]:
         return {ROLE_LABEL: ROLE}, {"spec.nodeName": self.node}
-
-    def _watch(self) -> None:
-        delay, version = 0.5, ""
-        http = None
-        try:
-            while not self._stop.is_set():
-                try:
-                    if http is None:
-                        http = self.api.http(read_timeout=WATCH_S + 10)
-                        with self._client_lock:
-                            self._http = http
-                    if not version:
-                        pods, version = list_pods(http, self.namespace, *self._selectors())
-                        for p in pods:
-                            self.seen(p)
-                    # The API ends each watch after WATCH_S, so a stopping agent is never held up for long.
-                    for event, obj in watch_pods(http, self.namespace, *self._selectors(), version, WATCH_S):
-                        version = obj.get("metadata", {}).get("resourceVersion", version)
-                        self.seen(obj, deleted=event == "DELETED")
-                        if self._stop.is_set():
-                            break
-                    delay = 0.5
-                except WeftError as exc:  # the API away, or our version too old: list again, soon
-                    version = ""
-                    if self._stop.is_set():
-                        return
-                    _log.warning("reservation.watch_failed", error=exc.message, retry_in=delay)
-                    self._stop.wait(delay)
-                    delay = min(delay * 2, 30.0)
-        finally:
-            if http is not None:
-                http.close()
 
     def seen(self, pod: dict, *, deleted: bool = False) -> None:
         """What the API shows of one reservation: its shadow stops if it is lost."""
@@ -242,12 +205,17 @@ class Reservations:
 
     def reconcile(self) -> None:
         """No reservation without its shadow, no shadow past the grace without an admitted reservation."""
-        live = set(self.live_keys())
+        # The API's list first, then the shadows: a reservation made between the two belongs to a shadow that
+        # the second look sees (the other order would take a fresh reservation for an orphan).
         labels, fields = self._selectors()
         pods = list(self.client().list(Pod, namespace=self.namespace, labels=labels, fields=fields))
+        live = set(self.live_keys())
         on_api = {(p.metadata.annotations or {}).get("weft.io/origin-key-full", ""): p for p in pods}
         for key, p in on_api.items():
-            if key not in live:
+            with self._lock:
+                held = self._held.get(key)
+            if key not in live and (held is None or held.lost is not None
+                                    or time.monotonic() - held.created > self.grace):  # not one being made now
                 _log.info("reservation.orphan", key=key, name=p.metadata.name)
                 with self._lock:
                     self._held.setdefault(key, Held(key, p.metadata.name, time.monotonic()))
