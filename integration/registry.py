@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import subprocess
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from shim.localfabric.containerd import Containerd
@@ -30,6 +30,7 @@ class Registry:
     clients: tuple[Containerd, ...] = ()
     # False: anyone may pull and push (critest pulls its image set without credentials).
     auth: bool = True
+    pushed: list[str] = field(default_factory=list)
 
     @property
     def workdir(self) -> Path:
@@ -96,9 +97,19 @@ http:
                             f"oci-archive:{archive}", f"docker://{ref}")
         if res.returncode != 0:
             raise RuntimeError(f"skopeo copy {archive} -> {ref} failed: {res.stderr.strip()}")
+        self.pushed.append(ref)
         return ref
 
+    def _forget_pulled(self) -> None:
+        # A pull adds its tag to the node's copy of the image: left there, the next test on this node's containerd
+        # sees ``busybox`` named after a registry that no longer runs (ContainerStatus reports the first tag).
+        for node in (self.node, *self.clients):
+            if node.running() and self.pushed:
+                subprocess.run(["ctr", "-a", str(node.socket), "-n", "k8s.io", "images", "rm", *self.pushed],
+                               capture_output=True, text=True)
+
     def stop(self) -> None:
+        self._forget_pulled()
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()
             try:

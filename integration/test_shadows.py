@@ -450,7 +450,7 @@ def test_an_origin_that_falls_silent_has_its_shadows_killed_and_one_that_talks_k
         events = [e for e in agent.events() if e.get("event") == "shadow.fenced"]
         assert [(e["origin"], e["key"], e["container_id"]) for e in events] == [
             ("gpu-2", "origin-sb-2/tokenize/0", fenced.shadow_container_id)]
-        assert events[0]["silent_s"] > 3
+        assert events[0]["silent_s"] >= 3  # the fence timeout (the logged figure is rounded)
         assert 'weft_shadows_fenced_total{peer="gpu-2"} 1.0' in agent.metrics_text()
 
 

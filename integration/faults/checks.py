@@ -341,18 +341,25 @@ class LiveCopies:
             self.rounds += 1
 
     def _origin_gave_up_on_a_live_copy(self) -> None:
+        # The origin first, then the hosts: a stop that lands between the two reads then shows the host's copy
+        # stopped too (read the other way round, a host's copy seen running just before an orderly stop and the
+        # origin's answer just after it would look like a violation that never happened).
+        exited = {}
+        for cid, (sid, config) in list(self.kube.known.items()):
+            try:
+                st = self.kube.status(cid)
+            except grpc.RpcError:  # removed since, or the origin is the fault: nothing it reports
+                continue
+            if st.state == cri.CONTAINER_EXITED:
+                exited[f"{sid}/{config.metadata.name}/{config.metadata.attempt}"] = (cid, st)
         running = {}
         for host in HOSTS:
             with contextlib.suppress(grpc.RpcError):
                 for c in _direct_containers(self.f, host, {ORIGIN_LABEL: ORIGIN}):
                     if c.state == cri.CONTAINER_RUNNING:
                         running[c.annotations.get(KEY_ANNOTATION, "")] = host
-        for cid, (sid, config) in list(self.kube.known.items()):
-            key = f"{sid}/{config.metadata.name}/{config.metadata.attempt}"
-            if key not in running:
-                continue
-            st = self.kube.status(cid)
-            if st.state == cri.CONTAINER_EXITED and key in running:
+        for key, (cid, st) in exited.items():
+            if key in running:
                 self.violations.append(f"origin reports {cid[:12]} exited ({st.reason}) while "
                                        f"{running[key]} still runs it")
 
