@@ -15,7 +15,8 @@ fi
 
 APT_PACKAGES=(containerd runc containernetworking-plugins busybox-static iproute2 iptables util-linux
               docker-registry skopeo apache2-utils prometheus faketime
-              python3 python3-venv python3-pip)
+              python3 python3-venv python3-pip
+              gcc libc6-dev)  # the unit tests build a fake libcuda to drive weft gpu-check without a GPU
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
