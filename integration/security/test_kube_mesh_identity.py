@@ -8,7 +8,8 @@ in ``system:nodes``, as a kubelet's credentials are), through the Node
 authorizer. What is shown: a node gets a certificate for itself and the mesh
 accepts it; a node asking for another's name is refused with the reason; a
 node's certificate is rotated under a running mesh server and client, and
-new connections present the new one and the clients made before still get answers; a
+new connections present the new one and the clients made before still get answers (and
+two real ``weft agent`` processes stay peers across renewals and a restart); a
 node removed from the cluster gets no new certificate and, once its last one
 has expired, no connection; the signer's account approves for weft.io/mesh
 only, and a node approves nothing.
@@ -38,6 +39,8 @@ from lightkube.resources.certificates_v1 import CertificateSigningRequest, Certi
 from integration.kube.controlplane import ControlPlane
 from shim._pb import mesh_pb2 as pb
 from shim.core.meshcsr import Reason
+from shim.localfabric.agent import AgentProcess, free_port
+from shim.localfabric.containerd import Containerd
 from shim.localfabric.waiting import wait_for
 from shim.mesh import csr
 from shim.mesh.capacity import MIB, CapacityProbe, FixedHost
@@ -266,6 +269,55 @@ def test_rotation_under_a_running_mesh_new_connections_present_the_new_certifica
             thread.join(10)
         server_a.stop()
         server_c.stop()
+
+
+def test_weft_agents_keep_their_mesh_across_renewals_and_a_restarted_peer_takes_the_new_certificate(
+        api, signer, containerd: Containerd, tmp_path):
+    """Two real agents whose tls_dir its node's keeper renews every 10 s: they stay peers past the first
+    certificates' expiry, and one restarted then is taken back by the other (whose connection to it is new)."""
+    nodes = ("node-a", "node-b")
+    keepers = {n: _enroller(api, n, tmp_path / n) for n in nodes}
+    for keeper in keepers.values():
+        keeper.run(threading.Event(), once=True)
+    first_not_after = max(x509.load_pem_x509_certificate((tmp_path / n / f"{n}.crt").read_bytes())
+                          .not_valid_after_utc for n in nodes)
+    ports = {n: free_port() for n in nodes}
+    peers = tmp_path / "peers.toml"
+    peers.write_text("".join(f'[[peer]]\nname = "{n}"\naddress = "127.0.0.1:{ports[n]}"\nrole = "cpu"\n\n'
+                             for n in nodes))
+    conf = tmp_path / "weft.toml"
+    conf.write_text("[mesh]\nhello_interval = 0.3\n")
+    agents = {n: AgentProcess(containerd, tmp_path / f"agent-{n}", name=n, extra_args=[
+        "--config", str(conf), "--node-name", n, "--role", "cpu", "--mesh-address", f"127.0.0.1:{ports[n]}",
+        "--peers", str(peers), "--tls-dir", str(tmp_path / n)]) for n in nodes}
+    stop = threading.Event()
+    threads = [threading.Thread(target=k.run, args=(stop,), daemon=True) for k in keepers.values()]
+    try:
+        for agent in agents.values():
+            agent.start()
+        for thread in threads:
+            thread.start()
+
+        def healthy(agent: AgentProcess) -> bool:
+            out = subprocess.run([sys.executable, "-m", "shim", "status", "--json", "--socket", str(agent.socket)],
+                                 capture_output=True, text=True, check=True)
+            return [p["healthy"] for p in json.loads(out.stdout).get("peers", [])] == [True]
+
+        wait_for(lambda: all(healthy(a) for a in agents.values()), timeout=20, what="the two agents peers")
+        wait_for(lambda: dt.datetime.now(dt.UTC) > first_not_after, timeout=LIFETIME_S + 10,
+                 what="the first certificates to expire")
+        wait_for(lambda: all(healthy(a) for a in agents.values()), timeout=10, what="still peers")
+        assert all(any(e.get("event") == "mesh.tls.reloaded" for e in a.events()) for a in agents.values())
+        agents["node-b"].stop(sig=9)
+        agents["node-b"].start()
+        wait_for(lambda: all(healthy(a) for a in agents.values()), timeout=20,
+                 what="node-b taken back after its restart, on renewed certificates")
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        for agent in agents.values():
+            agent.stop()
 
 
 def test_the_signer_approves_for_weft_io_mesh_only_and_a_node_approves_nothing(api, signer, tmp_path):
