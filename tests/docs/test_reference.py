@@ -288,7 +288,8 @@ def _events() -> dict[str, set[str]]:
     """Every structlog event name in shim/ and hooks/ -> the levels it is logged at.
 
     A log call's first argument (``_log.info("peer.up", ...)``), and the ``failed=`` event of a background
-    loop (``Periodic(..., failed="watchdog.failed")``), which the loop logs with its traceback, as an error.
+    loop (``Periodic(..., failed="watchdog.failed")``), which the loop logs with its traceback, as an error,
+    and a pod watch's ``failed_event`` (``PodWatch``), logged as a warning before it retries.
     """
     out: dict[str, set[str]] = {}
     files = [p for p in sorted((ROOT / "shim").rglob("*.py")) if "_pb" not in p.parts]
@@ -305,6 +306,11 @@ def _events() -> dict[str, set[str]]:
                     if kw.arg == "failed":
                         for name in _names(kw.value, where):
                             out.setdefault(name, set()).add("error")
+            if isinstance(node.func, ast.Name) and node.func.id == "PodWatch":
+                for kw in node.keywords:
+                    if kw.arg == "failed_event":  # a failed list or watch, retried: a warning
+                        for name in _names(kw.value, where):
+                            out.setdefault(name, set()).add("warning")
     return out
 
 
