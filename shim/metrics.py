@@ -79,6 +79,14 @@ class Metrics:
             "weft_remote_containers", "Containers this origin runs on peers now.", registry=self.registry)
         self.mesh_peer_up = Gauge("weft_mesh_peer_up", "1 while a mesh peer answers Hello and says it is healthy.",
                                   ["peer"], registry=self.registry)
+        self.mesh_tracked_peers = Gauge("weft_mesh_tracked_peers", "Peers said Hello to in the last round, by why "
+                                        "(fleet, business, candidate, probe, refresh).", ["reason"],
+                                        registry=self.registry)
+        self.mesh_connections = Gauge("weft_mesh_connections", "Mesh connections this node holds open to peers.",
+                                      registry=self.registry)
+        self.mesh_refreshes = Counter("weft_mesh_refreshes", "On-demand refreshes (placement needed more room than "
+                                      "the candidates had), by result (found, none).", ["result"],
+                                      registry=self.registry)
         self.shadows_fenced = Counter("weft_shadows_fenced", "Shadows this host killed because their origin "
                                       "was silent for the fence timeout, by origin.", ["peer"],
                                       registry=self.registry)

@@ -15,6 +15,7 @@ answered that it will not deal with us).
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -66,12 +67,23 @@ class PeerClient:
         self.hello_timeout = hello_timeout
         self.admit_timeout = admit_timeout
         self._tls = tls
+        # The channel is made on first use and may be let go when idle (``release``): a node of a large fleet
+        # holds connections only to the peers it has business with. The next call makes it again.
         self._lock = threading.Lock()
-        self._open()
+        self._channel: grpc.Channel | None = None
+        self._stub_: pb_grpc.MeshStub | None = None
+        self._generation = 0  # of this node's TLS when the channel was opened (shim.mesh.tlsreload)
+        self._closed = False
+        self._calls = 0  # unary calls in flight
+        self._streams = 0  # streams open (Watch included)
+        self._business = 0  # streams open other than Watch
+        self.last_used = time.monotonic()
+        # Told of every Admit answered (request, answer): the mesh node learns a peer's room from it.
+        self.on_admit: Callable[[str, pb.AdmitRequest, pb.AdmitResponse], None] | None = None
 
-    def _open(self) -> None:
+    def _open(self) -> pb_grpc.MeshStub:
         key_pem, cert_pem, ca_pem = self._tls
-        self._generation = generation_of(self._tls)  # of this node's TLS (shim.mesh.tlsreload)
+        self._generation = generation_of(self._tls)
         credentials = grpc.ssl_channel_credentials(
             root_certificates=ca_pem, private_key=key_pem, certificate_chain=cert_pem)
         self._channel = grpc.secure_channel(self.address, credentials, options=[
@@ -83,56 +95,118 @@ class PeerClient:
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             *KEEPALIVE_OPTIONS,
         ])
-        self._stub_ = pb_grpc.MeshStub(self._channel)
+        return pb_grpc.MeshStub(self._channel)
+
+    def _acquire(self, *, calls: int = 0, streams: int = 0, business: int = 0) -> pb_grpc.MeshStub:
+        """The stub (the channel made if need be), counting what is about to use it, in one step: a
+        ``release`` never closes a channel a call has been handed."""
+        with self._lock:
+            if self._closed:
+                raise PeerUnavailable(f"the client of peer {self.node} is closed (no longer a peer)", node=self.node)
+            if self._stub_ is not None and generation_of(self._tls) != self._generation:
+                # This node's certificate was renewed: new calls go on a new channel, which presents it (a channel
+                # reconnecting with the old one is refused once that expires). The old channel is closed if idle,
+                # else left to finish the streams it carries (gRPC frees it with its last call).
+                old, self._channel, self._stub_ = self._channel, None, None
+                if old is not None and not (self._calls or self._streams):
+                    old.close()
+            if self._stub_ is None:
+                self._stub_ = self._open()
+            self._calls += calls
+            self._streams += streams
+            self._business += business
+            self.last_used = time.monotonic()
+            return self._stub_
+
+    # -- what the mesh node reads to keep or let go of the connection ---------------------
+    @property
+    def connected(self) -> bool:
+        return self._channel is not None
 
     @property
-    def _stub(self) -> pb_grpc.MeshStub:
-        """The stub; on a new channel once this node's certificate was renewed, which presents it (a channel
-        reconnecting with the old one is refused once that expires). The old channel is left to finish the
-        streams it carries (gRPC frees it with its last call)."""
+    def busy(self) -> bool:
+        """A call in flight or a stream other than Watch open: the node has business with this peer."""
         with self._lock:
-            if generation_of(self._tls) != self._generation:
-                self._open()
-            return self._stub_
+            return self._calls > 0 or self._business > 0
+
+    def idle_for(self, now: float) -> float:
+        """Seconds since the last use, 0 while anything (a Watch too) is open on the connection."""
+        with self._lock:
+            return 0.0 if self._calls or self._streams else now - self.last_used
+
+    def release(self, idle_s: float) -> bool:
+        """Close the connection if nothing has used it for ``idle_s`` (the next call opens it again); True when
+        nothing is held now."""
+        with self._lock:
+            if self._calls or self._streams or time.monotonic() - self.last_used < idle_s:
+                return False
+            channel, self._channel, self._stub_ = self._channel, None, None
+        if channel is not None:
+            channel.close()
+        return True
+
+    def _stream(self, open_call: Callable[[pb_grpc.MeshStub], T], *, business: bool = True) -> T:
+        stub = self._acquire(streams=1, business=int(business))
+        try:
+            call = open_call(stub)
+        except BaseException:
+            with self._lock:
+                self._streams -= 1
+                self._business -= int(business)
+            raise
+
+        def done(_call: object) -> None:
+            with self._lock:
+                self._streams -= 1
+                self._business -= int(business)
+                self.last_used = time.monotonic()
+
+        call.add_done_callback(done)  # type: ignore[attr-defined]
+        return call
 
     def hello(self, origin_state: pb.PeerState) -> pb.PeerState:
         """Tell the peer who we are; its answer is its own state."""
-        return self._call("Hello", self._stub.Hello, pb.HelloRequest(origin=origin_state), self.hello_timeout)
+        return self._call("Hello", lambda s: s.Hello, pb.HelloRequest(origin=origin_state), self.hello_timeout)
 
     def admit(self, request: pb.AdmitRequest) -> pb.AdmitResponse:
-        return self._call("Admit", self._stub.Admit, request, self.admit_timeout)
+        answer = self._call("Admit", lambda s: s.Admit, request, self.admit_timeout)
+        if self.on_admit is not None:
+            self.on_admit(self.node, request, answer)
+        return answer
 
     def run_shadow(self, request: pb.RunShadowRequest, timeout: float = SHADOW_TIMEOUT_S) -> pb.ShadowState:
-        return self._call("RunShadow", self._stub.RunShadow, request, timeout)
+        return self._call("RunShadow", lambda s: s.RunShadow, request, timeout)
 
     def start_shadow(self, origin: str, key: str) -> pb.ShadowState:
-        return self._call("StartShadow", self._stub.StartShadow, pb.ShadowRef(origin_node=origin, key=key),
+        return self._call("StartShadow", lambda s: s.StartShadow, pb.ShadowRef(origin_node=origin, key=key),
                           SHADOW_TIMEOUT_S)
 
     def shadow_status(self, origin: str, key: str) -> pb.ShadowState:
-        return self._call("ShadowStatus", self._stub.ShadowStatus, pb.ShadowRef(origin_node=origin, key=key),
+        return self._call("ShadowStatus", lambda s: s.ShadowStatus, pb.ShadowRef(origin_node=origin, key=key),
                           self.hello_timeout)
 
     def remove_shadow(self, origin: str, key: str) -> bool:
-        return self._call("RemoveShadow", self._stub.RemoveShadow, pb.ShadowRef(origin_node=origin, key=key),
+        return self._call("RemoveShadow", lambda s: s.RemoveShadow, pb.ShadowRef(origin_node=origin, key=key),
                           SHADOW_TIMEOUT_S).removed
 
     def call(self, origin: str, key: str, method: str, request: bytes, timeout: float) -> bytes:
         """A CRI call on the shadow of ``key`` (ExecSync, ContainerStats, ...): the host's containerd answers."""
         req = pb.ShadowCallRequest(origin_node=origin, key=key, method=method, request=request)
-        return self._call(method, self._stub.ShadowCall, req, timeout).response
+        return self._call(method, lambda s: s.ShadowCall, req, timeout).response
 
     def sync_volumes(self, origin: str, key: str, volumes) -> int:
         req = pb.SyncVolumesRequest(origin_node=origin, key=key, volumes=volumes)
-        return self._call("SyncVolumes", self._stub.SyncVolumes, req, SHADOW_TIMEOUT_S).changed
+        return self._call("SyncVolumes", lambda s: s.SyncVolumes, req, SHADOW_TIMEOUT_S).changed
 
     def watch(self, origin: str, keys: list[str], heartbeat_s: float):
         """The host's pushed shadow states; a ``grpc`` call object (iterate it, ``cancel()`` it)."""
-        return self._stub.Watch(pb.WatchRequest(origin_node=origin, keys=keys, heartbeat_s=heartbeat_s))
+        req = pb.WatchRequest(origin_node=origin, keys=keys, heartbeat_s=heartbeat_s)
+        return self._stream(lambda s: s.Watch(req), business=False)
 
     def stream_log(self, origin: str, key: str, offset: int):
         """The shadow's log from ``offset``; a ``grpc`` call object (iterate it, ``cancel()`` it)."""
-        return self._stub.StreamLog(pb.LogRequest(origin_node=origin, key=key, offset=offset))
+        req = pb.LogRequest(origin_node=origin, key=key, offset=offset)
+        return self._stream(lambda s: s.StreamLog(req))
 
     def open_tunnel(self, origin: str, key: str, *, stream_url: str = "", port: int = 0) -> pb.TunnelGrant:
         """A one-time token for a tunnel to the shadow's stream URL or port (``shim.mesh.tunnel.dial`` it)."""
@@ -141,13 +215,13 @@ class PeerClient:
             req.stream_url = stream_url
         else:
             req.port = port
-        return self._call("OpenTunnel", self._stub.OpenTunnel, req, self.hello_timeout)
+        return self._call("OpenTunnel", lambda s: s.OpenTunnel, req, self.hello_timeout)
 
     def stitch(self, origin: str, key: str, ports, declared=None, origin_pod_ip: str = ""):
         """The shadow's stitched network; a ``grpc`` call object of StitchEvents (iterate it, ``cancel()`` it)."""
         req = pb.StitchRequest(origin_node=origin, key=key, ports=sorted(ports), declared=sorted(declared or ()),
                                has_declared=declared is not None, origin_pod_ip=origin_pod_ip)
-        return self._stub.Stitch(req)
+        return self._stream(lambda s: s.Stitch(req))
 
     def unavailable(self, method: str, exc: grpc.RpcError) -> WeftError:
         """The typed error for a failed stream, as ``_call`` gives for unary calls."""
@@ -159,7 +233,11 @@ class PeerClient:
                                f"{details}", node=self.node, status=code)
 
     def close(self) -> None:
-        self._channel.close()
+        with self._lock:
+            self._closed = True
+            channel, self._channel, self._stub_ = self._channel, None, None
+        if channel is not None:
+            channel.close()
 
     def __enter__(self) -> PeerClient:
         return self
@@ -167,8 +245,16 @@ class PeerClient:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _call(self, method: str, fn: Callable[..., T], request: object, timeout: float) -> T:
+    def _call(self, method: str, fn: Callable[[pb_grpc.MeshStub], Callable[..., T]], request: object,
+              timeout: float) -> T:
+        stub = self._acquire(calls=1)
         try:
-            return fn(request, timeout=timeout)
+            return fn(stub)(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise self.unavailable(method, exc) from exc
+        except ValueError as exc:  # the channel was closed under the call (the peer left the mesh)
+            raise PeerUnavailable(f"peer {self.node}: {exc}", node=self.node) from exc
+        finally:
+            with self._lock:
+                self._calls -= 1
+                self.last_used = time.monotonic()

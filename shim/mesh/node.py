@@ -1,26 +1,35 @@
-"""This agent's place in the mesh: serve it, find peers, and keep a fresh view of each.
+"""This agent's place in the mesh: serve it, find peers, and keep a fresh view of those it deals with.
 
 Started by the agent when ``mesh.address`` is set. Peers come from a static
 peers file or from Kubernetes (the DaemonSet's EndpointSlices); every
-``hello_interval`` the node says Hello to each peer over mutual TLS and
-keeps what the peer answers (role, free capacity, health) as a
-``shim.core.reroute.PeerView``: what placement reads. A peer that stops
-answering is marked unhealthy at once and logged once (``peer.lost``), and
-logged again when it is back (``peer.up``).
+``hello_interval`` the node says Hello over mutual TLS to the peers
+``shim.core.tracking`` picks (every peer in a small fleet; in a large one,
+those it has business with, and on a node that places containers a bounded
+set of candidate CPU hosts plus a few probes rotating through the fleet), and
+keeps what each answers (role, free capacity, health) as a
+``shim.core.reroute.PeerView``: what placement reads. When placement needs
+more room than the candidates have, ``views`` asks cold hosts at once
+(``refresh``). Connections are made on first use and closed when idle. A
+peer that stops answering is marked unhealthy at once and logged once
+(``peer.lost``), and logged again when it is back (``peer.up``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from shim import log
 from shim._pb import mesh_pb2 as pb
+from shim.core import tracking
 from shim.core.reroute import PeerView, Resources
+from shim.core.tracking import ANY_ROOM, Known, TrackReason
 from shim.errors import WeftError
 from shim.kube.access import ApiAccess
 from shim.mesh.capacity import DRAINING, CapacityProbe, fixed_host
@@ -39,6 +48,18 @@ from shim.mesh.tlsreload import NodeTls
 from shim.periodic import Periodic
 
 _log = log.get("weft.mesh")
+
+# A peer this node used (a client handed out, a call made) this recently still counts as business.
+BUSINESS_S = 30.0
+# A connection nothing has used for this long is closed (the next call opens it again).
+IDLE_S = 10.0
+# An on-demand refresh asks this many cold hosts at once, for at most this long in all; after one that found
+# no room, placement does not ask again for the same need or more for a while.
+REFRESH_BATCH = 16
+REFRESH_BUDGET_S = 2.0
+NO_ROOM_HOLD_S = 5.0
+# A discovery change logs the peers' names only for a fleet this small (their count always).
+LOGGED_NAMES = 64
 
 
 @dataclass
@@ -87,6 +108,19 @@ class MeshNode:
         self._stop = threading.Event()
         self._hellos = Periodic("weft-mesh-hello", hello_interval, self.hello_all, failed="mesh.hello_failed",
                                first=True)
+        # Who gets Hellos (shim.core.tracking): candidates on a node that places, business, probes.
+        self.limit = tracking.TRACKED_PEERS
+        self.placing = "gpu" in role.split(",")  # a host-only node starts placing once placement asks
+        self._candidates: set[str] = set()
+        self._tracked: dict[str, TrackReason] = {}
+        self._cursor = ""
+        self._round = 0
+        self._used: dict[str, float] = {}  # node -> monotonic time this node last used its client
+        self._last_need: Resources | None = None
+        self._no_room: tuple[float, Resources] | None = None
+        self._refresh_lock = threading.Lock()
+        self._known_cache: list[Known] | None = None
+        self._pool = ThreadPoolExecutor(max_workers=REFRESH_BATCH, thread_name_prefix="weft-mesh-hello")
         # Last time each peer was heard from (monotonic); a restarted origin gives every host the loss timeout.
         self._contact: dict[str, float] = {}
         self._started = time.monotonic()
@@ -107,7 +141,10 @@ class MeshNode:
         self._stop.set()
         self._hellos.stop()
         self.server.stop()
-        for c in self._clients.values():
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            clients = list(self._clients.values())
+        for c in clients:
             c.close()
 
     def _set_peers(self, peers: list[Peer]) -> None:
@@ -124,25 +161,164 @@ class MeshNode:
                     self._records[node] = PeerRecord(peer, role=self._declared.get(node, ""))
                     old = self._clients.pop(node, None)
                     if old is not None:
-                        old.close()
-                    self._clients[node] = PeerClient(node, peer.target, self.tls)
+                        old.close()  # made again, to the new address, on first use
+            self._candidates &= set(wanted)
+            self._known_cache = None
             # Only nodes we know may talk to us.
             self.policy.set_known(set(wanted))
-        _log.info("mesh.peers", peers=sorted(wanted))
+        names = sorted(wanted)
+        _log.info("mesh.peers", peers=names if len(names) <= LOGGED_NAMES else names[:LOGGED_NAMES], count=len(names))
 
     # -- hello ---------------------------------------------------------------------
+    def _client(self, node: str) -> PeerClient | None:
+        """The peer's client, made on first use; None for a node that is not a peer. Call with the lock held."""
+        client = self._clients.get(node)
+        if client is None:
+            rec = self._records.get(node)
+            if rec is None:
+                return None
+            client = self._clients[node] = PeerClient(node, rec.peer.target, self.tls)
+            client.on_admit = self._admitted
+        return client
+
+    def _known(self) -> list[Known]:
+        """Every peer and whether it may host, by node name (kept until the peers or a role change). Call with
+        the lock held."""
+        if self._known_cache is None:
+            self._known_cache = [Known(node, not rec.role or "cpu" in rec.role.split(","))
+                                 for node, rec in sorted(self._records.items())]
+        return self._known_cache
+
+    def business(self) -> set[str]:
+        """Peers with a call or stream open from here (Watch aside), or used within ``BUSINESS_S``."""
+        now = time.monotonic()
+        with self._lock:
+            for n in [n for n, t in self._used.items() if now - t > BUSINESS_S]:
+                del self._used[n]
+            busy = {n for n, c in self._clients.items() if c.busy}
+            return busy | {n for n in self._used if n in self._records}
+
     def hello_all(self) -> None:
         mine = self.probe.sample()
         mine.node = self.node
+        business = self.business()
         with self._lock:
-            targets = list(self._clients.items())
-        for node, client in targets:
+            plan = tracking.plan_round(self._known(), self._candidates, business, placing=self.placing,
+                                       limit=self.limit, cursor=self._cursor,
+                                       candidates_due=self._round % tracking.candidate_every(self.hello_interval) == 0)
+            self._round += 1
+            self._cursor = plan.cursor
+            self._tracked = dict(plan.hello)
+        self._hello(list(plan.nodes), mine)
+        probed = {n for n, why in plan.hello if why is TrackReason.PROBE}
+        with self._lock:
+            if self.placing:
+                self._candidates = set(tracking.choose_candidates(
+                    self._views(self._candidates | probed), limit=self.limit))
+            keep = (set(plan.nodes) | self._candidates) - (probed - self._candidates)
+        self._let_go(keep)
+        self._count()
+
+    def _hello(self, nodes: list[str], mine: pb.PeerState) -> None:
+        """Hello to each of ``nodes`` (at most ``REFRESH_BATCH`` at once), marking what each answers."""
+        def one(node: str) -> None:
+            with self._lock:
+                client = self._client(node)
+            if client is None:
+                return
             try:
                 state = client.hello(mine)
             except WeftError as exc:
                 self._mark(node, None, exc.message)
             else:
                 self._mark(node, state, "")
+
+        if len(nodes) == 1:
+            one(nodes[0])
+            return
+        for f in [self._pool.submit(one, n) for n in nodes]:
+            f.result()
+
+    def _let_go(self, keep: set[str]) -> None:
+        """Close the idle connections of peers no longer said Hello to, and forget their gauge."""
+        with self._lock:
+            gone = [(n, c) for n, c in self._clients.items() if n not in keep]
+        for node, client in gone:
+            if client.release(0.0 if node not in self._used else IDLE_S):
+                with self._lock:  # forgotten too: what the node holds stays bounded by what it deals with
+                    if self._clients.get(node) is client:
+                        del self._clients[node]
+                with contextlib.suppress(KeyError):
+                    self.metrics.mesh_peer_up.remove(node)
+
+    def _count(self) -> None:
+        counts = {why: 0 for why in TrackReason}
+        with self._lock:
+            for why in self._tracked.values():
+                counts[why] += 1
+            if counts[TrackReason.FLEET] == 0:
+                counts[TrackReason.CANDIDATE] = len(self._candidates)  # said Hello to every few rounds
+            open_now = sum(1 for c in self._clients.values() if c.connected)
+        for why, n in counts.items():
+            self.metrics.mesh_tracked_peers.labels(why.value).set(n)
+        self.metrics.mesh_connections.set(open_now)
+
+    def _admitted(self, node: str, request: pb.AdmitRequest, answer: pb.AdmitResponse) -> None:
+        """An Admit answered: what placement asked is the need to refresh for; a refusal tells the peer's room."""
+        need = Resources(request.limits.cpu_cores, request.limits.memory_bytes)
+        with self._lock:
+            self._last_need = need
+            rec = self._records.get(node)
+            # A refusal in a large fleet says the host is fuller than its last Hello: the next placement then
+            # looks further (refresh) rather than at it again. A small fleet reads its Hellos only, as before.
+            if (answer.admitted or rec is None or rec.state is None or not answer.HasField("free_after")
+                    or tracking.small_fleet(self._records, self.limit)):
+                return
+            state = pb.PeerState()
+            state.CopyFrom(rec.state)
+            state.free.CopyFrom(answer.free_after)
+            rec.state, rec.seen_at = state, time.monotonic()
+
+    # -- on demand ----------------------------------------------------------------------
+    def refresh(self, need: Resources) -> list[str]:
+        """Ask cold CPU hosts, in rotation, until one has room for ``need`` (or the budget is spent); those with
+        room become candidates. The hosts found with room, by name."""
+        with self._refresh_lock:
+            now = time.monotonic()
+            business = self.business()
+            with self._lock:
+                if tracking.fits(need, self._views(self._candidates | business)):
+                    return []  # another placement refreshed while this one waited
+                held = self._no_room
+                if held is not None and now - held[0] < NO_ROOM_HOLD_S and held[1].fits_in(need):
+                    return []
+                order = tracking.refresh_order(self._known(), self._candidates | set(self._tracked),
+                                               start=self._cursor)
+            mine = self.probe.sample()
+            mine.node = self.node
+            found: list[str] = []
+            asked = 0
+            deadline = now + REFRESH_BUDGET_S
+            for i in range(0, len(order), REFRESH_BATCH):
+                batch = list(order[i:i + REFRESH_BATCH])
+                self._hello(batch, mine)
+                asked += len(batch)
+                with self._lock:
+                    self._cursor = batch[-1]
+                    views = self._views(set(batch))
+                    found = [v.node for v in views if tracking.fits(need, [v])]
+                    if found:
+                        self._candidates = set(tracking.choose_candidates(
+                            self._views(self._candidates | set(found)), limit=self.limit)) | set(found)
+                        self._tracked.update({n: TrackReason.REFRESH for n in found})
+                if found or time.monotonic() > deadline:
+                    break
+            self._no_room = None if found else (time.monotonic(), need)
+            ms = round((time.monotonic() - now) * 1000, 1)
+        self.metrics.mesh_refreshes.labels("found" if found else "none").inc()
+        _log.info("mesh.refreshed", need=str(need), asked=asked, found=found, ms=ms)
+        self._let_go(set(self._tracked) | set(found))
+        return found
 
     def _mark(self, node: str, state: pb.PeerState | None, error: str) -> None:
         with self._lock:
@@ -151,6 +327,8 @@ class MeshNode:
                 return
             was = rec.healthy
             if state is not None:
+                if rec.role != state.role:
+                    self._known_cache = None
                 rec.state, rec.seen_at, rec.role, rec.error = state, time.monotonic(), state.role, ""
                 self._contact[node] = rec.seen_at
                 rec.healthy = state.healthy
@@ -164,13 +342,23 @@ class MeshNode:
 
     # -- what the origin's remote containers use ----------------------------------------
     def client(self, node: str) -> PeerClient | None:
+        """The client of peer ``node`` (connected on first use); None when ``node`` is not a peer. Using it makes
+        ``node`` business for a while: it is said Hello to, and its connection kept."""
         with self._lock:
-            return self._clients.get(node)
+            client = self._client(node)
+            if client is not None:
+                self._used[node] = time.monotonic()
+            return client
 
     def hosts(self) -> list[str]:
-        """Peers that may host containers: CPU hosts as they said or as declared, and those not yet heard."""
+        """Peers that may host containers (CPU hosts as they said or as declared, and those not yet heard) that
+        this node deals with: every one in a small fleet; in a large one, those it has business with (the
+        origin's Watch goes to these, and to the hosts of its shadows)."""
+        business = self.business()
         with self._lock:
-            return sorted(n for n, rec in self._records.items() if not rec.role or "cpu" in rec.role.split(","))
+            nodes = self._records if tracking.small_fleet(self._records, self.limit) else business
+            return sorted(n for n in nodes if (rec := self._records.get(n)) is not None
+                          and (not rec.role or "cpu" in rec.role.split(",")))
 
     def heard(self, node: str) -> None:
         """A message from ``node`` arrived (a Watch heartbeat or state): it is alive."""
@@ -201,20 +389,40 @@ class MeshNode:
             _log.info("mesh.draining" if on else "mesh.undrained", node=self.node)
 
     # -- what placement and status read -----------------------------------------------
-    def views(self) -> list[PeerView]:
-        now = time.monotonic()
+    def views(self, need: Resources | None = None) -> list[PeerView]:
+        """The peers this node keeps fresh (every peer in a small fleet), by node name.
+
+        Placement asks here: when none of them would admit ``need`` (without one, the last Admit's limits, or
+        any room at all), cold hosts are asked at once (``refresh``) and those with room join the views.
+        """
+        self.placing = True
         with self._lock:
-            out = []
-            for node, rec in self._records.items():
-                free = rec.state.free if rec.state is not None else None
-                # A peer's numbers are only claims: one that is not a finite, non-negative amount counts as none.
-                cpu = free.cpu_cores if free is not None and math.isfinite(free.cpu_cores) else 0.0
-                out.append(PeerView(
-                    node=node, cpu_host="cpu" in rec.role.split(","), healthy=rec.healthy,
-                    free=Resources(max(0.0, cpu), free.memory_bytes if free is not None else 0),
-                    sampled_age_s=(now - rec.seen_at) if rec.seen_at else float("inf"),
-                    draining=rec.state is not None and rec.state.health_detail == DRAINING))
-            return sorted(out, key=lambda v: v.node)
+            small = tracking.small_fleet(self._records, self.limit)
+            views = self._views(set(self._records) if small else self._candidates | set(self._tracked))
+            want = need or self._last_need or ANY_ROOM
+        if small or tracking.fits(want, views):
+            return views
+        self.refresh(want)
+        with self._lock:
+            return self._views(self._candidates | set(self._tracked))
+
+    def _views(self, nodes: set[str]) -> list[PeerView]:
+        """The views of ``nodes`` that are peers, by node name. Call with the lock held."""
+        now = time.monotonic()
+        out = [v for n in nodes if (rec := self._records.get(n)) is not None
+               and (v := self._view(n, rec, now)) is not None]
+        return sorted(out, key=lambda v: v.node)
+
+    @staticmethod
+    def _view(node: str, rec: PeerRecord, now: float) -> PeerView:
+        free = rec.state.free if rec.state is not None else None
+        # A peer's numbers are only claims: one that is not a finite, non-negative amount counts as none.
+        cpu = free.cpu_cores if free is not None and math.isfinite(free.cpu_cores) else 0.0
+        return PeerView(
+            node=node, cpu_host="cpu" in rec.role.split(","), healthy=rec.healthy,
+            free=Resources(max(0.0, cpu), free.memory_bytes if free is not None else 0),
+            sampled_age_s=(now - rec.seen_at) if rec.seen_at else float("inf"),
+            draining=rec.state is not None and rec.state.health_detail == DRAINING)
 
     def status(self) -> list[dict[str, Any]]:
         now = time.monotonic()

@@ -326,11 +326,13 @@ class MeshServer:
 
 MAX_MESSAGE_BYTES = 80 << 20
 
-# A cut link must end the streams on both sides within seconds, not after TCP's own timeouts.
+# A cut link must end the streams on both sides within seconds, not after TCP's own timeouts. Pings go only
+# while a call or stream is open: an idle connection (a candidate host between Hellos, of thousands) costs
+# nothing, and a call on one that died fails by its deadline.
 KEEPALIVE_OPTIONS = (
     ("grpc.keepalive_time_ms", 2000),
     ("grpc.keepalive_timeout_ms", 2000),
-    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_pings_without_data", 0),
 )

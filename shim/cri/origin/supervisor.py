@@ -1,7 +1,9 @@
 """The origin's background work for its remote containers: status, loss, logs and volumes.
 
-* **Watch**: one stream per CPU host, over which the host pushes its shadows'
-  states as they change and a heartbeat every interval. Each message is
+* **Watch**: one stream per CPU host this origin deals with (every one in a
+  small fleet; its candidates and the hosts of its shadows in a large one,
+  see shim/core/tracking.py), over which the host pushes its shadows' states
+  as they change and a heartbeat every interval. Each message is
   contact with the host; the request lists the keys this origin owns, so the
   host removes shadows it no longer should run.
 * **Loss**: a remote container whose host has not been heard from (Hello or
@@ -40,6 +42,9 @@ from shim.errors import WeftError
 from shim.periodic import Periodic
 
 _log = log.get("weft.remote")
+
+# How often the supervisor reads which hosts its placement records name (a shadow may be on one of them).
+PLACED_EVERY_S = 5.0
 
 
 class LogCopy:
@@ -157,6 +162,9 @@ class RemoteSupervisor:
         self._watches: dict[str, threading.Thread] = {}
         self._calls: dict[str, Any] = {}
         self._last_msg: dict[str, float] = {}
+        self._wanted: set[str] = set()
+        self._placed: set[str] = set()
+        self._placed_at = -PLACED_EVERY_S
         self._volume_digest: dict[str, str] = {}
         self._stop = threading.Event()
         self._lock = threading.Lock()
@@ -212,8 +220,13 @@ class RemoteSupervisor:
 
     def _ensure_watches(self) -> None:
         mesh = self.fabric.mesh
-        nodes = set(mesh.hosts()) | {r.node for r in self.fabric.remotes.all()}
+        # The hosts this node deals with (every one in a small fleet), and wherever it has or had a shadow.
+        nodes = set(mesh.hosts()) | {r.node for r in self.fabric.remotes.all()} | self._placed_on()
+        self._wanted = nodes
         now = time.monotonic()
+        for node, call in list(self._calls.items()):
+            if node not in nodes:
+                call.cancel()  # no longer a host of ours: the stream ends, its thread with it
         for node in nodes:
             t = self._watches.get(node)
             if t is None or not t.is_alive():
@@ -225,6 +238,14 @@ class RemoteSupervisor:
             if call is not None and now - self._last_msg.get(node, now) > max(3 * self.heartbeat, 5.0):
                 call.cancel()
 
+    def _placed_on(self) -> set[str]:
+        """The hosts of this origin's placement records (pending ones too), read again every few seconds."""
+        now = time.monotonic()
+        if now - self._placed_at > PLACED_EVERY_S:
+            self._placed = {p.remote_node for p in self.fabric.store.remote_placements() if p.remote_node}
+            self._placed_at = now
+        return self._placed
+
     def _keys_on(self, node: str) -> list[str]:
         fabric = self.fabric
         keys = {r.key for r in fabric.remotes.on_node(node)}
@@ -234,6 +255,8 @@ class RemoteSupervisor:
     def _watch(self, node: str) -> None:
         mesh = self.fabric.mesh
         while not self._stop.is_set():
+            if node not in self._wanted:
+                return  # no longer a host of ours: _ensure_watches starts another if it becomes one again
             client = mesh.client(node)
             if client is None:
                 return  # no longer a peer: _ensure_watches starts another if it comes back
