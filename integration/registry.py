@@ -104,20 +104,22 @@ http:
         # A pull adds its tag to the node's copy of the image: left there, the next test on this node's containerd
         # sees ``busybox`` named after a registry that no longer runs (ContainerStatus reports the first tag).
         for node in (self.node, *self.clients):
-            if node.running() and self.pushed:
+            if node.running and self.pushed:
                 subprocess.run(["ctr", "-a", str(node.socket), "-n", "k8s.io", "images", "rm", *self.pushed],
                                capture_output=True, text=True)
 
     def stop(self) -> None:
-        self._forget_pulled()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        self.proc = None
+        try:
+            self._forget_pulled()
+        finally:
+            if self.proc is not None and self.proc.poll() is None:
+                self.proc.terminate()
+                try:
+                    self.proc.wait(10)
+                except subprocess.TimeoutExpired:
+                    self.proc.kill()
+                    self.proc.wait()
+            self.proc = None
 
     def __enter__(self) -> Registry:
         return self.start()

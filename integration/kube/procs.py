@@ -5,18 +5,13 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from shim.localfabric.agent import free_port  # noqa: F401 - the kube harness takes its ports from here too
 
 
 def tail(path: Path, lines: int = 30) -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -24,10 +25,26 @@ import grpc
 from shim.localfabric.containerd import Containerd
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on ``host`` now, drawn from below the kernel's ephemeral range.
+
+    A port the kernel hands out for ``bind(0)`` is handed out again to the next
+    ``bind(0)``, in this namespace or in a node's own (the agent's tunnel port
+    is one): a chosen port from that range once collided with it.
+    """
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    floor = min(10000, low // 2)
+    for _ in range(200):
+        port = random.randrange(floor, low)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+            return port
+    raise RuntimeError(f"no free port on {host} in {floor}-{low - 1}")
 
 
 @dataclass
