@@ -8,9 +8,11 @@ is a private one for tests that stop or restart it. ``agent`` is a real
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import os
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,12 +21,37 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
+from integration.kube.fixture import FIGURES_ENV
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import SLOT_DIR, Containerd
 
 # Modules that run real Kubernetes components (kube/build.sh's binaries). They go last, so that the build
 # scripts/test.sh starts in the background has the whole run before them to finish in.
 _KUBE_MODULES = ("test_kube_", "test_critest")
+_FIGURES = pytest.StashKey[str]()
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # The file the workers of a parallel run (pytest-xdist) write their figures to (kube/fixture.report);
+    # named here, in the controller, before the workers start, so they inherit it.
+    if not hasattr(config, "workerinput") and FIGURES_ENV not in os.environ:
+        fd, path = tempfile.mkstemp(prefix="weft-figures-", suffix=".txt")
+        os.close(fd)
+        os.environ[FIGURES_ENV] = path
+        config.stash[_FIGURES] = path
+
+
+def pytest_terminal_summary(terminalreporter, config: pytest.Config) -> None:
+    path = config.stash.get(_FIGURES, None)
+    if path is None:
+        return
+    with contextlib.suppress(FileNotFoundError):
+        lines = Path(path).read_text().splitlines()
+        os.unlink(path)
+        if lines:
+            terminalreporter.section("figures measured by the integration tests")
+            for line in lines:
+                terminalreporter.write_line(line)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -11,4 +11,6 @@ cd "$ROOT"
 "$VENV/bin/lint-imports"
 # The tests that run real Kubernetes components go last (integration/conftest.py); by then the build has had
 # the time the others left idle, and kube/build.sh waits for it (a lock) if it has not finished.
-"$VENV/bin/pytest" "$@"
+# On WEFT_TEST_WORKERS workers (pytest-xdist; 0: one process), a module to a worker, since a module's tests share
+# its fabric or cluster: most of the time an integration test waits on daemons, not on the CPU.
+"$VENV/bin/pytest" -n "${WEFT_TEST_WORKERS:-3}" --dist loadfile --durations=25 "$@"

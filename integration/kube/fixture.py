@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -10,9 +11,20 @@ import pytest
 
 from integration.kube.cluster import KubeCluster, NodeSpec
 
+FIGURES_ENV = "WEFT_TEST_FIGURES"
+
 
 def report(config: pytest.Config, line: str) -> None:
-    """A figure on the terminal as the run goes (never asserted: figures measure the machine too)."""
+    """A figure on the terminal as the run goes (never asserted: figures measure the machine too).
+
+    In a pytest-xdist worker, whose terminal nobody sees, the line goes to the file the controller named
+    (integration/conftest.py), which prints it with the summary.
+    """
+    figures = os.environ.get(FIGURES_ENV)
+    if hasattr(config, "workerinput") and figures:
+        with open(figures, "a") as f:
+            f.write(f"[weft kube] {line}\n")
+        return
     reporter = config.pluginmanager.get_plugin("terminalreporter")
     capture = config.pluginmanager.get_plugin("capturemanager")
     if reporter is None:
