@@ -2,9 +2,10 @@
 
 Two identical test nodes, each its own containerd, in the same run: critest drives one directly
 and the other through a ``weft agent`` (what kubelet would talk to). The specs containerd itself
-fails here (the baseline: this machine, containerd 1.6, stand-in images) must fail through the
-agent too, and every other spec must pass through it: weft changes nothing for a pod that did not
-opt in. The offline image set comes from a local registry (``integration.kube.critest``).
+fails here (the baseline: this machine, the containerd release ``WEFT_CONTAINERD`` chose, stand-in
+images) must fail through the agent too, and every other spec must pass through it: weft changes
+nothing for a pod that did not opt in. The offline image set comes from a local registry
+(``integration.kube.critest``). The figures name the containerd release, one line per run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import collections
 from pathlib import Path
 
 import pytest
+from cri_api.v1 import api_pb2 as cri
+from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from integration.kube import fixture
 from integration.kube.critest import REGISTRY_HOSTS, critest_images, repository_path, start_critest
@@ -31,6 +34,8 @@ def test_critest_through_the_agent_ends_every_spec_as_containerd_does(request: p
     archives = critest_images(IMAGE_CACHE / "critest")
     with Cluster(n=2, names=["direct", "through-weft"]) as nodes:
         direct, via = nodes.nodes
+        with direct.containerd.channel() as ch:
+            version = cri_grpc.RuntimeServiceStub(ch).Version(cri.VersionRequest(), timeout=10).runtime_version
         registry = Registry(direct.containerd, address=nodes.bridge_ip, clients=(via.containerd,), auth=False)
         with registry, AgentProcess(via.containerd, tmp_path / "agent", netns=via.netns,
                                     metrics_host=via.mesh_ip) as agent:
@@ -54,8 +59,10 @@ def test_critest_through_the_agent_ends_every_spec_as_containerd_does(request: p
                         run.proc.wait()
     counts = {name: collections.Counter(outcomes.values()) for name, outcomes in
               (("containerd directly", baseline), ("through weft", through))}
-    fixture.report(request.config, "critest " + "; ".join(
+    fixture.report(request.config, f"critest, containerd {direct.containerd.line} ({version}): " + "; ".join(
         f"{name}: " + ", ".join(f"{n} {state}" for state, n in sorted(c.items())) for name, c in counts.items()))
+    failed = sorted(spec for spec, state in baseline.items() if state == "failed")
+    fixture.report(request.config, f"critest, containerd {direct.containerd.line}: failed directly: {failed}")
     for run in runs:
         if run.flaky:
             fixture.report(request.config, f"critest {run.name}: passed at the second attempt: {run.flaky}")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import ipaddress
+import json
 import os
 import signal
 import subprocess
@@ -26,8 +27,8 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc
 
-from shim.localfabric import pods
-from shim.localfabric.containerd import NETNS_DIR, Containerd, cgroup_hierarchies
+from shim.localfabric import images, pods
+from shim.localfabric.containerd import NETNS_DIR, Containerd, RuntimeHandler, cgroup_hierarchies, selected_line
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -174,6 +175,67 @@ def test_instances_side_by_side_run_pods_in_their_own_subnets() -> None:
                 rt = api_pb2_grpc.RuntimeServiceStub(ch)
                 items = rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=30).items
             assert [sb.metadata.name for sb in items] == [name]
+
+
+def test_the_chosen_containerd_takes_every_setting_the_harness_writes() -> None:
+    """WEFT_CONTAINERD's containerd runs, and what the harness's config asks for (version 2 for 1.6 and 1.7,
+    version 3 for 2.x) took effect: a setting a release no longer reads would be dropped without a word."""
+    line = selected_line()
+    handler = RuntimeHandler("weft-test", pod_annotations=("weft.io/*",), container_annotations=("weft.io/*",))
+    with Containerd(handlers=[handler]) as ctrd:
+        assert ctrd.line == line and ctrd.workdir is not None
+        with ctrd.channel() as ch:
+            rt = api_pb2_grpc.RuntimeServiceStub(ch)
+            version = rt.Version(cri.VersionRequest(), timeout=10).runtime_version
+            assert version.lstrip("v").startswith(f"{line}."), (line, version)
+            status = rt.Status(cri.StatusRequest(verbose=True), timeout=10)
+            conditions = {c.type: c for c in status.status.conditions}
+            assert conditions["RuntimeReady"].status and conditions["NetworkReady"].status, status.status
+            # 1.7 and 2.x say what they deprecate; nothing may be the config's (a cgroup v1 host is the machine's).
+            warned = conditions.get("ContainerdHasNoDeprecationWarnings")
+            if warned is not None and not warned.status:
+                assert set(json.loads(warned.message)) <= {"io.containerd.deprecation/cgroup-v1"}, warned.message
+            config = json.loads(status.info["config"])
+            runtimes = config["containerd"]["runtimes"]
+            assert config["containerd"]["defaultRuntimeName"] == "runc"
+            assert set(runtimes) == {"runc", "weft-test"}, runtimes
+            for name in runtimes:
+                assert runtimes[name]["runtimeType"] == "io.containerd.runc.v2"
+                assert runtimes[name]["options"]["Root"] == str(ctrd.runc_root)
+                assert runtimes[name]["options"]["SystemdCgroup"] is False
+            assert runtimes["weft-test"]["PodAnnotations"] == ["weft.io/*"]
+            assert runtimes["weft-test"]["ContainerAnnotations"] == ["weft.io/*"]
+            assert config["cni"]["confDir"] == str(ctrd.workdir / "cni")
+            assert config["cni"].get("binDirs", [config["cni"].get("binDir")]) == ["/usr/lib/cni"]
+            assert config["netnsMountsUnderStateDir"] is True and config["restrictOOMScoreAdj"] is True
+            if line != "2":  # 2.x keeps the image service's and the streaming server's settings elsewhere
+                assert config["containerd"]["snapshotter"] == "overlayfs"
+                assert config["sandboxImage"] == images.PAUSE_IMAGE
+                assert config["registry"]["configPath"] == str(ctrd.registry_config_dir)
+                assert config["streamServerAddress"] == "127.0.0.1"
+            if line == "2":  # the handlers CRI's Status lists since 2.0
+                assert {h.name for h in status.runtime_handlers} >= {"runc", "weft-test"}
+
+            sandbox, ip = _run_pod(ctrd, "configured")
+            # The sandbox ran on the harness's pause image (there is no other: no network to pull one) ...
+            imgs = api_pb2_grpc.ImageServiceStub(ch).ListImages(cri.ListImagesRequest(), timeout=30).images
+            pause_images = [i for i in imgs if images.PAUSE_IMAGE in i.repo_tags]
+            assert pause_images, [i.repo_tags for i in imgs]
+            if line != "1.6":
+                assert pause_images[0].pinned, "the sandbox image is not pinned: the setting did not take"
+            # ... in the pod subnet of the harness's CNI config, with its netns under the state directory ...
+            assert ipaddress.ip_address(ip) in ipaddress.ip_network(ctrd.subnet)
+            info = json.loads(rt.PodSandboxStatus(cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox, verbose=True),
+                                                  timeout=30).info["info"])
+            netns = next(ns["path"] for ns in info["runtimeSpec"]["linux"]["namespaces"] if ns["type"] == "network")
+            assert netns.startswith(f"{ctrd.state}/"), netns
+            # ... on the overlayfs snapshotter, with runc's state under the harness's runc root ...
+            assert any((ctrd.root / "io.containerd.snapshotter.v1.overlayfs" / "snapshots").iterdir())
+            assert any(ctrd.runc_root.iterdir())
+            # ... and its streams served on loopback.
+            container = rt.ListContainers(cri.ListContainersRequest(), timeout=30).containers[0]
+            url = rt.Exec(cri.ExecRequest(container_id=container.id, cmd=["true"], stdout=True), timeout=30).url
+            assert url.startswith("http://127.0.0.1:"), url
 
 
 def test_close_leaves_nothing_behind(snapshot: Callable[[Path], Snapshot]) -> None:

@@ -29,7 +29,10 @@ def test_full_pod_lifecycle_through_agent(containerd: Containerd, agent_channel:
     assert version.runtime_name == "containerd"
     assert version.runtime_api_version == "v1"
     conditions = {c.type: c.status for c in rt.Status(cri.StatusRequest()).status.conditions}
-    assert conditions == {"RuntimeReady": True, "NetworkReady": True}
+    ready = {"RuntimeReady": True, "NetworkReady": True}
+    if containerd.line != "1.6":  # 1.7 and 2.x add a condition of their own (false on 2.x on a cgroup v1 host);
+        conditions.pop("ContainerdHasNoDeprecationWarnings", None)  # kubelet heeds only the two above
+    assert conditions == ready
 
     # Images: the locally built ones, as containerd has them.
     tags = {t for i in im.ListImages(cri.ListImagesRequest()).images for t in i.repo_tags}

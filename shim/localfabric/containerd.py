@@ -15,6 +15,13 @@ caller names one) and from it:
   ``shim.localfabric.pods.sandbox_config``);
 - the test images, imported from locally built OCI archives.
 
+Which containerd runs is ``WEFT_CONTAINERD``: ``1.6`` (the default: the
+``containerd`` on PATH, Debian 12's), or ``1.7`` or ``2``, the releases the
+checkout's ``kube/containerd/build.sh`` builds from Go modules (its bin
+directory goes first on containerd's PATH, so containerd finds its own runc
+shim; runc stays the machine's). Tests that depend on one release's behaviour
+ask ``Containerd.line``.
+
 ``close()`` removes everything the instance made, even after a failed test or
 a containerd that a test killed: it restarts containerd if needed, removes
 every pod sandbox through CRI (which tears down pod network namespaces and
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import json
 import os
 import shutil
@@ -50,9 +58,46 @@ NETNS_DIR = Path("/var/run/netns")
 IMAGE_CACHE = Path(os.environ.get("WEFT_HARNESS_CACHE", "/var/cache/weft-harness"))
 MAX_SLOTS = 200
 
+VERSION_ENV = "WEFT_CONTAINERD"
+LINES = ("1.6", "1.7", "2")
+DEFAULT_LINE = "1.6"
+# Only a checkout has the build script; an installed weft runs the containerd on PATH.
+CONTAINERD_BUILD = Path(__file__).resolve().parents[2] / "kube" / "containerd" / "build.sh"
+
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(argv, check=check, capture_output=True, text=True)
+
+
+def selected_line() -> str:
+    """The containerd release line ``WEFT_CONTAINERD`` asks for (``1.6`` when unset)."""
+    line = os.environ.get(VERSION_ENV) or DEFAULT_LINE
+    if line not in LINES:
+        raise ValueError(f"{VERSION_ENV}={line!r}: want one of {', '.join(LINES)}")
+    return line
+
+
+@functools.cache
+def bin_dir(line: str) -> Path | None:
+    """Where ``line``'s containerd and runc shim are; None for the default, the ones on PATH.
+
+    Runs kube/containerd/build.sh, which answers at once from its cache and builds (minutes) when the
+    pins are not built yet; scripts/test.sh starts that build in the background first.
+    """
+    if line == DEFAULT_LINE:
+        return None
+    if line not in LINES:
+        raise ValueError(f"containerd line {line!r}: want one of {', '.join(LINES)}")
+    if not CONTAINERD_BUILD.is_file():
+        raise RuntimeError(f"containerd {line} is built by kube/containerd/build.sh, which only a checkout has")
+    res = subprocess.run(["bash", str(CONTAINERD_BUILD), line], capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0:
+        raise RuntimeError(f"kube/containerd/build.sh {line} failed ({res.returncode}):\n"
+                           f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
+    found = Path(res.stdout.strip().splitlines()[-1])
+    if not (found / "containerd").is_file():
+        raise RuntimeError(f"{found} has no containerd: kube/containerd/build.sh did not build it")
+    return found
 
 
 def cgroup_hierarchies() -> list[Path]:
@@ -105,12 +150,14 @@ class Containerd:
     """One containerd with everything of its own. Use as a context manager.
 
     ``slot`` 0 takes the lowest free slot; any other number claims exactly that
-    one, and fails if a live holder has it.
+    one, and fails if a live holder has it. ``line`` is the containerd release
+    line that runs (see the module's docstring).
     """
 
     workdir: Path | None = None
     handlers: list[RuntimeHandler] = field(default_factory=list)
     slot: int = 0
+    line: str = field(default_factory=selected_line)
     _lock_fd: int | None = None
     _proc: subprocess.Popen[bytes] | None = None
     _owns_workdir: bool = False
@@ -263,11 +310,7 @@ class Containerd:
             ],
         }
         (self.workdir / "cni" / "10-weft-test.conflist").write_text(json.dumps(cni, indent=2))
-        cri_section = 'plugins."io.containerd.grpc.v1.cri"'
-        runtimes = [self._runtime_toml(RuntimeHandler("runc"))]
-        runtimes += [self._runtime_toml(h) for h in self.handlers]
-        config = f"""version = 2
-root = "{self.root}"
+        common = f"""root = "{self.root}"
 state = "{self.state}"
 oom_score = 0
 
@@ -283,7 +326,17 @@ oom_score = 0
 
 [plugins."io.containerd.internal.v1.opt"]
   path = "{self.workdir / 'opt'}"
+"""
+        config = self._config_v3(common) if self.line == "2" else self._config_v2(common)
+        (self.workdir / "config.toml").write_text(config)
 
+    def _config_v2(self, common: str) -> str:
+        """containerd 1.6 and 1.7: one CRI plugin section holds runtime, images, CNI and streaming."""
+        assert self.workdir is not None
+        cri_section = 'plugins."io.containerd.grpc.v1.cri"'
+        runtimes = "".join(self._runtime_toml(f"{cri_section}.containerd.runtimes", h) for h in self._all_handlers())
+        return f"""version = 2
+{common}
 [{cri_section}]
   sandbox_image = "{images.PAUSE_IMAGE}"
   netns_mounts_under_state_dir = true
@@ -302,19 +355,56 @@ oom_score = 0
 [{cri_section}.containerd]
   default_runtime_name = "runc"
   snapshotter = "overlayfs"
-{''.join(runtimes)}"""
-        (self.workdir / "config.toml").write_text(config)
+{runtimes}"""
 
-    def _runtime_toml(self, h: RuntimeHandler) -> str:
-        prefix = f'plugins."io.containerd.grpc.v1.cri".containerd.runtimes.{h.name}'
+    def _config_v3(self, common: str) -> str:
+        """containerd 2.x, written as its own format rather than left to its migration of version 2: the
+        CRI runtime (handlers, CNI, pod settings), its image service (snapshotter, sandbox image, registry
+        hosts) and its gRPC front (streaming) are separate plugins."""
+        assert self.workdir is not None
+        runtime = 'plugins."io.containerd.cri.v1.runtime"'
+        images_section = 'plugins."io.containerd.cri.v1.images"'
+        runtimes = "".join(self._runtime_toml(f"{runtime}.containerd.runtimes", h) for h in self._all_handlers())
+        return f"""version = 3
+{common}
+[{runtime}]
+  netns_mounts_under_state_dir = true
+  restrict_oom_score_adj = true
+  enable_selinux = false
+
+[{runtime}.cni]
+  bin_dirs = ["/usr/lib/cni"]
+  conf_dir = "{self.workdir / 'cni'}"
+
+[{runtime}.containerd]
+  default_runtime_name = "runc"
+{runtimes}
+[{images_section}]
+  snapshotter = "overlayfs"
+
+[{images_section}.pinned_images]
+  sandbox = "{images.PAUSE_IMAGE}"
+
+[{images_section}.registry]
+  config_path = "{self.registry_config_dir}"
+
+[plugins."io.containerd.grpc.v1.cri"]
+  stream_server_address = "127.0.0.1"
+  stream_server_port = "0"
+"""
+
+    def _all_handlers(self) -> list[RuntimeHandler]:
+        return [RuntimeHandler("runc"), *self.handlers]
+
+    def _runtime_toml(self, prefix: str, h: RuntimeHandler) -> str:
         base = f'  base_runtime_spec = "{h.base_runtime_spec}"\n' if h.base_runtime_spec else ""
         return f"""
-[{prefix}]
+[{prefix}.{h.name}]
   runtime_type = "io.containerd.runc.v2"
 {base}  pod_annotations = {json.dumps(list(h.pod_annotations))}
   container_annotations = {json.dumps(list(h.container_annotations))}
 
-[{prefix}.options]
+[{prefix}.{h.name}.options]
   Root = "{self.runc_root}"
   SystemdCgroup = false
 """
@@ -323,12 +413,17 @@ oom_score = 0
         """Start containerd (again) in the node namespace and wait until it answers CRI."""
         if self.running:
             return
+        env = dict(os.environ)
+        binaries = bin_dir(self.line)
+        if binaries is not None:  # containerd finds its runc shim on its PATH
+            env["PATH"] = f"{binaries}{os.pathsep}{env.get('PATH', os.defpath)}"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self._proc = subprocess.Popen(
             ["nsenter", f"--net={self.netns_path}", "containerd", "--config", str(self.workdir / "config.toml")],
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,
+            env=env,
         )
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
