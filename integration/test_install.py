@@ -1,6 +1,12 @@
 """``weft install``/``uninstall`` against real processes: containerd loading the drop-in, a real agent verified
 before kubelet is switched, a real health endpoint standing in for kubelet, and ``kill -9`` at every step.
 
+Each containerd line the tests run (Debian's 1.6, and 1.7 and 2.x built from Go modules into the harness's
+cache, ``shim.localfabric.containerd.bin_dir``) runs the drop-in for real, and reads every shape of host root in
+``tests/data/hostroots`` with its own ``containerd config dump``: the installer's model of how that line merges
+imports is checked against the line itself. A line whose build is missing fails the test with the build's
+message; nothing is skipped.
+
 kubelet and systemd are the two things a test machine cannot offer for real: systemctl is a small program that
 records its calls (``--systemctl``), and kubelet's ``/healthz`` is an HTTP server in the test that answers from
 the host root's kubelet files, so "kubelet on the agent is unhealthy" is a real answer on a real port.
@@ -11,11 +17,13 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
+import tomllib
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -25,11 +33,13 @@ import yaml
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
+from shim.install import containerd as ctrd_config
 from shim.install.run import INSTALL_STEPS, UNINSTALL_STEPS
 from shim.localfabric import pods
 from shim.localfabric.agent import AgentProcess
-from shim.localfabric.containerd import Containerd
-from tests.install.conftest import copy_shape, snapshot
+from shim.localfabric.containerd import LINES, Containerd, bin_dir
+from tests.install.conftest import SHAPES_1X, SHAPES_2X, copy_shape, snapshot
+from tests.install.test_containerd import MERGED
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -100,9 +110,24 @@ def _kubelet_on_agent(root: Path) -> bool:
     return "weft/cri.sock" in (root / "var/lib/kubelet/config.yaml").read_text()
 
 
+def _containerd_binary(line: str) -> Path:
+    """The line's containerd, from the harness's build cache (built now if it is not there: minutes)."""
+    found = bin_dir(line)
+    binary = found / "containerd" if found is not None else shutil.which("containerd")
+    assert binary is not None, "Debian's containerd is not on PATH: run scripts/setup.sh"
+    return Path(binary)
+
+
+@pytest.fixture(params=LINES)
+def line_containerd(request: pytest.FixtureRequest) -> Iterator[Containerd]:
+    """A fresh harness containerd of each line (its config: version 2 on 1.x, 3 on 2.x)."""
+    with Containerd(line=request.param) as c:
+        yield c
+
+
 def test_real_containerd_loads_the_dropin_and_uninstall_with_weft_pods_puts_kubelet_back_on_containerd(
-        fresh_containerd: Containerd, tmp_path: Path, health: Health) -> None:
-    ctrd = fresh_containerd
+        line_containerd: Containerd, tmp_path: Path, health: Health) -> None:
+    ctrd = line_containerd
     root = tmp_path / "host"
     (root / "etc/containerd").mkdir(parents=True)
     shutil.copy(ctrd.workdir / "config.toml", root / "etc/containerd/config.toml")  # type: ignore[operator]
@@ -112,11 +137,17 @@ def test_real_containerd_loads_the_dropin_and_uninstall_with_weft_pods_puts_kube
         f"containerRuntimeEndpoint: unix://{ctrd.socket}\n")
     before = snapshot(root)
     systemctl, log = _systemctl(tmp_path)
-    flags = ["--systemctl", str(systemctl), "--kubelet-health-url", health.url]
+    # The installer asks this containerd its version over CRI (the root has no binary to ask).
+    flags = ["--systemctl", str(systemctl), "--kubelet-health-url", health.url, "--containerd-socket", str(ctrd.socket)]
     with AgentProcess(ctrd, tmp_path / "agent") as agent:
         res = _weft("install", root, *flags, "--agent-socket", str(agent.socket))
         assert res.returncode == 0, res.stderr
         assert f"the weft agent answers CRI on {agent.socket} (containerd" in res.stdout
+        dropin = tomllib.loads((root / "etc/containerd/weft/runtime.toml").read_text())
+        if ctrd.line == "2":  # 2.x merges table by table: the weft runtime alone, in the harness's version 3
+            assert dropin["version"] == 3 and list(dropin["plugins"]) == [ctrd_config.CRI_RUNTIME]
+        else:  # 1.x replaces sections: the host's whole CRI section comes along
+            assert dropin["version"] == 2 and dropin["plugins"][ctrd_config.CRI]["sandbox_image"].endswith(":weft-test")
         assert _calls(log) == ["daemon-reload", "restart containerd.service", "enable weft-agent.service",
                                "restart weft-agent.service", "restart kubelet.service"]
 
@@ -139,7 +170,10 @@ def test_real_containerd_loads_the_dropin_and_uninstall_with_weft_pods_puts_kube
             assert runtimes["weft"]["baseRuntimeSpec"] == f"{root}/etc/containerd/weft/base-spec.json"
             assert runtimes["weft"]["PodAnnotations"] == runtimes["weft"]["ContainerAnnotations"] == ["weft.io/*"]
             assert runtimes["runc"]["options"]["Root"] == str(ctrd.runc_root), "the host's CRI section is kept"
-            assert cfg["sandboxImage"].endswith(":weft-test") and cfg["restrictOOMScoreAdj"] is True
+            assert runtimes["weft"]["options"] == runtimes["runc"]["options"], "the same runc, the same cgroups"
+            assert cfg["restrictOOMScoreAdj"] is True
+            if ctrd.line != "2":  # 2.x's image service keeps the sandbox image: the pod below runs on it, offline
+                assert cfg["sandboxImage"].endswith(":weft-test")
 
             # A pod on the weft handler runs with the copied weft's OCI hook (runc fails it if the hook fails).
             sb_cfg = pods.sandbox_config("weft-pod", ctrd.pod_log_dir, cgroup_parent=ctrd.cgroup_root)
@@ -162,6 +196,69 @@ def test_real_containerd_loads_the_dropin_and_uninstall_with_weft_pods_puts_kube
     endpoint = yaml.safe_load((root / "var/lib/kubelet/config.yaml").read_text())["containerRuntimeEndpoint"]
     with grpc.insecure_channel(endpoint) as ch:  # kubelet's endpoint is containerd, alive
         assert cri_grpc.RuntimeServiceStub(ch).Version(cri.VersionRequest(), timeout=5).runtime_name == "containerd"
+
+
+# -- each line's own merge of each shape of host -----------------------------------------------------------------
+def _dump(binary: Path, root: Path, tmp: Path) -> dict:
+    """The configuration ``binary`` makes of the root's files (``containerd config dump``), less ``imports``.
+
+    The files name host paths; containerd reads the real /, so the imports are pointed under the root in a copy
+    of the main file kept outside it.
+    """
+    main = root / "etc/containerd/config.toml"
+    text, doc = main.read_text(), tomllib.loads(main.read_text())
+    rooted = [f"{root}{p}" if p.startswith("/") else str(main.parent / p) for p in doc.get("imports", [])]
+    tmp.mkdir(parents=True, exist_ok=True)
+    config = tmp / "config.toml"
+    config.write_text(re.sub(r"(?m)^imports[ \t]*=.*$", lambda _: f"imports = {json.dumps(rooted)}", text))
+    assert tomllib.loads(config.read_text()) == ({**doc, "imports": rooted} if "imports" in doc else doc)
+    res = subprocess.run([str(binary), "--config", str(config), "config", "dump"], capture_output=True, text=True,
+                         timeout=120, cwd=tmp)
+    assert res.returncode == 0, res.stderr
+    out = tomllib.loads(res.stdout)
+    out.pop("imports", None)
+    return out
+
+
+def _merged_root(tmp: Path) -> Path:
+    """The unit tests' three-file version 3 host (tests/install/test_containerd.MERGED) on a kubeadm node."""
+    root = copy_shape("ctrd2-kubeadm", tmp)
+    for p in (root / "etc/containerd").iterdir():
+        p.unlink()
+    for path, text in MERGED.items():
+        (root / path.lstrip("/")).parent.mkdir(parents=True, exist_ok=True)
+        (root / path.lstrip("/")).write_text(text)
+    return root
+
+
+CASES = [*[(line, s) for line in ("1.6", "1.7") for s in SHAPES_1X], *[("2", s) for s in [*SHAPES_2X, "merged"]]]
+
+
+@pytest.mark.parametrize(("line", "shape"), CASES, ids=[f"{line}-{shape}" for line, shape in CASES])
+def test_each_lines_own_config_dump_has_the_weft_runtime_and_every_host_setting_as_before(
+        line: str, shape: str, tmp_path: Path) -> None:
+    binary = _containerd_binary(line)
+    root = _merged_root(tmp_path / "host") if shape == "merged" else copy_shape(shape, tmp_path / "host")
+    # The root's containerd is this line's: the installer asks it `--version`, as on a node where none runs.
+    (root / "usr/bin/containerd").write_text(f'#!/bin/sh\nexec {binary} "$@"\n')
+    before_files = snapshot(root)
+    before = _dump(binary, root, tmp_path / "before")
+
+    res = _weft("install", root, "--source", str(_source(tmp_path)))
+    assert res.returncode == 0, res.stderr
+    after = _dump(binary, root, tmp_path / "after")
+    section = ctrd_config.CRI_RUNTIME if line == "2" else ctrd_config.CRI
+    ctr = after["plugins"][section]["containerd"]
+    weft = ctr["runtimes"].pop("weft")
+    assert after == before, "the host's own settings (sandbox image, CNI, registry, runtimes and options) are kept"
+    default = ctr["runtimes"][ctr["default_runtime_name"]]
+    ours = {"base_runtime_spec": ctrd_config.BASE_SPEC, "runtime_type": ctrd_config.RUNC_V2,
+            "pod_annotations": [*default["pod_annotations"], "weft.io/*"],
+            "container_annotations": [*default["container_annotations"], "weft.io/*"]}
+    assert weft == {**default, **ours}, "the default runtime with weft's spec and annotations (options: cgroups)"
+
+    assert _weft("uninstall", root).returncode == 0
+    assert snapshot(root) == before_files
 
 
 def test_kubelet_unhealthy_on_the_agent_rolls_everything_back(

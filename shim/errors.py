@@ -53,6 +53,7 @@ gRPC status, so the mapping lives here and nowhere else::
     │                              the pod (shim.cri.host.reservations; FAILED_PRECONDITION)
     ├── InstallError               install/uninstall stopped; the message says what was undone (FAILED_PRECONDITION)
     │   └── UnrecognisedHost       a containerd/kubelet file it cannot parse or does not know; nothing changed
+    │       └── UntestedContainerd the node's containerd is not a version the tests run; nothing changed
     └── UpstreamError              containerd answered with a status (any code)
         └── UpstreamUnavailable    containerd's socket is missing or dead (UNAVAILABLE)
 
@@ -143,6 +144,10 @@ class InstallError(WeftError):
 
 class UnrecognisedHost(InstallError):
     """A host file the installer cannot parse or does not recognise; the message names it. Nothing was changed."""
+
+
+class UntestedContainerd(UnrecognisedHost):
+    """The node's containerd is not a line weft is tested with (1.6, 1.7, 2.x); the message says where it was read."""
 
 
 class HostUnavailable(WeftError):

@@ -1,27 +1,46 @@
 """containerd's configuration: recognise it, and plan the ``weft`` runtime handler drop-in (pure).
 
-How containerd 1.6 reads ``imports`` decides what the drop-in must hold: it
-loads the main file, then each import in order (globs expanded in lexical
-order, relative paths against the importing file), and for each ``[plugins]``
-entry an import defines it *replaces the whole plugin section* (``mergeConfig``
-in ``services/server/config``: "maps merged by keys, but values are replaced
-entirely"). A drop-in holding only ``...cri.containerd.runtimes.weft`` would
-therefore wipe the host's sandbox image, CNI directories and runc options. So
-the drop-in carries the host's *effective* CRI section (the main file's, as
-replaced by its imports) plus the ``weft`` runtime, and is imported last by an
-explicit path appended to ``imports``; the main file gains only that one line.
-A re-install (the DaemonSet runs it on every start) recomputes it from the
-backed-up originals, so later edits of the host's CRI section are picked up.
+The drop-in is imported last, by an explicit path appended to the main file's
+``imports`` (its one change there), on every containerd version: that works
+whether or not the host's file carries containerd 2.2+'s default
+``/etc/containerd/conf.d/*.toml`` glob, keeps weft's files in its own
+directory, and puts the drop-in after every other import, so its table wins
+whatever the other drop-ins are named. How an import is merged decides what the
+drop-in holds, and that depends on the containerd running, not on the file:
 
-The ``weft`` runtime is the default runtime (runc v2, with its options, so the
-cgroup driver matches) plus a ``base_runtime_spec`` that adds the OCI hook and
-``weft.io/*`` annotation pass-through (containerd puts annotations in the OCI spec, where
-the hook reads them, only for a handler that lists them).
+- **containerd 1.6 and 1.7** load the main file, then each import in order,
+  and an import's ``[plugins]`` entry *replaces the whole plugin section*
+  (``mergeConfig`` in ``services/server/config``: "maps merged by keys, but
+  values are replaced entirely"). A drop-in holding only the ``weft`` runtime
+  would wipe the host's sandbox image, CNI directories and runc options, so
+  the drop-in carries the host's *effective* CRI section (the main file's, as
+  replaced by its imports) plus the ``weft`` runtime. A re-install (the
+  DaemonSet runs it on every start) recomputes it from the backed-up
+  originals, so later edits of the host's CRI section are picked up.
+- **containerd 2.x** migrates each file on its own to its current config
+  version (2 -> 3 splits the CRI plugin: ``io.containerd.cri.v1.runtime`` holds
+  ``containerd.runtimes``, ``io.containerd.cri.v1.images`` the image settings,
+  ``io.containerd.grpc.v1.cri`` keeps the streaming server; 3 -> 4, in 2.3,
+  moves the server addresses into ``io.containerd.server.v1.*`` plugins), then
+  merges it *deeply* (``mergo`` with override: tables key by key, scalars and
+  arrays replaced). So the drop-in holds only the ``weft`` runtime and leaves
+  the host's settings to the host's files (a full copy would be harmless
+  once, but would freeze them as of the install). It has the main file's
+  version: recent releases skip an import whose version is higher than the
+  main file's (containerd's check on drop-in versions, 2026).
 
-Recognised: config version 2 (containerd 1.5-1.7, what kubeadm guides, EKS
-and ``containerd config default`` write). Refused, with the file named:
-unparseable TOML, version 1 or 3, a disabled CRI plugin, a default runtime
-that is not runc v2, a ``weft`` runtime that is not ours, nested imports.
+The ``weft`` runtime is the default runtime as containerd sees it (runc v2,
+with its options, so the cgroup driver matches) plus a ``base_runtime_spec``
+that adds the OCI hook and ``weft.io/*`` annotation pass-through (containerd
+puts annotations in the OCI spec, where the hook reads them, only for a
+handler that lists them).
+
+Recognised: config version 2 (containerd 1.5-1.7 and 2.x), 3 (2.x) and 4
+(2.3 and later), on a containerd weft is tested with (:data:`TESTED`).
+Refused, with the file named: unparseable TOML, version 1 or above 4, a
+version the running containerd does not read, a disabled CRI plugin, a
+default runtime that is not runc v2, a ``weft`` runtime that is not ours,
+nested imports, an untested containerd.
 """
 
 from __future__ import annotations
@@ -35,7 +54,7 @@ import tomllib
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from shim.errors import UnrecognisedHost
+from shim.errors import UnrecognisedHost, UntestedContainerd
 from shim.hookspec import with_hooks
 from shim.install import tomlw
 from shim.install.default_spec import SPEC as DEFAULT_SPEC
@@ -43,15 +62,37 @@ from shim.install.default_spec import SPEC as DEFAULT_SPEC
 CONFIG = "/etc/containerd/config.toml"
 DROPIN = "/etc/containerd/weft/runtime.toml"
 BASE_SPEC = "/etc/containerd/weft/base-spec.json"
-CRI = "io.containerd.grpc.v1.cri"
+CRI = "io.containerd.grpc.v1.cri"  # version 2: the whole CRI plugin; 3 and later: its streaming server only
+CRI_RUNTIME = "io.containerd.cri.v1.runtime"  # version 3 and later: containerd.runtimes and the default runtime
+CRI_IMAGES = "io.containerd.cri.v1.images"
+GRPC_SERVER = "io.containerd.server.v1.grpc"  # version 4: the socket's address
 DEFAULT_SOCKET = "/run/containerd/containerd.sock"
 HANDLER = "weft"
 ANNOTATIONS = ["weft.io/*"]
 RUNC_V2 = "io.containerd.runc.v2"
-BANNER = (
+# Where a host's containerd binary is, for its --version when nothing answers on its socket.
+BINARIES = ("/usr/bin/containerd", "/usr/local/bin/containerd", "/usr/sbin/containerd", "/bin/containerd")
+# The containerd lines the tests run against (docs/operations.md#containerd-versions names the releases):
+# Debian 12's 1.6, 1.7 and 2.x built from Go modules. Any other line is refused.
+TESTED = ((1, 6), (1, 7), (2, None))
+# containerd 2.x's own ``runc`` (``DefaultRuntimeConfig`` in ``internal/cri/config``, 2.4.2): the files' runc
+# tables are decoded onto it, so keys they leave out keep these values.
+RUNC_DEFAULTS_2X: dict[str, Any] = {
+    "runtime_type": RUNC_V2, "sandboxer": "podsandbox",
+    "options": {"NoNewKeyring": False, "ShimCgroup": "", "IoUid": 0, "IoGid": 0, "BinaryName": "", "Root": "",
+                "SystemdCgroup": False, "CriuImagePath": "", "CriuWorkPath": ""}}
+# The newest config version each containerd line reads (2.3 added version 4).
+_CONFIG_VERSIONS = {2: (1, 0), 3: (2, 0), 4: (2, 3)}
+_BANNER_1X = (
     "Written by `weft install`; `weft uninstall` removes it. Do not edit: it is regenerated.\n"
-    "containerd 1.6 replaces a whole plugin section with an import's, so this holds the host's\n"
+    "containerd 1.x replaces a whole plugin section with an import's, so this holds the host's\n"
     f"effective CRI section (from {CONFIG} and its imports) plus the '{HANDLER}' runtime handler."
+)
+_BANNER_2X = (
+    "Written by `weft install`; `weft uninstall` removes it. Do not edit: it is regenerated.\n"
+    "containerd 2.x merges imports into the host's configuration table by table, so this holds\n"
+    f"only the '{HANDLER}' runtime handler: the host's default runtime (from {CONFIG}\n"
+    "and its imports) with weft's base spec and annotations."
 )
 
 
@@ -61,6 +102,42 @@ class HostFiles(Protocol):
     def read(self, path: str) -> bytes | None: ...
 
     def glob(self, pattern: str) -> list[str]: ...
+
+
+@dataclass(frozen=True)
+class Containerd:
+    """The containerd the configuration is for, and where that was learnt (a socket or a binary)."""
+
+    version: str  # as containerd says it: "1.6.20~ds1", "v2.4.2"
+    major: int
+    minor: int
+    source: str
+
+    @classmethod
+    def parse(cls, text: str, source: str) -> Containerd:
+        m = re.search(r"(?<![\w.])v?(\d+)\.(\d+)\.\d+\S*", text)
+        if m is None:
+            raise UnrecognisedHost(f"{source}: {text.strip()!r} is not a containerd version; nothing was changed")
+        return cls(m.group(0), int(m.group(1)), int(m.group(2)), source)
+
+    @property
+    def tested(self) -> bool:
+        return any(self.major == major and minor in (None, self.minor) for major, minor in TESTED)
+
+    @property
+    def merges_deeply(self) -> bool:
+        return self.major >= 2
+
+    def reads(self, config_version: int) -> bool:
+        return (self.major, self.minor) >= _CONFIG_VERSIONS[config_version]
+
+
+def check_tested(ctrd: Containerd) -> None:
+    if not ctrd.tested:
+        lines = ", ".join(f"{a}.{b}" if b is not None else f"{a}.x" for a, b in TESTED)
+        raise UntestedContainerd(
+            f"{ctrd.source}: containerd {ctrd.version} is not a version weft is tested with ({lines} are; "
+            "docs/operations.md#containerd-versions); nothing was changed")
 
 
 @dataclass(frozen=True)
@@ -86,13 +163,12 @@ def _load(files: HostFiles, path: str) -> tuple[str, dict[str, Any]]:
         raise _refuse(path, f"not valid TOML ({exc})") from exc
 
 
-def _check_version(path: str, doc: dict[str, Any]) -> None:
+def _version(path: str, doc: dict[str, Any]) -> int:
+    """The main file's config version: 2, 3 or 4."""
     version = doc.get("version", 1)
-    if version == 2:
-        return
-    if version == 3:
-        raise _refuse(path, "config version 3 (containerd 2.x) is not supported by this installer yet")
-    raise _refuse(path, f"config version {version!r} is not understood (weft writes version 2; "
+    if version in _CONFIG_VERSIONS:
+        return version
+    raise _refuse(path, f"config version {version!r} is not understood (weft reads versions 2, 3 and 4; "
                         "run `containerd config migrate` first)")
 
 
@@ -114,39 +190,120 @@ def _imports(files: HostFiles, path: str, doc: dict[str, Any]) -> list[str]:
     return out
 
 
-def effective_cri(files: HostFiles, path: str = CONFIG) -> tuple[str, dict[str, Any], dict[str, Any], list[str]]:
-    """(main text, main doc, effective CRI section, imported files), as containerd 1.6 merges them."""
-    text, doc = _load(files, path)
-    _check_version(path, doc)
-    disabled = doc.get("disabled_plugins", [])
-    if isinstance(disabled, list) and (CRI in disabled or "cri" in disabled):
-        raise _refuse(path, "the CRI plugin is disabled (disabled_plugins); kubelet cannot be using this containerd")
-    cri = doc.get("plugins", {}).get(CRI, {})
-    imported = _imports(files, path, doc)
-    for imp in imported:
+def socket_address(doc: dict[str, Any]) -> str:
+    """containerd's gRPC socket (host path) from the main file: ``[grpc]`` up to version 3, a plugin in 4."""
+    if doc.get("version") == 4:
+        address = doc.get("plugins", {}).get(GRPC_SERVER, {}).get("address", DEFAULT_SOCKET)
+    else:
+        address = doc.get("grpc", {}).get("address", DEFAULT_SOCKET)
+    if not isinstance(address, str) or not address:
+        raise _refuse(CONFIG, "containerd's gRPC address is not a path")
+    return address.removeprefix("unix://")
+
+
+def socket(files: HostFiles) -> str:
+    """Where containerd listens, read before anything else (to ask it its version); refusals as :func:`plan`'s."""
+    _, doc = _load(files, CONFIG)
+    _version(CONFIG, doc)
+    return socket_address(doc)
+
+
+def _documents(files: HostFiles, doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """The main file and its imports, in the order containerd loads them."""
+    docs = [(CONFIG, doc)]
+    for imp in _imports(files, CONFIG, doc):
         _, idoc = _load(files, imp)
         if idoc.get("imports"):
             raise _refuse(imp, "an imported file with its own `imports` is not supported")
+        docs.append((imp, idoc))
+    for path, d in docs:
+        disabled = d.get("disabled_plugins", [])
+        if isinstance(disabled, list) and {CRI, CRI_RUNTIME, CRI_IMAGES, "cri"} & set(disabled):
+            raise _refuse(path, "the CRI plugin is disabled (disabled_plugins); kubelet cannot be using this "
+                                "containerd")
+    return docs
+
+
+# -- containerd 1.x: an import's plugin section replaces the one before --------------------------------------------
+def _effective_cri_1x(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    cri = docs[0][1].get("plugins", {}).get(CRI, {})
+    for imp, idoc in docs[1:]:
         section = idoc.get("plugins", {}).get(CRI)
         if section is not None:
-            _check_version(imp, idoc)
+            if idoc.get("version", 1) != 2:
+                raise _refuse(imp, f"config version {idoc.get('version', 1)!r} is not containerd 1.x's 2")
             cri = section
     if not isinstance(cri, dict):
+        raise _refuse(CONFIG, f"plugins.{CRI!r} is not a table")
+    return copy.deepcopy(cri)
+
+
+# -- containerd 2.x: each file migrated on its own, then merged table by table -------------------------------------
+def _runtime_section(path: str, doc: dict[str, Any]) -> dict[str, Any]:
+    """This file's ``io.containerd.cri.v1.runtime`` section as containerd 2.x sees it after migrating the file.
+
+    Versions 1 and 2 keep runtimes in ``io.containerd.grpc.v1.cri`` (``cri`` in version 1); 2.x's migration
+    (``configMigration`` in ``plugins/cri/runtime``) copies its ``containerd`` table over, key by key where
+    the runtime section lacks one, without the image service's keys, and renames ``sandbox_mode``. Only that
+    table is read here: it holds the default runtime the ``weft`` handler copies.
+    """
+    plugins = doc.get("plugins", {})
+    if not isinstance(plugins, dict):
+        raise _refuse(path, "`plugins` is not a table")
+    dst = copy.deepcopy(plugins.get(CRI_RUNTIME, {}))
+    if not isinstance(dst, dict):
+        raise _refuse(path, f"plugins.{CRI_RUNTIME!r} is not a table")
+    if doc.get("version", 1) >= 3:
+        return dst
+    src = plugins.get(CRI, plugins.get("cri") if doc.get("version", 1) < 2 else None)
+    if src is None:
+        return dst
+    if not isinstance(src, dict) or not isinstance(src.get("containerd", {}), dict):
         raise _refuse(path, f"plugins.{CRI!r} is not a table")
-    return text, doc, copy.deepcopy(cri), imported
+    ctr = dst.setdefault("containerd", {})
+    for k, v in src.get("containerd", {}).items():
+        if k not in ("snapshotter", "disable_snapshot_annotations", "discard_unpacked_layers") and k not in ctr:
+            ctr[k] = copy.deepcopy(v)
+    for rt in ctr.get("runtimes", {}).values() if isinstance(ctr.get("runtimes"), dict) else ():
+        if isinstance(rt, dict) and "sandbox_mode" in rt and "sandboxer" not in rt:
+            rt["sandboxer"] = rt.pop("sandbox_mode")
+    return dst
 
 
-def _weft_runtime(files: HostFiles, cri: dict[str, Any], hook_argv: list[str], broker_socket: str) -> tuple[
+def _merge(dst: dict[str, Any], src: dict[str, Any]) -> None:
+    """containerd 2.x's merge of one file into the ones before: tables key by key, anything else replaced."""
+    for k, v in src.items():
+        if isinstance(v, dict) and isinstance(dst.get(k), dict):
+            _merge(dst[k], v)
+        else:
+            dst[k] = copy.deepcopy(v)
+
+
+def _effective_runtime_2x(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
+    out: dict[str, Any] = {"containerd": {"default_runtime_name": "runc",
+                                          "runtimes": {"runc": copy.deepcopy(RUNC_DEFAULTS_2X)}}}
+    for path, d in docs:
+        _merge(out, _runtime_section(path, d))
+    return out
+
+
+# -- the weft runtime ----------------------------------------------------------------------------------------------
+def _weft_runtime(files: HostFiles, section: dict[str, Any], hook_argv: list[str], broker_socket: str) -> tuple[
         dict[str, Any], dict[str, Any]]:
-    ctr = cri.setdefault("containerd", {})
+    """(the ``weft`` runtime, its base spec) from a CRI (1.x) or CRI runtime (2.x) section's ``containerd`` table."""
+    ctr = section.get("containerd", {})
+    if not isinstance(ctr, dict):
+        raise _refuse(CONFIG, "the CRI plugin's `containerd` is not a table")
     default = ctr.get("default_runtime_name", "runc")
-    runtimes = ctr.setdefault("runtimes", {})
+    runtimes = ctr.get("runtimes", {})
     if not isinstance(runtimes, dict):
         raise _refuse(CONFIG, "containerd.runtimes is not a table")
     existing = runtimes.get(HANDLER)
-    if existing is not None and existing.get("base_runtime_spec") != BASE_SPEC:
+    if existing is not None and (not isinstance(existing, dict) or existing.get("base_runtime_spec") != BASE_SPEC):
         raise _refuse(CONFIG, f"a runtime handler named {HANDLER!r} already exists and is not weft's")
-    base = runtimes.setdefault(default, {"runtime_type": RUNC_V2})
+    base = runtimes.get(default, {"runtime_type": RUNC_V2})
+    if not isinstance(base, dict):
+        raise _refuse(CONFIG, f"the default runtime {default!r} is not a table")
     if base.get("runtime_type", RUNC_V2) != RUNC_V2:
         raise _refuse(CONFIG, f"the default runtime {default!r} is {base.get('runtime_type')!r}; "
                               f"weft's handler needs {RUNC_V2}")
@@ -165,8 +322,7 @@ def _weft_runtime(files: HostFiles, cri: dict[str, Any], hook_argv: list[str], b
     weft["base_runtime_spec"] = BASE_SPEC
     for key in ("pod_annotations", "container_annotations"):
         weft[key] = [*[a for a in weft.get(key, []) if a not in ANNOTATIONS], *ANNOTATIONS]
-    runtimes[HANDLER] = weft
-    return cri, with_hooks(spec, hook_argv, broker_socket)
+    return weft, with_hooks(spec, hook_argv, broker_socket)
 
 
 def _top_level_span(text: str) -> int:
@@ -214,7 +370,7 @@ def with_import(text: str, doc: dict[str, Any], entry: str, path: str = CONFIG) 
         end = _array_end(text, m.end()) if text[m.end():m.end() + 1] == "[" else -1
         new = text if end < 0 else text[:m.start()] + line + text[end:]
     else:
-        v = re.compile(r"^version[ \t]*=[ \t]*2[ \t]*(#.*)?(\n|$)", re.MULTILINE).search(text, 0, head)
+        v = re.compile(r"^version[ \t]*=[ \t]*\d+[ \t]*(#.*)?(\n|$)", re.MULTILINE).search(text, 0, head)
         at = v.end() if v else 0
         sep = "" if at == 0 or text[at - 1] == "\n" else "\n"
         new = text[:at] + sep + line + "  # added by weft install\n" + text[at:]
@@ -228,19 +384,33 @@ def with_import(text: str, doc: dict[str, Any], entry: str, path: str = CONFIG) 
     return new
 
 
-def plan(files: HostFiles, hook_argv: list[str], broker_socket: str) -> ContainerdPlan:
-    text, doc, cri, _ = effective_cri(files)
-    cri, spec = _weft_runtime(files, cri, hook_argv, broker_socket)
+def plan(files: HostFiles, hook_argv: list[str], broker_socket: str, ctrd: Containerd) -> ContainerdPlan:
+    check_tested(ctrd)
+    text, doc = _load(files, CONFIG)
+    version = _version(CONFIG, doc)
+    if not ctrd.reads(version):
+        raise _refuse(CONFIG, f"config version {version} is not read by containerd {ctrd.version} "
+                              f"({ctrd.source}), which would not start on it")
+    docs = _documents(files, doc)
+    if ctrd.merges_deeply:
+        weft, spec = _weft_runtime(files, _effective_runtime_2x(docs), hook_argv, broker_socket)
+        section = {CRI if version == 2 else CRI_RUNTIME: {"containerd": {"runtimes": {HANDLER: weft}}}}
+        dropin, banner = {"version": version, "plugins": section}, _BANNER_2X
+    else:
+        cri = _effective_cri_1x(docs)
+        weft, spec = _weft_runtime(files, cri, hook_argv, broker_socket)  # checks the tables it reads
+        ctr = cri.setdefault("containerd", {})
+        # The default runtime is written out too when the host leaves it implicit, as weft always did on 1.x.
+        ctr.setdefault("runtimes", {}).setdefault(ctr.get("default_runtime_name", "runc"), {"runtime_type": RUNC_V2})
+        ctr["runtimes"][HANDLER] = weft
+        dropin, banner = {"version": 2, "plugins": {CRI: cri}}, _BANNER_1X
     try:
-        dropin = tomlw.dumps({"version": 2, "plugins": {CRI: cri}}, banner=BANNER)
+        dropin_text = tomlw.dumps(dropin, banner=banner)
     except tomlw.TomlWriteError as exc:
         raise _refuse(CONFIG, f"the CRI section holds a value weft cannot write back ({exc})") from exc
-    address = doc.get("grpc", {}).get("address", DEFAULT_SOCKET)
-    if not isinstance(address, str) or not address:
-        raise _refuse(CONFIG, "grpc.address is not a path")
     return ContainerdPlan(
         config=with_import(text, doc, DROPIN).encode(),
-        dropin=dropin.encode(),
+        dropin=dropin_text.encode(),
         base_spec=(json.dumps(spec, indent=2) + "\n").encode(),
-        socket=address.removeprefix("unix://"),
+        socket=socket_address(doc),
     )

@@ -135,9 +135,12 @@ WantedBy=multi-user.target
 """
 
 
-def make(files: HostFiles, opts: Options) -> Plan:
-    """Raises :class:`~shim.errors.UnrecognisedHost` for a host it does not understand, before anything is done."""
-    ctr = containerd.plan(files, [HOOK], BROKER_SOCKET)
+def make(files: HostFiles, opts: Options, ctrd: containerd.Containerd) -> Plan:
+    """Raises :class:`~shim.errors.UnrecognisedHost` for a host it does not understand, before anything is done.
+
+    ``ctrd`` is the containerd the node runs: how it merges imports decides what the drop-in holds.
+    """
+    ctr = containerd.plan(files, [HOOK], BROKER_SOCKET, ctrd)
     kub = kubelet.plan(files, ctr.socket, AGENT_SOCKET)
     broker = opts.broker != "none"
     added = {

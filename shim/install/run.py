@@ -1,7 +1,8 @@
 """``weft install`` / ``weft uninstall``: the steps, their order, the journal around them, rollback.
 
-Install, after a plan that reads everything and changes nothing (an
-unrecognised host is refused here)::
+Install, after a plan that reads everything and changes nothing (the node's
+containerd is asked its version first; an unrecognised host or an untested
+containerd is refused here)::
 
     backups, journal -> bundle -> units -> containerd-config -> containerd-restart
       -> weft-start -> agent-verify -> kubelet-config -> kubelet-restart -> kubelet-health
@@ -81,7 +82,8 @@ class _Installer:
     # -- install -------------------------------------------------------------
     def install(self) -> None:
         j = Journal.load(self.host)
-        plan = make(OriginalFiles(self.host, j), self.s.options)
+        originals = OriginalFiles(self.host, j)
+        plan = make(originals, self.s.options, self._containerd(originals))
         files = bundle.source_files(self.s.source)
         stamp = bundle.digest(files)
         if j is None:
@@ -127,6 +129,17 @@ class _Installer:
         j.state = JournalState.INSTALLED
         j.save(self.host)
         self.say(f"installed: kubelet -> weft agent (unix://{AGENT_SOCKET}) -> containerd ({plan.containerd_socket})")
+
+    def _containerd(self, files: OriginalFiles) -> containerd.Containerd:
+        """The node's containerd, asked before anything changes (an untested one is refused by the plan)."""
+        sock = self.s.containerd_socket or self.host.path(containerd.socket(files))
+        found = services.containerd_version(sock, [self.host.path(b) for b in containerd.BINARIES])
+        if found is None:
+            raise UnrecognisedHost(
+                f"{sock}: cannot tell which containerd this node runs (nothing answers CRI Version there and no "
+                f"{' or '.join(containerd.BINARIES)} under {self.s.root} runs `--version`); start containerd and "
+                "run again; nothing was changed")
+        return containerd.Containerd.parse(*found)
 
     def _converged(self, plan: Plan, stamp: str) -> bool:
         want = {**plan.modified, **plan.added}

@@ -1,8 +1,8 @@
 """The service manager and the health checks the installer waits on, behind one small interface.
 
 On a node: ``systemctl`` (``--systemctl`` may prefix it, e.g. ``nsenter -t 1 -m --
-systemctl`` from the DaemonSet), kubelet's ``/healthz`` and the agent's CRI
-``Version``. With ``--root DIR`` and no ``--systemctl`` the installer only
+systemctl`` from the DaemonSet), kubelet's ``/healthz``, the agent's CRI
+``Version``, and which containerd the node runs. With ``--root DIR`` and no ``--systemctl`` the installer only
 writes files (:class:`NoServices`): it never touches the real host's systemd.
 Tests pass a small real program as ``--systemctl`` and a real health endpoint.
 """
@@ -72,6 +72,36 @@ def agent_version(socket: Path, timeout: float) -> str:
         if time.monotonic() >= deadline:
             raise InstallError(f"the weft agent does not answer CRI on {socket} ({last})")
         time.sleep(0.2)
+
+
+def containerd_version(socket: Path, binaries: list[Path], timeout: float = 5.0) -> tuple[str, str] | None:
+    """(containerd's version, where it was learnt), or None when neither way answers.
+
+    First CRI ``Version`` on containerd's socket: the running containerd, the one the install restarts (the
+    DaemonSet sees the host's socket under ``/host``). Then ``containerd --version`` of the host's binary, for a
+    node whose containerd is stopped: run from the host root as it is, so it needs no chroot.
+    """
+    import grpc
+    from cri_api.v1 import api_pb2 as cri
+    from cri_api.v1 import api_pb2_grpc as cri_grpc
+
+    if socket.exists():
+        with grpc.insecure_channel(f"unix://{socket}") as ch:
+            try:
+                v = cri_grpc.RuntimeServiceStub(ch).Version(cri.VersionRequest(), timeout=timeout)
+            except grpc.RpcError:
+                v = None
+        if v is not None and v.runtime_name == "containerd" and v.runtime_version:
+            return v.runtime_version, f"CRI Version on {socket}"
+    for binary in binaries:
+        if binary.is_file():
+            try:
+                res = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=timeout)
+            except (OSError, subprocess.TimeoutExpired):
+                continue
+            if res.returncode == 0 and res.stdout.strip():
+                return res.stdout.strip(), f"{binary} --version"
+    return None
 
 
 def healthy(url: str) -> bool:

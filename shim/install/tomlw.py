@@ -51,7 +51,8 @@ def _is_table_array(v: Any) -> bool:
 
 
 def _table(path: list[str], doc: dict[str, Any], out: list[str], header: bool) -> None:
-    if header:
+    # A table holding only tables needs no header of its own (TOML defines it implicitly); an empty one does.
+    if header and not (doc and all(isinstance(v, dict) for v in doc.values())):
         out.append("")
         out.append("[" + ".".join(_key(p) for p in path) + "]")
     for k, v in doc.items():

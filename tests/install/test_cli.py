@@ -12,10 +12,23 @@ import pytest
 import yaml
 
 from shim.cli import main
-from tests.install.conftest import SHAPES, copy_shape, snapshot, stamps
+from shim.install import containerd
+from tests.install.conftest import SHAPES, SHAPES_1X, SHAPES_2X, copy_shape, snapshot, stamps
 
 AGENT = "unix:///run/weft/cri.sock"
 CRI = "io.containerd.grpc.v1.cri"
+CRI_RUNTIME = "io.containerd.cri.v1.runtime"
+DROPIN = "etc/containerd/weft/runtime.toml"
+
+# Where each containerd 2.x shape's default runtime is defined: (file, plugin section, runtime name). The
+# real containerd 2.4.2 agrees (integration/test_install.py reads its `config dump` of these roots).
+DEFAULT_RUNTIME_2X = {
+    "ctrd2-default": ("etc/containerd/config.toml", CRI_RUNTIME, "runc"),
+    "ctrd2-kubeadm": ("etc/containerd/config.toml", CRI_RUNTIME, "runc"),
+    "ctrd2-eks": ("etc/containerd/config.toml", CRI_RUNTIME, "nvidia"),
+    "ctrd2-gpu-confd": ("etc/containerd/conf.d/99-nvidia.toml", CRI_RUNTIME, "nvidia"),
+    "ctrd2-v2config": ("etc/containerd/config.toml", CRI, "runc"),
+}
 
 
 def _kubelet_endpoints(root: Path) -> list[str]:
@@ -33,13 +46,44 @@ def _kubelet_endpoints(root: Path) -> list[str]:
 
 
 def _effective_cri(root: Path) -> dict:
-    """The CRI section containerd 1.6 ends up with: each import's plugin section replaces the one before."""
+    """The CRI section containerd 1.x ends up with: each import's plugin section replaces the one before."""
     main_doc = tomllib.loads((root / "etc/containerd/config.toml").read_text())
     cri = main_doc.get("plugins", {}).get(CRI, {})
     for imp in main_doc.get("imports", []):
         for f in sorted(root.glob(imp.lstrip("/"))):
             cri = tomllib.loads(f.read_text()).get("plugins", {}).get(CRI, cri)
     return cri
+
+
+def _weft_runtime_1x(root: Path, cri_before: dict) -> dict:
+    """The 1.x drop-in: the host's effective CRI section, unchanged, plus the weft runtime."""
+    cri = _effective_cri(root)
+    weft = cri["containerd"]["runtimes"].pop("weft")
+    assert cri == cri_before or (not cri_before.get("containerd", {}).get("runtimes") and cri["containerd"]["runtimes"]
+                                 == {"runc": {"runtime_type": "io.containerd.runc.v2"}})
+    runc = cri_before["containerd"]["runtimes"]["runc"]
+    assert weft["options"] == runc.get("options", {}), "weft pods get the same runc options (cgroup driver)"
+    return weft
+
+
+def _weft_runtime_2x(root: Path, shape: str) -> dict:
+    """The 2.x drop-in: only the weft runtime, a copy of the default one, in the main file's config version."""
+    path, section, name = DEFAULT_RUNTIME_2X[shape]
+    version = tomllib.loads((root / "etc/containerd/config.toml").read_text())["version"]
+    dropin = tomllib.loads((root / DROPIN).read_text())
+    weft = dropin["plugins"][section]["containerd"]["runtimes"]["weft"]
+    assert dropin == {"version": version, "plugins": {section: {"containerd": {"runtimes": {"weft": weft}}}}}
+    default = tomllib.loads((root / path).read_text())["plugins"][section]["containerd"]["runtimes"][name]
+    if name == "runc":  # containerd 2.x decodes the files' runc onto its own
+        default = _merged(containerd.RUNC_DEFAULTS_2X, default)
+    assert weft == {**default, "runtime_type": "io.containerd.runc.v2", "base_runtime_spec": containerd.BASE_SPEC,
+                    "pod_annotations": ["weft.io/*"], "container_annotations": ["weft.io/*"]}
+    return weft
+
+
+def _merged(a: dict, b: dict) -> dict:
+    return {**a, **{k: _merged(a[k], v) if isinstance(v, dict) and isinstance(a.get(k), dict) else v
+                    for k, v in b.items()}}
 
 
 @pytest.mark.parametrize("shape", SHAPES)
@@ -51,12 +95,7 @@ def test_install_switches_kubelet_adds_the_weft_handler_and_uninstall_restores_e
 
     assert main(["install", "--root", str(root), "--source", str(source)]) == 0
     assert _kubelet_endpoints(root) and set(_kubelet_endpoints(root)) == {AGENT}
-    cri = _effective_cri(root)
-    weft = cri["containerd"]["runtimes"].pop("weft")
-    assert cri == cri_before or (not cri_before.get("containerd", {}).get("runtimes") and cri["containerd"]["runtimes"]
-                                 == {"runc": {"runtime_type": "io.containerd.runc.v2"}})
-    runc = cri_before["containerd"]["runtimes"]["runc"]
-    assert weft["options"] == runc.get("options", {}), "weft pods get the same runc options (cgroup driver)"
+    weft = _weft_runtime_2x(root, shape) if shape in SHAPES_2X else _weft_runtime_1x(root, cri_before)
     assert weft["pod_annotations"] == weft["container_annotations"] == ["weft.io/*"]
     spec = json.loads((root / weft["base_runtime_spec"].lstrip("/")).read_text())
     assert "hostname" not in spec
@@ -77,6 +116,21 @@ def test_install_switches_kubelet_adds_the_weft_handler_and_uninstall_restores_e
     assert main(["uninstall", "--root", str(root)]) == 0
     assert "not installed" in capsys.readouterr().out
     assert snapshot(root) == before
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_containerds_config_gains_the_dropin_in_its_imports_and_nothing_else(
+        shape: str, tmp_path: Path, source: Path) -> None:
+    root = copy_shape(shape, tmp_path / "host")
+    config = root / "etc/containerd/config.toml"
+    before_text, before = config.read_text(), tomllib.loads(config.read_text())
+    main(["install", "--root", str(root), "--source", str(source)])
+    after = tomllib.loads(config.read_text())
+    assert after == {**before, "imports": [*before.get("imports", []), "/etc/containerd/weft/runtime.toml"]}
+    changed = [line for line in config.read_text().splitlines() if line not in before_text.splitlines()]
+    assert len(changed) == 1 and changed[0].startswith("imports = ")
+    if shape in SHAPES_1X:
+        assert tomllib.loads((root / DROPIN).read_text())["version"] == 2
 
 
 def test_kubelet_yaml_keeps_comments_order_and_everything_else(tmp_path: Path, source: Path) -> None:
@@ -124,8 +178,36 @@ REFUSALS = {
                                       "/etc/containerd/config.toml: not valid TOML"),
     "containerd config version 1": ("kubeadm", "/etc/containerd/config.toml", "root = \"/var/lib/containerd\"\n",
                                     "config version 1 is not understood"),
-    "containerd 2.x config version 3": ("kubeadm", "/etc/containerd/config.toml", "version = 3\n",
-                                        "version 3 (containerd 2.x) is not supported"),
+    "config version 3 on containerd 1.6": ("kubeadm", "/etc/containerd/config.toml", "version = 3\n",
+                                           "config version 3 is not read by containerd 1.6.20~ds1"),
+    "config version 4 on containerd 2.1": ("ctrd2-eks", "/etc/containerd/config.toml", "version = 4\n",
+                                           "config version 4 is not read by containerd 2.1.5"),
+    "config version 5": ("ctrd2-default", "/etc/containerd/config.toml", "version = 5\n",
+                         "config version 5 is not understood"),
+    "CRI runtime plugin disabled (2.x)": ("ctrd2-eks", "/etc/containerd/config.toml",
+                                          'version = 3\ndisabled_plugins = ["io.containerd.cri.v1.runtime"]\n',
+                                          "the CRI plugin is disabled"),
+    "default runtime is not runc (2.x)": ("ctrd2-kubeadm", "/etc/containerd/config.toml",
+                                          'version = 3\n[plugins."io.containerd.cri.v1.runtime".containerd]\n'
+                                          'default_runtime_name = "kata"\n'
+                                          '[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.kata]\n'
+                                          'runtime_type = "io.containerd.kata.v2"\n', "needs io.containerd.runc.v2"),
+    "a drop-in has a weft runtime of its own (2.x)": (
+        "ctrd2-gpu-confd", "/etc/containerd/conf.d/50-weft.toml",
+        'version = 3\n[plugins."io.containerd.cri.v1.runtime".containerd.runtimes.weft]\n'
+        'runtime_type = "io.containerd.runc.v2"\n', "'weft' already exists and is not weft's"),
+    "a drop-in imports more (2.x)": ("ctrd2-gpu-confd", "/etc/containerd/conf.d/20-more.toml",
+                                     'version = 3\nimports = ["/etc/containerd/more.toml"]\n',
+                                     "/etc/containerd/conf.d/20-more.toml: an imported file with its own `imports`"),
+    "containerd 1.5": ("kubeadm", "/usr/bin/containerd",
+                       '#!/bin/sh\necho "containerd github.com/containerd/containerd v1.5.18 "\n',
+                       "/usr/bin/containerd --version: containerd v1.5.18 is not a version weft is tested with "
+                       "(1.6, 1.7, 2.x are"),
+    "containerd 3.0": ("ctrd2-default", "/usr/bin/containerd",
+                       '#!/bin/sh\necho "containerd github.com/containerd/containerd/v3 v3.0.0 "\n',
+                       "containerd v3.0.0 is not a version weft is tested with"),
+    "not a containerd": ("ctrd2-default", "/usr/bin/containerd", "#!/bin/sh\necho hello\n",
+                         "/usr/bin/containerd --version: 'hello' is not a containerd version"),
     "CRI plugin disabled": ("kubeadm", "/etc/containerd/config.toml",
                             'version = 2\ndisabled_plugins = ["io.containerd.grpc.v1.cri"]\n',
                             "the CRI plugin is disabled"),
@@ -164,15 +246,21 @@ def test_unrecognised_host_is_refused_naming_the_file_and_nothing_changes(
     assert snapshot(root) == before
 
 
-@pytest.mark.parametrize("missing", ["etc/containerd/config.toml", "var/lib/kubelet"])
+@pytest.mark.parametrize(("missing", "says"), [
+    ("etc/containerd/config.toml", "/etc/containerd/config.toml: not found"),
+    ("var/lib/kubelet", "not found"),
+    ("usr/bin/containerd", "run/containerd/containerd.sock: cannot tell which containerd this node runs "
+                           "(nothing answers CRI Version there and no /usr/bin/containerd"),
+])
 def test_a_host_without_containerd_or_kubelet_config_is_refused(
-        missing: str, tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]) -> None:
+        missing: str, says: str, tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]) -> None:
     root = copy_shape("kubeadm", tmp_path / "host")
     target = root / missing
     target.unlink() if target.is_file() else __import__("shutil").rmtree(target)
     before = snapshot(root)
     assert main(["install", "--root", str(root), "--source", str(source)]) == 2
-    assert "not found" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert says in err and "nothing was changed" in err
     assert snapshot(root) == before
 
 
