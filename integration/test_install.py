@@ -340,7 +340,8 @@ INSTALL_POINTS = ["backups", "journal", *INSTALL_STEPS]
 @pytest.mark.parametrize("step", INSTALL_POINTS)
 def test_install_killed_after_each_step_is_repaired_by_install_or_by_uninstall(
         step: str, module_agent: AgentProcess, mesh_certs: Path, tmp_path: Path, health: Health) -> None:
-    root = copy_shape("kubeadm", tmp_path / "host")
+    # A containerd 2.x host with conf.d drop-ins (the uninstall crashes below run on a 1.x one).
+    root = copy_shape("ctrd2-gpu-confd", tmp_path / "host")
     before = snapshot(root)
     flags = _flags(tmp_path, module_agent, health)
     src = ["--source", str(_source(tmp_path)), *_mesh(mesh_certs)]
