@@ -81,7 +81,7 @@ RUNC_DEFAULTS_2X: dict[str, Any] = {
     "runtime_type": RUNC_V2, "sandboxer": "podsandbox",
     "options": {"NoNewKeyring": False, "ShimCgroup": "", "IoUid": 0, "IoGid": 0, "BinaryName": "", "Root": "",
                 "SystemdCgroup": False, "CriuImagePath": "", "CriuWorkPath": ""}}
-# The newest config version each containerd line reads (2.3 added version 4).
+# The oldest containerd that reads each config version (2.0 added version 3, 2.3 version 4).
 _CONFIG_VERSIONS = {2: (1, 0), 3: (2, 0), 4: (2, 3)}
 _BANNER_1X = (
     "Written by `weft install`; `weft uninstall` removes it. Do not edit: it is regenerated.\n"
