@@ -9,9 +9,7 @@ is a private one for tests that stop or restart it. ``agent`` is a real
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
-import subprocess
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -22,8 +20,9 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from integration.kube.fixture import FIGURES_ENV
+from integration.leaks import leaked_node_namespaces, netns
 from shim.localfabric.agent import AgentProcess
-from shim.localfabric.containerd import SLOT_DIR, Containerd
+from shim.localfabric.containerd import Containerd
 
 # Modules that run real Kubernetes components (kube/build.sh's binaries). They go last, so that the build
 # scripts/test.sh starts in the background has the whole run before them to finish in.
@@ -58,27 +57,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if any("integration" in str(item.path) for item in items) and os.geteuid() != 0:
         raise pytest.UsageError("integration tests drive real containerd, runc and netns: run them as root")
     items.sort(key=lambda item: item.path.name.startswith(_KUBE_MODULES))  # stable: the rest keep their order
-
-
-def _netns() -> set[str]:
-    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True, check=True).stdout
-    return {line.split()[0] for line in out.splitlines() if line.strip()}
-
-
-def _slot_held(netns: str) -> bool:
-    """A node namespace whose slot another live harness holds is theirs, not a leak."""
-    lock = SLOT_DIR / f"slot{netns.removeprefix('weftnode')}.lock"
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 @pytest.fixture(scope="session")
@@ -127,7 +105,7 @@ def agent_channel(agent: AgentProcess) -> Iterator[grpc.Channel]:
 @pytest.fixture(autouse=True, scope="session")
 def no_leaked_namespaces() -> Iterator[None]:
     """The harness must leave no node namespace behind when the session ends."""
-    before = _netns()
+    before = netns()
     yield
-    leaked = {ns for ns in _netns() - before if ns.startswith("weftnode") and not _slot_held(ns)}
+    leaked = leaked_node_namespaces(before)
     assert not leaked, f"harness leaked network namespaces: {sorted(leaked)}"

@@ -8,23 +8,19 @@ was: timing thresholds would only measure how busy the test machine is.
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 
+from integration.leaks import leaked_node_namespaces, netns
 from integration.test_bench_mesh import _positive, _run
 from shim.config import AgentConfig
 
 pytestmark = pytest.mark.slow
 
 
-def _netns() -> set[str]:
-    return set(subprocess.run(["ip", "netns", "list"], check=True, capture_output=True, text=True).stdout.split())
-
-
 def test_bench_network_quick_has_every_figure(tmp_path: Path) -> None:
-    before = _netns()
+    before = netns()
     out = tmp_path / "network.json"
     res = _run("network", "--quick", "--json", "--output", str(out))
     figures = json.loads(res.stdout)
@@ -63,4 +59,4 @@ def test_bench_network_quick_has_every_figure(tmp_path: Path) -> None:
     assert set(figures["targets"]) == {"throughput_ratio", "throughput_ratio_stretch", "added_p50_ms", "exec_ratio",
                                        "kernel_throughput_ratio", "kernel_added_p50_ms"}
     assert "exec echo" not in res.stdout  # --json: the object only
-    assert _netns() <= before  # the fabric's node namespaces went with it
+    assert not leaked_node_namespaces(before)  # the fabric's node namespaces went with it

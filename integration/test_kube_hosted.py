@@ -119,9 +119,13 @@ def test_the_hosted_stage_is_a_pod_on_its_host_with_its_requests_labels_and_prio
     wide = kube.kubectl("get", "pods", "-A", "-l", "weft.io/role=hosted-stage", "-o", "wide",
                         "-L", "weft.io/origin-pod").stdout
     assert HOST in wide and "infer" in wide
-    status = kube.agent_status(HOST)
-    (shadow,) = [s for s in status["shadows"] if s["name"] == "prep"]
-    assert shadow["reservation"] == {"name": r["metadata"]["name"], "state": "admitted"}
+    # The host learns the phase from its own watch of its reservations, a moment after the API has it.
+    def reservation_seen() -> dict | None:
+        (shadow,) = [s for s in kube.agent_status(HOST)["shadows"] if s["name"] == "prep"]
+        return shadow["reservation"] if shadow["reservation"]["state"] != "pending" else None
+
+    seen = wait_for(reservation_seen, timeout=15, what="weft status showing the reservation admitted")
+    assert seen == {"name": r["metadata"]["name"], "state": "admitted"}
 
 
 def test_the_scheduler_counts_the_stage_s_cpu(kube, infer) -> None:

@@ -18,6 +18,8 @@ from shim.localfabric.fabric import Fabric3
 from shim.localfabric.waiting import wait_for
 
 PREPARED_SANDBOX_TTL_S = 5.0
+FENCE_S = 5.0
+LOSS_S = 8.0
 
 
 class FabricHolder:
@@ -31,7 +33,9 @@ class FabricHolder:
             self.opened += 1
             # A short TTL for shadow sandboxes without a container (prepared ones a fault left unused), so the
             # checks' settle window sees the hosts remove them.
-            self.fabric = Fabric3(self.workdir / f"fabric{self.opened}",
+            # Fencing and loss a little later than the fabric's defaults: an agent restarted by a test (a new
+            # Python process, on a machine running other tests beside it) must be back before its hosts fence.
+            self.fabric = Fabric3(self.workdir / f"fabric{self.opened}", fence_s=FENCE_S, loss_s=LOSS_S,
                                   mesh_config=f"prepared_sandbox_ttl = {PREPARED_SANDBOX_TTL_S}\n")
             self.fabric.__enter__()
         return self.fabric

@@ -160,7 +160,8 @@ class Fabric3:
         again, which reaps what its last holder left (``Containerd._reap_previous``,
         ``Cluster._reap_previous``: runc containers, mounts, cgroups, the
         bridge), and the node namespaces go. A slot someone else holds by now
-        is theirs, and left alone.
+        is theirs, and left alone: claiming it, they reaped what was left in it
+        (the old work directory, outside any slot's reach once reaped, goes here).
         """
         left: list[str] = []
         Containerd._kill_processes_mentioning(info["workdir"])
@@ -170,7 +171,7 @@ class Fabric3:
                 ctrd = Containerd(slot=node["slot"])
                 ctrd._claim_slot()
             except RuntimeError:
-                left.append(f"{node['name']}: slot {node['slot']} is held by another process now")
+                shutil.rmtree(node["containerd_workdir"], ignore_errors=True)
                 continue
             try:
                 subprocess.run(["ip", "netns", "delete", ctrd.netns], capture_output=True, check=False)
@@ -182,12 +183,15 @@ class Fabric3:
             cluster = Cluster(mesh=info["mesh_slot"])
             cluster._claim_mesh()
         except RuntimeError:
-            left.append(f"mesh slot {info['mesh_slot']} is held by another process now")
+            pass  # held by another process now, which reaped the bridge and links when it claimed the slot
         else:
             assert cluster._lock_fd is not None
             os.close(cluster._lock_fd)
         shutil.rmtree(info["cluster_workdir"], ignore_errors=True)
         shutil.rmtree(info["workdir"], ignore_errors=True)
+        for path in (info["workdir"], info["cluster_workdir"], *(n["containerd_workdir"] for n in info["nodes"])):
+            if os.path.exists(path):
+                left.append(f"{path} could not be removed")
         return left
 
     def close(self) -> None:
