@@ -64,15 +64,23 @@ fi
 
 # The Kubernetes components the integration tests run (kubelet, kube-apiserver, kube-scheduler, kubectl,
 # etcd, crictl, critest), built from Go modules once per set of pins (kube/versions.env) into
-# /var/cache/weft/kube, outside the checkout, and reused by every later run and clone on this machine.
-# Only the tests need them: scripts/test.sh starts the build (WEFT_SETUP_KUBE=background: at the lowest CPU
-# priority, beside the tests that do not need it, which run first); WEFT_SETUP_KUBE=1 builds before going on.
+# /var/cache/weft/kube, outside the checkout, and reused by every later run and clone on this machine; then
+# containerd 1.7 and 2.x (kube/containerd/versions.env) into /var/cache/weft/containerd the same way, for
+# the smoke runs against them (Debian's 1.6 runs the rest). Only the tests need them: scripts/test.sh starts
+# the builds (WEFT_SETUP_KUBE=background: one after the other, kube first since its tests come sooner, at the
+# lowest CPU priority, beside the tests that do not need them, which run first); WEFT_SETUP_KUBE=1 builds
+# before going on.
 if [ "${WEFT_SETUP_KUBE:-0}" = 1 ]; then
   bash "$ROOT/kube/build.sh" >&2
-elif [ "${WEFT_SETUP_KUBE:-0}" = background ] && ! bash "$ROOT/kube/build.sh" --cached >/dev/null; then
+  bash "$ROOT/kube/containerd/build.sh" >&2
+elif [ "${WEFT_SETUP_KUBE:-0}" = background ] &&
+     ! { bash "$ROOT/kube/build.sh" --cached && bash "$ROOT/kube/containerd/build.sh" --cached; } >/dev/null; then
   mkdir -p "$VENV/log"
-  echo "weft: building the Kubernetes components in the background (log: $VENV/log/kube-build.log)"
+  echo "weft: building the Kubernetes components and containerd 1.7/2.x in the background" \
+    "(logs: $VENV/log/kube-build.log, $VENV/log/containerd-build.log)"
   # A session of its own, so that the whole build (go and its compilers) can be stopped as one.
-  setsid nice -n 19 bash "$ROOT/kube/build.sh" >"$VENV/log/kube-build.log" 2>&1 &
+  setsid nice -n 19 bash -c 'bash "$1/kube/build.sh" >"$2/kube-build.log" 2>&1
+                             bash "$1/kube/containerd/build.sh" >"$2/containerd-build.log" 2>&1' \
+    _ "$ROOT" "$VENV/log" &
   WEFT_KUBE_BUILD_PID=$!
 fi

@@ -14,3 +14,30 @@ cd "$ROOT"
 # On WEFT_TEST_WORKERS workers (pytest-xdist; 0: one process), a module to a worker, since a module's tests share
 # its fabric or cluster: most of the time an integration test waits on daemons, not on the CPU.
 "$VENV/bin/pytest" -n "${WEFT_TEST_WORKERS:-3}" --dist loadfile --durations=25 "$@"
+
+# The whole suite ran on Debian's containerd 1.6; a smoke subset runs on each release WEFT_TEST_CONTAINERDS names
+# (built by kube/containerd/build.sh, started above): the harness and its config, the pass-through differential,
+# a pod's lifecycle through the agent, an opted-in GPU pod and a plain one through the weft handler, one rerouted
+# pod under real kubelets, and critest direct vs through the agent. Only for the whole suite (no arguments);
+# the releases run side by side, each on two workers: critest is the long pole and mostly waits on daemons.
+[ "$#" -eq 0 ] || exit 0
+SMOKE=(integration/test_harness.py integration/test_differential.py integration/test_lifecycle.py
+       integration/test_gpu_fabric.py::test_opted_in_pod_is_classified_leased_and_explained
+       integration/test_gpu_fabric.py::test_plain_pod_is_passed_through_untouched
+       integration/test_kube_reroute.py::test_the_rerouted_stage_is_ready_through_its_http_probe
+       integration/test_critest.py)
+mkdir -p "$VENV/log"
+smoke=()
+for line in ${WEFT_TEST_CONTAINERDS-1.7 2}; do
+  echo "weft: smoke run on containerd $line (log: $VENV/log/smoke-containerd-$line.log)"
+  WEFT_CONTAINERD="$line" "$VENV/bin/pytest" -n 2 --dist loadfile -p no:cacheprovider "${SMOKE[@]}" \
+    >"$VENV/log/smoke-containerd-$line.log" 2>&1 &
+  smoke+=("$line:$!")
+done
+failed=0
+for run in "${smoke[@]}"; do
+  if wait "${run#*:}"; then result=passed; else result=FAILED; failed=1; fi
+  echo "weft: smoke run on containerd ${run%%:*} $result:"
+  tail -n 25 "$VENV/log/smoke-containerd-${run%%:*}.log"
+done
+exit "$failed"

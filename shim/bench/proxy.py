@@ -17,7 +17,9 @@ busybox pods running, each under a pod cgroup parent as kubelet sets one:
 3. a kubelet-like polling load through the agent, for the agent's CPU and RSS.
 
 It reports figures and whether they meet weft's targets; it is a
-measurement, not a test, so missed targets do not change the exit code.
+measurement, not a test, so missed targets do not change the exit code. The
+containerd is the harness's, so ``WEFT_CONTAINERD`` (1.6, 1.7, 2) chooses the
+release measured; the figures name it.
 """
 
 from __future__ import annotations
@@ -244,12 +246,13 @@ class _Raw:
     load: dict[str, float | int]
     netns: str
     workdir: str
+    line: str
 
 
 def _measure(pods: int, samples: int, load_seconds: float) -> _Raw:
     with Containerd() as ctrd, ctrd.channel() as direct:
         assert ctrd.workdir is not None
-        _say(f"containerd up in netns {ctrd.netns}; starting {pods} pods")
+        _say(f"containerd {ctrd.line} up in netns {ctrd.netns}; starting {pods} pods")
         direct_rt = cri_grpc.RuntimeServiceStub(direct)
         _start_pods(direct_rt, ctrd, pods)
         version_raw = direct.unary_unary(RUNTIME + "Version")(cri.VersionRequest().SerializeToString(), timeout=5)
@@ -285,7 +288,7 @@ def _measure(pods: int, samples: int, load_seconds: float) -> _Raw:
         finally:
             agent.stop()
         return _Raw(lat, starts, cri.VersionResponse.FromString(version_raw), rss_start, rss_idle, cpu_idle, idle_s,
-                    load, ctrd.netns, str(ctrd.workdir))
+                    load, ctrd.netns, str(ctrd.workdir), ctrd.line)
 
 
 def _figures(raw: _Raw, pods: int, samples: int, load_seconds: float) -> dict:
@@ -331,6 +334,7 @@ def _figures(raw: _Raw, pods: int, samples: int, load_seconds: float) -> dict:
     targets["all"] = all(targets.values())
     environment = {"pods": pods, "samples": samples, "load_seconds_requested": load_seconds,
                    "cpu_count": os.cpu_count(), "containerd_version": raw.version.runtime_version,
+                   "containerd_line": raw.line,
                    "python": sys.version.split()[0], "grpcio": grpc.__version__,
                    "netns": raw.netns, "workdir": raw.workdir}
     return {"calls": calls, "floor": floor, "pod_start": pod_start, "agent": agent, "targets": targets,
@@ -371,7 +375,7 @@ def _table(f: dict) -> str:
     rows.append((f"agent CPU, {ag['idle_seconds']:g} s idle (% core)", "", f"{ag['cpu_percent_idle']:.2f}", "", "", ""))
     widths = [max(len(r[i]) for r in rows) for i in range(6)]
     lines = [f"weft bench proxy: {env['pods']} pods, {env['samples']} samples per call and path, "
-             f"containerd {env['containerd_version']}, {env['cpu_count']} CPUs", ""]
+             f"containerd {env['containerd_line']} ({env['containerd_version']}), {env['cpu_count']} CPUs", ""]
     for r in rows:
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:5], widths[1:5], strict=True)] + [r[5]]
         lines.append("  ".join(cells).rstrip())
