@@ -103,8 +103,8 @@ class KubeCluster:
         self.nodes = Cluster(n=len(self.specs), names=names, handlers_for=handlers)
         self.nodes.open()
         for node in self.nodes.nodes:
-            # Before the agents start: each agent's own mount namespace (ip netns exec) must hold a copy
-            # of this shared mount to see the volumes kubelet will mount under it.
+            # A shared mount, so that kubelet's own mount namespace (kubelet.py) and the agents see the volumes
+            # kubelet mounts under it.
             share_root_dir(node.workdir / "kubelet")
         self._start_agents()
         self.timings["nodes and agents up"] = time.monotonic() - t0

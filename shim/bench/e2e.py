@@ -217,7 +217,7 @@ def cri_overhead(agent: grpc.Channel, direct: grpc.Channel, container_id: str, s
 
 # -- 4. CPU and RSS -----------------------------------------------------------------
 def processes(fabric: Fabric3) -> dict[str, psutil.Process]:
-    """The weft daemons by role: each agent's Python process (under ``ip netns exec``) and the broker."""
+    """The weft daemons by role: each agent's Python process (under ``nsenter --net``) and the broker."""
     out = {}
     for name, agent in fabric.agents.items():
         proc = psutil.Process(agent.pid)

@@ -56,8 +56,9 @@ class AgentProcess:
     metrics_port: int = 0
     env: dict[str, str] = field(default_factory=dict)
     proc: subprocess.Popen[bytes] | None = None
-    # Run inside this network namespace (``ip netns exec``), as on a node; its metrics then listen on
-    # ``metrics_host``, an address of that namespace the test can reach.
+    # Run inside this network namespace, as on a node; its metrics then listen on ``metrics_host``, an address of
+    # that namespace the test can reach. ``nsenter --net``: the host's mounts stay (/sys/fs/cgroup among them), as
+    # for an agent run by systemd; ``ip netns exec`` would mount a sysfs of its own.
     netns: str = ""
     metrics_host: str = "127.0.0.1"
 
@@ -83,7 +84,7 @@ class AgentProcess:
 
     def argv(self) -> list[str]:
         return [
-            *(["ip", "netns", "exec", self.netns] if self.netns else []),
+            *(["nsenter", f"--net=/run/netns/{self.netns}"] if self.netns else []),
             sys.executable, "-m", "shim", "agent",
             "--socket", str(self.socket),
             "--containerd-socket", str(self.containerd.socket),

@@ -2,7 +2,7 @@
 
 ``gpu-1`` has a GPU broker on simulated devices and the ``weft`` runtime
 handler; ``cpu-1`` and ``cpu-2`` host rerouted containers. The agents run
-inside their nodes' network namespaces (``ip netns exec``), mesh over the
+inside their nodes' network namespaces (``nsenter --net``), mesh over the
 cluster bridge with certificates from ``weft mesh-certs`` and a static peers
 file, and serve their CRI sockets in the fabric's work directory. Timeouts are
 short so that fencing and loss happen within a test: ``FENCE_S`` on the hosts,
