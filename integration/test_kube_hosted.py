@@ -23,6 +23,8 @@ from cri_api.v1.api_pb2 import CONTAINER_RUNNING
 from integration.kube import fixture
 from integration.kube.cluster import KubeCluster, NodeSpec
 from integration.kube.workloads import apply, container, container_status, delete, get_pod, pod, wait_ready
+from shim.core.reservation import cpu_shares, weight_of_shares
+from shim.cri.host.group_weight import group_dirs
 from shim.localfabric.waiting import wait_for
 
 pytestmark = pytest.mark.slow
@@ -261,3 +263,31 @@ def test_figures_start_with_a_reservation_and_the_alternative(kube: KubeCluster,
     fixture.report(request.config, "figures (the later of 2, apply to the CPU stage running): " + ", ".join(
         f"{k} {v:.2f} s" for k, v in med.items()) + f"; rerouted/local {med['rerouted'] / med['local']:.2f}x")
     assert all(rows.values())
+
+
+def test_the_shadows_cgroup_weighs_what_its_stages_request(kube: KubeCluster) -> None:
+    """The cgroup the host's shadows share (a sibling of kubelet's pods cgroup on a node) weighs the sum of its
+    running shadows' requests, as kubelet weighs its QoS cgroups, and goes back to the floor when they end."""
+    root = kube.node(HOST).containerd.cgroup_root
+    (shadows_dir, _), v2 = group_dirs(f"{root}/shadows")
+    knob = "cpu.weight" if v2 else "cpu.shares"
+
+    def weight(shares: int) -> str:
+        return str(weight_of_shares(shares) if v2 else shares)
+
+    stages = [_two_stage(f"weighed-{i}") for i in range(2)]
+    for p, cpu in zip(stages, ("200m", "300m"), strict=True):
+        p["spec"]["containers"][1]["resources"]["requests"]["cpu"] = cpu
+    try:
+        apply(kube, *stages)
+        for p in stages:
+            wait_ready(kube, p["metadata"]["name"])
+        wait_for(lambda: len(_shadows(kube)) == 2, timeout=30, what="both stages running on the host")
+        # kubelet's weight for each stage's request, which its shadow was made with; the group has their sum
+        wait_for(lambda: (shadows_dir / knob).read_text().strip() == weight(cpu_shares(200) + cpu_shares(300)),
+                 timeout=10, what=f"the shadows' {knob} at the sum of the stages' requests")
+        delete(kube, stages[1]["metadata"]["name"])
+        wait_for(lambda: (shadows_dir / knob).read_text().strip() == weight(cpu_shares(200)), timeout=30,
+                 what="the group's weight down to the one stage left")
+    finally:
+        delete(kube, *(p["metadata"]["name"] for p in stages))

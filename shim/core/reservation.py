@@ -25,7 +25,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import re
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,3 +171,22 @@ def verdict(pod: Mapping[str, Any] | None, *, deleted: bool = False) -> Verdict:
 def cpu_shares(cpu_millis: int) -> int:
     """The CPU weight kubelet gives a container of this request (cgroup v1 shares), at least 2."""
     return max(2, cpu_millis * 1024 // 1000)
+
+
+# cpu.shares bounds (the kernel's, as kubelet uses them for its QoS cgroups).
+MIN_SHARES, MAX_SHARES = 2, 262144
+
+
+def group_shares(shares: Iterable[int]) -> int:
+    """The weight of the cgroup every shadow of a host sits in: the sum of the shadows' own.
+
+    That group is a sibling of kubelet's pods cgroup, so its weight, not each shadow's, is what the host's own
+    pods compete with; kubelet sizes its QoS cgroups the same way (the sum of their pods' requests).
+    """
+    return min(MAX_SHARES, max(MIN_SHARES, sum(shares)))
+
+
+def weight_of_shares(shares: int) -> int:
+    """cgroup v2 ``cpu.weight`` for a cgroup v1 ``cpu.shares``, converted as runc converts a container's."""
+    shares = min(MAX_SHARES, max(MIN_SHARES, shares))
+    return 1 + ((shares - 2) * 9999) // 262142

@@ -20,7 +20,7 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim._pb import mesh_pb2 as pb
-from shim.cri.host.capacity import HostedCapacity, limits
+from shim.cri.host.capacity import HostedCapacity, limits, shares_of
 from shim.cri.host.lifecycle import HOSTED_CPU_SHARES, HOSTED_OOM_SCORE_ADJ
 from shim.cri.host.runtime import RT, ShadowRuntime
 from shim.cri.labels import CPU_LIMIT_ANNOTATION, MEMORY_LIMIT_ANNOTATION
@@ -64,10 +64,14 @@ def admitted_limits(c: cri.Container, updated: tuple[float, int] | None = None) 
 def clamped(asked: cri.LinuxContainerResources, c: cri.Container,
             admitted: tuple[float, int] | None = None) -> cri.LinuxContainerResources:
     """What an UpdateContainerResources of a shadow may set: CPU and memory within ``admitted`` (what the
-    host admitted it with; an unlimited or larger ask becomes that), at the floor's weight, nothing else (no
-    cpuset, hugepages, ``unified`` keys or OOM score of the origin's choosing)."""
+    host admitted it with; an unlimited or larger ask becomes that), at most the weight it was made with,
+    nothing else (no cpuset, hugepages, ``unified`` keys or OOM score of the origin's choosing)."""
     cpu, memory = admitted if admitted is not None else admitted_limits(c)
-    out = cri.LinuxContainerResources(cpu_shares=HOSTED_CPU_SHARES, oom_score_adj=HOSTED_OOM_SCORE_ADJ)
+    # The weight it was made with (its request's with a reservation, else the floor) is the most it may have:
+    # kubelet resizing a pod down lowers it, nothing raises it.
+    made = shares_of(c)
+    shares = max(HOSTED_CPU_SHARES, min(asked.cpu_shares, made)) if asked.cpu_shares > 0 else made
+    out = cri.LinuxContainerResources(cpu_shares=shares, oom_score_adj=HOSTED_OOM_SCORE_ADJ)
     period = asked.cpu_period if asked.cpu_period > 0 else 100000
     want = asked.cpu_quota / period if asked.cpu_quota > 0 else 0.0
     if cpu > 0:

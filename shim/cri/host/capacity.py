@@ -19,8 +19,9 @@ from cri_api.v1 import api_pb2 as cri
 from shim import log
 from shim.core.reroute import ZERO, Resources
 from shim.cri.fabric import Fabric
+from shim.cri.host.group_weight import ShadowGroupWeight
 from shim.cri.host.runtime import RT, ShadowRuntime
-from shim.cri.labels import CPU_LIMIT_ANNOTATION, MEMORY_LIMIT_ANNOTATION, ORIGIN_LABEL
+from shim.cri.labels import CPU_LIMIT_ANNOTATION, CPU_SHARES_ANNOTATION, MEMORY_LIMIT_ANNOTATION, ORIGIN_LABEL
 from shim.errors import UpstreamError, WeftError
 
 _log = log.get("weft.shadows")
@@ -34,6 +35,14 @@ def limits(resources: cri.LinuxContainerResources) -> tuple[float, int]:
     return cpu, max(0, resources.memory_limit_in_bytes)
 
 
+def shares_of(c: cri.Container) -> int:
+    """The CPU weight a shadow was made with (older shadows, without the annotation: the floor)."""
+    try:
+        return max(2, int(c.annotations.get(CPU_SHARES_ANNOTATION, "2")))
+    except ValueError:
+        return 2
+
+
 class HostedCapacity:
     def __init__(self, rt: ShadowRuntime, fabric: Fabric) -> None:
         self.rt, self.fabric = rt, fabric
@@ -42,6 +51,9 @@ class HostedCapacity:
         self._cache: dict[str, tuple[float, Resources]] = {}
         self._own: dict[str, tuple[float, int, int]] = {}  # container id -> (asked at, cpu.shares, memory limit)
         self._cache_lock = threading.Lock()
+        # The CPU weight of the cgroup the shadows share, kept at the sum of the running shadows' (None: left).
+        self.group: ShadowGroupWeight | None = None
+        self.running_shares: list[int] = []  # the CPU weights of the running shadows, as last measured
 
     def own_requests(self) -> Resources:
         """CPU (cpu.shares / 1024) and memory limits of this node's own running containers, shadows left out."""
@@ -90,10 +102,12 @@ class HostedCapacity:
 
     def _hosted_limits(self) -> Resources:
         cpu, memory, count = 0.0, 0, 0
+        shares: list[int] = []
         for c in self.rt.containers(cri.CONTAINER_RUNNING):
             if ORIGIN_LABEL not in c.labels:
                 continue
             count += 1
+            shares.append(shares_of(c))
             try:
                 c_cpu, c_mem = self.updated.get(c.id) or (float(c.annotations.get(CPU_LIMIT_ANNOTATION, "0")),
                                                            int(c.annotations.get(MEMORY_LIMIT_ANNOTATION, "0")))
@@ -102,6 +116,7 @@ class HostedCapacity:
             cpu += c_cpu
             memory += c_mem
         self.fabric.metrics.shadows_hosted.set(count)
+        self.running_shares = shares
         return Resources(cpu, memory)
 
     def _cached(self, name: str, compute: Callable[[], Resources]) -> Resources:
@@ -117,6 +132,15 @@ class HostedCapacity:
                 return hit[1] if hit is not None else ZERO
             self._cache[name] = (now, value)
             return value
+
+    def reweigh(self) -> None:
+        """The running set changed (a shadow started or went): measure afresh and weigh the group now.
+
+        Only then, not at every measurement: the group's weight moves when its shadows do."""
+        self.forget()
+        self.hosted_limits()
+        if self.group is not None:
+            self.group.apply(self.running_shares)
 
     def forget(self) -> None:
         """What changed the hosted set (a shadow made, started, stopped, removed or resized): measure afresh."""

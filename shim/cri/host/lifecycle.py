@@ -39,6 +39,7 @@ from shim.cri.host.reservations import ReservationRefused, Reservations
 from shim.cri.host.runtime import IMG, RT, ShadowRuntime, label
 from shim.cri.labels import (
     CPU_LIMIT_ANNOTATION,
+    CPU_SHARES_ANNOTATION,
     KEY_ANNOTATION,
     KEY_LABEL,
     MEMORY_LIMIT_ANNOTATION,
@@ -208,6 +209,7 @@ class Lifecycle:
                 # that request has; without one, the floor, so that the host's own pods always win.
                 config.linux.resources.cpu_shares = (HOSTED_CPU_SHARES if self.reservations is None
                                                      else max(HOSTED_CPU_SHARES, asked_shares))
+                config.annotations[CPU_SHARES_ANNOTATION] = str(config.linux.resources.cpu_shares)
                 created = self.rt.call(RT + "CreateContainer", cri.CreateContainerRequest(
                     pod_sandbox_id=sandbox_id, config=config, sandbox_config=shadow_sandbox),
                     cri.CreateContainerResponse)
@@ -224,7 +226,7 @@ class Lifecycle:
                                                                        KEY_LABEL: label(req.key)}, containers=True):
                         shadow_volumes.remove(volumes)
                 raise
-        self.capacity.forget()
+        self.capacity.reweigh()
         _log.info("shadow.created", origin=origin, key=req.key, sandbox_id=sandbox_id,
                   container_id=created.container_id, image=config.image.image, started=req.start,
                   volumes=len(plans))
@@ -261,7 +263,7 @@ class Lifecycle:
         if c.state == cri.CONTAINER_CREATED:
             self.rt.call(RT + "StartContainer", cri.StartContainerRequest(container_id=c.id),
                        cri.StartContainerResponse)
-            self.capacity.forget()
+            self.capacity.reweigh()
             _log.info("shadow.started", origin=origin, key=key, container_id=c.id)
         return self.rt.state(key, c.pod_sandbox_id, c.id)
 
@@ -361,7 +363,7 @@ class Lifecycle:
         self.capacity.updated.pop(c.id, None)
         if self.reservations is not None:
             self.reservations.release(key or c.annotations.get(KEY_ANNOTATION, ""))
-        self.capacity.forget()
+        self.capacity.reweigh()
         _log.info(f"shadow.{why}", origin=origin, key=key, container_id=c.id)
 
     def sync_volumes(self, origin: str, req: pb.SyncVolumesRequest) -> pb.SyncVolumesResponse:

@@ -32,6 +32,7 @@ from shim.cri.fabric import Fabric
 from shim.cri.host.calls import Calls
 from shim.cri.host.capacity import HostedCapacity
 from shim.cri.host.fence import Fencer
+from shim.cri.host.group_weight import ShadowGroupWeight
 from shim.cri.host.lifecycle import Lifecycle
 from shim.cri.host.prepare import Preparer
 from shim.cri.host.reservations import Reservations
@@ -64,6 +65,9 @@ class ShadowHost:
         self.reservations = Reservations(api, node, namespace, pause_image, self._reservation_lost,
                                          self._live_keys, grace=grace, metrics=metrics)
         self.lifecycle.reservations = self.reservations
+        # Shadows on Kubernetes' books run at their requests' weight, and their cgroup weighs the sum of those
+        # (shim.cri.host.group_weight); without, each runs at the floor and the group is left as it is.
+        self.capacity.group = ShadowGroupWeight(self.lifecycle.cgroup_parent)
 
     def open(self) -> None:
         self.fencer.open()

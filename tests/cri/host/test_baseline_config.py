@@ -81,6 +81,16 @@ def test_an_update_is_clamped_to_what_the_shadow_was_admitted_with() -> None:
     assert (unlimited.cpu_period, unlimited.cpu_quota, unlimited.memory_limit_in_bytes) == (100000, 50000, 1 << 30)
 
 
+def test_an_update_keeps_a_reserved_shadow_s_weight_at_most_what_it_was_made_with() -> None:
+    from shim.cri.host.calls import clamped
+
+    c = cri.Container(annotations={"weft.io/hosted-cpu-limit": "1", "weft.io/hosted-cpu-shares": "512"})
+    assert clamped(cri.LinuxContainerResources(cpu_shares=4096), c).cpu_shares == 512  # never raised
+    assert clamped(cri.LinuxContainerResources(cpu_shares=256), c).cpu_shares == 256  # a resize down lowers it
+    assert clamped(cri.LinuxContainerResources(), c).cpu_shares == 512  # not said: kept
+    assert clamped(cri.LinuxContainerResources(cpu_shares=1), c).cpu_shares == 2  # never under the floor
+
+
 def test_only_what_bears_this_hosts_mark_is_a_shadow(tmp_path) -> None:
     from shim.cri.mark import MARK_LABEL, ShadowMark
 
