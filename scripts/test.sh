@@ -36,8 +36,15 @@ for line in ${WEFT_TEST_CONTAINERDS-1.7 2}; do
 done
 failed=0
 for run in "${smoke[@]}"; do
-  if wait "${run#*:}"; then result=passed; else result=FAILED; failed=1; fi
-  echo "weft: smoke run on containerd ${run%%:*} $result:"
-  tail -n 25 "$VENV/log/smoke-containerd-${run%%:*}.log"
+  log="$VENV/log/smoke-containerd-${run%%:*}.log"
+  if wait "${run#*:}"; then
+    echo "weft: smoke run on containerd ${run%%:*} passed:"
+    grep -E '^\[weft kube\] (critest|kube cluster .*teardown)' "$log" || true
+    tail -n 1 "$log"
+  else
+    failed=1
+    echo "weft: smoke run on containerd ${run%%:*} FAILED:"
+    tail -n 80 "$log"
+  fi
 done
 exit "$failed"
