@@ -133,6 +133,10 @@ class Kubelet:
             "podLogsDir": str(self.pod_logs_dir), "rotateCertificates": False,
             # Pods are synced (and their ConfigMap and Secret volumes refreshed) every 10 s rather than every minute.
             "syncFrequency": "10s",
+            # Without pod cgroups (cgroupsPerQOS false) kubelet v1.34's in-place resize dereferences a nil pod
+            # cgroup config when a running container lacks its actuated-resources record, as when a pod is
+            # deleted mid-sync under load, and kubelet exits (kubernetes/kubernetes#137999). No test resizes.
+            "featureGates": {"InPlacePodVerticalScaling": False},
             **self.extra_config,
         }
 
