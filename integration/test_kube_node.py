@@ -4,7 +4,8 @@ What a cluster user sees: a plain pod and a ``runtimeClassName: weft`` pod both 
 through HTTP probes; ``kubectl logs``, ``exec`` (stdin, exit codes) and ``port-forward`` work on
 both; the plain pod's sandbox never runs on the ``weft`` handler (asked of containerd itself). And
 the faults: with the agent gone kubelet reports the runtime down (the Node turns NotReady) and
-recovers when it is back; with the API server gone, running pods and CRI through the agent carry on.
+recovers when it is back; with the API server gone, running pods and CRI through the agent carry on;
+kubelet restarted without its records of what it gave each container keeps its pods and lives.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from integration.kube.cluster import KubeCluster, NodeSpec
 from integration.kube.workloads import (
     Terminal,
     apply,
+    container,
     container_status,
     crictl,
     delete,
@@ -31,6 +33,7 @@ from integration.kube.workloads import (
     wait_ready,
     web,
 )
+from shim.localfabric.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -53,6 +56,43 @@ def two_pods(kube: KubeCluster) -> Iterator[tuple[str, str]]:
         yield "plain", "opted"
     finally:
         delete(kube, "plain", "opted")
+
+
+def test_kubelet_restarted_without_its_resize_records_keeps_running(kube: KubeCluster) -> None:
+    """kubelet v1.34 with in-place resize on and no pod cgroups (``cgroupsPerQOS: false``, as in the harness)
+    dereferences a nil pod cgroup config in ``doPodResizeAction`` when a running container with requests has no
+    actuated-resources record (kubernetes/kubernetes#137999), and exits. Under load, a running pod deleted
+    (its records with it) while kubelet still synced it got there: kubelet died between a call and its answer,
+    and the node's next pods never started. Here the records go over a restart, every time. The harness
+    turns the gate off (``Kubelet.config``). First in the module: ``two_pods``' token volumes, mounted by
+    the first kubelet, would not unmount under the second."""
+    sized = pod("sized", [container("c", "sleep 3600", resources={"requests": {"cpu": "100m", "memory": "32Mi"}})])
+    # No token volume: a second kubelet, in a mount namespace of its own, could not unmount the first one's.
+    sized["spec"]["automountServiceAccountToken"] = False
+    apply(kube, sized)
+    try:
+        wait_ready(kube, "sized")
+        kubelet = kube.kubelets[NODE]
+        kubelet.stop()
+        (kubelet.root_dir / "actuated_pods_state").unlink(missing_ok=True)  # absent with the gate off
+        seen = kubelet.log_path.stat().st_size
+        kubelet.start()
+        synced = '"SyncLoop ADD" source="api" pods=["default/sized"]'
+
+        def first_sync() -> bool:
+            assert kubelet.running, kubelet.log_tail(40)
+            with open(kubelet.log_path, errors="replace") as f:
+                f.seek(seen)
+                return synced in f.read()
+
+        wait_for(first_sync, timeout=120, what="kubelet's first sync of the pod after its restart")
+        for _ in range(20):  # the pod's sync, where kubelet would crash, follows the ADD at once
+            assert kubelet.running, kubelet.log_tail(40)
+            time.sleep(0.5)
+        kube.wait_node_ready(NODE, timeout=120)
+        assert container_status(wait_ready(kube, "sized"), "c")["restartCount"] == 0
+    finally:
+        delete(kube, "sized")
 
 
 def test_plain_and_opted_in_pods_run_and_answer_kubectl(kube: KubeCluster, two_pods: tuple[str, str]) -> None:
