@@ -125,7 +125,7 @@ _UNARY = [m.name for m in pb.DESCRIPTOR.services_by_name["Mesh"].methods if not 
 
 def _ask(ch: grpc.Channel, method: str, request) -> tuple[grpc.StatusCode, str, bytes | None]:
     try:
-        return grpc.StatusCode.OK, "", ch.unary_unary(MESH + method)(request.SerializeToString(), timeout=30)
+        return grpc.StatusCode.OK, "", ch.unary_unary(MESH + method)(request.SerializeToString(), timeout=60)
     except grpc.RpcError as e:
         return e.code(), e.details() or "", None
 

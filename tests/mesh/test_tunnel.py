@@ -35,7 +35,8 @@ def server(certs: Path) -> Iterator[TunnelServer]:
     while Pipe.live and time.monotonic() < deadline:
         time.sleep(0.02)
     assert Pipe.live == 0, "a pipe outlived its test"
-    assert _pipe_fds() == pipes_fds, "a pipe left its kernel pipes (splice) or its eventfd open"
+    # At most as many as before: an earlier test's subprocess pipes in this worker may close meanwhile.
+    assert _pipe_fds() <= pipes_fds, "a pipe left its kernel pipes (splice) or its eventfd open"
 
 
 def _pipe_fds() -> int:
