@@ -199,7 +199,7 @@ def test_a_port_the_local_container_holds_is_reported_not_taken(pod) -> None:
     wait_for(lambda: status(f, clash).state == cri.CONTAINER_RUNNING, what="clash running")
     events = wait_for(lambda: [e for e in f.agents["gpu-1"].events() if e.get("event") == "stitch.port_collision"
                                and e.get("port") == 9090 and e.get("container") == "clash"],
-                      timeout=20, what="the collision logged")
+                      timeout=60, what="the collision logged")
     assert "httpd" in events[0]["holder"] and events[0]["side"] == "origin"
     assert _get(f, pod["gpu"], 9090) == b"local-ok\n"  # the local one keeps its port
     ch, rt = f.runtime("gpu-1")
