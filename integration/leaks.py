@@ -6,11 +6,9 @@ worker's node, and is a leak only once no live harness holds its slot.
 
 from __future__ import annotations
 
-import fcntl
-import os
 import subprocess
 
-from shim.localfabric.containerd import SLOT_DIR
+from shim.localfabric.containerd import lock_held
 
 
 def netns() -> set[str]:
@@ -20,18 +18,7 @@ def netns() -> set[str]:
 
 def slot_held(name: str) -> bool:
     """A node namespace whose slot another live harness holds is theirs, not a leak."""
-    lock = SLOT_DIR / f"slot{name.removeprefix('weftnode')}.lock"
-    try:
-        fd = os.open(lock, os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
+    return lock_held(f"slot{name.removeprefix('weftnode')}")
 
 
 def leaked_node_namespaces(before: set[str]) -> set[str]:

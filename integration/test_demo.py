@@ -8,7 +8,6 @@ and is a no-op when there is nothing to remove.
 
 from __future__ import annotations
 
-import fcntl
 import json
 import os
 import signal
@@ -17,7 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from shim.localfabric.containerd import SLOT_DIR, cgroup_hierarchies
+from shim.localfabric.containerd import cgroup_hierarchies, lock_held
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -114,28 +113,13 @@ def assert_gone(doc: dict, fabric: dict) -> None:
         procs = [p.name for p in Path("/proc").iterdir() if p.name.isdigit() and _mentions(p, d)]
         assert not procs, f"processes left behind from {d}: {procs}"
     for n in fabric["nodes"]:
-        if _held(f"slot{n['slot']}"):
+        if lock_held(f"slot{n['slot']}"):
             continue
         assert not Path(f"/var/run/netns/weftnode{n['slot']}").exists(), f"netns of {n['name']} left behind"
         for h in cgroup_hierarchies():
             assert not (h / f"weft-harness{n['slot']}").exists(), f"cgroup of {n['name']} left in {h}"
-    if "mesh_slot" in fabric and not _held(f"mesh{fabric['mesh_slot']}"):
+    if "mesh_slot" in fabric and not lock_held(f"mesh{fabric['mesh_slot']}"):
         assert not Path(f"/sys/class/net/weftmesh{fabric['mesh_slot']}").exists(), "bridge left behind"
-
-
-def _held(lock: str) -> bool:
-    """Someone (another test session) holds that harness slot now: what carries its number is theirs."""
-    try:
-        fd = os.open(SLOT_DIR / f"{lock}.lock", os.O_RDWR)
-    except OSError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-    return False
 
 
 def _running(pid: int) -> bool:

@@ -21,9 +21,7 @@ next one to claim its mesh slot (``reap_stale_mounts`` and the local fabric's ow
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import json
-import os
 import re
 import subprocess
 import sys
@@ -41,7 +39,7 @@ from integration.kube.controlplane import ControlPlane
 from integration.kube.kubelet import KernelSettings, Kubelet, share_root_dir
 from shim.localfabric.agent import AgentProcess, free_port
 from shim.localfabric.broker import BrokerProcess, weft_handler
-from shim.localfabric.containerd import SLOT_DIR
+from shim.localfabric.containerd import lock_held
 from shim.localfabric.images import PAUSE_IMAGE
 from shim.localfabric.nodes import Cluster, Node
 from shim.localfabric.waiting import wait_for
@@ -289,20 +287,6 @@ class KubeCluster:
             return list(rt.ListContainers(cri.ListContainersRequest(), timeout=30).containers)
 
 
-def _slot_free(kind: str, slot: int) -> bool:
-    try:
-        fd = os.open(SLOT_DIR / f"{kind}{slot}.lock", os.O_RDWR)
-    except OSError:
-        return True
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return False
-    finally:
-        os.close(fd)
-    return True
-
-
 def reap_stale_mounts() -> None:
     """Unmount kubelet root directories that a killed run left under a mesh work directory nobody holds."""
     pattern = re.compile(re.escape(tempfile.gettempdir()) + r"/weft-mesh(\d+)-[^/]+/")
@@ -310,5 +294,5 @@ def reap_stale_mounts() -> None:
         mounts = [line.split()[4].replace("\\040", " ") for line in f]
     for mnt in sorted(mounts, key=len, reverse=True):
         m = pattern.match(mnt)
-        if m and _slot_free("mesh", int(m.group(1))):
+        if m and not lock_held(f"mesh{int(m.group(1))}"):
             subprocess.run(["umount", "-l", mnt], capture_output=True, check=False)

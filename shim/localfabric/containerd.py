@@ -113,6 +113,21 @@ def cgroup_hierarchies() -> list[Path]:
     return found
 
 
+def lock_held(name: str) -> bool:
+    """Whether a live holder has slot lock ``name`` (``slot3``, ``mesh2``) now: what carries it is theirs."""
+    try:
+        fd = os.open(SLOT_DIR / f"{name}.lock", os.O_RDWR)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def claim_slot(kind: str, wanted: int, limit: int) -> tuple[int, int]:
     """An exclusive slot number (``wanted``, or the lowest free one for 0) and the fd holding its flock.
 
