@@ -235,8 +235,8 @@ def _write_mesh_certs(
         ca_key_path.chmod(0o600)
     else:
         ca_key_pem, ca_cert_pem = generate_ca()
-        _write(ca_key_path, ca_key_pem, 0o600)
-        _write(ca_cert_path, ca_cert_pem, 0o644)
+        write_file(ca_key_path, ca_key_pem, 0o600)
+        write_file(ca_cert_path, ca_cert_pem, 0o644)
         written |= {"ca.key", "ca.crt"}
     paths["ca.crt"], paths["ca.key"] = ca_cert_path, ca_key_path
 
@@ -248,8 +248,8 @@ def _write_mesh_certs(
             key_path.chmod(0o600)
         else:
             key_pem, cert_pem = issue_node_cert(ca_key_pem, ca_cert_pem, node, addrs, valid_days=valid_days)
-            _write(key_path, key_pem, 0o600)
-            _write(cert_path, cert_pem, 0o644)
+            write_file(key_path, key_pem, 0o600)
+            write_file(cert_path, cert_pem, 0o644)
             written |= {key_path.name, cert_path.name}
         paths[cert_path.name], paths[key_path.name] = cert_path, key_path
     return paths, written
@@ -308,7 +308,7 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
                              serialization.NoEncryption())
 
 
-def _write(path: Path, data: bytes, mode: int) -> None:
+def write_file(path: Path, data: bytes, mode: int) -> None:
     """Write through a temporary file so a crash never leaves half a key; a key is never readable by others."""
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.unlink(missing_ok=True)

@@ -45,7 +45,7 @@ from shim import log
 from shim.core.meshcsr import MIN_REQUEST_S, SIGNER_NAME, renew_at
 from shim.errors import ConfigError, WeftError
 from shim.mesh import csr
-from shim.mesh.certs import cert_nodes, check_node_name
+from shim.mesh.certs import cert_nodes, check_node_name, write_file
 
 _log = log.get("weft.mesh")
 
@@ -210,23 +210,6 @@ class Enroller:
                 return
             if stop.wait(max(0.0, next_at - self.clock())):
                 return
-
-
-def write_file(path: Path, data: bytes, mode: int) -> None:
-    """Write through a temporary file in the same directory and rename: a reader never sees half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def main(directory: Path, node: str, kubeconfig: Path, *, lifetime_s: int, share: float, once: bool,

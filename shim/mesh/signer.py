@@ -153,7 +153,6 @@ class Signer:
 
 def init_ca(ca_dir: Path) -> int:
     """``weft mesh-signer --init-ca``: a new mesh CA in ``ca_dir`` (kept if one is there), for the CA Secret."""
-    from shim.mesh.enroll import write_file
 
     ca_dir = Path(ca_dir)
     key_path, cert_path = ca_dir / "ca.key", ca_dir / "ca.crt"
@@ -166,8 +165,8 @@ def init_ca(ca_dir: Path) -> int:
                           "its pair")
     ca_dir.mkdir(parents=True, exist_ok=True)
     key, cert = certs.generate_ca()
-    write_file(key_path, key, 0o600)
-    write_file(cert_path, cert, 0o644)
+    certs.write_file(key_path, key, 0o600)
+    certs.write_file(cert_path, cert, 0o644)
     print(f"wrote {cert_path} and {key_path}; put both in the weft-mesh-ca Secret (mesh-ca-secret.example.yaml)")
     return 0
 
