@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import datetime
 import gc
-import json
 import os
 import platform
 import shutil
@@ -48,7 +47,7 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from shim.bench.running import guarded, ms, summary
+from shim.bench.running import guarded, ms, report, summary
 from shim.config import MeshConfig
 from shim.errors import WeftError
 from shim.localfabric import pods
@@ -392,9 +391,4 @@ def main(*, as_json: bool, starts: int, samples: int, output: Path | None) -> in
         shutil.rmtree(workdir, ignore_errors=True)
     if figures is None:
         return code
-    text = json.dumps(figures, indent=2)
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(text + "\n")
-    print(text if as_json else _table(figures), flush=True)
-    return 0
+    return report(figures, as_json, output, _table)

@@ -29,7 +29,6 @@ run worked (:mod:`shim.bench.running`).
 from __future__ import annotations
 
 import datetime
-import json
 import os
 import platform
 import resource
@@ -49,7 +48,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim._pb import mesh_pb2 as pb
 from shim._pb import mesh_pb2_grpc as pb_grpc
-from shim.bench.running import guarded, ms
+from shim.bench.running import guarded, ms, report
 from shim.config import MeshConfig
 from shim.errors import WeftError
 from shim.localfabric import pods
@@ -391,9 +390,4 @@ def main(*, as_json: bool, peers: str | None, quick: bool, output: Path | None) 
         shutil.rmtree(workdir, ignore_errors=True)
     if figures is None:
         return code
-    text = json.dumps(figures, indent=2)
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(text + "\n")
-    print(text if as_json else _table(figures), flush=True)
-    return 0
+    return report(figures, as_json, output, _table)

@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import statistics
 import subprocess
@@ -42,7 +41,7 @@ import psutil
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from shim.bench.running import guarded, ms
+from shim.bench.running import guarded, ms, report
 from shim.errors import WeftError
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd
@@ -397,9 +396,4 @@ def main(*, as_json: bool, pods: int, samples: int, load_seconds: float, output:
                                                    load_seconds))
     if figures is None:
         return code
-    text = json.dumps(figures, indent=2)
-    if output is not None:
-        output.parent.mkdir(parents=True, exist_ok=True)
-        output.write_text(text + "\n")
-    print(text if as_json else _table(figures), flush=True)
-    return 0
+    return report(figures, as_json, output, _table)

@@ -7,10 +7,12 @@ exception so every ``finally`` still tears them down. Exit codes: 0 measured
 
 from __future__ import annotations
 
+import json
 import signal
 import statistics
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import TypeVar
 
 T = TypeVar("T")
@@ -51,3 +53,13 @@ def ms(ns: float, digits: int = 4) -> float:
 def summary(ns: list[int], digits: int = 4) -> dict[str, float | int]:
     q = statistics.quantiles(ns, n=100, method="inclusive")
     return {"p50_ms": ms(q[49], digits), "p99_ms": ms(q[98], digits), "max_ms": ms(max(ns), digits), "n": len(ns)}
+
+
+def report(figures: dict, as_json: bool, output: Path | None, table: Callable[[dict], str]) -> int:
+    """Write the figures to ``output`` (if given) and print them, as JSON or as ``table`` says; exit code 0."""
+    text = json.dumps(figures, indent=2)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text + "\n")
+    print(text if as_json else table(figures), flush=True)
+    return 0
