@@ -2,7 +2,8 @@
 
 Header blocks weft writes never touch HPACK's dynamic table
 (``h2.encode_headers``), so kubelet's decoder stays in step with
-containerd's encoder, whose blocks pass through untouched. An error before
+containerd's encoder, whose blocks pass through untouched (or, on a
+connection where they could not, re-encoded the same way). An error before
 any response HEADERS is a trailers-only response, as grpc-go sends one.
 """
 

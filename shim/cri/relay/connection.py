@@ -2,7 +2,11 @@
 
 Every frame goes across unchanged; the relay reads only frame boundaries,
 SETTINGS and header blocks (HPACK-decoded in step with both encoders, to
-learn each request's method and each response's status).
+learn each request's method and each response's status). One exception:
+once containerd answered a call weft answers (grpc-go does at once for a
+method it does not know) and that block changed its HPACK table, kubelet's
+decoder no longer matches containerd's encoder, and containerd's later
+blocks reach kubelet re-encoded without the dynamic table.
 
 A request whose path has a route that applies (``route.Route``) is answered
 by weft: its HEADERS still go to containerd, immediately followed by
@@ -84,6 +88,9 @@ class Connection:
         self.local_reason = ""  # set when containerd could not be reached: we answer alone
         self.req_dec = h2.CachingDecoder()  # kubelet's encoder -> (us and) containerd
         self.resp_dec = h2.CachingDecoder()  # containerd's encoder -> (us and) kubelet
+        # Set once a block containerd wrote changed its table but never reached kubelet (its answer on a
+        # stream weft answered): from then on containerd's blocks reach kubelet re-encoded without the table.
+        self.resp_reencode = False
         self.streams: dict[int, Stream] = {}
         self.last_sid = 0
         # The first frame kubelet gets must be SETTINGS (RFC 7540 3.5): containerd's, or ours.
@@ -326,7 +333,14 @@ class Connection:
         headers = self.resp_dec.decode(block)
         st = self.streams.get(sid)
         if st is not None and st.intercepted:
-            return  # cannot happen with grpc-go after our RST; never let it reach kubelet's stream
+            # containerd's own answer to a call weft answers: grpc-go sends one at once, before our RST
+            # lands, for a method it does not know (weft's Admin service, a newer CRI verb). kubelet must
+            # not get it, and then its decoder no longer matches containerd's encoder.
+            self.resp_reencode = self.resp_reencode or self.resp_dec.changed
+            return
+        if self.resp_reencode:
+            raw = h2.headers_frames(sid, h2.encode_headers(headers), end_stream=bool(flags & h2.FLAG_END_STREAM),
+                                    max_frame=self.down.max_frame)
         self.down.send(sid, 0, raw)
         if st is not None and flags & h2.FLAG_END_STREAM:
             status = next((v for k, v in headers if k == b"grpc-status"), None)

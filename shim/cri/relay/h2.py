@@ -165,6 +165,7 @@ class CachingDecoder:
         # Every insertion counts, even one equal to the entry before it: the
         # indices of everything behind it shift all the same.
         self._insertions = 0
+        self.changed = False  # whether the last block decoded changed the dynamic table
         add = self._table.add
 
         def counting_add(name: bytes, value: bytes) -> object:
@@ -186,11 +187,13 @@ class CachingDecoder:
 
     def decode(self, block: bytes) -> list[tuple[bytes, bytes]]:
         hit = self._cache.get(block)
+        self.changed = False
         if hit is not None:
             return hit
         before = self._signature()
         headers = [(bytes(k), bytes(v)) for k, v in self._decoder.decode(block, raw=True)]
         if self._signature() != before:
+            self.changed = True
             self._cache.clear()
         else:
             if len(self._cache) >= self._MAX:

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import pytest
-from hpack import Encoder
+from hpack import Decoder, Encoder
 
 from shim.cri.instrument import Outcome
 from shim.cri.relay import h2
@@ -147,3 +147,25 @@ def test_never_closes_with_frames_still_queued(conn) -> None:
         assert not conn.down.out and conn.closed
 
     conn.loop.run_until_complete(scenario())
+
+
+def test_containerds_answer_to_a_call_weft_answers_leaves_kubelets_decoder_in_step(conn) -> None:
+    """grpc-go answers a method it does not know at once, before our RST lands; that block fills its
+    encoder's table but never reaches kubelet, whose decoder must still read every later block."""
+    containerd, kubelet = Encoder(), Decoder()
+    _open_intercepted(conn, 1)
+    unknown = [(":status", "200"), ("content-type", "application/grpc"), ("grpc-status", "12"),
+               ("grpc-message", "unknown service weft.agent.v1.Admin")]
+    conn._on_containerd_frame(h2.HEADERS, h2.FLAG_END_HEADERS | h2.FLAG_END_STREAM, 1,
+                              h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS | h2.FLAG_END_STREAM, 1,
+                                       containerd.encode(unknown)))
+    _feed(conn, _headers(conn, 3, "/runtime.v1.RuntimeService/Version"))
+    reply = containerd.encode([(":status", "200"), ("content-type", "application/grpc"),
+                               ("grpc-message", "unknown service weft.agent.v1.Admin")])  # indexed now
+    conn._on_containerd_frame(h2.HEADERS, h2.FLAG_END_HEADERS, 3, h2.frame(h2.HEADERS, h2.FLAG_END_HEADERS, 3, reply))
+    conn.down.flush()
+    blocks = [(f, p) for t, f, s, p in conn.down_w.frames() if t == h2.HEADERS and s == 3]
+    assert len(blocks) == 1 and not blocks[0][0] & h2.FLAG_END_STREAM
+    assert [(bytes(k), bytes(v)) for k, v in kubelet.decode(blocks[0][1], raw=True)] == [
+        (b":status", b"200"), (b"content-type", b"application/grpc"),
+        (b"grpc-message", b"unknown service weft.agent.v1.Admin")]
