@@ -65,6 +65,32 @@ class Plan:
     collisions: tuple[Collision, ...]
 
 
+def attribute(listening: Mapping[str, frozenset[int]], namespaces: Mapping[str, str],
+              current: Mapping[int, str] | None = None) -> dict[str, frozenset[int]]:
+    """What each rerouted container listens on, from what each one's host reports.
+
+    A pod's shadows on one host share a network namespace (``namespaces``: the
+    same value for each of them), and each one's report holds everything that
+    listens there. A port is put down to one of them only, so that it is not
+    taken for a collision between them: to the container it is mirrored for
+    now (``current``), else to the first by name. Shadows in different
+    namespaces are left as they are.
+    """
+    current = current or {}
+    out: dict[str, set[int]] = {name: set() for name in listening}
+    claimed: dict[str, set[int]] = {}
+    for name, ports in listening.items():
+        for port in ports:
+            if current.get(port) == name:
+                out[name].add(port)
+                claimed.setdefault(namespaces[name], set()).add(port)
+    for name in sorted(listening):
+        shared = claimed.setdefault(namespaces[name], set())
+        out[name] |= listening[name] - shared
+        shared |= out[name]
+    return {name: frozenset(ports) for name, ports in out.items()}
+
+
 def plan(shadow_ports: Mapping[str, frozenset[int]], local_ports: frozenset[int],
          current: Mapping[int, str] | None = None) -> Plan:
     """Which ports go where.

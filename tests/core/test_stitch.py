@@ -9,6 +9,7 @@ from shim.core.stitch import (
     Collision,
     HeldBy,
     StreamTokens,
+    attribute,
     declared_ports,
     head_end,
     parse_head,
@@ -108,3 +109,19 @@ def test_an_endless_head_is_refused_and_a_partial_one_waits() -> None:
                          ids=["exec", "attach", "root", "no-token", "too-deep", "unknown-kind"])
 def test_routes(path: str, route: tuple[str, str]) -> None:
     assert parse_head(f"GET {path} HTTP/1.1\r\n\r\n".encode()).route == route
+
+
+def test_shadows_sharing_a_namespace_are_not_a_collision_between_them() -> None:
+    # web and clash run on one host in the pod's shadow sandbox: each one's stream reports 8080 (web's server).
+    spaces = {"web": "cpu-1/sb", "clash": "cpu-1/sb", "far": "cpu-2/sb2"}
+    got = attribute({"web": frozenset({8080}), "clash": frozenset({8080}), "far": frozenset({8080})}, spaces)
+    assert got == {"clash": frozenset({8080}), "web": frozenset(), "far": frozenset({8080})}
+    p = plan(got, frozenset())
+    # Once: the shadows in different namespaces do collide, the two sharing one do not.
+    assert [(c.port, c.container) for c in p.collisions] == [(8080, "far")]
+
+
+def test_a_shared_port_stays_with_the_container_it_is_mirrored_for() -> None:
+    spaces = {"web": "cpu-1/sb", "clash": "cpu-1/sb"}
+    got = attribute({"web": frozenset({8080, 7000}), "clash": frozenset({8080, 7000})}, spaces, {8080: "web"})
+    assert got == {"web": frozenset({8080}), "clash": frozenset({7000})}

@@ -20,7 +20,11 @@
   stream of the shadow ends; a connection the origin never claims is closed
   when its token expires.
 
-A port the host cannot listen on (the shadow holds it itself) is logged
+The pod's shadows on this host share one namespace: their streams leave out
+every mirror in it, not only their own, and a port that something there
+listens on already is left to it (a sibling's mirror carries it just as well).
+
+A port the host cannot listen on (the shadow took it in between) is logged
 (``stitch.port_collision``) with the port and container, and told to the
 origin as a problem.
 """
@@ -71,6 +75,7 @@ class Mirrors:
         self.origin_pod_ip = ""  # where the kernel path sends this shadow's 127.0.0.1:<port> (ShadowNet.forward)
         self.refs = 0
         self.subscriber: queue.Queue | None = None
+        self.wanted: set[int] = set()  # what the origin's stream asked for (some may be held by a sibling)
         self._lock = threading.Lock()
 
     def _sockets(self) -> list[socket.socket]:
@@ -81,13 +86,18 @@ class Mirrors:
             return {os.fstat(s.fileno()).st_ino for s in self._sockets() if s.fileno() >= 0}
 
     def set_ports(self, ports: set[int]) -> list[str]:
+        """Listen on ``ports`` in the shadow's namespace. The pod's shadows on this host share it: a port that
+        something there listens on already (a sibling's mirror, or a server of a shadow, whose collisions the
+        origin sees in what the stream reports) is left to it, and taken up when it frees (``retry``)."""
         problems = []
         with self._lock:
+            self.wanted = set(ports)
             for port in set(self.listeners) - ports:
                 for sock in self.listeners.pop(port):
                     _close_listener(sock)
             new = ports - set(self.listeners)
-        for port in sorted(new):
+        held = {p for p, inodes in self.ns.listening().items() if inodes} if new else set()
+        for port in sorted(new - held):
             try:
                 socks = self.ns.listen_loopback(port)
             except OSError as exc:
@@ -230,7 +240,7 @@ class ShadowNet:
                 if req.has_declared:
                     listening = set(req.declared)
                 else:
-                    own = m.inodes()
+                    own = self._own_inodes(c.pod_sandbox_id)  # every mirror in the namespace, siblings' too
                     listening = {p for p, inodes in self._listening_in(c.pod_sandbox_id, ns).items() if inodes - own}
                 if listening != last:
                     last = listening
@@ -282,6 +292,11 @@ class ShadowNet:
             return ""
         return status.network.ip
 
+    def _own_inodes(self, sandbox_id: str) -> set[int]:
+        with self._lock:
+            mirrors = [m for m in self._mirrors.values() if m.sandbox_id == sandbox_id]
+        return set().union(*(m.inodes() for m in mirrors))
+
     def _listening_in(self, sandbox_id: str, ns: Netns) -> dict[int, set[int]]:
         with self._listening_lock:
             at, ports = self._listening.get(sandbox_id, (float("-inf"), {}))
@@ -312,6 +327,13 @@ class ShadowNet:
                 with self._listening_lock:
                     self._listening.pop(m.sandbox_id, None)
         m.close()
+        if in_use:  # a sibling in the namespace may have left a port to m: it takes it up now
+            with self._lock:
+                siblings = [x for x in self._mirrors.values() if x.sandbox_id == m.sandbox_id]
+            for x in siblings:
+                for problem in x.set_ports(x.wanted):
+                    if x.subscriber is not None:
+                        x.subscriber.put(pb.StitchEvent(problem=problem))
         self.forward(m.sandbox_id)  # the kernel path of what is left in the sandbox (nothing: rules removed)
         if ns is not None:
             ns.close()

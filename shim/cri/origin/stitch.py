@@ -24,6 +24,10 @@ every ``POLL_S``, and at once when a host reports a change):
   dials and joins to 127.0.0.1:<port> here (::1 for a server that listens
   there only).
 
+The pod's shadows on one host share a namespace, so each of their streams
+reports all that listens there; ``shim.core.stitch.attribute`` puts each such
+port down to one of them before the plan.
+
 A port held both here and in a shadow is a collision: not mirrored, logged
 once (``stitch.port_collision``) with the port, the rerouted container and
 the local process holding it.
@@ -43,7 +47,7 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 
 from shim import log
-from shim.core.stitch import PORTS_ANNOTATION, Collision, HeldBy, declared_ports, plan
+from shim.core.stitch import PORTS_ANNOTATION, Collision, HeldBy, attribute, declared_ports, plan
 from shim.cri.fabric import Fabric
 from shim.cri.netns import Netns, owner_of, sandbox_netns
 from shim.cri.origin.kernel_path import KernelForwards
@@ -165,8 +169,10 @@ class PodNet:
     def tick(self) -> None:
         local = self.local_ports()
         links = {link.name: link for link in self.links.values()}
-        p = plan({name: link.listening for name, link in links.items()}, local,
-                 {port: name for port, (_, name) in self.mirrors.items()})
+        current = {port: name for port, (_, name) in self.mirrors.items()}
+        # The pod's shadows on one host share a namespace (its shadow sandbox's): each stream reports it all.
+        spaces = {name: f"{link.r.node}/{link.r.shadow_sandbox_id or link.r.key}" for name, link in links.items()}
+        p = plan(attribute({name: link.listening for name, link in links.items()}, spaces, current), local, current)
         for c in p.collisions:
             self._collision(c)
         for port in [port for port, (_, name) in self.mirrors.items() if p.into_origin.get(port) != name]:
