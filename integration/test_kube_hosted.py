@@ -22,7 +22,16 @@ from cri_api.v1.api_pb2 import CONTAINER_RUNNING
 
 from integration.kube import fixture
 from integration.kube.cluster import KubeCluster, NodeSpec
-from integration.kube.workloads import apply, container, container_status, delete, get_pod, pod, wait_ready
+from integration.kube.workloads import (
+    apply,
+    container,
+    container_status,
+    crictl,
+    delete,
+    get_pod,
+    pod,
+    wait_ready,
+)
 from shim.core.reservation import cpu_shares, weight_of_shares
 from shim.cri.host.group_weight import group_dirs
 from shim.localfabric.waiting import wait_for
@@ -291,3 +300,122 @@ def test_the_shadows_cgroup_weighs_what_its_stages_request(kube: KubeCluster) ->
                  what="the group's weight down to the one stage left")
     finally:
         delete(kube, *(p["metadata"]["name"] for p in stages))
+
+
+def test_without_the_api_shadows_run_on_a_restart_is_placed_by_the_old_rules_and_reserved_once_it_is_back(
+        kube: KubeCluster, infer) -> None:
+    stopper = _two_stage("stopper")
+    stopper["spec"]["containers"][1]["command"] = [
+        "sh", "-c", "echo prep up; while [ ! -e /tmp/stop ]; do sleep 0.2; done; exit 3"]
+    apply(kube, stopper)
+    try:
+        wait_ready(kube, "stopper")
+        wait_for(lambda: len(_reservations(kube)) == 2 and all(
+            r["status"].get("phase") == "Running" for r in _reservations(kube)), timeout=60,
+            what="both reservations running")
+        origin = kube.agent_status(ORIGIN)
+        sandbox = next(s["id"] for s in origin["sandboxes"] if s["name"] == "stopper")
+        (first,) = [p for p in origin["placements"] if p["name"] == "prep" and p["sandbox_id"] == sandbox]
+        (kept,) = [s["id"] for s in kube.agent_status(HOST)["shadows"] if not s["key"].startswith(sandbox)]
+        kube.control.stop_apiserver()
+        try:
+            # The stopper's CPU stage ends; kubelet, without its API server, restarts it: a new placement.
+            crictl(kube.agents[ORIGIN].socket, "exec", first["container_id"], "touch", "/tmp/stop",
+                   netns=kube.node(ORIGIN).netns_path)
+
+            def restarted() -> dict | None:
+                return next((p for p in kube.agent_status(ORIGIN)["placements"] if p["name"] == "prep"
+                             and p["sandbox_id"] == sandbox and p["attempt"] == 1 and p["state"] != "pending"), None)
+
+            again = wait_for(restarted, timeout=90, what="the stopper's CPU stage restarted")
+            # Placed by the rules from before reservations, and weft explain says so.
+            assert again["placement"] == f"remote:{HOST}" and "did not answer" in again["detail"], again
+            (made,) = [s for s in kube.agent_status(HOST)["shadows"] if s["key"] == f"{sandbox}/prep/1"]
+            assert made["reservation"] == {"name": made["reservation"]["name"], "state": "unreserved",
+                                           "reason": "ApiUnreachable"}, made
+            # Past the host's grace, what ran before the API went away runs on: nothing is judged without it.
+            time.sleep(15)
+            assert kept in {c.id for c in _shadows(kube)}, "a shadow stopped while the API was away"
+        finally:
+            kube.control.start_apiserver()
+        kube.wait_node_ready(ORIGIN)
+        # Reconciled once it is back: the restarted stage gets its reservation, kubelet admits it.
+        def settled() -> dict | None:
+            (s,) = [s for s in kube.agent_status(HOST)["shadows"] if s["key"] == f"{sandbox}/prep/1"] or [None]
+            return s if s is None or s["reservation"]["state"] in ("admitted", "lost") else None
+
+        made = wait_for(settled, timeout=90, what="the restarted stage's reservation made and admitted")
+        assert made is not None and made["reservation"]["state"] == "admitted", (
+            made, kube.kubectl("get", "pods", "-A", "-o", "wide").stdout)
+        assert len(_reservations(kube)) == 2 and kept in {c.id for c in _shadows(kube)}
+    finally:
+        delete(kube, "stopper")
+
+
+def _books(kube: KubeCluster) -> tuple[set[str], set[str]]:
+    """The keys of the host's live shadows, and those its reservation pods are for."""
+    shadows = {s["key"] for s in kube.agent_status(HOST)["shadows"] if s["state"] in ("created", "running")}
+    reserved = {(r["metadata"].get("annotations") or {}).get("weft.io/origin-key-full", "") for r in _reservations(kube)
+                if not r["metadata"].get("deletionTimestamp")}
+    return shadows, reserved
+
+
+def _restart_host_agent(kube: KubeCluster, failpoint: str = "") -> None:
+    agent = kube.agents[HOST]
+    agent.stop()
+    agent.env.pop("WEFT_FAILPOINTS", None)
+    if failpoint:
+        agent.env["WEFT_FAILPOINTS"] = failpoint
+    agent.start(timeout=60)
+    # Placement needs fresh Hellos from the restarted host, or the stage would simply stay on the origin.
+    wait_for(lambda: any(p.get("healthy") for p in kube.agent_status(ORIGIN).get("peers", []) if p.get("node") == HOST),
+             timeout=60, what=f"{ORIGIN} to see {HOST} healthy again")
+
+
+def _killed_at_its_failpoint(kube: KubeCluster) -> None:
+    proc = kube.agents[HOST].proc
+    assert proc is not None
+    assert proc.wait(60) == -9, kube.agents[HOST].log_text()[-2000:]
+    _restart_host_agent(kube)  # systemd's Restart=always
+
+
+@pytest.mark.parametrize("point", ["run_shadow.created", "run_shadow.reserved"])
+def test_the_host_agent_killed_while_making_a_reservation_leaves_the_books_whole(kube: KubeCluster,
+                                                                                point: str) -> None:
+    """kill -9 between the shadow and its reservation, or just after the reservation: after the restart every
+    live shadow has its reservation and every reservation its shadow, and the stage runs once."""
+    _restart_host_agent(kube, point)
+    try:
+        apply(kube, _two_stage("crashed"))
+        _killed_at_its_failpoint(kube)
+        wait_ready(kube, "crashed")
+        grace = 10.0 + 5.0  # the host's reservation grace, and a reconciliation round
+        deadline = time.monotonic() + grace + 30
+        while True:
+            shadows, reserved = _books(kube)
+            if shadows == reserved or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
+        assert shadows == reserved, (shadows, reserved)
+        prep = container_status(get_pod(kube, "crashed"), "prep")
+        assert "running" in prep["state"] and len(shadows) <= 1, (prep, shadows)  # one live copy at most
+    finally:
+        delete(kube, "crashed")
+        kube.agents[HOST].env.pop("WEFT_FAILPOINTS", None)
+        if kube.agents[HOST].proc is None:
+            _restart_host_agent(kube)
+    wait_for(lambda: _books(kube) == (set(), set()), timeout=60, what="no shadow and no reservation left")
+
+
+def test_the_host_agent_killed_while_removing_a_reservation_leaves_no_orphan(kube: KubeCluster, infer) -> None:
+    wait_for(lambda: _books(kube)[1], timeout=30, what="the reservation")
+    _restart_host_agent(kube, "remove_shadow.removed")
+    try:
+        delete(kube, "infer")  # the host removes the shadow, and dies before it deletes the reservation
+        _killed_at_its_failpoint(kube)
+    finally:
+        kube.agents[HOST].env.pop("WEFT_FAILPOINTS", None)
+        if kube.agents[HOST].proc is None:
+            _restart_host_agent(kube)
+    wait_for(lambda: _books(kube) == (set(), set()), timeout=60,
+             what="the orphan reservation deleted once the host is back")

@@ -11,6 +11,7 @@ one is noticed. Each loss reaches ``on_lost`` with Kubernetes' reason.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -22,7 +23,7 @@ from integration.kube import fixture
 from integration.kube.cluster import KubeCluster, NodeSpec
 from integration.kube.workloads import apply, get_pod
 from shim.core.reservation import LossReason, ReservationState, Stage, Verdict, name_of
-from shim.cri.host.reservations import ReservationRefused, Reservations
+from shim.cri.host.reservations import ApiUnreachable, ReservationRefused, Reservations
 from shim.kube import access
 from shim.localfabric import images
 from shim.localfabric.waiting import wait_for
@@ -189,3 +190,41 @@ def test_a_peer_reserves_only_for_pods_bound_to_itself(setup: KubeCluster, reser
     with pytest.raises(ReservationRefused, match="not bound to gpu-1"):
         r.origin_pod("gpu-1", "default", "someone-elses", "c")
     assert r.origin_pod(HOST, "default", "someone-elses", "c").priority_class == "low"
+
+
+def test_without_the_api_shadows_run_on_and_new_ones_are_reserved_once_it_is_back(
+        setup: KubeCluster, reservations) -> None:
+    r, losses, live = reservations
+    # The origin's pod, bound to the origin: here the one node (a pod on a node without a kubelet would outlive
+    # the test), so the stages below name it as their origin.
+    apply(setup, {**_plain("infer", 10), "spec": {**_plain("x", 10)["spec"], "nodeName": HOST}})
+
+    def stage(key: str) -> Stage:
+        return dataclasses.replace(_stage(key, 100), origin_node=HOST)
+
+    live.add("sb/kept/0")
+    r.reserve(stage("sb/kept/0"))
+    wait_for(lambda: (r.state("sb/kept/0") or {}).get("state") == ReservationState.ADMITTED.value, timeout=60,
+             what="the first reservation admitted")
+    setup.control.stop_apiserver()
+    try:
+        with pytest.raises(ApiUnreachable, match="did not answer"):
+            r.origin_pod(HOST, "default", "infer", "prep")
+        # A shadow made now runs as before reservations, and says so.
+        live.add("sb/new/0")
+        r.defer(stage("sb/new/0"), "the test's API server is stopped")
+        assert r.state("sb/new/0") == {"name": name_of("sb/new/0"), "state": "unreserved", "reason": "ApiUnreachable"}
+        with pytest.raises(ApiUnreachable):
+            r.reserve(stage("sb/late/0"))  # the API went away between the check and the reservation
+        live.add("sb/late/0")
+        assert r.state("sb/late/0")["state"] == "unreserved"
+        # Past the grace and several reconciliations, nothing running is judged without the API.
+        time.sleep(r.grace + 2 * 5.0)
+        assert losses.of("sb/kept/0") is None and losses.of("sb/new/0") is None
+    finally:
+        setup.control.start_apiserver()
+    for key in ("sb/new/0", "sb/late/0"):
+        wait_for(lambda k=key: (r.state(k) or {}).get("state") == ReservationState.ADMITTED.value, timeout=60,
+                 what=f"{key}'s reservation made and admitted once the API is back")
+        assert _reservation(setup, key)["spec"]["priorityClassName"] == "low"
+    assert r.state("sb/kept/0")["state"] == "admitted" and not losses.seen

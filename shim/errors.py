@@ -51,6 +51,8 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── WatchError                 a watch of Pods failed (shim.kube.watch; UNKNOWN)
     ├── ReservationRefused         the API would not make a shadow's reservation pod, or the origin does not own
     │                              the pod (shim.cri.host.reservations; FAILED_PRECONDITION)
+    ├── ApiUnreachable             the API server did not answer: a shadow's reservation waits for it
+    │                              (shim.cri.host.reservations; UNAVAILABLE)
     ├── InstallError               install/uninstall stopped; the message says what was undone (FAILED_PRECONDITION)
     │   └── UnrecognisedHost       a containerd/kubelet file it cannot parse or does not know; nothing changed
     │       └── UntestedContainerd the node's containerd is not a version the tests run; nothing changed

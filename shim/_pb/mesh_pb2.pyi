@@ -134,20 +134,22 @@ class ShadowRef(_message.Message):
     def __init__(self, origin_node: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
 
 class ShadowState(_message.Message):
-    __slots__ = ("key", "shadow_sandbox_id", "shadow_container_id", "status", "heartbeat", "gone")
+    __slots__ = ("key", "shadow_sandbox_id", "shadow_container_id", "status", "heartbeat", "gone", "note")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SHADOW_SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     SHADOW_CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
+    NOTE_FIELD_NUMBER: _ClassVar[int]
     key: str
     shadow_sandbox_id: str
     shadow_container_id: str
     status: bytes
     heartbeat: bool
     gone: bool
-    def __init__(self, key: _Optional[str] = ..., shadow_sandbox_id: _Optional[str] = ..., shadow_container_id: _Optional[str] = ..., status: _Optional[bytes] = ..., heartbeat: _Optional[bool] = ..., gone: _Optional[bool] = ...) -> None: ...
+    note: str
+    def __init__(self, key: _Optional[str] = ..., shadow_sandbox_id: _Optional[str] = ..., shadow_container_id: _Optional[str] = ..., status: _Optional[bytes] = ..., heartbeat: _Optional[bool] = ..., gone: _Optional[bool] = ..., note: _Optional[str] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
     __slots__ = ("origin_node", "keys", "heartbeat_s")

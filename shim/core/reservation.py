@@ -16,7 +16,9 @@ The shadow lives only as long as its reservation::
                           +--refused/lost--> LOST <--lost (deleted, evicted, preempted)--+
 
 A shadow whose reservation is LOST stops at once; one that stays PENDING past
-the grace stops too. This module builds the Pod and reads a Pod's state; the
+the grace stops too. A shadow made while the API server was unreachable runs
+by the rules from before reservations (the lowest CPU weight) as UNRESERVED,
+and gets its reservation, PENDING, once the API answers again. This module builds the Pod and reads a Pod's state; the
 host's reservation code does the API calls.
 """
 
@@ -42,6 +44,7 @@ _REFUSED = re.compile(r"^Out[Oo]f|^UnexpectedAdmissionError$|^NodeAffinity$|^Nod
 
 
 class ReservationState(enum.Enum):
+    UNRESERVED = "unreserved"  # the shadow was made while the API was unreachable: made once it is back
     PENDING = "pending"  # created; kubelet has not admitted it yet
     ADMITTED = "admitted"  # kubelet runs it: the scheduler counts it, the stage holds its CPU
     LOST = "lost"  # refused at admission, deleted, evicted or preempted: the shadow must stop

@@ -168,13 +168,15 @@ class AgentStore:
                 self.db.query("SELECT * FROM placements WHERE remote_node != '' ORDER BY created_at")]
 
     def mark_created(self, key: str, container_id: str, *, sandbox_id_remote: str = "",
-                     status: bytes | None = None) -> None:
+                     status: bytes | None = None, note: str = "") -> None:
+        """``note``: what the host said of the shadow, added to the placement's detail."""
         with self.db.transaction() as conn:
             conn.execute("UPDATE placements SET container_id = ?, state = ?, "
                          "sandbox_id_remote = CASE WHEN ? != '' THEN ? ELSE sandbox_id_remote END, "
-                         "status = COALESCE(?, status) WHERE key = ?",
+                         "status = COALESCE(?, status), "
+                         "detail = CASE WHEN ? != '' THEN detail || '; ' || ? ELSE detail END WHERE key = ?",
                          (container_id, PlacementState.CREATED.value, sandbox_id_remote, sandbox_id_remote, status,
-                          key))
+                          note, note, key))
 
     def drop_placement(self, key: str) -> None:
         with self.db.transaction() as conn:

@@ -28,14 +28,14 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from google.protobuf.message import DecodeError
 
-from shim import log
+from shim import failpoint, log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reservation import Stage
 from shim.cri import baseline
 from shim.cri.fabric import Fabric
 from shim.cri.host import volumes as shadow_volumes
 from shim.cri.host.capacity import HostedCapacity, limits
-from shim.cri.host.reservations import ReservationRefused, Reservations
+from shim.cri.host.reservations import ApiUnreachable, ReservationRefused, Reservations
 from shim.cri.host.runtime import IMG, RT, ShadowRuntime, label
 from shim.cri.labels import (
     CPU_LIMIT_ANNOTATION,
@@ -175,8 +175,15 @@ class Lifecycle:
         origin_labels = {ORIGIN_LABEL: origin, SANDBOX_LABEL: req.origin_sandbox_id,
                          POD_LABEL: label(f"{sandbox.metadata.uid}/{sandbox.metadata.attempt}")}
         # A reservation is made only for a pod bound to the calling origin (asked of the API, before anything).
-        priority_class = "" if self.reservations is None else self.reservations.origin_pod(
-            origin, sandbox.metadata.namespace, sandbox.metadata.name, config.metadata.name).priority_class
+        # The API unreachable: the shadow is made as before reservations, and reserved once it answers.
+        priority_class, unreachable = "", None
+        if self.reservations is not None:
+            try:
+                priority_class = self.reservations.origin_pod(
+                    origin, sandbox.metadata.namespace, sandbox.metadata.name, config.metadata.name).priority_class
+            except ApiUnreachable as exc:
+                unreachable = exc.message
+        reserved = self.reservations is not None and unreachable is None
         # The pull may take minutes: outside the lock, so Watch, RemoveShadow and other RunShadows go on.
         self._pull(config.image, auth)
         with self.lock:
@@ -207,16 +214,18 @@ class Lifecycle:
                                            MEMORY_LIMIT_ANNOTATION: str(memory)})
                 # With a reservation on the host's books, the weight of its request, as a local container of
                 # that request has; without one, the floor, so that the host's own pods always win.
-                config.linux.resources.cpu_shares = (HOSTED_CPU_SHARES if self.reservations is None
-                                                     else max(HOSTED_CPU_SHARES, asked_shares))
+                config.linux.resources.cpu_shares = (max(HOSTED_CPU_SHARES, asked_shares) if reserved
+                                                     else HOSTED_CPU_SHARES)
                 config.annotations[CPU_SHARES_ANNOTATION] = str(config.linux.resources.cpu_shares)
                 created = self.rt.call(RT + "CreateContainer", cri.CreateContainerRequest(
                     pod_sandbox_id=sandbox_id, config=config, sandbox_config=shadow_sandbox),
                     cri.CreateContainerResponse)
                 self.fabric.shadows_present = True
+                failpoint.hit("run_shadow.created")
                 if self.reservations is not None:
                     self._reserve(origin, req.key, sandbox, config, cpu, memory, priority_class,
-                                  created.container_id)
+                                  created.container_id, unreachable)
+                    failpoint.hit("run_shadow.reserved")
                 if req.start:
                     self.rt.call(RT + "StartContainer", cri.StartContainerRequest(container_id=created.container_id),
                                cri.StartContainerResponse)
@@ -229,20 +238,30 @@ class Lifecycle:
         self.capacity.reweigh()
         _log.info("shadow.created", origin=origin, key=req.key, sandbox_id=sandbox_id,
                   container_id=created.container_id, image=config.image.image, started=req.start,
-                  volumes=len(plans))
-        return self.rt.state(req.key, sandbox_id, created.container_id)
+                  volumes=len(plans), unreserved=unreachable is not None)
+        state = self.rt.state(req.key, sandbox_id, created.container_id)
+        if unreachable is not None:
+            state.note = ("made without its reservation, the Kubernetes API did not answer: by the rules from before "
+                          "reservations (the lowest CPU weight); the reservation follows once the API answers")
+        return state
 
     def _reserve(self, origin: str, key: str, sandbox: cri.PodSandboxConfig, config: cri.ContainerConfig,
-                 cpu: float, memory: int, priority_class: str, container_id: str) -> None:
+                 cpu: float, memory: int, priority_class: str, container_id: str, unreachable: str | None) -> None:
         """The shadow's reservation pod, with the limits it was admitted by; the API refusing it undoes the
-        shadow (the origin then runs the container itself, with the reason)."""
+        shadow (the origin then runs the container itself, with the reason). The API unreachable: the shadow
+        runs UNRESERVED until it answers."""
         assert self.reservations is not None
         meta = sandbox.metadata
+        stage = Stage(host=self.reservations.node, origin_node=origin, namespace=meta.namespace, pod=meta.name,
+                      container=config.metadata.name, key=key, cpu_millis=round(cpu * 1000), memory_bytes=memory,
+                      priority_class=priority_class)
+        if unreachable is not None:
+            self.reservations.defer(stage, unreachable)
+            return
         try:
-            self.reservations.reserve(Stage(
-                host=self.reservations.node, origin_node=origin, namespace=meta.namespace, pod=meta.name,
-                container=config.metadata.name, key=key, cpu_millis=round(cpu * 1000), memory_bytes=memory,
-                priority_class=priority_class))
+            self.reservations.reserve(stage)
+        except ApiUnreachable:
+            pass  # deferred by reserve: made once the API answers
         except ReservationRefused:
             with contextlib.suppress(WeftError):
                 self.rt.call(RT + "RemoveContainer", cri.RemoveContainerRequest(container_id=container_id),
@@ -361,6 +380,7 @@ class Lifecycle:
             _rmtree_quietly(self._sandbox_logs(origin, c.labels[SANDBOX_LABEL]))
             _rmdir_up(self.log_root / origin, self.log_root)
         self.capacity.updated.pop(c.id, None)
+        failpoint.hit("remove_shadow.removed")
         if self.reservations is not None:
             self.reservations.release(key or c.annotations.get(KEY_ANNOTATION, ""))
         self.capacity.reweigh()

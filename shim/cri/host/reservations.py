@@ -14,6 +14,12 @@ The origin pod is read from the API before anything is made: a peer can ask
 for a reservation only for a pod bound to itself (the pod's ``nodeName`` is
 the calling origin), and the reservation takes that pod's priority and its
 container's memory request.
+
+API server unreachable (``ApiUnreachable``): running shadows run on (nothing
+is judged without the API), and a new one is made as it was before
+reservations, at the lowest CPU weight, UNRESERVED; once the API answers,
+reconciliation checks its origin pod and makes its reservation (or stops it,
+if the origin did not own the pod).
 """
 
 from __future__ import annotations
@@ -21,9 +27,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
+import httpx2
 import lightkube
 from lightkube.resources.core_v1 import Pod
 
@@ -48,6 +55,9 @@ from shim.periodic import Periodic
 _log = log.get("weft.reservations")
 RECONCILE_S = 5.0
 WATCH_S = 5
+# A reservation made once the API is back after an outage: the host's kubelet reconnects with a backoff of
+# its own before it admits anything, and the shadow has been running all along; it is not judged sooner.
+AFTER_OUTAGE_GRACE_S = 60.0
 
 
 class ReservationRefused(WeftError):
@@ -55,6 +65,12 @@ class ReservationRefused(WeftError):
     does not own the pod it asked for."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
+
+
+class ApiUnreachable(WeftError):
+    """The Kubernetes API server did not answer: no reservation can be made or checked now."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 @dataclass(frozen=True)
@@ -70,6 +86,8 @@ class Held:
     created: float  # monotonic
     state: ReservationState = ReservationState.PENDING
     lost: Verdict | None = None
+    stage: Stage | None = None  # UNRESERVED: what to reserve once the API is back
+    grace: float | None = None  # the admission grace, when not the host's own
 
 
 class Reservations:
@@ -104,6 +122,9 @@ class Reservations:
             obj = self.client().get(Pod, pod, namespace=namespace)
         except lightkube.ApiError as exc:
             raise ReservationRefused(f"pod {namespace}/{pod} of {origin}: {exc.status.message}") from exc
+        except httpx2.TransportError as exc:
+            raise ApiUnreachable(f"reading pod {namespace}/{pod} of {origin}: the API server did not answer "
+                                 f"({exc!r})") from exc
         if obj.spec is None or obj.spec.nodeName != origin:
             raise ReservationRefused(f"pod {namespace}/{pod} is not bound to {origin} (it is on "
                                      f"{getattr(obj.spec, 'nodeName', None) or 'no node'}): a peer reserves only "
@@ -131,9 +152,45 @@ class Reservations:
                 self._held.pop(stage.key, None)
             raise ReservationRefused(f"reservation for {stage.namespace}/{stage.pod}/{stage.container}: "
                                      f"{exc.status.message}") from exc
+        except httpx2.TransportError as exc:
+            # Whether it was made is unknown: reconciliation finds it on the API, or makes it (UNRESERVED).
+            self.defer(stage, f"creating it: the API server did not answer ({exc!r})")
+            raise ApiUnreachable(f"reservation for {stage.namespace}/{stage.pod}/{stage.container}: the API "
+                                 f"server did not answer ({exc!r})") from exc
         _log.info("reservation.created", key=stage.key, name=manifest["metadata"]["name"], pod=stage.pod,
                   namespace=stage.namespace, container=stage.container, cpu_m=stage.cpu_millis,
                   memory=stage.memory_bytes)
+
+    def defer(self, stage: Stage, why: str) -> None:
+        """The stage's shadow runs without its reservation until the API answers (reconciliation makes it)."""
+        with self._lock:
+            self._held[stage.key] = Held(stage.key, name_of(stage.key), time.monotonic(),
+                                         ReservationState.UNRESERVED, stage=stage)
+        _log.warning("reservation.deferred", key=stage.key, pod=stage.pod, namespace=stage.namespace,
+                     container=stage.container, why=why)
+
+    def _reserve_deferred(self, held: Held) -> None:
+        """The API is back: the origin must still own the pod, then the reservation is made (PENDING)."""
+        stage = held.stage
+        assert stage is not None
+        try:
+            origin = self.origin_pod(stage.origin_node, stage.namespace, stage.pod, stage.container)
+            if origin.priority_class != stage.priority_class:
+                stage = replace(stage, priority_class=origin.priority_class)
+            with self._lock:
+                if self._held.get(held.key) is held:
+                    del self._held[held.key]
+            self.reserve(stage)
+            with self._lock:
+                made = self._held.get(held.key)
+                if made is not None and made.state is ReservationState.PENDING:
+                    made.grace = max(self.grace, AFTER_OUTAGE_GRACE_S)
+        except ReservationRefused as exc:
+            self._give_up(held, Verdict(ReservationState.LOST, LossReason.REJECTED, exc.message))
+            with self._lock:
+                self._held.setdefault(held.key, held)
+        except ApiUnreachable:
+            pass  # still away: the next round tries again
 
     def release(self, key: str) -> None:
         """Delete the shadow's reservation (the shadow is gone); a missing one is fine."""
@@ -146,6 +203,9 @@ class Reservations:
             if exc.status.code != 404:
                 _log.warning("reservation.delete_failed", key=key, name=name, error=exc.status.message)
                 return
+        except httpx2.TransportError as exc:  # reconciliation deletes it as an orphan once the API answers
+            _log.warning("reservation.delete_failed", key=key, name=name, error=repr(exc))
+            return
         _log.info("reservation.deleted", key=key, name=name)
 
     def state(self, key: str) -> dict | None:
@@ -157,6 +217,8 @@ class Reservations:
         out = {"name": held.name, "state": held.state.value}
         if held.lost is not None and held.lost.reason is not None:
             out["reason"] = held.lost.reason.value
+        elif held.state is ReservationState.UNRESERVED:
+            out["reason"] = "ApiUnreachable"  # made by the rules from before reservations, until the API answers
         return out
 
     # -- watching --------------------------------------------------------------------------
@@ -228,13 +290,17 @@ class Reservations:
                     p = on_api.get(key)
                     held = self._held[key] = Held(key, p.metadata.name if p else name_of(key), now)
             p = on_api.get(key)
+            if p is None and held.state is ReservationState.UNRESERVED and held.lost is None:
+                self._reserve_deferred(held)  # made while the API was away; it answers again
+                continue
             if p is not None:
                 self.seen(p.to_dict())
             elif held.lost is None and now - held.created > self.grace:
                 self._give_up(held, Verdict(ReservationState.LOST, LossReason.DELETED, "its reservation pod is gone"))
-            if held.lost is None and held.state is ReservationState.PENDING and now - held.created > self.grace:
+            grace = held.grace or self.grace
+            if held.lost is None and held.state is ReservationState.PENDING and now - held.created > grace:
                 self._give_up(held, Verdict(ReservationState.LOST, LossReason.NOT_ADMITTED,
-                                            f"not admitted by kubelet within {self.grace:g} s"))
+                                            f"not admitted by kubelet within {grace:g} s"))
         if self.metrics is not None:
             with self._lock:
                 counts: dict[str, int] = {}

@@ -337,7 +337,7 @@ def _create_on(fabric: Fabric, node: str, req: cri.CreateContainerRequest, sandb
         _log.warning("remote.create_failed", node=node, key=key, error=error)
         return None
     fabric.store.mark_created(key, record.container_id, sandbox_id_remote=state.shadow_sandbox_id,
-                              status=state.status or None)
+                              status=state.status or None, note=f"{node}: {state.note}" if state.note else "")
     remote = Remote(id=record.container_id or "", key=key, node=node, sandbox_id=record.sandbox_id, config=config,
                     log_path=record.log_path, created_at=record.created_at, status=status,
                     shadow_sandbox_id=state.shadow_sandbox_id)
