@@ -148,8 +148,8 @@ class Fabric3:
         assert self.cluster is not None
         return {"workdir": str(self.workdir), "mesh_slot": self.cluster.mesh,
                 "cluster_workdir": str(self.cluster.workdir),
-                "nodes": [{"name": n.name, "slot": n.containerd.slot, "containerd_workdir": str(n.containerd.workdir)}
-                          for n in self.cluster.nodes]}
+                "nodes": [{"name": n.name, "slot": n.containerd.slot, "containerd_workdir": str(n.containerd.workdir),
+                           "line": n.containerd.line} for n in self.cluster.nodes]}
 
     @staticmethod
     def remove_detached(info: dict) -> list[str]:
@@ -168,7 +168,8 @@ class Fabric3:
         for node in info["nodes"]:
             Containerd._kill_processes_mentioning(node["containerd_workdir"])
             try:
-                ctrd = Containerd(slot=node["slot"])
+                # The containerd it ran (WEFT_CONTAINERD then), whatever this process's environment says now.
+                ctrd = Containerd(slot=node["slot"], **({"line": node["line"]} if node.get("line") else {}))
                 ctrd._claim_slot()
             except RuntimeError:
                 shutil.rmtree(node["containerd_workdir"], ignore_errors=True)
