@@ -35,6 +35,7 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── BadVolume                  a copied volume is refused (shim.cri.host.volumes; INVALID_ARGUMENT)
     │   ├── VolumesTooLarge        over the per-container cap (shim.cri.host.volumes; RESOURCE_EXHAUSTED)
     │   └── VolumesChanged         changed while being copied (shim.cri.host.volumes; FAILED_PRECONDITION)
+    ├── VolumesUnwritable          no tmpfs can be made for a copied volume (shim.cri.host.volumes; UNAVAILABLE)
     ├── NetnsError                 a pod's network namespace cannot be entered (shim.cri.netns; UNKNOWN)
     ├── DiscoveryError             peers cannot be found through Kubernetes (shim.mesh.discovery;
     │   │                          FAILED_PRECONDITION)

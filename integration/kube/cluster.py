@@ -203,6 +203,7 @@ class KubeCluster:
         for agent in self.agents.values():
             with contextlib.suppress(Exception):
                 agent.stop()
+                agent.release_mounts()
         for kubelet in self.kubelets.values():
             kubelet.unmount()
         if self.nodes is not None:

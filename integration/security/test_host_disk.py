@@ -2,7 +2,9 @@
 
 - the agent's state directory is root's alone (0700) and its database, which
   holds remote containers' full configs (environment values from Secrets
-  included), 0600; the copied volumes of shadows sit under 0700 directories;
+  included), 0600; the copied volumes of shadows sit under 0700 directories,
+  each on a tmpfs of its own (as kubelet keeps a Secret), unmounted with the
+  shadow;
 - an origin cannot fill the host's disk with copied volumes: each container's
   are capped, and all of one origin's together.
 """
@@ -51,6 +53,32 @@ def test_state_and_copied_secrets_are_roots_alone(mesh: MeshHost) -> None:
             assert _mode(volumes) == 0o700 and _mode(volumes / "gpu-1") == 0o700
         finally:
             _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=key))
+
+
+def _filesystems_under(base: Path) -> dict[Path, str]:
+    """Mount point -> filesystem type, for the mounts at or under ``base``."""
+    out = {}
+    for line in Path("/proc/self/mountinfo").read_text().splitlines():
+        fields = line.split()
+        point = Path(fields[4].replace("\\040", " "))
+        if point == base or base in point.parents:
+            out[point] = fields[fields.index("-") + 1]
+    return out
+
+
+def test_a_copied_secret_is_kept_in_memory_never_on_the_hosts_disk(mesh: MeshHost) -> None:
+    key = "origin-sb-tmpfs/tokenize/0"
+    volumes = mesh.agent.state_dir / "shadow-volumes"
+    with mesh.channel("gpu-1") as ch:
+        code, details = _ask(ch, "RunShadow", _with_volume(mesh, key, 16))
+        try:
+            assert code is grpc.StatusCode.OK, details
+            (token,) = volumes.glob("gpu-1/*/0/token")
+            assert token.read_bytes() == b"s" * 16
+            assert _filesystems_under(volumes) == {token.parent: "tmpfs"}
+        finally:
+            _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=key))
+    assert _filesystems_under(volumes) == {} and not list(volumes.glob("gpu-1/*"))
 
 
 def test_an_origin_cannot_fill_the_hosts_disk_with_copied_volumes(mesh: MeshHost) -> None:

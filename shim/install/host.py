@@ -28,6 +28,7 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from shim.cri.host.volumes import unmount_under
 from shim.errors import InstallError
 from shim.install.plan import INSTALL_DIR
 
@@ -94,6 +95,7 @@ class Host:
         with contextlib.suppress(FileNotFoundError):
             p.with_name(f".{p.name}.weft-tmp").unlink()
         if p.is_dir() and not p.is_symlink():
+            unmount_under(p)  # the tmpfs of a shadow's copied volume, under the agent's state
             shutil.rmtree(p)
             return True
         try:

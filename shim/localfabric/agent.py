@@ -22,6 +22,7 @@ from pathlib import Path
 
 import grpc
 
+from shim.cri.host.volumes import unmount_under
 from shim.localfabric.containerd import Containerd
 
 
@@ -142,6 +143,11 @@ class AgentProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+        self.release_mounts()
+
+    def release_mounts(self) -> None:
+        """The tmpfs of its shadows' copied volumes: they outlive an agent (a restart keeps them), not its fabric."""
+        unmount_under(self.state_dir)
 
     @property
     def pid(self) -> int:

@@ -50,6 +50,7 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
+from shim.cri.host.volumes import unmount_under
 from shim.localfabric import images
 
 SLOT_DIR = Path("/run/weft-harness")
@@ -278,7 +279,7 @@ class Containerd:
                 res = _run("runc", "--root", str(runc_ns), "list", "-q", check=False)
                 for cid in res.stdout.split():
                     _run("runc", "--root", str(runc_ns), "delete", "--force", cid, check=False)
-            self._unmount_under(old)
+            unmount_under(old)
             shutil.rmtree(old, ignore_errors=True)
         # After the containers are gone: a cgroup with tasks in it cannot be removed.
         self._remove_cgroups()
@@ -510,7 +511,7 @@ oom_score = 0
                 errors.append(f"CRI cleanup: {exc}")
             self.stop()
             self._kill_leftovers()
-            self._unmount_under(self.workdir)
+            unmount_under(self.workdir)
         left = self._remove_cgroups()
         if left:
             errors.append(f"cgroups still in use: {', '.join(map(str, left))}")
@@ -565,18 +566,6 @@ oom_score = 0
             if not left or time.monotonic() >= deadline:
                 return left
             time.sleep(0.05)
-
-    @staticmethod
-    def _unmount_under(base: Path) -> None:
-        prefix = str(base) + "/"
-        mounts = []
-        with open("/proc/self/mountinfo") as f:
-            for line in f:
-                mnt = line.split()[4].replace("\\040", " ")
-                if mnt.startswith(prefix):
-                    mounts.append(mnt)
-        for mnt in sorted(mounts, key=len, reverse=True):
-            _run("umount", "-l", mnt, check=False)
 
     # -- helpers for tests ---------------------------------------------------
     def channel(self) -> grpc.Channel:

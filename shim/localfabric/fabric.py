@@ -25,6 +25,7 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
+from shim.cri.host.volumes import unmount_under
 from shim.localfabric.agent import AgentProcess, free_port
 from shim.localfabric.broker import BrokerProcess, weft_handler
 from shim.localfabric.containerd import Containerd
@@ -189,6 +190,7 @@ class Fabric3:
             assert cluster._lock_fd is not None
             os.close(cluster._lock_fd)
         shutil.rmtree(info["cluster_workdir"], ignore_errors=True)
+        unmount_under(Path(info["workdir"]))  # the agents' copied volumes (tmpfs)
         shutil.rmtree(info["workdir"], ignore_errors=True)
         for path in (info["workdir"], info["cluster_workdir"], *(n["containerd_workdir"] for n in info["nodes"])):
             if os.path.exists(path):
@@ -199,6 +201,7 @@ class Fabric3:
         for agent in self.agents.values():
             with contextlib.suppress(Exception):
                 agent.stop()
+                agent.release_mounts()
         if self.cluster is not None:
             self.cluster.close()
         if self.broker is not None:

@@ -197,7 +197,7 @@ class Lifecycle:
                     shadow_volumes.remove(volumes)  # a leftover of a RunShadow that failed half-way
                 if plans:
                     shadow_volumes.check_origin_cap(volumes.parent, plans)
-                    shadow_volumes.write(volumes, plans)
+                    shadow_volumes.write(volumes, plans, tmpfs=True)  # a Secret's files never on the disk
                 for i, p in enumerate(plans):
                     config.mounts.append(cri.Mount(container_path=p.container_path, readonly=True,
                                                    host_path=str(shadow_volumes.host_path(volumes, i, p))))

@@ -16,7 +16,10 @@ anyway, with ``O_NOFOLLOW`` and ``lstat``). A container's volumes are capped
 at ``MAX_BYTES`` and ``MAX_FILES`` in all, and an origin's, all its
 containers' together, at ``MAX_ORIGIN_BYTES``. The directories above a
 container's own are root's alone (0700): what came from a Secret is read by
-the container through its bind mount, and by no one else on the host.
+the container through its bind mount, and by no one else on the host. As
+kubelet keeps a Secret, each volume is written to a tmpfs of its own
+(``write(tmpfs=True)``, as the host agent writes them): never to the host's
+disk, gone with the shadow or a reboot; ``remove`` unmounts it.
 
 ``plan`` is pure (the checks); ``write`` and ``sync`` touch the disk. A file
 is replaced atomically (a temporary file in the same directory, then
@@ -28,8 +31,10 @@ so like a Kubernetes subPath mount it does not see later updates.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import json
 import os
+import re
 import secrets
 import shutil
 import stat
@@ -49,6 +54,16 @@ DEFAULT_MODE = 0o644
 SINGLE = "file"
 MANIFEST = "volumes.json"
 _TMP = ".weft-tmp-"
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_MS_NOSUID, _MS_NODEV, _MNT_DETACH = 2, 4, 2
+
+
+class VolumesUnwritable(WeftError):
+    """This host cannot make the memory-backed directory a copied volume is written to (no tmpfs here)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
 
 
 class BadVolume(WeftError):
@@ -174,16 +189,47 @@ def check_origin_cap(origin_root: Path, plans: list[VolumePlan], *, replacing: P
                               f"on this host; {used} bytes are held and these add {wanted}")
 
 
-def write(root: Path, plans: list[VolumePlan]) -> None:
-    """Write a new container's volumes under ``root`` (made here; must not exist), its parents root's alone."""
+def write(root: Path, plans: list[VolumePlan], *, tmpfs: bool = False) -> None:
+    """Write a new container's volumes under ``root`` (made here; must not exist), its parents root's alone;
+    with ``tmpfs``, each volume on a tmpfs of its own (what came from a Secret never touches the disk)."""
     root.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
     for d in (root.parent, root.parent.parent):
         with contextlib.suppress(OSError):
             d.chmod(0o700)
     root.mkdir(mode=0o755)
     for i, p in enumerate(plans):
+        if tmpfs:
+            os.mkdir(root / str(i), 0o755)
+            _mount_tmpfs(root / str(i))
         _sync_one(root / str(i), p)
     (root / MANIFEST).write_text(json.dumps(manifest(plans)))
+
+
+def _mount_tmpfs(path: Path) -> None:
+    # Room for the container's whole cap (a sync may grow a volume up to it); tmpfs holds only what is written.
+    options = f"mode=0755,size={MAX_BYTES + (1 << 20)},nr_inodes={MAX_FILES + 64}".encode()
+    if _libc.mount(b"tmpfs", os.fsencode(path), b"tmpfs", _MS_NOSUID | _MS_NODEV, options) != 0:
+        err = ctypes.get_errno()
+        raise VolumesUnwritable(f"cannot mount a tmpfs for a copied volume at {path}: {os.strerror(err)}")
+
+
+def mounts_under(base: Path) -> list[Path]:
+    """The mount points at or under ``base`` (this process's mount namespace), deepest first."""
+    prefix = os.fsencode(base)
+    found = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            # Mount points escape space, tab, newline and backslash as octal (\040 ...).
+            point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), line.split()[4])
+            if point == prefix or point.startswith(prefix + b"/"):
+                found.append(Path(os.fsdecode(point)))
+    return sorted(found, key=lambda p: len(p.parts), reverse=True)
+
+
+def unmount_under(base: Path) -> None:
+    """Detach every mount at or under ``base`` (a volume's tmpfs, and whatever else a crash left there)."""
+    for point in mounts_under(base):
+        _libc.umount2(os.fsencode(point), _MNT_DETACH)
 
 
 def sync(root: Path, plans: list[VolumePlan]) -> int:
@@ -264,7 +310,8 @@ def _replace(target: Path, data: bytes, mode: int) -> None:
 
 
 def remove(root: Path) -> None:
-    """Delete a container's volumes, and its origin's directory once it is empty."""
+    """Delete a container's volumes (their tmpfs unmounted first), and its origin's directory once it is empty."""
+    unmount_under(root)
     shutil.rmtree(root, ignore_errors=True)
     with contextlib.suppress(OSError):
         root.parent.rmdir()

@@ -115,3 +115,18 @@ def test_remove_leaves_nothing_behind(tmp_path: Path) -> None:
     sv.write(root, sv.plan([_dir("/c", a=b"x")]))
     sv.remove(root)
     assert list((tmp_path / "volumes").iterdir()) == []
+
+
+def test_mount_points_are_read_with_their_escapes_deepest_first(tmp_path, monkeypatch) -> None:
+    info = tmp_path / "mountinfo"
+    info.write_bytes(b"1 0 0:1 / / rw - ext4 /dev/root rw\n"
+                     b"2 1 0:2 / /srv/weft/shadow-volumes/gpu-1/abc/0 rw - tmpfs tmpfs rw\n"
+                     b"3 1 0:3 / /srv/weft/shadow\\040volumes/x rw - tmpfs tmpfs rw\n"
+                     b"4 1 0:4 / /srv/weft/shadow-volumes/gpu-1 rw - tmpfs tmpfs rw\n"
+                     b"5 1 0:5 / /srv/weft/shadow-volumesX rw - tmpfs tmpfs rw\n")
+    real_open = open
+    monkeypatch.setattr("builtins.open", lambda path, *a, **k: real_open(info if path == "/proc/self/mountinfo"
+                                                                         else path, *a, **k))
+    assert sv.mounts_under(Path("/srv/weft/shadow-volumes")) == [
+        Path("/srv/weft/shadow-volumes/gpu-1/abc/0"), Path("/srv/weft/shadow-volumes/gpu-1")]
+    assert sv.mounts_under(Path("/srv/weft/shadow volumes")) == [Path("/srv/weft/shadow volumes/x")]
