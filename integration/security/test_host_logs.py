@@ -1,10 +1,10 @@
 """A shadow's log cannot fill its host's disk.
 
 The attack: a rerouted container that writes as fast as it can (``yes``),
-its log streamed to the origin as it runs. The host's copy of the log keeps
-only what the origin may still need (the last MiB sent and at most 64 MiB
-unsent); before, it kept every byte (563 MiB in 8 s in the review that found
-it).
+its log streamed to the origin as it runs, or streamed by no one (the origin
+away). The host's copy of the log keeps only what the origin may still need
+(the last MiB sent and at most 64 MiB unsent); before, it kept every byte
+(563 MiB in 8 s in the review that found it).
 """
 
 from __future__ import annotations
@@ -19,6 +19,8 @@ from cri_api.v1 import api_pb2 as cri
 from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
 from shim._pb import mesh_pb2 as pb
 from shim.cri.host.logs import KEEP_SENT, MAX_BACKLOG
+from shim.cri.host.shadows import LOG_CAP_S
+from shim.localfabric.waiting import wait_for
 
 RUN_S = 20.0
 
@@ -31,13 +33,18 @@ def _drain(call, received: list[int]) -> None:
         pass  # cancelled at the end
 
 
-def test_a_fast_writer_does_not_fill_the_hosts_disk_with_its_log(mesh: MeshHost) -> None:
-    key = "origin-sb-yes/yes/0"
-    req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox="origin-sb-yes")
+def _yes(mesh: MeshHost, key: str) -> pb.RunShadowRequest:
+    req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox=key.split("/")[0])
     config = cri.ContainerConfig.FromString(req.container_config)
     config.command[:] = ["yes"]
     config.linux.resources.cpu_quota = 100000  # a whole core
     req.container_config, req.start = config.SerializeToString(), True
+    return req
+
+
+def test_a_fast_writer_does_not_fill_the_hosts_disk_with_its_log(mesh: MeshHost) -> None:
+    key = "origin-sb-yes/yes/0"
+    req = _yes(mesh, key)
     received = [0]
     with mesh.channel("gpu-1") as ch:
         state = pb.ShadowState.FromString(ch.unary_unary(MESH + "RunShadow")(req.SerializeToString(), timeout=120))
@@ -57,3 +64,28 @@ def test_a_fast_writer_does_not_fill_the_hosts_disk_with_its_log(mesh: MeshHost)
           f"{received[0] >> 20} MiB received by the origin")
     assert written > KEEP_SENT + MAX_BACKLOG + (16 << 20), "the writer was too slow to show anything"
     assert allocated <= KEEP_SENT + MAX_BACKLOG + (4 << 20)
+
+
+def test_a_fast_writer_no_origin_reads_does_not_fill_the_hosts_disk_either(mesh: MeshHost) -> None:
+    key = "origin-sb-idle/yes/0"
+    with mesh.channel("gpu-1") as ch:
+        state = pb.ShadowState.FromString(ch.unary_unary(MESH + "RunShadow")(_yes(mesh, key).SerializeToString(),
+                                                                             timeout=120))
+        log = Path(cri.ContainerStatus.FromString(state.status).log_path)
+        try:
+            # No StreamLog: the host's timer alone keeps the log to its cap. Past the cap by a margin, however
+            # fast this machine lets the writer go, then one more round of the timer.
+            began = time.monotonic()
+            wait_for(lambda: log.exists() and log.stat().st_size > MAX_BACKLOG + (32 << 20), timeout=120,
+                     what="the log past its cap", every=0.5)
+            time.sleep(LOG_CAP_S + 1)
+            written = log.stat().st_size
+            allocated = log.stat().st_blocks * 512
+            rate = written / (time.monotonic() - began)
+        finally:
+            ch.unary_unary(MESH + "RemoveShadow")(pb.ShadowRef(origin_node="gpu-1", key=key).SerializeToString(),
+                                                  timeout=120)
+    print(f"\nyes, no reader: {written >> 20} MiB written, {allocated >> 20} MiB on disk")
+    # The cap, and what the writer adds between two rounds of the timer.
+    assert allocated <= MAX_BACKLOG + rate * (LOG_CAP_S + 1), (written, allocated)
+

@@ -18,6 +18,8 @@ and so every offset, stay as they were; the disk blocks are freed), and
 when more than ``MAX_BACKLOG`` bytes wait unsent, the oldest are dropped
 from a line end on, as kubelet's rotation would drop them. A reader that
 resumes inside what was punched out starts at the first line still there.
+While no origin reads a log (it is away, or streams none), ``cap`` does the
+same on a timer: at most ``MAX_BACKLOG`` bytes kept.
 """
 
 from __future__ import annotations
@@ -52,6 +54,24 @@ def punch(fd: int, start: int, end: int) -> None:
     """Free the disk blocks of bytes [start, end) of the file; its size stays. Best effort."""
     if end > start:
         _libc.fallocate(fd, _PUNCH, start, end - start)
+
+
+def cap(path: Path, max_backlog: int = MAX_BACKLOG) -> int:
+    """Punch out all but the last ``max_backlog`` bytes of a log, from a line end on (its size and offsets stay,
+    as for a log being streamed); the bytes of disk freed."""
+    with open(path, "rb") as f:
+        st = os.fstat(f.fileno())
+        if st.st_blocks * 512 <= max_backlog + CHUNK:
+            return 0
+        f.seek(max(0, st.st_size - max_backlog))
+        f.readline()
+        end = f.tell()
+    fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    try:
+        punch(fd, 0, end)
+        return max(0, st.st_blocks * 512 - os.fstat(fd).st_blocks * 512)
+    finally:
+        os.close(fd)
 
 
 class Life(enum.Enum):

@@ -29,6 +29,7 @@ from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import Resources
 from shim.core.reservation import Verdict
 from shim.cri.fabric import Fabric
+from shim.cri.host import logs as shadow_logs
 from shim.cri.host.calls import Calls
 from shim.cri.host.capacity import HostedCapacity
 from shim.cri.host.fence import Fencer
@@ -40,8 +41,10 @@ from shim.cri.host.runtime import RT, ShadowRuntime, label
 from shim.cri.host.watch import Watcher
 from shim.cri.labels import KEY_ANNOTATION, KEY_LABEL
 from shim.kube.access import ApiAccess
+from shim.periodic import Periodic
 
 _log = log.get("weft.shadows")
+LOG_CAP_S = 5.0
 
 
 class ShadowHost:
@@ -57,6 +60,8 @@ class ShadowHost:
         self.watcher = Watcher(self.rt, self.lifecycle, heartbeat_interval)
         self.calls = Calls(self.rt, self.capacity)
         self.reservations: Reservations | None = None
+        # Logs no origin reads now (it is away) are kept to their backlog cap all the same.
+        self._log_cap = Periodic("weft-shadow-logs", LOG_CAP_S, self.cap_logs, failed="shadow.log_cap_failed")
 
     # -- the agent's ---------------------------------------------------------------
     def reserve_with(self, api: ApiAccess, node: str, namespace: str, pause_image: str, *, grace: float,
@@ -72,14 +77,26 @@ class ShadowHost:
     def open(self) -> None:
         self.fencer.open()
         self.preparer.open()
+        self._log_cap.start()
         if self.reservations is not None:
             self.reservations.start()
 
     def close(self) -> None:
+        self._log_cap.stop()
         self.fencer.close()
         self.preparer.close()
         if self.reservations is not None:
             self.reservations.stop()
+
+    def cap_logs(self) -> None:
+        """Every shadow log on this host kept to the backlog cap (``shim.cri.host.logs.cap``)."""
+        for path in self.lifecycle.log_root.rglob("*.log"):
+            try:
+                freed = shadow_logs.cap(path)
+            except OSError:
+                continue  # removed meanwhile
+            if freed:
+                _log.info("shadow.log_capped", path=str(path), freed=freed)
 
     def _live_keys(self) -> list[str]:
         """The keys of the shadows that hold CPU now (created or running): each should have a reservation."""

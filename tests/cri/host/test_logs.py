@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from shim.cri.host.logs import CHUNK, Life, follow
+from shim.cri.host.logs import CHUNK, Life, cap, follow
 
 
 class _Container:
@@ -99,3 +99,16 @@ def test_a_backlog_past_its_cap_drops_the_oldest_from_a_line_end(tmp_path: Path)
     assert first_offset >= log.stat().st_size - (1 << 20) and first_offset % len(line) == 0
     assert first.startswith(b"2026-")
     assert sum(len(d) for _, d in chunks) <= 1 << 20
+
+
+def test_a_log_no_one_reads_is_kept_to_its_cap_and_a_reader_later_starts_at_a_line(tmp_path: Path) -> None:
+    log = tmp_path / "c.log"
+    line = b"2026-12-03T10:00:00.000000000Z stdout F " + b"y" * 100 + b"\n"
+    log.write_bytes(line * 100000)  # ~14 MiB, none of it sent
+    size = log.stat().st_size
+    assert cap(log, max_backlog=1 << 20) > 10 << 20
+    assert log.stat().st_size == size and _allocated(log) <= (1 << 20) + 2 * CHUNK  # offsets stay, blocks freed
+    assert cap(log, max_backlog=1 << 20) == 0  # nothing more to free
+    resumed = _follow(_Container(log, [_Container.exit]))  # the origin back, from where it was (0)
+    assert resumed[0][1].startswith(b"2026-") and resumed[0][0] % len(line) == 0
+    assert b"".join(d for _, d in resumed) == line * (len(b"".join(d for _, d in resumed)) // len(line))
