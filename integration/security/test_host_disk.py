@@ -6,18 +6,24 @@
   each on a tmpfs of its own (as kubelet keeps a Secret), unmounted with the
   shadow;
 - an origin cannot fill the host's disk with copied volumes: each container's
-  are capped, and all of one origin's together.
+  are capped, and all of one origin's together; nor through an emptyDir, held
+  to its sizeLimit as kubelet holds one (the shadow stopped, ``Evicted``).
 """
 
 from __future__ import annotations
 
 import stat
+import time
 from pathlib import Path
 
 import grpc
+from cri_api.v1 import api_pb2 as cri
 
 from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
 from shim._pb import mesh_pb2 as pb
+from shim.localfabric.waiting import wait_for
+
+_HELLO = pb.HelloRequest(origin=pb.PeerState(node="gpu-1", role="gpu", healthy=True)).SerializeToString()
 
 
 def _mode(path: Path) -> int:
@@ -95,3 +101,51 @@ def test_an_origin_cannot_fill_the_hosts_disk_with_copied_volumes(mesh: MeshHost
     code, details = answers[4]
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "origin's hosted containers' volumes" in details
     assert mesh.shadows()[1] == set()
+
+
+def test_an_empty_dir_past_its_size_limit_stops_the_shadow_as_kubelet_evicts(mesh: MeshHost) -> None:
+    key = "origin-sb-scratch/filler/0"
+    req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox="origin-sb-scratch")
+    config = cri.ContainerConfig.FromString(req.container_config)
+    config.command[:] = ["sh", "-c", "dd if=/dev/zero of=/scratch/f bs=1M count=4 && exec sleep 3600"]
+    req.container_config, req.start = config.SerializeToString(), True
+    req.empty_dirs.add(container_path="/scratch", size_limit=1 << 20)
+    ref = pb.ShadowRef(origin_node="gpu-1", key=key)
+    with mesh.channel("gpu-1") as ch:
+        code, details = _ask(ch, "RunShadow", req)
+        try:
+            assert code is grpc.StatusCode.OK, details
+
+            def ended() -> cri.ContainerStatus | None:
+                ch.unary_unary(MESH + "Hello")(_HELLO, timeout=10)  # the origin is there: nothing is fenced
+                state = pb.ShadowState.FromString(ch.unary_unary(MESH + "ShadowStatus")(ref.SerializeToString(),
+                                                                                       timeout=30))
+                status = cri.ContainerStatus.FromString(state.status)
+                return status if status.state == cri.CONTAINER_EXITED else None
+
+            status = wait_for(ended, timeout=60, what="the shadow stopped for its emptyDir", every=0.5)
+            assert status.reason == "Evicted" and "/scratch" in status.message and "sizeLimit" in status.message
+        finally:
+            _ask(ch, "RemoveShadow", ref)
+
+
+def test_an_empty_dir_within_its_size_limit_is_left_alone(mesh: MeshHost) -> None:
+    key = "origin-sb-scratch-ok/filler/0"
+    req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox="origin-sb-scratch-ok")
+    config = cri.ContainerConfig.FromString(req.container_config)
+    config.command[:] = ["sh", "-c", "dd if=/dev/zero of=/scratch/f bs=1M count=1 && exec sleep 3600"]
+    req.container_config, req.start = config.SerializeToString(), True
+    req.empty_dirs.add(container_path="/scratch", size_limit=4 << 20)
+    ref = pb.ShadowRef(origin_node="gpu-1", key=key)
+    with mesh.channel("gpu-1") as ch:
+        code, details = _ask(ch, "RunShadow", req)
+        try:
+            assert code is grpc.StatusCode.OK, details
+            for _ in range(12):  # two rounds of the host's check, and more; the origin's Hellos keep it unfenced
+                ch.unary_unary(MESH + "Hello")(_HELLO, timeout=10)
+                time.sleep(1)
+            raw = ch.unary_unary(MESH + "ShadowStatus")(ref.SerializeToString(), timeout=30)
+            status = cri.ContainerStatus.FromString(pb.ShadowState.FromString(raw).status)
+            assert status.state == cri.CONTAINER_RUNNING, (status.reason, status.message, status.exit_code)
+        finally:
+            _ask(ch, "RemoveShadow", ref)

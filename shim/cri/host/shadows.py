@@ -17,6 +17,7 @@ requests; each idea lives in a module of its own:
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,7 @@ from shim.core.reroute import Resources
 from shim.core.reservation import Verdict
 from shim.cri.fabric import Fabric
 from shim.cri.host import logs as shadow_logs
+from shim.cri.host import volumes as shadow_volumes
 from shim.cri.host.calls import Calls
 from shim.cri.host.capacity import HostedCapacity
 from shim.cri.host.fence import Fencer
@@ -60,8 +62,8 @@ class ShadowHost:
         self.watcher = Watcher(self.rt, self.lifecycle, heartbeat_interval)
         self.calls = Calls(self.rt, self.capacity)
         self.reservations: Reservations | None = None
-        # Logs no origin reads now (it is away) are kept to their backlog cap all the same.
-        self._log_cap = Periodic("weft-shadow-logs", LOG_CAP_S, self.cap_logs, failed="shadow.log_cap_failed")
+        # Logs no origin reads now (it is away) are kept to their backlog cap all the same; emptyDirs to theirs.
+        self._upkeep = Periodic("weft-shadow-upkeep", LOG_CAP_S, self.upkeep, failed="shadow.upkeep_failed")
 
     # -- the agent's ---------------------------------------------------------------
     def reserve_with(self, api: ApiAccess, node: str, namespace: str, pause_image: str, *, grace: float,
@@ -77,16 +79,20 @@ class ShadowHost:
     def open(self) -> None:
         self.fencer.open()
         self.preparer.open()
-        self._log_cap.start()
+        self._upkeep.start()
         if self.reservations is not None:
             self.reservations.start()
 
     def close(self) -> None:
-        self._log_cap.stop()
+        self._upkeep.stop()
         self.fencer.close()
         self.preparer.close()
         if self.reservations is not None:
             self.reservations.stop()
+
+    def upkeep(self) -> None:
+        self.cap_logs()
+        self.check_empty_dirs()
 
     def cap_logs(self) -> None:
         """Every shadow log on this host kept to the backlog cap (``shim.cri.host.logs.cap``)."""
@@ -97,6 +103,27 @@ class ShadowHost:
                 continue  # removed meanwhile
             if freed:
                 _log.info("shadow.log_capped", path=str(path), freed=freed)
+
+    def check_empty_dirs(self) -> None:
+        """A shadow whose emptyDir holds more than its ``sizeLimit`` is stopped, as kubelet evicts such a pod."""
+        for limit_file in self.lifecycle.volume_root.glob("*/*/empty-*.limit"):
+            try:
+                limit = json.loads(limit_file.read_text())
+                used = shadow_volumes.used_bytes(limit_file.with_suffix(""))
+            except (OSError, ValueError):
+                continue  # removed meanwhile
+            if used <= limit["bytes"]:
+                continue
+            detail = f"Usage of emptyDir volume at {limit['path']} exceeds its sizeLimit of {limit['bytes']} bytes"
+            for c in self.rt.find({KEY_LABEL: limit_file.parent.name}, containers=True):
+                if c.state != cri.CONTAINER_RUNNING or not self.lifecycle.mark.is_container(c.labels):
+                    continue
+                self.rt.reasons[c.id] = ("Evicted", detail)
+                self.rt.call(RT + "StopContainer", cri.StopContainerRequest(container_id=c.id, timeout=0),
+                             cri.StopContainerResponse)
+                self.capacity.forget()
+                _log.warning("shadow.evicted", container_id=c.id, key=c.annotations.get(KEY_ANNOTATION, ""),
+                             used=used, detail=detail)
 
     def _live_keys(self) -> list[str]:
         """The keys of the shadows that hold CPU now (created or running): each should have a reservation."""
