@@ -103,27 +103,32 @@ def test_an_origin_cannot_fill_the_hosts_disk_with_copied_volumes(mesh: MeshHost
     assert mesh.shadows()[1] == set()
 
 
+def _filler(mesh: MeshHost, key: str, writes_mib: int, limit_mib: int) -> pb.RunShadowRequest:
+    """A started shadow that writes ``writes_mib`` into an emptyDir at /scratch limited to ``limit_mib``."""
+    req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox=key.split("/")[0])
+    config = cri.ContainerConfig.FromString(req.container_config)
+    config.command[:] = ["sh", "-c", f"dd if=/dev/zero of=/scratch/f bs=1M count={writes_mib} && exec sleep 3600"]
+    req.container_config, req.start = config.SerializeToString(), True
+    req.empty_dirs.add(container_path="/scratch", size_limit=limit_mib << 20)
+    return req
+
+
+def _status(ch: grpc.Channel, ref: pb.ShadowRef) -> cri.ContainerStatus:
+    """The shadow's status, after a Hello: the origin is there, so nothing is fenced meanwhile."""
+    ch.unary_unary(MESH + "Hello")(_HELLO, timeout=10)
+    raw = ch.unary_unary(MESH + "ShadowStatus")(ref.SerializeToString(), timeout=30)
+    return cri.ContainerStatus.FromString(pb.ShadowState.FromString(raw).status)
+
+
 def test_an_empty_dir_past_its_size_limit_stops_the_shadow_as_kubelet_evicts(mesh: MeshHost) -> None:
     key = "origin-sb-scratch/filler/0"
-    req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox="origin-sb-scratch")
-    config = cri.ContainerConfig.FromString(req.container_config)
-    config.command[:] = ["sh", "-c", "dd if=/dev/zero of=/scratch/f bs=1M count=4 && exec sleep 3600"]
-    req.container_config, req.start = config.SerializeToString(), True
-    req.empty_dirs.add(container_path="/scratch", size_limit=1 << 20)
     ref = pb.ShadowRef(origin_node="gpu-1", key=key)
     with mesh.channel("gpu-1") as ch:
-        code, details = _ask(ch, "RunShadow", req)
+        code, details = _ask(ch, "RunShadow", _filler(mesh, key, writes_mib=4, limit_mib=1))
         try:
             assert code is grpc.StatusCode.OK, details
-
-            def ended() -> cri.ContainerStatus | None:
-                ch.unary_unary(MESH + "Hello")(_HELLO, timeout=10)  # the origin is there: nothing is fenced
-                state = pb.ShadowState.FromString(ch.unary_unary(MESH + "ShadowStatus")(ref.SerializeToString(),
-                                                                                       timeout=30))
-                status = cri.ContainerStatus.FromString(state.status)
-                return status if status.state == cri.CONTAINER_EXITED else None
-
-            status = wait_for(ended, timeout=60, what="the shadow stopped for its emptyDir", every=0.5)
+            status = wait_for(lambda: (s := _status(ch, ref)).state == cri.CONTAINER_EXITED and s, timeout=60,
+                              what="the shadow stopped for its emptyDir", every=0.5)
             assert status.reason == "Evicted" and "/scratch" in status.message and "sizeLimit" in status.message
         finally:
             _ask(ch, "RemoveShadow", ref)
@@ -131,21 +136,15 @@ def test_an_empty_dir_past_its_size_limit_stops_the_shadow_as_kubelet_evicts(mes
 
 def test_an_empty_dir_within_its_size_limit_is_left_alone(mesh: MeshHost) -> None:
     key = "origin-sb-scratch-ok/filler/0"
-    req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox="origin-sb-scratch-ok")
-    config = cri.ContainerConfig.FromString(req.container_config)
-    config.command[:] = ["sh", "-c", "dd if=/dev/zero of=/scratch/f bs=1M count=1 && exec sleep 3600"]
-    req.container_config, req.start = config.SerializeToString(), True
-    req.empty_dirs.add(container_path="/scratch", size_limit=4 << 20)
     ref = pb.ShadowRef(origin_node="gpu-1", key=key)
     with mesh.channel("gpu-1") as ch:
-        code, details = _ask(ch, "RunShadow", req)
+        code, details = _ask(ch, "RunShadow", _filler(mesh, key, writes_mib=1, limit_mib=4))
         try:
             assert code is grpc.StatusCode.OK, details
-            for _ in range(12):  # two rounds of the host's check, and more; the origin's Hellos keep it unfenced
-                ch.unary_unary(MESH + "Hello")(_HELLO, timeout=10)
+            for _ in range(12):  # two rounds of the host's check, and more
+                _status(ch, ref)
                 time.sleep(1)
-            raw = ch.unary_unary(MESH + "ShadowStatus")(ref.SerializeToString(), timeout=30)
-            status = cri.ContainerStatus.FromString(pb.ShadowState.FromString(raw).status)
+            status = _status(ch, ref)
             assert status.state == cri.CONTAINER_RUNNING, (status.reason, status.message, status.exit_code)
         finally:
             _ask(ch, "RemoveShadow", ref)
