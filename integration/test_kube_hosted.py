@@ -316,7 +316,7 @@ def test_without_the_api_shadows_run_on_a_restart_is_placed_by_the_old_rules_and
         origin = kube.agent_status(ORIGIN)
         sandbox = next(s["id"] for s in origin["sandboxes"] if s["name"] == "stopper")
         (first,) = [p for p in origin["placements"] if p["name"] == "prep" and p["sandbox_id"] == sandbox]
-        (kept,) = [s["id"] for s in kube.agent_status(HOST)["shadows"] if not s["key"].startswith(sandbox)]
+        (kept,) = [s["id"] for s in _live(kube) if not s["key"].startswith(sandbox)]
         kube.control.stop_apiserver()
         try:
             # The stopper's CPU stage ends; kubelet, without its API server, restarts it: a new placement.
@@ -330,7 +330,7 @@ def test_without_the_api_shadows_run_on_a_restart_is_placed_by_the_old_rules_and
             again = wait_for(restarted, timeout=90, what="the stopper's CPU stage restarted")
             # Placed by the rules from before reservations, and weft explain says so.
             assert again["placement"] == f"remote:{HOST}" and "did not answer" in again["detail"], again
-            (made,) = [s for s in kube.agent_status(HOST)["shadows"] if s["key"] == f"{sandbox}/prep/1"]
+            (made,) = [s for s in _live(kube) if s["key"] == f"{sandbox}/prep/1"]
             assert made["reservation"] == {"name": made["reservation"]["name"], "state": "unreserved",
                                            "reason": "ApiUnreachable"}, made
             # Past the host's grace, what ran before the API went away runs on: nothing is judged without it.
@@ -341,7 +341,7 @@ def test_without_the_api_shadows_run_on_a_restart_is_placed_by_the_old_rules_and
         kube.wait_node_ready(ORIGIN)
         # Reconciled once it is back: the restarted stage gets its reservation, kubelet admits it.
         def settled() -> dict | None:
-            (s,) = [s for s in kube.agent_status(HOST)["shadows"] if s["key"] == f"{sandbox}/prep/1"] or [None]
+            (s,) = [s for s in _live(kube) if s["key"] == f"{sandbox}/prep/1"] or [None]
             return s if s is None or s["reservation"]["state"] in ("admitted", "lost") else None
 
         made = wait_for(settled, timeout=90, what="the restarted stage's reservation made and admitted")
@@ -352,9 +352,14 @@ def test_without_the_api_shadows_run_on_a_restart_is_placed_by_the_old_rules_and
         delete(kube, "stopper")
 
 
+def _live(kube: KubeCluster) -> list[dict]:
+    """The host's shadows that run or are about to: an earlier test's exited ones linger until reaped."""
+    return [s for s in kube.agent_status(HOST)["shadows"] if s["state"] in ("created", "running")]
+
+
 def _books(kube: KubeCluster) -> tuple[set[str], set[str]]:
     """The keys of the host's live shadows, and those its reservation pods are for."""
-    shadows = {s["key"] for s in kube.agent_status(HOST)["shadows"] if s["state"] in ("created", "running")}
+    shadows = {s["key"] for s in _live(kube)}
     reserved = {(r["metadata"].get("annotations") or {}).get("weft.io/origin-key-full", "") for r in _reservations(kube)
                 if not r["metadata"].get("deletionTimestamp")}
     return shadows, reserved

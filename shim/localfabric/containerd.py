@@ -376,7 +376,8 @@ oom_score = 0
     def _config_v3(self, common: str) -> str:
         """containerd 2.x, written as its own format rather than left to its migration of version 2: the
         CRI runtime (handlers, CNI, pod settings), its image service (snapshotter, sandbox image, registry
-        hosts) and its gRPC front (streaming) are separate plugins."""
+        hosts) and its gRPC front (streaming) are separate plugins. 2.x turns NRI on by default at one
+        host-wide socket, so each test containerd gets its own or parallel ones fail to start."""
         assert self.workdir is not None
         runtime = 'plugins."io.containerd.cri.v1.runtime"'
         images_section = 'plugins."io.containerd.cri.v1.images"'
@@ -407,6 +408,11 @@ oom_score = 0
 [plugins."io.containerd.grpc.v1.cri"]
   stream_server_address = "127.0.0.1"
   stream_server_port = "0"
+
+[plugins."io.containerd.nri.v1.nri"]
+  socket_path = "{self.workdir / 'nri.sock'}"
+  plugin_path = "{self.workdir / 'nri-plugins'}"
+  plugin_config_path = "{self.workdir / 'nri-conf'}"
 """
 
     def _all_handlers(self) -> list[RuntimeHandler]:
