@@ -211,6 +211,11 @@ def _bench(args: argparse.Namespace) -> int:
 
         return e2e.main(as_json=args.json, quick=args.quick, starts=args.starts, samples=args.samples,
                         pods=args.pods, churn_seconds=args.churn_seconds, output=args.output)
+    if args.what == "tunnel":
+        from shim.bench import tunnel
+
+        return tunnel.main(as_json=args.json, gib=0.25 if args.quick else 1.0,
+                           samples=500 if args.quick else args.samples, output=args.output)
     if args.what == "hosted-cpu":
         from shim.bench import hosted_cpu
 
@@ -326,7 +331,7 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks that compare side by side in one run")
     b.add_argument("what", choices=("proxy", "hook", "broker", "packing", "mesh", "e2e", "network", "mesh-scale",
-                                    "hosted-cpu"))
+                                    "hosted-cpu", "tunnel"))
     b.add_argument("--json", action="store_true", help="print machine-readable figures")
     b.add_argument("--pods", type=int, default=50, help="running pods during the list and load phases")
     b.add_argument("--samples", type=int, default=2000, help="calls per method and path for latency")
@@ -335,7 +340,7 @@ def parser() -> argparse.ArgumentParser:
                    "(e2e: a directory for e2e.json and e2e.md, default bench/results/)")
     b.add_argument("--starts", type=int, default=20, help="mesh, e2e: container and pod starts per side")
     b.add_argument("--churn-seconds", type=float, default=30.0, help="e2e: length of the 50-pod churn")
-    b.add_argument("--quick", action="store_true", help="mesh, e2e, mesh-scale, hosted-cpu: a reduced run (few "
+    b.add_argument("--quick", action="store_true", help="mesh, e2e, mesh-scale, hosted-cpu, tunnel: a reduced run (few "
                    "samples, short phases)")
     b.add_argument("--peers", help="mesh-scale: the fleet sizes to measure, N or N,N,... (default 100,1000,5000)")
     b.add_argument("--stream-busy-poll-us", type=int, help="network: the agents' agent.stream_busy_poll_us "

@@ -23,6 +23,7 @@ Example file::
     address = "10.0.0.4:7443"
     peers = "/etc/weft/peers.toml"        # or "kubernetes" (EndpointSlices of the weft-mesh Service)
     tls_dir = "/etc/weft/mesh"
+    tunnel_tls = true                     # pod bytes in the user-space tunnel inside TLS (false: plaintext)
 
     [kubernetes]
     kubeconfig = "/etc/weft/kubeconfig"   # kept by the DaemonSet (weft kube-credentials); "" : in-cluster or none
@@ -133,6 +134,9 @@ class MeshConfig:
     # Carry a rerouted container's ports on localhost through the kernel (nftables in the origin pod's
     # namespace) where the pod network reaches the shadow; the agents' tunnel otherwise.
     stitch_kernel_path: bool = True
+    # Carry pod bytes in the agents' user-space tunnel inside TLS with the mesh certificates. Either end asking
+    # for it is enough. Off only where the cluster's network already encrypts traffic between nodes.
+    tunnel_tls: bool = True
 
     def validate(self) -> None:
         if self.role not in MESH_ROLES:

@@ -258,7 +258,7 @@ class StitchRequest(_message.Message):
     def __init__(self, origin_node: _Optional[str] = ..., key: _Optional[str] = ..., ports: _Optional[_Iterable[int]] = ..., declared: _Optional[_Iterable[int]] = ..., has_declared: _Optional[bool] = ..., origin_pod_ip: _Optional[str] = ...) -> None: ...
 
 class StitchEvent(_message.Message):
-    __slots__ = ("listening", "ports", "accepted_port", "token", "address", "problem", "pod_ip")
+    __slots__ = ("listening", "ports", "accepted_port", "token", "address", "problem", "pod_ip", "tls", "loopback_only")
     LISTENING_FIELD_NUMBER: _ClassVar[int]
     PORTS_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_PORT_FIELD_NUMBER: _ClassVar[int]
@@ -266,6 +266,8 @@ class StitchEvent(_message.Message):
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     PROBLEM_FIELD_NUMBER: _ClassVar[int]
     POD_IP_FIELD_NUMBER: _ClassVar[int]
+    TLS_FIELD_NUMBER: _ClassVar[int]
+    LOOPBACK_ONLY_FIELD_NUMBER: _ClassVar[int]
     listening: _containers.RepeatedScalarFieldContainer[int]
     ports: bool
     accepted_port: int
@@ -273,4 +275,6 @@ class StitchEvent(_message.Message):
     address: str
     problem: str
     pod_ip: str
-    def __init__(self, listening: _Optional[_Iterable[int]] = ..., ports: _Optional[bool] = ..., accepted_port: _Optional[int] = ..., token: _Optional[bytes] = ..., address: _Optional[str] = ..., problem: _Optional[str] = ..., pod_ip: _Optional[str] = ...) -> None: ...
+    tls: bool
+    loopback_only: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, listening: _Optional[_Iterable[int]] = ..., ports: _Optional[bool] = ..., accepted_port: _Optional[int] = ..., token: _Optional[bytes] = ..., address: _Optional[str] = ..., problem: _Optional[str] = ..., pod_ip: _Optional[str] = ..., tls: _Optional[bool] = ..., loopback_only: _Optional[_Iterable[int]] = ...) -> None: ...

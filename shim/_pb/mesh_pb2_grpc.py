@@ -197,7 +197,8 @@ class MeshServicer:
         over gRPC (a gRPC stream in Python carries a fraction of what a socket
         does; see shim/mesh/tunnel/). Exec and Attach tunnels are TLS with the
         mesh certificates (the origin's certificate must name the origin);
-        pod-network tunnels are plain TCP, as the pod network between nodes is.
+        pod-network tunnels are the same TLS unless the host's mesh.tunnel_tls is
+        off (the grant's ``tls`` says).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

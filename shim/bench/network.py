@@ -11,7 +11,8 @@ compared, in one run and interleaved, join the same two namespaces:
 - **stitched**: 127.0.0.1 in the origin pod, carried as the agents chose
   (``stitched_path``): by the kernel straight to the shadow's pod IP where
   the pod network reaches it (nftables rules in the origin pod's namespace),
-  else the origin agent's mirror listener, a plain tunnel to the host agent,
+  else the origin agent's mirror listener, a tunnel to the host agent (TLS
+  unless ``mesh.tunnel_tls`` is off),
   127.0.0.1 in the shadow;
 - **tunnel**: [::1] in the origin pod, which the user-space tunnel always
   carries: the path the kernel one replaced, measured beside it (where the
@@ -90,8 +91,8 @@ def _echo(conn: socket.socket) -> None:
             conn.sendall(data)
 
 
-def _throughput(ns: Netns, host: str, nbytes: int) -> float:
-    s = ns.connect(host, SINK_PORT, 10)
+def _throughput(ns: Netns, host: str, nbytes: int, port: int = SINK_PORT) -> float:
+    s = ns.connect(host, port, 10)
     block = memoryview(bytes(BUF))
     t0 = time.perf_counter()
     sent = 0
@@ -105,8 +106,8 @@ def _throughput(ns: Netns, host: str, nbytes: int) -> float:
     return nbytes / elapsed / 1e9
 
 
-def _rr(ns: Netns, host: str, samples: int) -> list[float]:
-    s = ns.connect(host, ECHO_PORT, 10)
+def _rr(ns: Netns, host: str, samples: int, port: int = ECHO_PORT) -> list[float]:
+    s = ns.connect(host, port, 10)
     s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     out = []
     for _ in range(samples):

@@ -2,6 +2,8 @@
 
 * ``declared_ports``: ``weft.io/ports.<container>``, a comma-separated list of
   TCP ports, overrides what the agents discover for that container.
+* ``loopback_only``: the ports whose servers listen on loopback alone, which
+  a mirror then listens on as narrowly (never on the pod IP).
 * ``plan``: given what listens where, which ports each side mirrors, and
   which it cannot (a port the pod's local containers hold already, or two
   rerouted containers on one port): ``Collision`` values with the port and
@@ -14,10 +16,11 @@
 
 from __future__ import annotations
 
+import ipaddress
 import secrets
 import threading
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Set
 from dataclasses import dataclass
 from enum import Enum
 from typing import Generic, TypeVar
@@ -25,6 +28,31 @@ from typing import Generic, TypeVar
 PORTS_ANNOTATION = "weft.io/ports."
 MAX_HEAD = 16 << 10
 T = TypeVar("T")
+
+
+def is_loopback(address: str) -> bool:
+    """127.0.0.0/8, ::1, or an IPv4-mapped loopback address."""
+    try:
+        ip = ipaddress.ip_address(address.split("%", 1)[0])
+    except ValueError:
+        return False
+    mapped = getattr(ip, "ipv4_mapped", None)
+    return (mapped or ip).is_loopback
+
+
+def loopback_only(listening: Mapping[int, Mapping[int, str]], own: Set[int] = frozenset()) -> frozenset[int]:
+    """The ports every listener of which (``own`` inodes left out) is bound to a loopback address.
+
+    ``listening``: port -> {socket inode: bound address}. A server bound to
+    127.0.0.1 chose not to be reachable from outside its pod; its mirror in the
+    other sandbox must not make it so, and listens on loopback too.
+    """
+    out = set()
+    for port, socks in listening.items():
+        theirs = [addr for inode, addr in socks.items() if inode not in own]
+        if theirs and all(is_loopback(a) for a in theirs):
+            out.add(port)
+    return frozenset(out)
 
 
 def declared_ports(annotations: Mapping[str, str], container: str) -> frozenset[int] | None:

@@ -55,6 +55,9 @@ class Fabric:
         # The origin's streaming relay (shim.cri.origin.stream_relay) and the TLS context its tunnels dial with.
         self.streams = None
         self.tunnel_tls = None
+        # Whether this origin dials the pod network's tunnels in TLS even where the host does not ask
+        # (mesh.tunnel_tls).
+        self.encrypt_pod_tunnels = True
         # Whether containerd holds shadows (labelled weft.io/origin-node) that
         # kubelet must not see; set by the reconciler, read on every List call.
         self.shadows_present = False

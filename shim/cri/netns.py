@@ -115,9 +115,13 @@ class Netns:
 
     def listening(self) -> dict[int, set[int]]:
         """TCP port -> inodes of the sockets listening on it, in this namespace."""
+        return {port: set(socks) for port, socks in self.listening_on().items()}
+
+    def listening_on(self) -> dict[int, dict[int, str]]:
+        """TCP port -> {inode: the address it is bound to} of the sockets listening on it, in this namespace."""
         return self.run(self._listening, pool=self._diag_pool)
 
-    def _listening(self) -> dict[int, set[int]]:
+    def _listening(self) -> dict[int, dict[int, str]]:
         from pyroute2 import DiagSocket
         from pyroute2.netlink.diag import SS_LISTEN
 
@@ -125,10 +129,10 @@ class Netns:
             if self._diag is None:
                 self._diag = DiagSocket()
                 self._diag.bind()
-            out: dict[int, set[int]] = {}
+            out: dict[int, dict[int, str]] = {}
             for family in (socket.AF_INET, socket.AF_INET6):
                 for s in self._diag.get_sock_stats(family=family, states=1 << SS_LISTEN):
-                    out.setdefault(s["idiag_sport"], set()).add(s["idiag_inode"])
+                    out.setdefault(s["idiag_sport"], {})[s["idiag_inode"]] = s["idiag_src"]
             return out
 
     def close(self) -> None:

@@ -12,6 +12,7 @@ from shim.core.stitch import (
     attribute,
     declared_ports,
     head_end,
+    loopback_only,
     parse_head,
     plan,
 )
@@ -25,6 +26,20 @@ from shim.core.stitch import (
 ], ids=["one", "several-with-spaces", "declared-none", "trailing-comma"])
 def test_declared_ports_parse(value: str, expected: set[int]) -> None:
     assert declared_ports({"weft.io/ports.web": value}, "web") == expected
+
+
+def test_a_port_is_loopback_only_when_every_server_on_it_keeps_to_loopback() -> None:
+    listening = {
+        6060: {1: "127.0.0.1", 2: "::1"},  # both loopbacks
+        6061: {3: "::ffff:127.0.0.1"},  # an IPv4-mapped loopback
+        8080: {4: "0.0.0.0"},
+        8081: {5: "127.0.0.1", 6: "::"},  # one of them on every address
+        8082: {7: "10.1.2.3", 8: "127.0.0.2"},  # the pod IP too
+        9090: {9: "0.0.0.0", 10: "127.0.0.1"},  # weft's own mirror (9) on every address: left out
+        9091: {11: "0.0.0.0"},  # only weft's own: nothing of the pod's listens
+    }
+    assert loopback_only(listening, own={9, 11}) == {6060, 6061, 9090}
+    assert loopback_only({}) == frozenset()
 
 
 def test_undeclared_ports_mean_discover() -> None:

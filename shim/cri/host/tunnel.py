@@ -4,9 +4,11 @@
   an origin's shadow (through ShadowCall) are remembered for a minute, as long
   as containerd keeps them; ``open_tunnel`` to a stream URL is granted only for
   one of those, to the origin it was issued to, over TLS.
-* ``open_tunnel`` to a port: a plain tunnel to 127.0.0.1:<port> (or ::1) in the
+* ``open_tunnel`` to a port: a tunnel to 127.0.0.1:<port> (or ::1) in the
   shadow sandbox's network namespace (the origin's mirror of that port
-  accepted a connection).
+  accepted a connection), granted TLS-only, to the origin's certificate,
+  while ``mesh.tunnel_tls`` is on (``tunnel_tls``; so are the tokens of the
+  stream below).
 * ``stitch``: the host listens on 127.0.0.1:<port> and [::1]:<port> in the
   shadow's namespace (loopback only: the origin pod's ports are not served on
   the shadow's own pod IP)
@@ -14,8 +16,10 @@
   whose target is that very socket, offered to the origin on the stream,
   which dials it and joins it to the port in its own pod. The stream also
   pushes the ports the shadow listens on (sock_diag every ``POLL_S``, this
-  host's own listeners left out by inode), with the shadow's pod IP, where
-  the origin's kernel path forwards (``shim.cri.origin.kernel_path``). The
+  host's own listeners left out by inode), which of them listen on loopback
+  alone (the origin mirrors those on its loopback alone), with the shadow's
+  pod IP, where the origin's kernel path forwards
+  (``shim.cri.origin.kernel_path``). The
   listeners go when the last
   stream of the shadow ends; a connection the origin never claims is closed
   when its token expires.
@@ -46,6 +50,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim._pb import mesh_pb2 as pb
+from shim.core.stitch import loopback_only
 from shim.cri.netns import Netns, owner_of, sandbox_netns
 from shim.cri.origin.kernel_path import KernelForwards, forget_connections
 from shim.errors import WeftError
@@ -134,9 +139,10 @@ class Mirrors:
             if q is None:
                 conn.close()
                 continue
-            token = self.net.tunnel.grants.add(self.origin, lambda c=conn: c, tls=False,
+            tls = self.net.tunnel_tls
+            token = self.net.tunnel.grants.add(self.origin, lambda c=conn: c, tls=tls,
                                                what=f"{self.name} <- :{port}", on_expire=conn.close)
-            q.put(pb.StitchEvent(accepted_port=port, token=token, address=self.net.tunnel.address))
+            q.put(pb.StitchEvent(accepted_port=port, token=token, address=self.net.tunnel.address, tls=tls))
 
     def ports(self) -> list[int]:
         with self._lock:
@@ -165,11 +171,13 @@ class ShadowNet:
         self._netns: dict[str, Netns] = {}  # shadow sandbox id -> its namespace
         self._mirrors: dict[tuple[str, str], Mirrors] = {}
         self.kernel_path = True  # mesh.stitch_kernel_path, set by the agent
+        # mesh.tunnel_tls, set by the agent: pod-network tunnels granted TLS-only, to the origin's certificate.
+        self.tunnel_tls = True
         # The way back through the kernel, one per shadow sandbox (its containers share the namespace).
         self._kernels: dict[str, KernelForwards] = {}
         self._kernel_lock = threading.Lock()
         # Each namespace's listening ports, read at most once a poll for all its containers' streams.
-        self._listening: dict[str, tuple[float, dict[int, set[int]]]] = {}  # by shadow sandbox id
+        self._listening: dict[str, tuple[float, dict[int, dict[int, str]]]] = {}  # by shadow sandbox id
         self._listening_lock = threading.Lock()
 
     # -- streams -----------------------------------------------------------------------
@@ -203,8 +211,8 @@ class ShadowNet:
                 raise TunnelRefused(f"port {port} is not a TCP port")
             ns = self._ns(c.pod_sandbox_id)
             token = self.tunnel.grants.add(origin, lambda: ns.connect_loopback(port, CONNECT_TIMEOUT_S),
-                                           tls=False, what=f"{name} :{port}")
-            return pb.TunnelGrant(address=self.tunnel.address, token=token, tls=False)
+                                           tls=self.tunnel_tls, what=f"{name} :{port}")
+            return pb.TunnelGrant(address=self.tunnel.address, token=token, tls=self.tunnel_tls)
         raise TunnelRefused("OpenTunnel names no target (stream_url or port)")
 
     def _ns(self, sandbox_id: str) -> Netns:
@@ -234,17 +242,21 @@ class ShadowNet:
                 yield pb.StitchEvent(problem=problem)
             m.origin_pod_ip = req.origin_pod_ip or m.origin_pod_ip
             self.forward(m.sandbox_id)
-            last: set[int] | None = None
+            last: tuple[set[int], frozenset[int]] | None = None
             pod_ip = self._pod_ip(c.pod_sandbox_id)
             while context.is_active():
+                own = self._own_inodes(c.pod_sandbox_id)  # every mirror in the namespace, siblings' too
+                found = self._listening_in(c.pod_sandbox_id, ns)
                 if req.has_declared:
                     listening = set(req.declared)
                 else:
-                    own = self._own_inodes(c.pod_sandbox_id)  # every mirror in the namespace, siblings' too
-                    listening = {p for p, inodes in self._listening_in(c.pod_sandbox_id, ns).items() if inodes - own}
-                if listening != last:
-                    last = listening
-                    yield pb.StitchEvent(listening=sorted(listening), ports=True, pod_ip=pod_ip)
+                    listening = {p for p, socks in found.items() if set(socks) - own}
+                # A server on loopback alone is mirrored on loopback alone: never exposed on the origin's pod IP.
+                now = (listening, loopback_only(found, own) & listening)
+                if now != last:
+                    last = now
+                    yield pb.StitchEvent(listening=sorted(now[0]), loopback_only=sorted(now[1]), ports=True,
+                                         pod_ip=pod_ip)
                 deadline = time.monotonic() + POLL_S
                 while (left := deadline - time.monotonic()) > 0:
                     try:
@@ -297,11 +309,11 @@ class ShadowNet:
             mirrors = [m for m in self._mirrors.values() if m.sandbox_id == sandbox_id]
         return set().union(*(m.inodes() for m in mirrors))
 
-    def _listening_in(self, sandbox_id: str, ns: Netns) -> dict[int, set[int]]:
+    def _listening_in(self, sandbox_id: str, ns: Netns) -> dict[int, dict[int, str]]:
         with self._listening_lock:
             at, ports = self._listening.get(sandbox_id, (float("-inf"), {}))
             if time.monotonic() - at >= POLL_S / 2:
-                ports = ns.listening()
+                ports = ns.listening_on()
                 self._listening[sandbox_id] = (time.monotonic(), ports)
             return ports
 

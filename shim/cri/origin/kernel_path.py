@@ -35,8 +35,8 @@ running remote container when it starts (``sweep``). Rules go through
 netlink (pyroute2's nftables), from a thread inside the namespace.
 
 IPv6 (``::1``) and the origin pod's own IP keep the user-space mirror, which
-still listens on every address of the port; so does a port the kernel path
-does not carry.
+still listens on the port (on every address, or on loopback alone as the
+shadow's server does); so does a port the kernel path does not carry.
 """
 
 from __future__ import annotations

@@ -16,8 +16,10 @@ every ``POLL_S``, and at once when a host reports a change):
 * ``shim.core.stitch.plan`` decides: each port of a shadow gets a listener on
   every address of the origin sandbox, IPv4 and IPv6 (so localhost, ::1 and
   the pod IP reach it, and so does containerd's PortForward, which dials
-  localhost in the sandbox), each
-  accepted connection a plain tunnel to the port in the shadow
+  localhost in the sandbox), or on 127.0.0.1 and ::1 alone where the shadow
+  serves it on loopback alone (``Link.loopback``, from the host), each
+  accepted connection a tunnel to the port in the shadow (TLS with the mesh
+  certificates unless both sides turned ``mesh.tunnel_tls`` off)
   (``OpenTunnel``); every port of the pod (local containers' and the other
   shadows' mirrors) is listened on by the host in the shadow, and a
   connection there comes back on the stream as a token, which the origin
@@ -41,6 +43,7 @@ import os
 import socket
 import threading
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -75,6 +78,7 @@ class Link:
         self.pod, self.r = pod, r
         self.name = r.config.metadata.name
         self.listening: frozenset[int] = frozenset()
+        self.loopback: frozenset[int] = frozenset()  # of those, the ports the shadow serves on loopback alone
         self.pod_ip = ""  # the shadow's, as its host tells it: where the kernel path forwards
         self.want: frozenset[int] | None = None
         self._call: Any = None
@@ -120,6 +124,7 @@ class Link:
                 for ev in call:
                     if ev.ports:
                         self.listening = frozenset(ev.listening)
+                        self.loopback = frozenset(ev.loopback_only)
                         self.pod_ip = ev.pod_ip or self.pod_ip
                         self.pod.net.loop.wake()
                     if ev.token:
@@ -138,6 +143,15 @@ class Link:
             self._stop.wait(RETRY_S)
 
 
+@dataclass
+class Mirror:
+    """A shadow's port listened on in the origin sandbox: on every address, or on loopback alone as the server."""
+
+    socks: list[socket.socket]
+    name: str  # the rerouted container
+    loopback: bool
+
+
 class PodNet:
     """One origin sandbox: its namespace, the mirrors of its shadows' ports, a Link per remote container."""
 
@@ -145,7 +159,7 @@ class PodNet:
         self.net, self.sandbox_id, self.ns, self.annotations = net, sandbox_id, ns, annotations
         self.pod_ip = ""  # this sandbox's: where a host's kernel path sends the shadow's localhost (set by OriginNet)
         self.links: dict[str, Link] = {}
-        self.mirrors: dict[int, tuple[socket.socket, str]] = {}  # port -> (listener, container)
+        self.mirrors: dict[int, Mirror] = {}  # by port
         self.kernel = KernelForwards(ns, sandbox_id, enabled=net.fabric.stitch_kernel_path)
         self._reported: set[tuple[int, str]] = set()
         self._lock = threading.Lock()
@@ -162,44 +176,50 @@ class PodNet:
         if found_any:
             return frozenset(declared)
         with self._lock:
-            own = {os.fstat(s.fileno()).st_ino for s, _ in self.mirrors.values() if s.fileno() >= 0}
+            own = {os.fstat(s.fileno()).st_ino for m in self.mirrors.values() for s in m.socks if s.fileno() >= 0}
         self._listening = self.ns.listening()
         return frozenset(p for p, inodes in self._listening.items() if inodes - own)
 
     def tick(self) -> None:
         local = self.local_ports()
         links = {link.name: link for link in self.links.values()}
-        current = {port: name for port, (_, name) in self.mirrors.items()}
+        current = {port: m.name for port, m in self.mirrors.items()}
         # The pod's shadows on one host share a namespace (its shadow sandbox's): each stream reports it all.
         spaces = {name: f"{link.r.node}/{link.r.shadow_sandbox_id or link.r.key}" for name, link in links.items()}
         p = plan(attribute({name: link.listening for name, link in links.items()}, spaces, current), local, current)
         for c in p.collisions:
             self._collision(c)
-        for port in [port for port, (_, name) in self.mirrors.items() if p.into_origin.get(port) != name]:
-            sock, name = self.mirrors.pop(port)
-            _close_listener(sock)
-            _log.info("stitch.unmirrored", sandbox_id=self.sandbox_id, container=name, port=port)
+        # A mirror goes when its port goes to another container, or when the server's address changes scope.
+        for port in [port for port, m in self.mirrors.items() if p.into_origin.get(port) != m.name
+                     or m.loopback != (port in links[m.name].loopback)]:
+            with self._lock:
+                m = self.mirrors.pop(port)
+            for sock in m.socks:
+                _close_listener(sock)
+            _log.info("stitch.unmirrored", sandbox_id=self.sandbox_id, container=m.name, port=port)
         for port, name in p.into_origin.items():
             if port in self.mirrors:
                 continue
+            loopback = port in links[name].loopback
             try:
-                sock = self.ns.listen_any(port)
+                socks = self.ns.listen_loopback(port) if loopback else [self.ns.listen_any(port)]
             except OSError as exc:
                 self._collision(Collision(port, name, HeldBy.LOCAL), str(exc))
                 continue
             with self._lock:
-                self.mirrors[port] = (sock, name)
-            threading.Thread(target=self._accept, args=(sock, port, links[name]), name=f"weft-mirror-{port}",
-                             daemon=True).start()
+                self.mirrors[port] = Mirror(socks, name, loopback)
+            for sock in socks:
+                threading.Thread(target=self._accept, args=(sock, port, links[name]), name=f"weft-mirror-{port}",
+                                 daemon=True).start()
             _log.info("stitch.mirrored", sandbox_id=self.sandbox_id, container=name, node=links[name].r.node,
-                      port=port)
+                      port=port, on="loopback" if loopback else "every address")
         for name, link in links.items():
             link.set_want(p.into_shadow.get(name, frozenset()))
         # Only a port mirrored here (no local listener holds it) may be forwarded by the kernel; connections to
         # a shadow whose host does not answer the mesh are reset, as a tunnel's are.
         healthy = {v.node for v in self.net.fabric.mesh.views() if v.healthy}
-        self.kernel.update({port: (links[name].pod_ip, name) for port, (_, name) in self.mirrors.items()
-                            if name in links},
+        self.kernel.update({port: (links[m.name].pod_ip, m.name) for port, m in self.mirrors.items()
+                            if m.name in links},
                            frozenset(link.pod_ip for link in links.values() if link.r.node not in healthy))
 
     def _collision(self, c: Collision, error: str = "") -> None:
@@ -251,7 +271,8 @@ class PodNet:
         try:
             client = host_client(fabric.mesh, link.r)
             grant = client.open_tunnel(fabric.mesh.node, link.r.key, port=port)
-            end = dial(grant.address, grant.token, node=link.r.node, known=client.address)
+            end = dial(grant.address, grant.token, tls=self._tls(grant.tls), node=link.r.node,
+                       known=client.address)
         except WeftError as exc:
             _log.warning("stitch.connect_failed", container=link.name, node=link.r.node, port=port,
                          error=exc.message)
@@ -261,10 +282,15 @@ class PodNet:
             _OPENING.release()
         self.net.pipe(SocketEnd(conn), end, f"{link.name}:{port}")
 
+    def _tls(self, asked: bool):
+        """The client context for a pod-network tunnel where the host asked for TLS or this origin wants it."""
+        fabric = self.net.fabric
+        return fabric.tunnel_tls if asked or fabric.encrypt_pod_tunnels else None
+
     def reverse(self, link: Link, ev) -> None:
         """A connection in a shadow to a port of the pod: dial the host's token, join it to the port here."""
         try:
-            end = dial(ev.address, ev.token, node=link.r.node,
+            end = dial(ev.address, ev.token, tls=self._tls(ev.tls), node=link.r.node,
                        known=host_client(self.net.fabric.mesh, link.r).address)
         except WeftError as exc:
             _log.warning("stitch.connect_failed", container=link.name, node=link.r.node, port=ev.accepted_port,
@@ -283,8 +309,9 @@ class PodNet:
     def close(self) -> None:
         for link in self.links.values():
             link.stop()
-        for sock, _ in self.mirrors.values():
-            _close_listener(sock)
+        for m in self.mirrors.values():
+            for sock in m.socks:
+                _close_listener(sock)
         self.mirrors.clear()
         self.kernel.close()
         self.ns.close()

@@ -4,16 +4,17 @@ The mesh's gRPC service decides *whether* a tunnel may open (``OpenTunnel``,
 ``Stitch``: the peer's certificate, the shadow's ownership) and hands out a
 one-time token (``grants``); the bytes then flow over a TCP connection of
 their own to the host's tunnel listener (``server.TunnelServer``), not over
-gRPC. Through two relays in Python, plain sockets carry far more than the
-same through TLS (AES-GCM in user space on both relays), and a gRPC stream
-less still (``weft bench network``; figures in docs/benchmarks.md). So:
+gRPC: a gRPC stream in Python carries a fraction of what a socket does.
 
 - **stream tunnels** (Exec, Attach: people's terminals, small and
   interactive) are TLS with the mesh certificates, and the host checks that
   the certificate names the origin the token was granted to;
-- **pod-network tunnels** are plain TCP after the token, as the pod network
-  between nodes is (the threat model leaves it to the cluster): the token,
-  granted over mutual TLS, is what lets a connection through.
+- **pod-network tunnels** are the same TLS by default (``mesh.tunnel_tls``,
+  which either side may ask for): they cross the node network, outside any
+  encryption the cluster's CNI gives pod traffic. Where that network is
+  encrypted already, turning it off on both sides leaves them plain TCP
+  after the token, whose bytes a pipe moves with splice(2); what TLS costs
+  against that is ``weft bench tunnel`` (figures in docs/benchmarks.md).
 
 ``ends`` are the two kinds of socket end, ``pipe`` joins two ends as a direct
 connection would, ``server`` listens, ``dial`` connects. The names below are
