@@ -23,6 +23,7 @@ from shim.broker.client import BrokerClient
 from shim.config import Config
 from shim.cri.fabric import Fabric
 from shim.cri.instrument import Instrument
+from shim.cri.mark import ShadowMark
 from shim.cri.origin.prepare import Prepared
 from shim.cri.origin.supervisor import RemoteSupervisor
 from shim.cri.passthrough import Upstream
@@ -64,6 +65,9 @@ class Agent:
         self.broker = BrokerClient(cfg.agent.broker_socket) if cfg.agent.broker_socket else None
         self.api = access.resolve(Path(cfg.kubernetes.kubeconfig) if cfg.kubernetes.kubeconfig else None)
         self.fabric = Fabric(self.upstream, self.store, self.broker, self.metrics)
+        # Every node knows its own mark, hosting or not (a node that hosted before keeps its key): the list verbs
+        # hide only what bears it, never a pod that merely carries a shadow's labels.
+        self.fabric.shadow_mark = ShadowMark.load(Path(cfg.agent.state_dir))
         self.server = RelayServer(cfg.agent.socket, str(cfg.agent.containerd_socket), routes.table(self.fabric),
                                   Instrument(self.metrics, self.fabric.pod_of), cfg.agent.workers)
         self.reconciler = Reconciler(self.fabric)
@@ -119,7 +123,9 @@ class Agent:
                                    mesh.node, busy_poll_us=cfg.agent.stream_busy_poll_us)
         host.net = ShadowNet(host, self.tunnel)
         host.net.kernel_path = cfg.mesh.stitch_kernel_path
+        host.net.tunnel_tls = cfg.mesh.tunnel_tls
         self.fabric.tunnel_tls = contexts(cfg.mesh.tls_dir, mesh.node)[1]
+        self.fabric.encrypt_pod_tunnels = cfg.mesh.tunnel_tls
         self.fabric.streams = StreamRelay(self.fabric, cfg.agent.stream_address,
                                           busy_poll_us=cfg.agent.stream_busy_poll_us)
         self.stitch = OriginNet(self.fabric)

@@ -3,7 +3,7 @@
 On a host that runs shadows, the agent leaves them out of what kubelet
 lists. A tenant's pod labelled ``weft.io/origin-node`` (any pod may carry any
 label) must stay in kubelet's view, while the host's real shadows stay
-hidden.
+hidden; so must it on a node that hosts nothing (no mesh at all).
 """
 
 from __future__ import annotations
@@ -14,6 +14,8 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
 from shim._pb import mesh_pb2 as pb
 from shim.localfabric import pods
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.containerd import Containerd
 
 
 def test_a_pod_with_a_shadows_labels_stays_in_kubelets_view(mesh: MeshHost) -> None:
@@ -39,3 +41,27 @@ def test_a_pod_with_a_shadows_labels_stays_in_kubelets_view(mesh: MeshHost) -> N
     assert state.shadow_sandbox_id not in listed and state.shadow_sandbox_id not in stats
 
 
+
+
+def test_on_a_node_that_hosts_nothing_a_pod_with_a_shadows_labels_stays_in_view(containerd: Containerd,
+                                                                                agent: AgentProcess) -> None:
+    """The agent there notes at its start whether containerd holds shadows, and hides only what bears its mark."""
+    sandbox = pods.sandbox_config("hiding-elsewhere", containerd.pod_log_dir, cgroup_parent=containerd.cgroup_root,
+                                  labels={"weft.io/origin-node": "gpu-1", "weft.io/shadow-mark": "0" * 40})
+    with agent.channel() as ch:
+        tenant = cri_grpc.RuntimeServiceStub(ch).RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox),
+                                                               timeout=120).pod_sandbox_id
+    try:
+        agent.stop()
+        agent.start()  # finds the labelled sandbox in containerd as it starts
+        with agent.channel() as ch:
+            rt = cri_grpc.RuntimeServiceStub(ch)
+            listed = {s.id for s in rt.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=30).items}
+            stats = {s.attributes.id for s in rt.ListPodSandboxStats(cri.ListPodSandboxStatsRequest(),
+                                                                       timeout=30).stats}
+    finally:
+        with agent.channel() as ch:
+            rt = cri_grpc.RuntimeServiceStub(ch)
+            rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=tenant), timeout=60)
+            rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=tenant), timeout=60)
+    assert tenant in listed and tenant in stats

@@ -129,3 +129,38 @@ def test_a_shadow_is_confined_whatever_its_request_loosened(mesh: MeshHost, unco
     assert score.strip() == "1000"
     assert "cdi.k8s.io/weft-test" not in status.annotations
     assert status.labels["weft.io/origin-node"] == "gpu-1"
+
+
+def test_a_restricted_pods_shadow_keeps_everything_its_pod_narrowed(mesh: MeshHost) -> None:
+    """What kubelet asks for a container of a pod that meets "restricted" is what the host runs: the host builds
+    the container from an allowlist but keeps every narrowing (capabilities dropped, a non-root user and group,
+    no_new_privs, a read-only root)."""
+    key = "origin-sb-1/restricted/0"
+    req, _, config = _request(mesh, "restricted")
+    sc = config.linux.security_context
+    sc.capabilities.drop_capabilities[:] = ["ALL"]
+    sc.capabilities.add_capabilities[:] = ["NET_BIND_SERVICE"]
+    sc.run_as_user.value = 1000
+    sc.run_as_group.value = 1000
+    sc.no_new_privs = True
+    sc.readonly_rootfs = True
+    sc.seccomp.CopyFrom(cri.SecurityProfile(profile_type=cri.SecurityProfile.RuntimeDefault))
+    req.container_config = config.SerializeToString()
+    req.start = True
+    with mesh.channel("gpu-1") as ch:
+        code, details, raw = _ask(ch, "RunShadow", req)
+        try:
+            assert code is grpc.StatusCode.OK, details
+            cid = pb.ShadowState.FromString(raw).shadow_container_id
+            _, proc_status = _exec(mesh, cid, "cat /proc/self/status")
+            fields = {k: v.strip() for k, v in (line.split(":\t", 1) for line in proc_status.splitlines()
+                                                 if ":\t" in line)}
+            assert fields["Uid"].split()[:2] == ["1000", "1000"] and fields["Gid"].split()[:2] == ["1000", "1000"]
+            assert int(fields["CapBnd"], 16) == 1 << 10, proc_status  # CAP_NET_BIND_SERVICE alone
+            assert int(fields["CapEff"], 16) == 0
+            assert fields["NoNewPrivs"] == "1" and fields["Seccomp"] == "2", proc_status
+            code_w, out = _exec(mesh, cid, "touch /weft-written")
+            assert code_w != 0 and "Read-only file system" in out, out
+        finally:
+            _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=key))
+    assert mesh.shadows() == (set(), set())
