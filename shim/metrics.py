@@ -84,6 +84,9 @@ class Metrics:
                                         registry=self.registry)
         self.mesh_connections = Gauge("weft_mesh_connections", "Mesh connections this node holds open to peers.",
                                       registry=self.registry)
+        self.mesh_cert_expiry = Gauge("weft_mesh_cert_expiry_timestamp_seconds", "When this node's mesh "
+                                      "certificate in use expires (Unix time): alert well before it, as renewal "
+                                      "should have replaced it long before.", registry=self.registry)
         self.mesh_refreshes = Counter("weft_mesh_refreshes", "On-demand refreshes (placement needed more room than "
                                       "the candidates had), by result (found, none).", ["result"],
                                       registry=self.registry)

@@ -78,6 +78,7 @@ class MeshNode:
                  drain_file: Path | None = None, api: ApiAccess | None = None) -> None:
         self.node, self.role, self.hello_interval, self.metrics = node, role, hello_interval, metrics
         self.tls = NodeTls(tls_dir, node)  # reloaded when the keeper renews the certificate
+        metrics.mesh_cert_expiry.set_function(self.tls.not_after)
         self.discovery: Discovery
         declared: dict[str, str] = {}
         if peers == "kubernetes" and api is not None and api.available:

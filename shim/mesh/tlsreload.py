@@ -60,6 +60,10 @@ class NodeTls:
         self._failed: Stamp | None = None
         self.generation = 0
 
+    def not_after(self) -> float:
+        """When the certificate in use expires (Unix time), after checking the files as ``current`` does."""
+        return x509.load_pem_x509_certificate(self.current().cert_pem).not_valid_after_utc.timestamp()
+
     def _paths(self) -> tuple[Path, Path, Path]:
         return self.dir / f"{self.node}.key", self.dir / f"{self.node}.crt", self.dir / "ca.crt"
 

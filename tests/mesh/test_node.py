@@ -11,6 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from cryptography import x509
 
 from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import Resources
@@ -204,3 +205,19 @@ def test_a_peer_that_leaves_closes_its_client(tmp_path: Path, monkeypatch: pytes
     assert not client.connected and mesh.client("cpu-0003") is None
     with pytest.raises(WeftError):
         raise PeerUnavailable("x", node="cpu-0003")
+
+
+def test_the_certificate_in_use_has_its_expiry_in_the_metrics(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mesh, _ = _node(tmp_path, monkeypatch, 1)
+    cert = x509.load_pem_x509_certificate((tmp_path / "certs" / f"{ORIGIN}.crt").read_bytes())
+    assert mesh.metrics.registry.get_sample_value("weft_mesh_cert_expiry_timestamp_seconds") == (
+        cert.not_valid_after_utc.timestamp())
+    # A renewed certificate (the keeper writes it in place) shows once the agent picks it up.
+    write_mesh_certs(tmp_path / "renewed", [ORIGIN], valid_days=2)
+    for name in ("ca.crt", f"{ORIGIN}.crt", f"{ORIGIN}.key"):
+        (tmp_path / "certs" / name).write_bytes((tmp_path / "renewed" / name).read_bytes())
+    mesh.tls._checked = float("-inf")  # past the reload check's interval
+    renewed = x509.load_pem_x509_certificate((tmp_path / "renewed" / f"{ORIGIN}.crt").read_bytes())
+    assert mesh.metrics.registry.get_sample_value("weft_mesh_cert_expiry_timestamp_seconds") == (
+        renewed.not_valid_after_utc.timestamp())
+    assert renewed.not_valid_after_utc != cert.not_valid_after_utc
