@@ -1,8 +1,9 @@
 """A host's shadows stay out of its kubelet's lists; a node without shadows pays nothing for it.
 
 Shadows are made here directly through containerd with the ``weft.io/origin-node``
-label (as a host's agent makes them for another node's pod); kubelet's view is
-the agent's socket.
+label and the agent's own mark (as a host's agent makes them for another
+node's pod, ``shim.cri.mark``, with the key in its state directory); kubelet's
+view is the agent's socket.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
+from shim.cri.labels import KEY_LABEL
+from shim.cri.mark import MARK_LABEL, ShadowMark
 from shim.localfabric import pods
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd
@@ -21,8 +24,15 @@ from shim.localfabric.waiting import wait_for
 ORIGIN = {"weft.io/origin-node": "gpu-1"}
 
 
-def _pod(rt, node: Containerd, name: str, labels: dict[str, str] | None = None) -> tuple[str, str]:
-    cfg = pods.sandbox_config(name, node.pod_log_dir, labels=labels, cgroup_parent=node.cgroup_root)
+def _pod(rt, node: Containerd, name: str, mark: ShadowMark | None = None) -> tuple[str, str]:
+    """A pod with one running container; with ``mark``, a shadow of gpu-1's as the host holding ``mark`` makes."""
+    cfg = pods.sandbox_config(name, node.pod_log_dir, cgroup_parent=node.cgroup_root)
+    labels: dict[str, str] = {}
+    if mark is not None:
+        origin = ORIGIN["weft.io/origin-node"]
+        cfg.labels.update({**ORIGIN, MARK_LABEL: mark.sandbox(origin, cfg.metadata.uid)})
+        key = f"origin-sb/{name}/0"
+        labels = {**ORIGIN, KEY_LABEL: key, MARK_LABEL: mark.container(origin, key)}
     sb = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=cfg)).pod_sandbox_id
     ccfg = pods.container_config("main", ["sleep", "3600"], labels=labels)
     req = cri.CreateContainerRequest(pod_sandbox_id=sb, config=ccfg, sandbox_config=cfg)
@@ -44,9 +54,10 @@ def _lists(ch: grpc.Channel) -> dict[str, set[str]]:
 def test_shadows_are_hidden_from_kubelet_and_plain_pods_are_not(containerd: Containerd, tmp_path: Path) -> None:
     with containerd.channel() as direct_ch:
         direct = cri_grpc.RuntimeServiceStub(direct_ch)
+        agent = AgentProcess(containerd, tmp_path / "agent")
         own_sb, own_c = _pod(direct, containerd, "own")
-        shadow_sb, shadow_c = _pod(direct, containerd, "shadow", ORIGIN)
-        with AgentProcess(containerd, tmp_path / "agent") as agent, agent.channel() as ch:
+        shadow_sb, shadow_c = _pod(direct, containerd, "shadow", ShadowMark.load(agent.state_dir))
+        with agent, agent.channel() as ch:
             wait_for(lambda: any(e.get("event") == "shadows.present" for e in agent.events()),
                      what="the agent to notice the shadows")
             seen = _lists(ch)

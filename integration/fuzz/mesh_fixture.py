@@ -35,6 +35,7 @@ class MeshHost:
     containerd: Containerd
     port: int
     tls: dict[str, MeshTls]
+    cert_dir: Path  # the pairs in ``tls`` as files (mesh-certs' layout), for tunnel contexts
 
     def channel(self, as_node: str, dial: str = "cpu-1") -> grpc.Channel:
         key, cert, ca = self.tls[as_node]
@@ -84,4 +85,4 @@ def mesh_host(containerd: Containerd, workdir: Path) -> Iterator[MeshHost]:
         "--config", str(config), "--node-name", "cpu-1", "--role", "cpu", "--mesh-address", f"127.0.0.1:{port}",
         "--peers", str(peers), "--tls-dir", str(cert_dir)])
     with agent:
-        yield MeshHost(agent, containerd, port, tls)
+        yield MeshHost(agent, containerd, port, tls, cert_dir)

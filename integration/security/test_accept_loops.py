@@ -25,7 +25,7 @@ import pytest
 
 from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
 from shim._pb import mesh_pb2 as pb
-from shim.mesh.tunnel import TunnelError, dial
+from shim.mesh.tunnel import TunnelError, contexts, dial
 
 PIDS = Path("/sys/fs/cgroup/pids")
 
@@ -120,7 +120,9 @@ def test_idle_connections_under_a_task_limit_do_not_kill_the_tunnel_port(mesh: M
     time.sleep(1)
     fresh = _grant(mesh, key)
     try:
-        end = dial(fresh.address, fresh.token, node="cpu-1", timeout=10)
+        # A port's tunnel is TLS with the origin's certificate (mesh.tunnel_tls, on by default).
+        assert fresh.tls
+        end = dial(fresh.address, fresh.token, tls=contexts(mesh.cert_dir, "gpu-1")[1], node="cpu-1", timeout=10)
         end.close()
         answered = "OK"
     except TunnelError as exc:
