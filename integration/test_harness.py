@@ -213,8 +213,9 @@ def test_the_chosen_containerd_takes_every_setting_the_harness_writes() -> None:
                 assert config["sandboxImage"] == images.PAUSE_IMAGE
                 assert config["registry"]["configPath"] == str(ctrd.registry_config_dir)
                 assert config["streamServerAddress"] == "127.0.0.1"
-            if line == "2":  # the handlers CRI's Status lists since 2.0
+            if line == "2":  # the handlers CRI's Status lists since 2.0; CDI specs from the harness's directory
                 assert {h.name for h in status.runtime_handlers} >= {"runc", "weft-test"}
+                assert config["cdiSpecDirs"] == [str(ctrd.cdi_spec_dir)], config
 
             sandbox, ip = _run_pod(ctrd, "configured")
             # The sandbox ran on the harness's pause image (there is no other: no network to pull one) ...

@@ -237,6 +237,12 @@ class Containerd:
         return self.workdir / "certs.d"
 
     @property
+    def cdi_spec_dir(self) -> Path:
+        """Where containerd 2.x reads CDI specs (CDI is on by default there), instead of the host's /etc/cdi."""
+        assert self.workdir is not None
+        return self.workdir / "cdi"
+
+    @property
     def pod_log_dir(self) -> Path:
         assert self.workdir is not None
         return self.workdir / "pod-logs"
@@ -260,7 +266,7 @@ class Containerd:
             self._owns_workdir = True
         self.workdir.mkdir(parents=True, exist_ok=True)
         for d in (self.root, self.state, self.runc_root, self.pod_log_dir, self.workdir / "cni",
-                  self.registry_config_dir):
+                  self.registry_config_dir, self.cdi_spec_dir):
             d.mkdir(parents=True, exist_ok=True)
         self._make_netns()
         self._write_config()
@@ -388,6 +394,7 @@ oom_score = 0
   netns_mounts_under_state_dir = true
   restrict_oom_score_adj = true
   enable_selinux = false
+  cdi_spec_dirs = ["{self.cdi_spec_dir}"]
 
 [{runtime}.cni]
   bin_dirs = ["/usr/lib/cni"]
