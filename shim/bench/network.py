@@ -133,6 +133,10 @@ def _pct(values: list[float], q: float) -> float:
     return v[min(len(v) - 1, int(q * len(v)))]
 
 
+def _p50_p99(values: list[float], digits: int = 4) -> dict[str, float]:
+    return {"p50": round(_pct(values, 0.5), digits), "p99": round(_pct(values, 0.99), digits)}
+
+
 def _cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -240,11 +244,11 @@ def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path |
     figures = {
         "throughput_gbytes_s": {p: round(v, 3) for p, v in med.items()},
         "throughput_ratio": round(med["stitched"] / med["direct"], 3),
-        "rr_ms": {p: {"p50": round(_pct(v, 0.5), 4), "p99": round(_pct(v, 0.99), 4)} for p, v in rr.items()},
+        "rr_ms": {p: _p50_p99(v) for p, v in rr.items()},
         "added_p50_ms": round(_pct(rr["stitched"], 0.5) - _pct(rr["direct"], 0.5), 4),
         "added_p99_ms": round(_pct(rr["stitched"], 0.99) - _pct(rr["direct"], 0.99), 4),
         "agent_cpu_s_per_gib": {a: round(v / (3 * nbytes / (1 << 30)), 3) for a, v in cpu.items()},
-        "exec_rtt_ms": {k: {"p50": round(_pct(v, 0.5), 3), "p99": round(_pct(v, 0.99), 3)} for k, v in ex.items()},
+        "exec_rtt_ms": {k: _p50_p99(v, 3) for k, v in ex.items()},
         "exec_ratio": round(_pct(ex["remote"], 0.5) / _pct(ex["local"], 0.5), 3),
         "exec_added_by_relays_ms": round(_pct(ex["remote"], 0.5) - _pct(ex["shadow_on_host"], 0.5), 3),
         "exec_agent_cpu_ms_per_keystroke": round(exec_cpu / len(ex["remote"]) * 1e3, 3),
