@@ -72,6 +72,10 @@ class KubeCluster:
     # Give the agents the Kubernetes API as weft's own service account (the shipped namespace, account and
     # RBAC applied first): reservation pods on hosts, the pod cache on origins.
     agent_api: bool = False
+    # The containerd release line the nodes run (None: WEFT_CONTAINERD's), and settings every kubelet gets
+    # over the harness's own (KubeletConfiguration fields, e.g. featureGates).
+    containerd_line: str | None = None
+    kubelet_config: dict = field(default_factory=dict)
 
     def __enter__(self) -> KubeCluster:
         try:
@@ -98,7 +102,8 @@ class KubeCluster:
         def handlers(i: int, d: Path):
             return [weft_handler(d, broker.socket)] if self.specs[i].role == "gpu" and broker else None
 
-        self.nodes = Cluster(n=len(self.specs), names=names, handlers_for=handlers)
+        self.nodes = Cluster(n=len(self.specs), names=names, handlers_for=handlers,
+                             containerd_line=self.containerd_line)
         self.nodes.open()
         for node in self.nodes.nodes:
             # A shared mount, so that kubelet's own mount namespace (kubelet.py) and the agents see the volumes
@@ -122,7 +127,8 @@ class KubeCluster:
             node = self.node(spec.name)
             self.kubelets[spec.name] = Kubelet(node, self.agents[spec.name].socket,
                                                self.control.kubeconfig(spec.name), spec.role,
-                                               f"{node.containerd.cgroup_root}/kubepods")
+                                               f"{node.containerd.cgroup_root}/kubepods",
+                                               extra_config=self.kubelet_config)
             self.kubelets[spec.name].start()
         for name in names:
             self.wait_node_ready(name, timeout=180)

@@ -136,8 +136,8 @@ class Kubelet:
             # Without pod cgroups (cgroupsPerQOS false) kubelet v1.34's in-place resize dereferences a nil pod
             # cgroup config when a running container lacks its actuated-resources record, as when a pod is
             # deleted mid-sync under load, and kubelet exits (kubernetes/kubernetes#137999). No test resizes.
-            "featureGates": {"InPlacePodVerticalScaling": False},
             **self.extra_config,
+            "featureGates": {"InPlacePodVerticalScaling": False, **self.extra_config.get("featureGates", {})},
         }
 
     def argv(self) -> list[str]:

@@ -131,6 +131,8 @@ class Cluster:
     names: Sequence[str] | None = None
     nodes: list[Node] = field(default_factory=list)
     mesh: int = 0  # the mesh slot K; 0 picks the lowest free one
+    # The containerd release line every node runs (containerd.LINES); None: what WEFT_CONTAINERD asks for.
+    containerd_line: str | None = None
     workdir: Path | None = None
     _lock_fd: int | None = None
 
@@ -182,7 +184,7 @@ class Cluster:
             node_dir = self.workdir / name
             node_dir.mkdir()
             handlers = (self.handlers_for(i, node_dir) if self.handlers_for else None) or []
-            ctrd = Containerd(handlers=handlers)
+            ctrd = Containerd(handlers=handlers, **({"line": self.containerd_line} if self.containerd_line else {}))
             # Listed before it opens: close() must clean up a node that failed half-way.
             node = Node(name, i, f"10.250.{self.mesh}.{i + 1}", node_dir, ctrd)
             self.nodes.append(node)
