@@ -12,7 +12,7 @@ here: the relay passes it through frame by frame.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import grpc
@@ -58,6 +58,50 @@ def timeout_of(context: grpc.ServicerContext) -> float | None:
     return max(remaining, 0.0)
 
 
+class Within:
+    """The context of a call weft makes of its own accord (no kubelet call behind it): a timeout, no metadata."""
+
+    def __init__(self, seconds: float) -> None:
+        self._deadline = time.monotonic() + seconds
+
+    def time_remaining(self) -> float:
+        return max(self._deadline - time.monotonic(), 0.0)
+
+    def invocation_metadata(self) -> tuple:
+        return ()
+
+    def send_initial_metadata(self, md) -> None:
+        pass
+
+    def set_trailing_metadata(self, md) -> None:
+        pass
+
+
+class StreamCall:
+    """containerd's messages of a server-streaming call, as they come.
+
+    containerd's error (UNIMPLEMENTED from a release without the method, say)
+    comes as ``UpstreamError`` when iteration reaches it; a cancelled call just
+    ends.
+    """
+
+    def __init__(self, upstream: Upstream, call) -> None:
+        self._upstream, self._call = upstream, call
+        self.cancelled = False
+
+    def __iter__(self) -> Iterator[bytes]:
+        try:
+            yield from self._call
+        except grpc.RpcError as exc:
+            if self.cancelled or exc.code() is grpc.StatusCode.CANCELLED:  # type: ignore[attr-defined]
+                return
+            raise self._upstream.translate(exc) from None
+
+    def cancel(self) -> None:
+        self.cancelled = True
+        self._call.cancel()
+
+
 class Upstream:
     """A channel to containerd and the three ways of forwarding over it."""
 
@@ -96,6 +140,13 @@ class Upstream:
         if trailing:
             context.set_trailing_metadata(trailing)
         return response
+
+    def server_stream(self, path: str, request: bytes, context: grpc.ServicerContext) -> StreamCall:
+        """A server-streaming call to containerd, cancelled with ``context`` (or ``cancel()``)."""
+        call = self.channel.unary_stream(path)(
+            request, timeout=timeout_of(context), metadata=outgoing_metadata(context.invocation_metadata()))
+        context.add_callback(call.cancel)
+        return StreamCall(self, call)
 
     def unary_or_missing(self, path: str, request: bytes, context: grpc.ServicerContext) -> tuple[
             bytes, UpstreamError | None]:

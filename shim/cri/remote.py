@@ -21,7 +21,7 @@ import secrets
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from cri_api.v1 import api_pb2 as cri
@@ -142,13 +142,23 @@ def matches(r: Remote, f: cri.ContainerFilter | cri.ContainerStatsFilter, ids: I
     return all(r.config.labels.get(k) == v for k, v in f.label_selector.items())
 
 
+# What a remote container's change means to kubelet's evented PLEG (GetContainerEvents).
+Listener = Callable[[Remote, int], None]  # (the container, a cri.ContainerEventType)
+
+
 class RemoteContainers:
-    """The origin's remote containers by virtual ID; safe to use from the CRI and supervisor threads."""
+    """The origin's remote containers by virtual ID; safe to use from the CRI and supervisor threads.
+
+    Each change kubelet would see as a container event, as containerd sends
+    one (created, started, stopped, deleted), is told to the listeners
+    (``listen``): the GetContainerEvents streams kubelet holds open.
+    """
 
     def __init__(self, store: AgentStore) -> None:
         self.store = store
         self._lock = threading.Lock()
         self._by_id: dict[str, Remote] = {}
+        self._listeners: list[Listener] = []
         for rec in store.remote_placements():
             if rec.state is PlacementState.CREATED and rec.container_id:
                 self._by_id[rec.container_id] = Remote.from_record(rec)
@@ -176,13 +186,35 @@ class RemoteContainers:
         with self._lock:
             return [cid for cid in self._by_id if cid.startswith(prefix)]
 
+    def listen(self, fn: Listener) -> Callable[[], None]:
+        """Tell ``fn`` of every change from now on (on the thread that made it); returns how to stop."""
+        with self._lock:
+            self._listeners.append(fn)
+
+        def stop() -> None:
+            with self._lock:
+                if fn in self._listeners:
+                    self._listeners.remove(fn)
+
+        return stop
+
+    def _tell(self, r: Remote, event: int) -> None:
+        with self._lock:
+            listeners = list(self._listeners)
+        for fn in listeners:
+            fn(r, event)
+
     def add(self, r: Remote) -> None:
         with self._lock:
             self._by_id[r.id] = r
+        self._tell(r, cri.CONTAINER_CREATED_EVENT)
 
     def drop(self, container_id: str) -> Remote | None:
         with self._lock:
-            return self._by_id.pop(container_id, None)
+            r = self._by_id.pop(container_id, None)
+        if r is not None:
+            self._tell(r, cri.CONTAINER_DELETED_EVENT)
+        return r
 
     def on_node(self, node: str) -> list[Remote]:
         with self._lock:
@@ -208,6 +240,11 @@ class RemoteContainers:
                 status.state, status.exit_code, status.finished_at, status.started_at)
         if changed:
             self.store.set_status(r.id, status.SerializeToString())
+        was = old.state if old is not None else cri.CONTAINER_CREATED
+        if status.state != was and status.state == cri.CONTAINER_RUNNING:
+            self._tell(r, cri.CONTAINER_STARTED_EVENT)
+        elif status.state != was and status.state == cri.CONTAINER_EXITED:
+            self._tell(r, cri.CONTAINER_STOPPED_EVENT)
         return True
 
     def mark_lost(self, r: Remote, silent_s: float, why: str = "") -> bool:
@@ -228,6 +265,7 @@ class RemoteContainers:
             status.finished_at = _ns(time.time())
             r.status = status
         self.store.set_status(r.id, status.SerializeToString())
+        self._tell(r, cri.CONTAINER_STOPPED_EVENT)
         return True
 
 

@@ -46,6 +46,26 @@ def response_frames(sid: int, outcome: Outcome, initial: Headers, trailing: Head
     return out
 
 
+def stream_headers(sid: int, initial: Headers, max_frame: int) -> bytes:
+    """The response HEADERS of a streamed answer, sent before its first message."""
+    block = h2.encode_headers([(b":status", b"200"), (b"content-type", b"application/grpc"), *initial])
+    return h2.headers_frames(sid, block, end_stream=False, max_frame=max_frame)
+
+
+def message_frames(sid: int, message: bytes, max_frame: int) -> list[tuple[int, bytes]]:
+    """(DATA length, frame) for one message of a streamed answer."""
+    body = h2.grpc_message(message)
+    return [(len(body[i:i + max_frame]), h2.frame(h2.DATA, 0, sid, body[i:i + max_frame]))
+            for i in range(0, len(body), max_frame)]
+
+
+def stream_end_frames(sid: int, initial: Headers, trailing: Headers, *, responded: bool, max_frame: int) -> bytes:
+    """The frames that end a streamed answer with OK: trailers, after the HEADERS if none went yet."""
+    out = b"" if responded else stream_headers(sid, initial, max_frame)
+    tblock = h2.encode_headers([(b"grpc-status", b"0"), *trailing])
+    return out + h2.headers_frames(sid, tblock, end_stream=True, max_frame=max_frame)
+
+
 def error_frames(sid: int, code: grpc.StatusCode, details: str, trailing: Headers, initial: Headers, *,
                  responded: bool, max_frame: int) -> bytes:
     """The frames that end a call with a status (trailers-only unless response HEADERS already went)."""

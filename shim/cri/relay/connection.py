@@ -14,6 +14,10 @@ RST_STREAM(CANCEL), so containerd's HPACK decoder stays in step with
 kubelet's encoder while containerd never sees a request body (grpc-go runs
 no handler without one). A route with a ``pick`` holds the request's body
 until it is whole, then weft answers or containerd gets it as it came.
+A route with a ``stream`` answers a server-streaming call for its whole
+life, on a thread of its own: each message it emits goes to kubelet as it
+comes, within kubelet's windows, and a stream kubelet does not read is ended
+(``RESOURCE_EXHAUSTED``) before its backlog grows past ``STREAM_BACKLOG``.
 Flow control (``flow``), weft's answers (``answers``) and the end of the
 connection (``shutdown``) are their own modules.
 
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import Executor
@@ -36,7 +41,7 @@ import grpc
 from hpack.exceptions import HPACKError
 
 from shim import log
-from shim.cri.instrument import Instrument, Outcome, ids_of
+from shim.cri.instrument import Aborted, Instrument, Outcome, ids_of
 from shim.cri.methods import Method, Shape, lookup
 from shim.cri.relay import answers, h2
 from shim.cri.relay.context import RelayContext, header_fields, metadata_of
@@ -46,6 +51,10 @@ from shim.cri.relay.shutdown import CLOSE_DELAY_S, Ending
 from shim.cri.route import Route
 
 _log = log.get("weft.cri")
+# Streamed answers (``Route.stream``) at once, per relay: each holds a thread for the call's life.
+MAX_STREAMED = 32
+# Bytes of a streamed answer queued for kubelet and not yet sent: past this, kubelet is not reading.
+STREAM_BACKLOG = 8 << 20
 _GRPC_CODES = {c.value[0]: c for c in grpc.StatusCode}
 
 
@@ -58,6 +67,7 @@ class Relay(Protocol):
     pool: Executor
     tasks: set[asyncio.Future]
     connections: set[Connection]
+    streamed: set[int]  # ids of the streamed answers running now, all connections together
 
 
 @dataclass(slots=True)
@@ -77,6 +87,10 @@ class Stream:
     held: list[bytes] = field(default_factory=list)
     held_wire: int = 0
     ids: dict[str, str] | None = None  # what a pass-through call is about, for its log line (non-polling only)
+    streamed: bool = False  # weft answers it with a stream of messages (``Route.stream``)
+    emitted: int = 0  # bytes of a streamed answer handed to the relay (by its thread)
+    sent: int = 0  # ... and of those, sent to kubelet (``flow.Downlink``)
+    overrun: bool = False  # ended for a backlog kubelet did not read: reset, not trailers behind the backlog
 
 
 class Connection:
@@ -370,10 +384,61 @@ class Connection:
     def _dispatch(self, st: Stream) -> None:
         st.ctx = RelayContext(metadata_of(st.headers), answers.deadline(st.headers))
         request = answers.request_of(bytes(st.body))
-        handler = self.relay.routes[st.method.path].handle
+        route = self.relay.routes[st.method.path]
+        if route.stream is not None:
+            self._dispatch_stream(st, route.stream, request)
+            return
+        handler = route.handle
         future = asyncio.get_running_loop().run_in_executor(
             self.relay.pool, self.relay.instrument.intercepted, st.method, handler, request, st.ctx)
         future.add_done_callback(lambda f: self._answer_safely(st, f))
+
+    def _dispatch_stream(self, st: Stream, fn, request: bytes | None) -> None:
+        """A streamed answer: ``fn`` runs on its own thread and emits messages; its return ends the call."""
+        st.streamed = True
+        if len(self.relay.streamed) >= MAX_STREAMED:
+            self._answer_error(st, grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"weft: {MAX_STREAMED} streamed calls are open on this agent already", ())
+            return
+        loop = asyncio.get_running_loop()
+        ctx = st.ctx
+        assert ctx is not None
+        key = id(st)
+        self.relay.streamed.add(key)
+        self.relay.instrument.stream_opened(st.method)
+
+        def emit(message: bytes) -> None:
+            if not ctx.is_active():
+                raise Aborted(grpc.StatusCode.CANCELLED, "cancelled by the client")
+            if st.emitted - st.sent > STREAM_BACKLOG:
+                st.overrun = True
+                raise Aborted(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                              f"weft: {st.method.name}: the client has not read {st.emitted - st.sent} bytes")
+            st.emitted += len(message) + 5
+            loop.call_soon_threadsafe(self._emit, st, message)
+
+        def run() -> None:
+            try:
+                outcome = self.relay.instrument.intercepted(
+                    st.method, lambda req, c: fn(req, c, emit) or b"", request, ctx)
+            finally:
+                self.relay.streamed.discard(key)
+                self.relay.instrument.stream_closed(st.method)
+            with contextlib.suppress(RuntimeError):  # the loop is gone: the agent stopped
+                loop.call_soon_threadsafe(self.answer, st, outcome)
+
+        threading.Thread(target=run, name=f"weft-cri-{st.method.name}", daemon=True).start()
+
+    def _emit(self, st: Stream, message: bytes) -> None:
+        if self.closed or st.sid not in self.streams:
+            return
+        if not st.responded:
+            st.responded = True
+            initial = header_fields(st.ctx.initial_metadata if st.ctx else ())
+            self.down.send(st.sid, 0, answers.stream_headers(st.sid, initial, self.down.max_frame))
+        for n, raw in answers.message_frames(st.sid, message, self.down.max_frame):
+            self.down.send(st.sid, n, raw)
+        self.down.flush()
 
     def _answer_safely(self, st: Stream, future: asyncio.Future) -> None:
         try:
@@ -393,8 +458,15 @@ class Connection:
             return
         initial = header_fields(st.ctx.initial_metadata if st.ctx else ())
         trailing = header_fields(outcome.trailing_metadata)
-        if outcome.code is not grpc.StatusCode.OK:
+        if st.overrun:  # trailers would wait behind what kubelet does not read: drop it, reset the stream
+            _log.warning("relay.stream_overrun", method=st.method.name, unsent=st.emitted - st.sent)
+            self.down.discard(st.sid)
+            self.down.send(st.sid, 0, h2.rst_stream(st.sid, h2.ERROR_ENHANCE_YOUR_CALM), last=True)
+        elif outcome.code is not grpc.StatusCode.OK:
             self._answer_error(st, outcome.code, outcome.details, trailing, initial)
+        elif st.streamed:
+            self.down.send(st.sid, 0, answers.stream_end_frames(st.sid, initial, trailing, responded=st.responded,
+                                                               max_frame=self.down.max_frame), last=True)
         else:
             frames = answers.response_frames(st.sid, outcome, initial, trailing, self.down.max_frame)
             for i, (n, raw) in enumerate(frames):
@@ -442,8 +514,13 @@ class Connection:
             self._close_if_done()
 
     def shutdown(self) -> None:
-        """Server stopping: no new calls; calls in flight may finish."""
+        """Server stopping: no new calls; calls in flight may finish, streamed answers end now (they never
+        would): UNAVAILABLE, so the client opens its stream again on the agent that comes next."""
         self.goaway()
+        for st in list(self.streams.values()):
+            if st.streamed and st.ctx is not None:
+                st.ctx.cancel()
+                self._answer_error(st, grpc.StatusCode.UNAVAILABLE, "weft: the agent is stopping", ())
         self.drain()
 
     def close(self) -> None:

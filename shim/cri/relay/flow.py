@@ -58,6 +58,11 @@ class Downlink:
             return
         self.out.append((sid, data_len, raw, last))
 
+    def discard(self, sid: int) -> None:
+        """Forget the frames of ``sid`` still waiting (a stream ended by reset: they would never be read)."""
+        if any(q[0] == sid for q in self.out):
+            self.out = deque(q for q in self.out if q[0] != sid)
+
     def drain(self) -> None:
         """Send what now fits, in order, and write."""
         while self.out:
@@ -92,6 +97,7 @@ class Downlink:
             st = self.streams.get(sid)
             if st is not None and st.intercepted:
                 st.window -= n
+                st.sent += n
                 self.owed += n
 
     # -- what kubelet says -------------------------------------------------------------

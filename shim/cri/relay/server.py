@@ -48,6 +48,7 @@ class RelayServer:
         self.claim = SocketClaim(socket_path)
         self.connections: set[Connection] = set()
         self.tasks: set[asyncio.Future] = set()
+        self.streamed: set[int] = set()
         self._loop = _new_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="weft-relay", daemon=True)
         self._server: asyncio.base_events.Server | None = None

@@ -71,6 +71,15 @@ def refresh(fabric: Fabric, r: Remote) -> None:
 
 
 
+def with_remote_statuses(fabric: Fabric, sandbox_id: str, statuses) -> bool:
+    """Add the sandbox's remote containers to a repeated ContainerStatus field (a pod's whole status, as
+    PodSandboxStatus and container events carry it); False when it has none."""
+    remotes = fabric.remotes.in_sandbox(sandbox_id) if sandbox_id else []
+    known = {s.id for s in statuses}
+    statuses.extend(r.kubelet_status() for r in remotes if r.id not in known)
+    return bool(remotes)
+
+
 def stats_of(fabric: Fabric, r: Remote) -> cri.ContainerStats:
     """The host's stats of the shadow with the origin's attributes; attributes alone once it is lost."""
     stats = cri.ContainerStats()

@@ -13,12 +13,14 @@ import grpc
 import pytest
 from hpack import Decoder, Encoder
 
-from shim.cri.instrument import Outcome
+from shim.cri.instrument import Instrument, Outcome
 from shim.cri.relay import h2
 from shim.cri.relay.connection import Connection, Stream
 from shim.cri.route import Route
+from shim.metrics import Metrics
 
 PATH = "/runtime.v1.RuntimeService/CreateContainer"
+EVENTS = "/runtime.v1.RuntimeService/GetContainerEvents"
 
 
 class FakeWriter:
@@ -56,6 +58,7 @@ class FakeRelay:
         self.pool = ThreadPoolExecutor(2)
         self.tasks: set = set()
         self.connections: set = set()
+        self.streamed: set = set()
 
 
 @pytest.fixture
@@ -169,3 +172,136 @@ def test_containerds_answer_to_a_call_weft_answers_leaves_kubelets_decoder_in_st
     assert [(bytes(k), bytes(v)) for k, v in kubelet.decode(blocks[0][1], raw=True)] == [
         (b":status", b"200"), (b"content-type", b"application/grpc"),
         (b"grpc-message", b"unknown service weft.agent.v1.Admin")]
+
+
+# -- streamed answers (Route.stream) ----------------------------------------------------------------
+class Emitter:
+    """A stream handler a test drives: it emits what the test puts, and ends as the test says."""
+
+    def __init__(self) -> None:
+        import queue
+
+        self.todo: queue.Queue = queue.Queue()
+        self.contexts: list = []
+        self.errors: list[BaseException] = []
+
+    def __call__(self, request, ctx, emit) -> None:
+        self.contexts.append(ctx)
+        ctx.add_callback(lambda: self.todo.put(None))
+        while True:
+            item = self.todo.get()
+            if item is None:
+                return
+            if isinstance(item, Exception):
+                raise item
+            try:
+                emit(item)
+            except Exception as exc:
+                self.errors.append(exc)
+                raise
+
+
+def _open_stream(c, sid: int, emitter: Emitter) -> None:
+    """kubelet opens the call (its HEADERS and its one request message), on the relay's loop as the relay reads."""
+    c.relay.routes[EVENTS] = Route(None, stream=emitter)
+    if not isinstance(c.relay.instrument, Instrument):
+        c.relay.instrument = Instrument(Metrics())  # the real one: it runs the handler and makes its outcome
+
+    async def opened() -> None:
+        _feed(c, _headers(c, sid, EVENTS) + h2.frame(h2.DATA, h2.FLAG_END_STREAM, sid, h2.grpc_message(b"")))
+
+    c.loop.run_until_complete(opened())
+
+
+def _settle(c, until, timeout: float = 5.0) -> None:
+    async def spin() -> None:
+        deadline = c.loop.time() + timeout
+        while not until():
+            assert c.loop.time() < deadline, "the relay never got there"
+            await asyncio.sleep(0.005)
+
+    c.loop.run_until_complete(spin())
+
+
+def _messages(frames, sid: int) -> list[bytes]:
+    body = b"".join(p for t, _, s, p in frames if t == h2.DATA and s == sid)
+    return h2.split_grpc_messages(body) or []
+
+
+def _status(frames, sid: int) -> int | None:
+    blocks = [p for t, f, s, p in frames if t == h2.HEADERS and s == sid and f & h2.FLAG_END_STREAM]
+    if not blocks:
+        return None
+    fields = dict(Decoder().decode(blocks[-1], raw=True))
+    return int(fields[b"grpc-status"])
+
+
+def test_a_streamed_answer_sends_each_message_as_it_comes_then_trailers(conn) -> None:
+    e = Emitter()
+    _open_stream(conn, 1, e)
+    assert [(t, s) for t, _, s, _ in conn.up_w.frames()] == [(h2.HEADERS, 1), (h2.RST_STREAM, 1)]  # not containerd's
+    frames: list = []
+    for msg in (b"one", b"two" * 10_000):
+        e.todo.put(msg)
+        _settle(conn, lambda msg=msg: (frames.extend(conn.down_w.frames()) or
+                                       len(_messages(frames, 1)) == (1 if msg == b"one" else 2)))
+    assert _messages(frames, 1) == [b"one", b"two" * 10_000]
+    assert _status(frames, 1) is None and 1 in conn.streams  # still open
+    e.todo.put(None)
+    _settle(conn, lambda: frames.extend(conn.down_w.frames()) or _status(frames, 1) is not None)
+    assert _status(frames, 1) == 0 and 1 not in conn.streams and not conn.relay.streamed
+    assert [t for t, _, s, _ in frames if s == 1].count(h2.HEADERS) == 2  # response HEADERS once, trailers once
+
+
+def test_kubelet_resetting_a_streamed_call_cancels_its_handler(conn) -> None:
+    e = Emitter()
+    _open_stream(conn, 1, e)
+    _settle(conn, lambda: bool(e.contexts))
+    _feed(conn, h2.rst_stream(1))
+    _settle(conn, lambda: not conn.relay.streamed)
+    assert not e.contexts[0].is_active() and 1 not in conn.streams
+
+
+def test_a_stream_kubelet_does_not_read_is_ended_before_its_backlog_grows_without_bound(conn, monkeypatch) -> None:
+    from shim.cri.relay import connection
+
+    monkeypatch.setattr(connection, "STREAM_BACKLOG", 200_000)
+    e = Emitter()
+    _open_stream(conn, 1, e)
+    for _ in range(10):  # 1 MB at once; kubelet's window is 64 KiB and it never gives more
+        e.todo.put(b"x" * 100_000)
+    _settle(conn, lambda: not conn.relay.streamed)
+    assert e.errors and "has not read" in str(e.errors[0])
+    frames = conn.down_w.frames()
+    # Trailers would wait behind the backlog forever: the stream is reset (gRPC: RESOURCE_EXHAUSTED) instead.
+    assert [p for t, _, s, p in frames if t == h2.RST_STREAM and s == 1] == [b"\0\0\0\x0b"]
+    assert sum(len(p) for t, _, s, p in frames if t == h2.DATA and s == 1) <= h2.DEFAULT_WINDOW
+    assert 1 not in conn.streams and not conn.down.out
+
+
+def test_the_agent_stopping_ends_a_streamed_call_unavailable_and_closes(conn) -> None:
+    e = Emitter()
+    _open_stream(conn, 1, e)
+    _settle(conn, lambda: bool(e.contexts))
+
+    async def stop() -> None:
+        conn.shutdown()
+
+    conn.loop.run_until_complete(stop())
+    frames = conn.down_w.frames()
+    assert _status(frames, 1) == grpc.StatusCode.UNAVAILABLE.value[0]
+    _settle(conn, lambda: conn.closed and not conn.relay.streamed)  # GOAWAY sent, nothing left open
+
+
+def test_streamed_calls_past_the_cap_are_refused_at_once(conn, monkeypatch) -> None:
+    from shim.cri.relay import connection
+
+    monkeypatch.setattr(connection, "MAX_STREAMED", 1)
+    first, second = Emitter(), Emitter()
+    _open_stream(conn, 1, first)
+    _settle(conn, lambda: bool(first.contexts))
+    _open_stream(conn, 3, second)
+    frames = conn.down_w.frames()
+    assert _status(frames, 3) == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and not second.contexts
+    first.todo.put(None)
+    _settle(conn, lambda: not conn.relay.streamed)

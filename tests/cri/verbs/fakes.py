@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import queue
 import threading
 import time
 from collections.abc import Callable
@@ -41,6 +42,8 @@ from shim.state.agent import PlacementRecord, SandboxRecord
 ORIGIN = "gpu-1"  # this node
 HOST = "cpu-1"  # the peer that hosts its remote containers
 SANDBOX = "5b" * 32  # an opted-in pod's sandbox, as containerd names it
+STREAMING_VERBS = frozenset({"GetContainerEvents"})
+StreamEnd = object()  # put in ``RecordingContainerd.streamed[verb]``: containerd ends that call with OK
 IMAGE_SERVICE_VERBS = frozenset({"PullImage", "ListImages", "ImageStatus", "RemoveImage", "ImageFsInfo"})
 GI = 1 << 30
 
@@ -81,11 +84,16 @@ class RecordingContainerd:
         self.calls: list[Call] = []
         self._answers: dict[str, Answer] = {}
         self._lock = threading.Lock()
+        # A streaming verb's messages, as a test puts them (``StreamEnd`` or a ``Refusal`` ends the call).
+        self.streamed: dict[str, queue.Queue] = {v: queue.Queue() for v in STREAMING_VERBS}
+        self.streams_open: dict[str, int] = dict.fromkeys(STREAMING_VERBS, 0)
         outer = self
 
         class Handler(grpc.GenericRpcHandler):
             def service(self, details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler:
                 method = details.method  # type: ignore[attr-defined]
+                if method.rsplit("/", 1)[-1] in STREAMING_VERBS:
+                    return grpc.unary_stream_rpc_method_handler(lambda req, c: outer._stream(method, req, c))
                 return grpc.unary_unary_rpc_method_handler(lambda req, c: outer._unary(method, req, c))
 
         self._pool = ThreadPoolExecutor(4, thread_name_prefix="fake-containerd")
@@ -119,6 +127,27 @@ class RecordingContainerd:
         """The one request containerd got, which must be a ``verb``."""
         assert self.verbs() == [verb], f"containerd got {self.verbs()}, not one {verb}"
         return self.calls[0].request
+
+    def _stream(self, path: str, request: bytes, context: grpc.ServicerContext):
+        verb = path.rsplit("/", 1)[-1]
+        with self._lock:
+            self.calls.append(Call(verb, path, request, dict(context.invocation_metadata())))
+            self.streams_open[verb] += 1
+        source = self.streamed[verb]
+        try:
+            while context.is_active():
+                try:
+                    item = source.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if item is StreamEnd:
+                    return
+                if isinstance(item, Refusal):
+                    context.abort(item.code, item.details)
+                yield item.SerializeToString() if isinstance(item, Message) else item
+        finally:
+            with self._lock:
+                self.streams_open[verb] -= 1
 
     def _unary(self, path: str, request: bytes, context: grpc.ServicerContext) -> bytes:
         verb = path.rsplit("/", 1)[-1]

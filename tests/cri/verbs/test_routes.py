@@ -27,10 +27,14 @@ def test_every_verb_module_is_routed_under_its_own_path(fabric) -> None:
     assert all(isinstance(r, Route) for r in table.values())
 
 
-def test_every_intercepted_path_is_a_unary_cri_method(fabric) -> None:
-    for path in routes.intercepted(fabric):
+def test_every_intercepted_path_is_a_cri_method_answered_in_its_own_shape(fabric) -> None:
+    """A unary method gets a unary handler; a server-streaming one a stream handler, and nothing else."""
+    for path, route in routes.intercepted(fabric).items():
         method = methods.KNOWN[path]
-        assert method.shape is methods.Shape.UNARY, path
+        if method.shape is methods.Shape.SERVER_STREAM:
+            assert route.stream is not None and route.handle is None, path
+        else:
+            assert method.shape is methods.Shape.UNARY and route.handle is not None and route.stream is None, path
 
 
 def test_the_agents_table_is_the_verbs_and_the_admin_calls(fabric) -> None:
