@@ -14,6 +14,7 @@ from collections.abc import Callable
 from shim import log
 from shim._pb import broker_pb2 as pb
 from shim.broker.client import BrokerClient
+from shim.cri.cdi import CdiSpecs
 from shim.cri.mark import ShadowMark
 from shim.cri.passthrough import Upstream
 from shim.cri.remote import PulledImages, RemoteContainers
@@ -34,6 +35,8 @@ class Fabric:
         self.opted_in: dict[str, SandboxRecord] = {s.id: s for s in store.sandboxes() if s.opted_in}
         metrics.opted_in.set(len(self.opted_in))
         self._inventory: pb.DevicesResponse | None = None
+        # The node's CDI specs (agent.cdi_spec_dirs): what names the GPUs of a DRA claim's CDI devices.
+        self.cdi_specs = CdiSpecs([])
         # The peer mesh (shim.mesh.node.MeshNode) when this node has one.
         self.mesh = None
         # Containers this node rerouted to peers (virtual IDs), and what they need for it.

@@ -21,6 +21,7 @@ from __future__ import annotations
 import contextlib
 import re
 import time
+from collections.abc import Mapping
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
@@ -28,6 +29,8 @@ from google.protobuf.message import DecodeError
 
 from shim import failpoint, log
 from shim._pb import broker_pb2 as pb
+from shim.core.cdi import GPU_CDI as _GPU_CDI
+from shim.core.cdi import claim_gpus, names_gpu_itself
 from shim.core.classify import ContainerAsk, Stage, StageAnnotationError, classify, requested_gpus
 from shim.core.placement import (
     LEASE_ANNOTATION,
@@ -59,19 +62,27 @@ _log = log.get("weft.cri")
 # Every GPU node the device plugin may have given; after leasing the container
 # gets the lease's nodes only, so it cannot reach a device outside its lease.
 _GPU_NODE = re.compile(r"^/dev/(nvidia\d+|nvidiactl|nvidia-uvm(-tools)?|nvidia-modeset|nvidia-caps/.*|dri/.*)$")
-_GPU_CDI = re.compile(r"^[a-z0-9.-]+\.[a-z]+/(gpu|mig)[a-z0-9-]*=.+$")
 _VISIBLE = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
 
-def rewrite_for_lease(config: cri.ContainerConfig, lease: pb.Lease) -> None:
-    """Make the container see exactly its leased devices (pure: edits the message in place)."""
-    used_cdi = any(_GPU_CDI.match(d.name) for d in config.CDI_devices)
+def rewrite_for_lease(config: cri.ContainerConfig, lease: pb.Lease,
+                      claimed: Mapping[str, frozenset[str]] | None = None) -> None:
+    """Make the container see exactly its leased devices (pure: edits the message in place).
+
+    ``claimed`` are its DRA claim's CDI devices with their GPUs: the ones whose GPUs are all leased
+    stay, so the runtime applies the driver's edits for them; the others go. A vendor's own GPU
+    CDI names are replaced by the leased UUIDs'.
+    """
+    claimed = claimed or {}
+    leased = set(lease.device_uuids)
+    used_cdi = any(_GPU_CDI.match(d.name) and d.name not in claimed for d in config.CDI_devices)
     kept_devices = [d for d in config.devices if not _GPU_NODE.match(d.host_path)]
     del config.devices[:]
     config.devices.extend(kept_devices)
     for node in lease.device_nodes:
         config.devices.add(container_path=node, host_path=node, permissions="rw")
-    kept_cdi = [d.name for d in config.CDI_devices if not _GPU_CDI.match(d.name)]
+    kept_cdi = [d.name for d in config.CDI_devices
+                if (claimed[d.name] <= leased if d.name in claimed else not _GPU_CDI.match(d.name))]
     del config.CDI_devices[:]
     for name in kept_cdi:
         config.CDI_devices.add(name=name)
@@ -113,8 +124,12 @@ def _create_opted_in(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, c
     config = req.config
     name, attempt = config.metadata.name, config.metadata.attempt
     pod_annotations = dict(req.sandbox_config.annotations) or sandbox.annotations
-    ask = ContainerAsk(name, [d.host_path for d in config.devices], [d.name for d in config.CDI_devices],
-                       {e.key: e.value for e in config.envs})
+    cdi_names = [d.name for d in config.CDI_devices]
+    # Only a CDI device whose name does not say which GPU it is sends weft to the node's CDI specs.
+    claimed = claim_gpus(cdi_names, fabric.cdi_specs.gpus()) if any(
+        not names_gpu_itself(n) for n in cdi_names) else {}
+    ask = ContainerAsk(name, [d.host_path for d in config.devices], cdi_names,
+                       {e.key: e.value for e in config.envs}, claimed)
     try:
         classification = classify(ask, pod_annotations)
     except StageAnnotationError as exc:
@@ -160,7 +175,7 @@ def _lease_and_create(fabric: Fabric, req, sandbox, key: str, ask: ContainerAsk,
     if classification.stage is Stage.GPU:
         with fabric.lease_gate:
             lease = _acquire(fabric, key, sandbox, name, ask, pod_annotations)
-        rewrite_for_lease(config, lease)
+        rewrite_for_lease(config, lease, ask.claim_gpus)
     config.annotations[PLACEMENT_ANNOTATION] = placement.target
     config.annotations[PLACEMENT_REASON_ANNOTATION] = placement.reason.value
     record = PlacementRecord(

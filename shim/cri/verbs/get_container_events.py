@@ -115,10 +115,8 @@ def remote_event(fabric: Fabric, r: Remote, kind: int, at_ns: int) -> bytes | No
             Within(STATUS_TIMEOUT_S)))
         event = cri.ContainerEventResponse(container_id=r.id, container_event_type=kind, created_at=at_ns)
         event.pod_sandbox_status.CopyFrom(sandbox.status)
-        if sandbox.timestamp:  # containerd listed the pod's containers itself
-            event.containers_statuses.extend(sandbox.containers_statuses)
-        else:
-            event.containers_statuses.extend(local_statuses(fabric, r.sandbox_id))
+        # containerd's PodSandboxStatus leaves the pod's containers out (its events list them): ask for each.
+        event.containers_statuses.extend(local_statuses(fabric, r.sandbox_id))
     except UpstreamError as exc:
         _log.debug("events.remote_skipped", container_id=r.id, sandbox_id=r.sandbox_id, error=exc.message)
         return None

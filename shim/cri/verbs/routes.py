@@ -27,7 +27,6 @@ from shim.cri.verbs import (
     list_containers,
     list_pod_sandbox,
     list_pod_sandbox_stats,
-    pod_sandbox_status,
     pull_image,
     remove_container,
     remove_pod_sandbox,
@@ -59,8 +58,6 @@ def intercepted(fabric: Fabric) -> dict[str, Route]:
         container_stats.PATH: container_stats.route(fabric),
         update_container_resources.PATH: update_container_resources.route(fabric),
         reopen_container_log.PATH: reopen_container_log.route(fabric),
-        # ... and for a sandbox that has remote containers: they are listed beside containerd's own.
-        pod_sandbox_status.PATH: pod_sandbox_status.route(fabric),
         # Only on a node with a mesh: the credentials a host's pull needs.
         pull_image.PATH: pull_image.route(fabric),
         # Only on a node with a mesh, when kubelet opens the stream: shadows' events out, remote containers' in.

@@ -122,11 +122,17 @@ def test_a_hosts_own_shadows_never_reach_kubelet_but_a_pod_with_their_label_does
     assert stream.out.empty()
 
 
+def local_container(containerd, state: int = cri.CONTAINER_RUNNING) -> None:
+    """containerd holds the pod's sandbox and one local container of it."""
+    containerd.answer("PodSandboxStatus", cri.PodSandboxStatusResponse(status=sandbox_status()))
+    containerd.answer("ListContainers", cri.ListContainersResponse(containers=[cri.Container(id=LOCAL_ID)]))
+    containerd.answer("ContainerStatus", cri.ContainerStatusResponse(
+        status=cri.ContainerStatus(id=LOCAL_ID, state=state)))
+
+
 def test_a_remote_containers_changes_are_events_as_containerd_writes_them(fabric, containerd, host,
                                                                            stream) -> None:
-    containerd.answer("PodSandboxStatus", cri.PodSandboxStatusResponse(
-        status=sandbox_status(), timestamp=time.time_ns(),
-        containers_statuses=[cri.ContainerStatus(id=LOCAL_ID, state=cri.CONTAINER_RUNNING)]))
+    local_container(containerd)
     before = time.time_ns()
     r = add_remote(fabric, state=cri.CONTAINER_CREATED)
     created = stream.next()
@@ -164,13 +170,8 @@ def test_a_container_lost_with_its_host_is_a_stopped_event(fabric, stream) -> No
     assert ev.containers_statuses[-1].reason == "WeftPeerLost"
 
 
-def test_without_containerds_list_the_pods_containers_are_asked_for_one_by_one(fabric, containerd,
-                                                                               stream) -> None:
-    """containerd 1.7 may answer PodSandboxStatus without its containers (no timestamp)."""
-    containerd.answer("PodSandboxStatus", cri.PodSandboxStatusResponse(status=sandbox_status()))
-    containerd.answer("ListContainers", cri.ListContainersResponse(containers=[cri.Container(id=LOCAL_ID)]))
-    containerd.answer("ContainerStatus", cri.ContainerStatusResponse(
-        status=cri.ContainerStatus(id=LOCAL_ID, state=cri.CONTAINER_EXITED)))
+def test_the_pods_local_containers_are_asked_of_containerd_as_they_are_now(fabric, containerd, stream) -> None:
+    local_container(containerd, cri.CONTAINER_EXITED)
     r = add_remote(fabric)
     ev = stream.next()
     assert [(s.id, s.state) for s in ev.containers_statuses] == [(LOCAL_ID, cri.CONTAINER_EXITED),
