@@ -21,6 +21,7 @@ from cri_api.v1 import api_pb2
 from shim import log
 from shim.broker.client import BrokerClient
 from shim.config import Config
+from shim.cri.cdi import CdiSpecs
 from shim.cri.fabric import Fabric
 from shim.cri.instrument import Instrument
 from shim.cri.mark import ShadowMark
@@ -65,6 +66,7 @@ class Agent:
         self.broker = BrokerClient(cfg.agent.broker_socket) if cfg.agent.broker_socket else None
         self.api = access.resolve(Path(cfg.kubernetes.kubeconfig) if cfg.kubernetes.kubeconfig else None)
         self.fabric = Fabric(self.upstream, self.store, self.broker, self.metrics)
+        self.fabric.cdi_specs = CdiSpecs(cfg.agent.cdi_spec_path_list)
         # Every node knows its own mark, hosting or not (a node that hosted before keeps its key): the list verbs
         # hide only what bears it, never a pod that merely carries a shadow's labels.
         self.fabric.shadow_mark = ShadowMark.load(Path(cfg.agent.state_dir))

@@ -44,6 +44,7 @@ def _agent(args: argparse.Namespace) -> int:
                 "metrics_address": args.metrics_address,
                 "log_level": args.log_level,
                 "broker_socket": None if args.broker_socket is None else str(args.broker_socket),
+                "cdi_spec_dirs": args.cdi_spec_dirs,
             },
             "mesh": {
                 "node_name": args.node_name, "role": args.role, "address": args.mesh_address,
@@ -241,6 +242,8 @@ def parser() -> argparse.ArgumentParser:
     a.add_argument("--config", type=Path, help="TOML configuration file; flags override it")
     a.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     a.add_argument("--broker-socket", type=Path, help="the GPU broker's socket (omit on nodes without GPUs)")
+    a.add_argument("--cdi-spec-dirs", help="where containerd reads CDI specs, colon-separated "
+                   "(default /etc/cdi:/var/run/cdi): a DRA claim's GPUs are read there")
     a.add_argument("--node-name", help="this node's name in the mesh (default: the host name)")
     a.add_argument("--role", choices=("gpu", "cpu", "both"), help="what this node offers the mesh")
     a.add_argument("--mesh-address", help="HOST:PORT for the peer mesh (mutual TLS); omit for no mesh")

@@ -16,6 +16,7 @@ Example file::
     workers = 64                          # threads for intercepted calls
     stream_address = "127.0.0.1:0"        # exec/attach of rerouted containers (beside containerd's)
     stream_busy_poll_us = 200             # exec/attach relays spin up to this long after a keystroke; 0: off
+    cdi_spec_dirs = "/etc/cdi:/var/run/cdi"  # containerd's cdi_spec_dirs: a DRA claim's GPUs are read there
 
     [mesh]                                # off unless address is set
     node_name = "gpu-1"                   # default: the host name
@@ -72,6 +73,13 @@ class AgentConfig:
     # After a small transfer, an exec/attach relay polls without sleeping (yielding the CPU) for this many
     # microseconds before it blocks: a wake-up from idle costs more than the echo itself (shim.mesh.tunnel).
     stream_busy_poll_us: int = 200
+    # Where containerd reads CDI specs (its cdi_spec_dirs), colon-separated: a DRA claim's CDI devices
+    # are matched to GPUs through them.
+    cdi_spec_dirs: str = "/etc/cdi:/var/run/cdi"
+
+    @property
+    def cdi_spec_path_list(self) -> list[Path]:
+        return [Path(p) for p in self.cdi_spec_dirs.split(":") if p]
 
     def validate(self) -> None:
         if self.metrics_address:
@@ -90,6 +98,9 @@ class AgentConfig:
                               f"{MAX_BUSY_POLL_US} microseconds")
         if self.workers < 4:
             raise ConfigError(f"agent.workers: {self.workers} is too few (at least 4)")
+        for p in self.cdi_spec_path_list:
+            if not p.is_absolute():
+                raise ConfigError(f"agent.cdi_spec_dirs: {str(p)!r} must be an absolute path")
         for name in ("socket", "containerd_socket", "state_dir"):
             if not getattr(self, name).is_absolute():
                 raise ConfigError(f"agent.{name}: {str(getattr(self, name))!r} must be an absolute path")

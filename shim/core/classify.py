@@ -1,9 +1,10 @@
 """Which stage a container of an opted-in pod is: cpu, gpu or local.
 
 In this order: the pod annotation ``weft.io/stage.<container>``; then whether
-the container asks for a GPU (a GPU device node, a CDI device of a GPU
-vendor, or ``NVIDIA_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES`` set to
-something other than ``void``/``none``); otherwise cpu. The outcome is a value
+the container asks for a GPU (a GPU device node, a CDI device of a DRA claim
+whose spec names a GPU, a CDI device of a GPU vendor, or
+``NVIDIA_VISIBLE_DEVICES``/``CUDA_VISIBLE_DEVICES`` set to something other
+than ``void``/``none``); otherwise cpu. The outcome is a value
 with a reason, so logs, crictl annotations and ``weft explain`` all say why.
 """
 
@@ -12,15 +13,15 @@ from __future__ import annotations
 import enum
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from shim.core.cdi import GPU_CDI as _GPU_CDI
 
 STAGE_ANNOTATION = "weft.io/stage."
 VISIBLE_DEVICE_VARS = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 # Values that mean "no GPU" for the NVIDIA runtime and CUDA.
 _NO_GPU_VALUES = frozenset({"", "void", "none", "-1"})
 _GPU_DEVICE = re.compile(r"^/dev/(nvidia\d+|nvidia-caps/.*|dri/(card|renderD)\d+)$")
-# CDI kinds of GPU vendors: nvidia.com/gpu=0, amd.com/gpu=all, ...
-_GPU_CDI = re.compile(r"^[a-z0-9.-]+\.[a-z]+/(gpu|mig)[a-z0-9-]*=.+$")
 
 
 class Stage(enum.Enum):
@@ -33,6 +34,7 @@ class StageReason(enum.Enum):
     ANNOTATION = "annotation"
     GPU_DEVICE = "gpu-device"
     CDI_DEVICE = "cdi-device"
+    DRA_CLAIM = "dra-claim"
     VISIBLE_DEVICES_ENV = "visible-devices-env"
     NO_GPU_REQUEST = "no-gpu-request"
 
@@ -60,6 +62,9 @@ class ContainerAsk:
     device_host_paths: Sequence[str] = ()
     cdi_devices: Sequence[str] = ()
     envs: Mapping[str, str] | None = None
+    # The CDI devices of a DRA claim among cdi_devices, each with the GPU UUIDs its CDI spec names
+    # (shim.core.cdi.claim_gpus; read from the node's specs outside the core).
+    claim_gpus: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
 def classify(ask: ContainerAsk, pod_annotations: Mapping[str, str]) -> Classification:
@@ -75,6 +80,10 @@ def classify(ask: ContainerAsk, pod_annotations: Mapping[str, str]) -> Classific
         if _GPU_DEVICE.match(path):
             return Classification(Stage.GPU, StageReason.GPU_DEVICE, f"device {path}")
     for name in ask.cdi_devices:
+        if name in ask.claim_gpus:
+            return Classification(Stage.GPU, StageReason.DRA_CLAIM,
+                                  f"CDI device {name} of a DRA claim ({', '.join(sorted(ask.claim_gpus[name]))})")
+    for name in ask.cdi_devices:
         if _GPU_CDI.match(name):
             return Classification(Stage.GPU, StageReason.CDI_DEVICE, f"CDI device {name}")
     envs = ask.envs or {}
@@ -88,10 +97,18 @@ def requested_gpus(ask: ContainerAsk, all_uuids: Sequence[str], uuid_of_index: M
         int, frozenset[str] | None]:
     """How many whole GPUs the container asked for, and which (the packing domain).
 
-    Read from what the device plugin or DRA driver gave it: GPU device nodes,
-    CDI device names, or the visible-devices variable (indices, UUIDs, ``all``).
-    Returns (count, allowed UUIDs or None for any).
+    Read from what the device plugin or DRA driver gave it: a DRA claim's CDI
+    devices (the UUIDs their specs name), GPU device nodes, CDI device names,
+    or the visible-devices variable (indices, UUIDs, ``all``). Returns (count,
+    allowed UUIDs or None for any).
+
+    A claim's devices are the domain whatever this node's broker has: a claim
+    naming a GPU the broker does not know is refused by the broker rather
+    than leased on another GPU, which the claim did not give the pod.
     """
+    claimed = frozenset().union(*ask.claim_gpus.values()) if ask.claim_gpus else frozenset()
+    if claimed:
+        return len(claimed), claimed
     allowed: set[str] = set()
     count = 0
     for path in ask.device_host_paths:

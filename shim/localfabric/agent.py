@@ -90,6 +90,7 @@ class AgentProcess:
             "--socket", str(self.socket),
             "--containerd-socket", str(self.containerd.socket),
             "--state-dir", str(self.state_dir),
+            "--cdi-spec-dirs", str(self.containerd.cdi_spec_dir),
             "--metrics-address", f"{self.metrics_host}:{self.metrics_port}",
             *self.extra_args,
         ]

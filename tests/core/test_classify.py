@@ -1,8 +1,8 @@
 """Which stage a container is, and which GPUs it asked for, read from its CreateContainer request.
 
 The table reads as the rules a pod author relies on: the stage annotation
-wins, then a GPU device node, then a GPU CDI device, then the visible-devices
-variables; anything else is a CPU stage.
+wins, then a GPU device node, then a DRA claim's CDI device, then a GPU CDI
+device, then the visible-devices variables; anything else is a CPU stage.
 """
 
 from __future__ import annotations
@@ -25,8 +25,13 @@ ALL = [U0, U1]
 BY_INDEX = {0: U0, 1: U1}
 
 
-def ask(devices=(), cdi=(), envs=None, name="app") -> ContainerAsk:
-    return ContainerAsk(name, list(devices), list(cdi), envs)
+CLAIM0 = "gpu.weft.test/claim=3f1e-gpu-0"  # a DRA driver's CDI names: opaque, unique per claim
+CLAIM1 = "gpu.weft.test/claim=3f1e-gpu-1"
+
+
+def ask(devices=(), cdi=(), envs=None, name="app", claims=None) -> ContainerAsk:
+    claims = claims or {}
+    return ContainerAsk(name, list(devices), [*cdi, *claims], envs, {n: frozenset(u) for n, u in claims.items()})
 
 
 # -- classify: the stage annotation ----------------------------------------------
@@ -90,6 +95,9 @@ def test_bad_stage_annotation_is_refused_naming_annotation_and_value(value: str)
         pytest.param(ask(cdi=[f"nvidia.com/gpu={U1}"]), Stage.GPU, StageReason.CDI_DEVICE, id="nvidia-cdi-uuid"),
         pytest.param(ask(cdi=["amd.com/gpu=all"]), Stage.GPU, StageReason.CDI_DEVICE, id="amd-cdi"),
         pytest.param(ask(cdi=["vendor.com/fpga=1"]), Stage.CPU, StageReason.NO_GPU_REQUEST, id="non-gpu-cdi"),
+        pytest.param(ask(claims={CLAIM1: [U1]}), Stage.GPU, StageReason.DRA_CLAIM, id="dra-claim-cdi-device"),
+        pytest.param(ask(cdi=[CLAIM1]), Stage.CPU, StageReason.NO_GPU_REQUEST,
+                     id="opaque-cdi-device-whose-spec-names-no-gpu"),
         pytest.param(ask(envs={"NVIDIA_VISIBLE_DEVICES": "all"}), Stage.GPU, StageReason.VISIBLE_DEVICES_ENV,
                      id="nvidia-visible-all"),
         pytest.param(ask(envs={"NVIDIA_VISIBLE_DEVICES": "0"}), Stage.GPU, StageReason.VISIBLE_DEVICES_ENV,
@@ -125,6 +133,10 @@ def test_request_decides_the_stage(container: ContainerAsk, stage: Stage, reason
                      {}, StageReason.GPU_DEVICE, "/dev/nvidia1", id="device-node-beats-cdi-and-env"),
         pytest.param(ask(cdi=["nvidia.com/gpu=0"], envs={"NVIDIA_VISIBLE_DEVICES": "1"}),
                      {}, StageReason.CDI_DEVICE, "nvidia.com/gpu=0", id="cdi-beats-env"),
+        pytest.param(ask(cdi=["nvidia.com/gpu=0"], claims={CLAIM1: [U1]}), {}, StageReason.DRA_CLAIM, U1,
+                     id="claim-beats-vendor-cdi-and-detail-names-its-gpu"),
+        pytest.param(ask(devices=["/dev/nvidia0"], claims={CLAIM1: [U1]}), {}, StageReason.GPU_DEVICE,
+                     "/dev/nvidia0", id="device-node-beats-claim"),
         pytest.param(ask(envs={"CUDA_VISIBLE_DEVICES": "3"}), {}, StageReason.VISIBLE_DEVICES_ENV,
                      "CUDA_VISIBLE_DEVICES=3", id="env-detail-names-the-variable"),
     ],
@@ -173,6 +185,13 @@ def test_classification_is_a_frozen_value() -> None:
                      id="partly-unknown-list-means-any"),
         pytest.param(ask(envs={"NVIDIA_VISIBLE_DEVICES": "MIG-abc"}), 1, None, id="env-unknown-identifier"),
         pytest.param(ask(), 1, None, id="nothing-named-means-one-device-anywhere"),
+        pytest.param(ask(claims={CLAIM1: [U1]}), 1, {U1}, id="claim-device-is-the-domain"),
+        pytest.param(ask(claims={CLAIM0: [U0], CLAIM1: [U1]}), 2, {U0, U1}, id="claim-of-two-devices"),
+        pytest.param(ask(claims={CLAIM0: [U0, U1]}), 2, {U0, U1}, id="one-cdi-device-naming-two-gpus"),
+        pytest.param(ask(cdi=["nvidia.com/gpu=all"], claims={CLAIM1: [U1]}), 1, {U1},
+                     id="claim-narrows-whatever-else-was-asked"),
+        pytest.param(ask(claims={CLAIM1: ["GPU-not-on-this-node"]}), 1, {"GPU-not-on-this-node"},
+                     id="claim-of-an-unknown-gpu-stays-its-domain-for-the-broker-to-refuse"),
     ],
 )
 def test_requested_gpus(container: ContainerAsk, count: int, domain: set[str] | None) -> None:

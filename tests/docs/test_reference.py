@@ -125,7 +125,7 @@ _AGENT_SAMPLES = {
     "--state-dir": "/weft-test/state", "--metrics-address": "127.0.0.1:19464", "--log-level": "debug",
     "--broker-socket": "/weft-test/broker.sock", "--node-name": "node-under-test", "--role": "cpu",
     "--mesh-address": "127.0.0.1:17443", "--peers": "/weft-test/peers.toml", "--tls-dir": "/weft-test/tls",
-    "--kubeconfig": "/weft-test/kubeconfig",
+    "--kubeconfig": "/weft-test/kubeconfig", "--cdi-spec-dirs": "/weft-test/cdi:/weft-test/run-cdi",
 }
 
 

@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# Builds what weft's DRA tests run beside the Kubernetes components of kube/build.sh, once per set of
+# pins, into a cache of its own: ${WEFT_DRA_CACHE:-/var/cache/weft/dra}/<key>/bin, where <key> is the
+# Kubernetes version and a hash of ../versions.env and this directory's go.mod, go.sum and sources.
+# A key of its own, so that a change here never rebuilds kube/build.sh's set (nor the reverse).
+#
+#   kube-controller-manager   k8s.io/kubernetes at ../versions.env's release (its resourceclaim controller)
+#   weft-test-dra-driver      gpudriver/: simulated GPUs as a ResourceSlice, a CDI spec per prepared claim
+#
+# Static (CGO_ENABLED=0), -tags providerless, symbols stripped, --version set through -ldflags -X, as
+# kube/build.sh builds; Go's build cache is shared with it, so most packages are compiled already.
+#
+# Usage: kube/dra/build.sh             build if not cached; prints the bin directory last
+#        kube/dra/build.sh --bin-dir   print the bin directory only (built or not)
+#        kube/dra/build.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=/dev/null
+source "$HERE/../versions.env"
+# Bumped when this script builds differently (flags, binaries): part of the cache key.
+DRA_BUILD_REVISION=1
+
+key_files=("$HERE/../versions.env" "$HERE/go.mod" "$HERE/go.sum" "$HERE/tools.go" "$HERE/gpudriver/main.go")
+hash="$( { cat "${key_files[@]}"; echo "DRA_BUILD_REVISION=$DRA_BUILD_REVISION"; } | sha256sum | cut -c1-12)"
+CACHE="${WEFT_DRA_CACHE:-/var/cache/weft/dra}"
+DIR="$CACHE/dra-$KUBERNETES_VERSION-$hash"
+BINARIES=(kube-controller-manager weft-test-dra-driver)
+
+if [ "${1:-}" = "--bin-dir" ]; then
+  echo "$DIR/bin"
+  exit 0
+fi
+complete() { [ -f "$DIR/bin/.complete" ]; }
+if [ "${1:-}" = "--cached" ]; then
+  complete
+  exit
+fi
+if complete; then
+  echo "$DIR/bin"
+  exit 0
+fi
+
+mkdir -p "$CACHE"
+exec 9>"$CACHE/.build.lock"
+flock 9  # another checkout may be building the same pins right now
+if complete; then
+  echo "$DIR/bin"
+  exit 0
+fi
+[ -x /usr/local/go/bin/go ] && PATH="$PATH:/usr/local/go/bin"
+if ! command -v go >/dev/null; then
+  echo "kube/dra/build.sh: Go is needed to build kube-controller-manager and the test DRA driver" >&2
+  exit 1
+fi
+export GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false" CGO_ENABLED=0
+
+# The module must build the release ../versions.env pins, with its staging modules at theirs.
+python3 - "$HERE/go.mod" "$KUBERNETES_VERSION" "$KUBERNETES_STAGING_VERSION" <<'PY'
+import json, subprocess, sys
+mod, kube, staging = sys.argv[1:]
+edit = json.loads(subprocess.run(["go", "mod", "edit", "-json", mod], check=True, capture_output=True, text=True).stdout)
+req = {r["Path"]: r["Version"] for r in edit.get("Require") or []}
+bad = [] if req.get("k8s.io/kubernetes") == kube else [f"k8s.io/kubernetes is {req.get('k8s.io/kubernetes')}, versions.env says {kube}"]
+bad += [f"{r['Old']['Path']} is replaced by {r['New']}, versions.env says {staging}" for r in edit.get("Replace") or []
+        if r["Old"]["Path"].startswith("k8s.io/") and r["New"].get("Version") != staging]
+if bad:
+    sys.exit(f"kube/dra/build.sh: {mod} disagrees with kube/versions.env (copy kube/go.mod's requires and replaces, "
+             "then go mod tidy):\n  " + "\n  ".join(bad))
+PY
+
+started=$(date +%s)
+TMP="$DIR.tmp.$$"
+rm -rf "$TMP"
+mkdir -p "$TMP/bin"
+trap 'rm -rf "$TMP"' EXIT
+echo "kube/dra/build.sh: building ${BINARIES[*]} into $DIR"
+
+kv="$KUBERNETES_VERSION"
+minor="${kv#v*.}"; minor="${minor%%.*}"
+major="${kv#v}"; major="${major%%.*}"
+build_date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
+ldflags="-s -w"
+for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
+  ldflags+=" -X $pkg.gitVersion=$kv -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
+  ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$build_date"
+done
+cd "$HERE"
+go build -tags providerless -ldflags "$ldflags" -o "$TMP/bin/" k8s.io/kubernetes/cmd/kube-controller-manager
+go build -ldflags "$ldflags" -o "$TMP/bin/weft-test-dra-driver" ./gpudriver
+
+for b in "${BINARIES[@]}"; do
+  [ -x "$TMP/bin/$b" ] || { echo "kube/dra/build.sh: $b was not built" >&2; exit 1; }
+done
+{
+  echo "KUBERNETES_VERSION=$KUBERNETES_VERSION"
+  echo "DRA_BUILD_REVISION=$DRA_BUILD_REVISION"
+  echo "GO_VERSION=$(go env GOVERSION)"
+  echo "BUILD_SECONDS=$(( $(date +%s) - started ))"
+} > "$TMP/versions"
+touch "$TMP/bin/.complete"
+rm -rf "$DIR"
+mv "$TMP" "$DIR"
+trap - EXIT
+echo "kube/dra/build.sh: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
+echo "$DIR/bin"
