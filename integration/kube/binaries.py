@@ -1,4 +1,8 @@
-"""Where the Kubernetes binaries are: ``kube/build.sh`` builds them once per set of pins into a cache."""
+"""Where the Kubernetes binaries are: ``kube/build.sh`` builds them once per set of pins into a cache.
+
+What only the DRA tests run (kube-controller-manager, the test DRA driver) is built by
+``kube/dra/build.sh`` into a cache key of its own.
+"""
 
 from __future__ import annotations
 
@@ -8,22 +12,42 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "kube" / "build.sh"
+DRA_BUILD = REPO / "kube" / "dra" / "build.sh"
 VERSIONS = REPO / "kube" / "versions.env"
+
+
+def _built(script: Path) -> Path:
+    """Run a build script (it waits on its lock while a background build runs) and return its bin directory."""
+    res = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=3600)
+    if res.returncode != 0:
+        raise RuntimeError(f"{script.relative_to(REPO)} failed ({res.returncode}):\n{res.stdout[-2000:]}\n"
+                           f"{res.stderr[-4000:]}")
+    return Path(res.stdout.strip().splitlines()[-1])
 
 
 @functools.cache
 def bin_dir() -> Path:
     """The cached bin directory, built first if it is not there (scripts/test.sh builds it before pytest)."""
-    res = subprocess.run(["bash", str(BUILD)], capture_output=True, text=True, timeout=3600)
-    if res.returncode != 0:
-        raise RuntimeError(f"kube/build.sh failed ({res.returncode}):\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
-    return Path(res.stdout.strip().splitlines()[-1])
+    return _built(BUILD)
+
+
+@functools.cache
+def dra_bin_dir() -> Path:
+    """kube-controller-manager and the test DRA driver, built first if they are not there."""
+    return _built(DRA_BUILD)
 
 
 def binary(name: str) -> str:
     path = bin_dir() / name
     if not path.is_file():
         raise RuntimeError(f"{path} is missing: kube/build.sh did not build {name}")
+    return str(path)
+
+
+def dra_binary(name: str) -> str:
+    path = dra_bin_dir() / name
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing: kube/dra/build.sh did not build {name}")
     return str(path)
 
 

@@ -39,6 +39,7 @@ class ControlPlane:
     etcd: Daemon | None = None
     apiserver: Daemon | None = None
     scheduler: Daemon | None = None
+    controller_manager: Daemon | None = None
     api_port: int = 0
     etcd_port: int = 0
 
@@ -99,8 +100,17 @@ class ControlPlane:
         if self.apiserver is not None:
             self.apiserver.stop()
 
+    def start_controller_manager(self, controllers: list[str], timeout: float = 120.0) -> None:
+        """kube-controller-manager with only ``controllers`` (the DRA tests' resourceclaim controller), as the
+        admin; built by kube/dra/build.sh, since the other tests need none."""
+        self.controller_manager = Daemon("kube-controller-manager", [
+            binaries.dra_binary("kube-controller-manager"), "--kubeconfig", str(self.kubeconfig("admin")),
+            f"--controllers={','.join(controllers)}", "--leader-elect=false", "--secure-port=0", "--v=1"],
+            self.workdir / "kube-controller-manager.log")
+        self.controller_manager.start(lambda: True, timeout)
+
     def stop(self) -> None:
-        for d in (self.scheduler, self.apiserver, self.etcd):
+        for d in (self.controller_manager, self.scheduler, self.apiserver, self.etcd):
             if d is not None:
                 d.stop()
 

@@ -18,6 +18,7 @@ import (
 	"path/filepath"
 	"strings"
 	"syscall"
+	"time"
 
 	resourceapi "k8s.io/api/resource/v1"
 	"k8s.io/apimachinery/pkg/types"
@@ -185,6 +186,28 @@ func run(name, node, kubeconfig string, gpus []string, cdiDir, pluginDir, regist
 		return err
 	}
 	klog.InfoS("publishing", "driver", name, "node", node, "devices", len(devices))
+	go reportRegistration(ctx, helper)
 	<-ctx.Done()
 	return nil
+}
+
+// reportRegistration says once when kubelet has registered the plugin: a pod whose claim kubelet
+// prepares before that waits out kubelet's retry back-off, so the tests wait for this line first.
+func reportRegistration(ctx context.Context, helper *kubeletplugin.Helper) {
+	ticker := time.NewTicker(100 * time.Millisecond)
+	defer ticker.Stop()
+	for {
+		if status := helper.RegistrationStatus(); status != nil {
+			if status.PluginRegistered {
+				fmt.Fprintln(os.Stderr, "weft-test-dra-driver: registered with kubelet")
+				return
+			}
+			fmt.Fprintln(os.Stderr, "weft-test-dra-driver: kubelet refused the registration:", status.Error)
+		}
+		select {
+		case <-ctx.Done():
+			return
+		case <-ticker.C:
+		}
+	}
 }

@@ -1,0 +1,153 @@
+"""GPUs requested through DRA, under the real control plane, on containerd 2.x (CDI on).
+
+The API server serves ``resource.k8s.io/v1``; kube-controller-manager's resourceclaim controller
+makes each pod's ResourceClaim from a ResourceClaimTemplate; the scheduler allocates it from the
+ResourceSlice the test DRA driver (``kube/dra/gpudriver``) publishes for the node's GPUs, which are
+the broker's simulated GPUs by their UUIDs (passed to the driver from the broker's own inventory);
+kubelet has the driver prepare the claim, and hands the container the claim's CDI device, named by
+the claim's UID, whose spec names the GPU by UUID.
+
+The claim asks for the broker's second GPU by its ``uuid`` attribute, so a broker that ignored the
+claim would lease the first (best fit on an idle node): the opted-in pod is Ready, classified
+``gpu`` for its claim (``dra-claim``, ``weft explain``), leased that GPU and no other, and its
+container has that GPU's CDI edits and names it alone. The same pod without the ``weft`` runtime
+class is the plain baseline: Ready, its claim's CDI device applied by containerd, no lease.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from integration.kube import fixture
+from integration.kube.cluster import KubeCluster, NodeSpec
+from integration.kube.dra import DraDriver, claim_template, device_class, with_claim
+from integration.kube.workloads import apply, container, container_status, delete, pod, wait_ready
+from shim._pb import broker_pb2 as pb
+from shim.localfabric.waiting import wait_for
+
+pytestmark = pytest.mark.slow
+
+NODE = "gpu-1"
+TEMPLATE = "second-gpu"
+ready_s: dict[str, float] = {}  # kubectl apply to Ready, by pod, for the figure
+
+
+@pytest.fixture(scope="module")
+def kube(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
+    # CDI is on by default from containerd 2.0 (1.6 has none, 1.7 only when configured).
+    yield from fixture.cluster(request, tmp_path_factory, [NodeSpec(NODE, "gpu")], containerd_line="2")
+
+
+@pytest.fixture(scope="module")
+def gpus(kube: KubeCluster) -> list[str]:
+    """The broker's GPU UUIDs, in index order: what the driver publishes, so the two agree by configuration."""
+    assert kube.broker is not None
+    ch, stub = kube.broker.stub()
+    with ch:
+        devices = sorted(stub.Devices(pb.DevicesRequest(), timeout=10).devices, key=lambda d: d.index)
+    assert len(devices) >= 2, "the claim asks for the second GPU"
+    return [d.uuid for d in devices]
+
+
+@pytest.fixture(scope="module")
+def dra(request: pytest.FixtureRequest, kube: KubeCluster, gpus: list[str]) -> Iterator[DraDriver]:
+    assert kube.control is not None
+    t0 = time.monotonic()
+    kube.control.start_controller_manager(["resourceclaim-controller"])
+    node = kube.node(NODE)
+    driver = DraDriver(NODE, kube.kubelets[NODE].root_dir, kube.control.kubeconfig("admin"), gpus,
+                       node.containerd.cdi_spec_dir, node.workdir)
+    try:
+        registered = driver.start()
+        apply(kube, device_class(), claim_template(TEMPLATE, gpus[1]))
+        wait_for(lambda: _published(kube), timeout=60, what="the driver's ResourceSlice", every=0.2)
+        fixture.report(request.config, f"DRA: controller-manager and driver up, driver registered with kubelet "
+                                       f"{registered:.1f} s after its start, slice published "
+                                       f"{time.monotonic() - t0:.1f} s after the controller-manager's")
+        yield driver
+    finally:
+        driver.stop()
+
+
+def _published(kube: KubeCluster) -> bool:
+    slices = kube.api("/apis/resource.k8s.io/v1/resourceslices")["items"]
+    return any(s["spec"].get("nodeName") == NODE and s["spec"]["driver"] == "gpu.weft.test" for s in slices)
+
+
+def _gpu_pod(name: str, runtime_class: str | None) -> dict:
+    return with_claim(pod(name, [container("model", "echo model up; exec sleep 3600")], runtime_class=runtime_class),
+                      "model", TEMPLATE)
+
+
+def _run(kube: KubeCluster, name: str, runtime_class: str | None) -> dict:
+    # The claim from the template is the pod's own and holds the second GPU: one pod at a time.
+    wait_for(lambda: not kube.api("/apis/resource.k8s.io/v1/namespaces/default/resourceclaims")["items"],
+             timeout=120, what="no claim left from an earlier pod", every=0.2)
+    t0 = time.monotonic()
+    apply(kube, _gpu_pod(name, runtime_class))
+    p = wait_ready(kube, name)
+    ready_s[name] = time.monotonic() - t0
+    return p
+
+
+def _claim_of(kube: KubeCluster, p: dict) -> dict:
+    [status] = p["status"]["resourceClaimStatuses"]
+    return kube.api(f"/apis/resource.k8s.io/v1/namespaces/default/resourceclaims/{status['resourceClaimName']}")
+
+
+def _env(kube: KubeCluster, name: str) -> dict[str, str]:
+    out = kube.kubectl("exec", name, "-c", "model", "--", "env").stdout
+    return dict(line.split("=", 1) for line in out.splitlines() if "=" in line)
+
+
+def _explain(kube: KubeCluster, container_id: str) -> dict:
+    res = subprocess.run([sys.executable, "-m", "shim", "explain", "--socket", str(kube.agents[NODE].socket),
+                          "--json", container_id], capture_output=True, text=True, timeout=60, check=True)
+    return json.loads(res.stdout)
+
+
+def test_an_opted_in_pod_is_leased_its_claims_gpu_and_sees_only_it(kube: KubeCluster, dra: DraDriver,
+                                                                   gpus: list[str]) -> None:
+    p = _run(kube, "dra-opted", "weft")
+    try:
+        [result] = _claim_of(kube, p)["status"]["allocation"]["devices"]["results"]
+        assert (result["driver"], result["device"]) == ("gpu.weft.test", "gpu-1"), result
+        cid = container_status(p, "model")["containerID"].removeprefix("containerd://")
+        doc = _explain(kube, cid)
+        assert (doc["stage"], doc["stage_reason"], doc["reason"]) == ("gpu", "dra-claim", "gpu-leased"), doc
+        assert gpus[1] in doc["stage_detail"], doc
+        [lease] = kube.broker.leases()
+        assert lease.container_id == cid and lease.state == "bound", lease
+        assert list(lease.device_uuids) == [gpus[1]], "leased within the claim: the second GPU, not the first"
+        env = _env(kube, "dra-opted")
+        # containerd applied the driver's edits for the leased device, and the variables name it alone.
+        assert {k: v for k, v in env.items() if k.startswith("WEFT_DRA_")} == {"WEFT_DRA_GPU_1": gpus[1]}, env
+        assert env["NVIDIA_VISIBLE_DEVICES"] == env["CUDA_VISIBLE_DEVICES"] == gpus[1]
+    finally:
+        delete(kube, "dra-opted")
+    assert kube.broker.leases() == [], "the lease went with the container"
+
+
+def test_the_same_pod_without_weft_gets_its_claims_device_from_containerd(request: pytest.FixtureRequest,
+                                                                          kube: KubeCluster, dra: DraDriver,
+                                                                          gpus: list[str]) -> None:
+    p = _run(kube, "dra-plain", None)
+    try:
+        [result] = _claim_of(kube, p)["status"]["allocation"]["devices"]["results"]
+        assert result["device"] == "gpu-1", result
+        assert kube.broker.leases() == []
+        env = _env(kube, "dra-plain")
+        assert {k: v for k, v in env.items() if k.startswith("WEFT_DRA_")} == {"WEFT_DRA_GPU_1": gpus[1]}, env
+        assert "NVIDIA_VISIBLE_DEVICES" not in env, "nothing of weft's"
+    finally:
+        delete(kube, "dra-plain")
+    if "dra-opted" in ready_s:
+        opted, plain = ready_s["dra-opted"], ready_s["dra-plain"]
+        fixture.report(request.config, f"DRA GPU pod, kubectl apply to Ready: opted in {opted:.2f} s, plain "
+                                       f"{plain:.2f} s ({opted / plain:.2f}x)")
