@@ -352,6 +352,41 @@ def test_copied_volumes_are_mounted_read_only_and_follow_updates(host) -> None:
     assert _files_under(agent.state_dir / "shadow-logs") == []
 
 
+def _as_an_older_origin(client: PeerClient, certs: Path, method: str, request) -> tuple[grpc.StatusCode, str]:
+    """``method`` as an origin of the weft before volume streams made it: the volumes inside the one message."""
+    tls = load_node_tls(certs, "gpu-1")
+    creds = grpc.ssl_channel_credentials(root_certificates=tls.ca_pem, private_key=tls.key_pem,
+                                         certificate_chain=tls.cert_pem)
+    with grpc.secure_channel(client.address, creds, options=[("grpc.ssl_target_name_override", "cpu-1"),
+                                                              ("grpc.max_send_message_length", 80 << 20)]) as ch:
+        try:
+            ch.unary_unary(f"/weft.mesh.v1.Mesh/{method}")(request.SerializeToString(), timeout=300)
+            return grpc.StatusCode.OK, ""
+        except grpc.RpcError as e:
+            return e.code(), e.details() or ""
+
+
+def test_an_older_origins_volumes_are_taken_inside_the_request_up_to_the_message_limit(host, tmp_path: Path) -> None:
+    """A rolling upgrade, the host first: an origin not yet upgraded sends its volumes as it did."""
+    agent, client, node = host
+    key = "origin-sb-1/tokenize/0"
+    req = _request(node, key)
+    req.volumes.extend(_volumes())
+    assert _as_an_older_origin(client, tmp_path / "certs", "RunShadow", req) == (grpc.StatusCode.OK, "")
+    client.start_shadow("gpu-1", key)
+    assert _exec(client, key, ["cat", "/etc/app/app.conf"]).stdout == b"level=info\n"
+    synced = pb.SyncVolumesRequest(origin_node="gpu-1", key=key, volumes=_volumes(b"level=debug\n"))
+    assert _as_an_older_origin(client, tmp_path / "certs", "SyncVolumes", synced) == (grpc.StatusCode.OK, "")
+    assert _exec(client, key, ["cat", "/etc/app/app.conf"]).stdout == b"level=debug\n"
+    assert client.remove_shadow("gpu-1", key) is True
+
+    big = _request(node, "origin-sb-1/tokenize/1")
+    big.volumes.add(container_path="/etc/big", files=[pb.VolumeFile(path="blob", data=b"b" * (5 << 20))])
+    code, details = _as_an_older_origin(client, tmp_path / "certs", "RunShadow", big)
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and f"vs. {4 << 20})" in details, details
+    assert _shadow_ids(node) == set() and _files_under(agent.state_dir / "shadow-volumes") == []
+
+
 @pytest.mark.parametrize(("path", "where"), [
     ("../escape", "/etc/app"), ("/etc/shadow", "/etc/app"), ("a/../../escape", "/etc/app"), ("a\0b", "/etc/app"),
     ("ok", "etc/relative"), ("ok", "/etc/../root")],

@@ -25,8 +25,13 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── RemoteStopFailed           a pod's remote containers could not all be stopped (UNAVAILABLE)
     ├── PeerRefused                a peer's identity or claim is refused (shim.mesh.identity; PERMISSION_DENIED)
     ├── PeerUnavailable            a peer cannot be reached (shim.mesh.client; UNAVAILABLE)
+    ├── PeerTooOld                 a peer's weft predates what a call needs, and it cannot be sent the old way
+    │                              (shim.mesh.client; FAILED_PRECONDITION)
     ├── PeerBusy                   a peer has as many calls of a kind open as it may (shim.mesh.server;
     │                              RESOURCE_EXHAUSTED)
+    ├── MessageTooLarge            a mesh request over its method's limit (shim.mesh.server; RESOURCE_EXHAUSTED)
+    ├── UploadRefused              a stream of copied volumes out of order (shim.mesh.upload; INVALID_ARGUMENT)
+    │   └── UploadTooLarge         past a cap as it arrives (shim.mesh.upload; RESOURCE_EXHAUSTED)
     ├── TunnelError                a tunnel cannot be opened or broke (shim.mesh.tunnel.ends; UNAVAILABLE)
     ├── TunnelRefused              a tunnel token is refused (shim.cri.host.tunnel; PERMISSION_DENIED)
     ├── RefusedCall                a peer asks for a shadow call that is not allowed (shim.cri.host.calls;

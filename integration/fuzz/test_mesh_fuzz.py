@@ -43,6 +43,9 @@ def _valid(host: MeshHost, name: str) -> bytes:
                                                                                    memory_bytes=64 << 20),
                                  image=images.BUSYBOX_IMAGE),
         "RunShadow": run_shadow_request(host.containerd, "gpu-1", key),
+        # A volume stream's first part, alone: the request (the fuzzed bytes go as that one part).
+        "RunShadowChunked": pb.VolumeUpload(run=run_shadow_request(host.containerd, "gpu-1", key)),
+        "SyncVolumesChunked": pb.VolumeUpload(sync=pb.SyncVolumesRequest(origin_node="gpu-1", key=key)),
     }
     if name in known:
         return known[name].SerializeToString()
@@ -92,6 +95,7 @@ def _call(ch: grpc.Channel, name: str, raw: bytes) -> Outcome:
         return Outcome(e.code(), e.details() or "", None)
 
 
+_RUNS = ("RunShadow", "RunShadowChunked")  # what may make a shadow, removed after each call
 CASES = [pytest.param(name, kind, id=f"{name}-{kind}") for name in METHODS
          for kind in ("random", "mutated", "unknown-fields", "invalid-utf8-string", "huge-string")]
 
@@ -103,7 +107,7 @@ def test_bad_mesh_requests_get_a_clear_status_and_leave_nothing_behind(host: Mes
     strategies = wire.bad_inputs(_valid(host, name), [], _strings(name))
     if kind not in strategies:
         pytest.fail(f"{name} has no string field to corrupt")
-    examples = 3 if name == "RunShadow" else 5
+    examples = 3 if name in _RUNS else 5
     with host.channel("gpu-1") as ch, host.agent.channel() as kubelet:
 
         @wire.fuzz_settings(examples * (3 if kind == "mutated" else 1))
@@ -113,7 +117,7 @@ def test_bad_mesh_requests_get_a_clear_status_and_leave_nothing_behind(host: Mes
             out = _call(ch, name, raw.data)
             event(f"{out.code.name}")
             assert_clear(out, what)
-            if name == "RunShadow" and out.response:
+            if name in _RUNS and out.response:
                 state = pb.ShadowState.FromString(out.response)
                 ch.unary_unary(MESH + "RemoveShadow")(
                     pb.ShadowRef(origin_node="gpu-1", key=state.key).SerializeToString(), timeout=60)

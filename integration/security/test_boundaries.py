@@ -120,7 +120,9 @@ def test_a_pod_cannot_take_another_pods_lease_through_its_annotations(gpu_node: 
 
 
 # -- the mesh (``mesh``: a CPU host, in conftest) ---------------------------------------------------
-_UNARY = [m.name for m in pb.DESCRIPTOR.services_by_name["Mesh"].methods if not m.server_streaming]
+# The volume streams (RunShadowChunked, SyncVolumesChunked) are client streams: security/test_mesh_messages.py.
+_UNARY = [m.name for m in pb.DESCRIPTOR.services_by_name["Mesh"].methods
+          if not m.server_streaming and not m.client_streaming]
 
 
 def _ask(ch: grpc.Channel, method: str, request) -> tuple[grpc.StatusCode, str, bytes | None]:

@@ -6,8 +6,10 @@
   each on a tmpfs of its own (as kubelet keeps a Secret), unmounted with the
   shadow;
 - an origin cannot fill the host's disk with copied volumes: each container's
-  are capped, and all of one origin's together; nor through an emptyDir, held
-  to its sizeLimit as kubelet holds one (the shadow stopped, ``Evicted``).
+  are capped, and all of one origin's together, as the parts arrive (a peer
+  sending more is refused at the part over, and nothing of it is left: no
+  tmpfs, no file, no shadow); nor through an emptyDir, held to its sizeLimit
+  as kubelet holds one (the shadow stopped, ``Evicted``).
 """
 
 from __future__ import annotations
@@ -21,7 +23,9 @@ from cri_api.v1 import api_pb2 as cri
 
 from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
 from shim._pb import mesh_pb2 as pb
+from shim._pb import mesh_pb2_grpc as pb_grpc
 from shim.localfabric.waiting import wait_for
+from shim.mesh import upload
 
 _HELLO = pb.HelloRequest(origin=pb.PeerState(node="gpu-1", role="gpu", healthy=True)).SerializeToString()
 
@@ -32,7 +36,10 @@ def _mode(path: Path) -> int:
 
 def _ask(ch: grpc.Channel, method: str, request) -> tuple[grpc.StatusCode, str]:
     try:
-        ch.unary_unary(MESH + method)(request.SerializeToString(), timeout=300)
+        if method == "RunShadow" and request.volumes:  # as an origin sends them: in parts
+            pb_grpc.MeshStub(ch).RunShadowChunked(upload.run_parts(request), timeout=300)
+        else:
+            ch.unary_unary(MESH + method)(request.SerializeToString(), timeout=300)
         return grpc.StatusCode.OK, ""
     except grpc.RpcError as e:
         return e.code(), e.details() or ""
@@ -101,6 +108,37 @@ def test_an_origin_cannot_fill_the_hosts_disk_with_copied_volumes(mesh: MeshHost
     code, details = answers[4]
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and "origin's hosted containers' volumes" in details
     assert mesh.shadows()[1] == set()
+    volumes = mesh.agent.state_dir / "shadow-volumes"
+    assert _filesystems_under(volumes) == {} and not list(volumes.glob("gpu-1/*"))
+
+
+def _endless(mesh: MeshHost, key: str, sent: list[int]):
+    """A RunShadowChunked stream that never stops sending a MiB more of one file."""
+    req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox=key.split("/")[0])
+    yield pb.VolumeUpload(run=req)
+    yield pb.VolumeUpload(volume=pb.Volume(container_path="/etc/secret"))
+    yield pb.VolumeUpload(file=pb.VolumeFile(path="token"))
+    while True:
+        sent[0] += 1
+        yield pb.VolumeUpload(data=b"s" * (1 << 20))
+
+
+def test_a_peer_sending_past_a_containers_cap_is_refused_as_it_sends_and_nothing_is_left(mesh: MeshHost) -> None:
+    key = "origin-sb-over/tokenize/0"
+    sent = [0]
+    with mesh.channel("gpu-1") as ch:
+        try:
+            pb_grpc.MeshStub(ch).RunShadowChunked(_endless(mesh, key, sent), timeout=300)
+            code, details = grpc.StatusCode.OK, ""
+        except grpc.RpcError as e:
+            code, details = e.code(), e.details() or ""
+        _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=key))
+    assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "a hosted container's volumes may hold at most 64 MiB" in details and "/etc/secret" in details, details
+    assert 64 < sent[0] < 96  # refused at the MiB over the cap, not after the peer stopped (it never does)
+    volumes = mesh.agent.state_dir / "shadow-volumes"
+    assert _filesystems_under(volumes) == {} and not list(volumes.glob("gpu-1/*"))
+    assert mesh.shadows() == (set(), set())
 
 
 def _filler(mesh: MeshHost, key: str, writes_mib: int, limit_mib: int) -> pb.RunShadowRequest:

@@ -125,6 +125,20 @@ class Volume(_message.Message):
     single_file: bool
     def __init__(self, container_path: _Optional[str] = ..., files: _Optional[_Iterable[_Union[VolumeFile, _Mapping]]] = ..., single_file: _Optional[bool] = ...) -> None: ...
 
+class VolumeUpload(_message.Message):
+    __slots__ = ("run", "sync", "volume", "file", "data")
+    RUN_FIELD_NUMBER: _ClassVar[int]
+    SYNC_FIELD_NUMBER: _ClassVar[int]
+    VOLUME_FIELD_NUMBER: _ClassVar[int]
+    FILE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    run: RunShadowRequest
+    sync: SyncVolumesRequest
+    volume: Volume
+    file: VolumeFile
+    data: bytes
+    def __init__(self, run: _Optional[_Union[RunShadowRequest, _Mapping]] = ..., sync: _Optional[_Union[SyncVolumesRequest, _Mapping]] = ..., volume: _Optional[_Union[Volume, _Mapping]] = ..., file: _Optional[_Union[VolumeFile, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
 class ShadowRef(_message.Message):
     __slots__ = ("origin_node", "key")
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]

@@ -50,6 +50,11 @@ class MeshStub:
                 request_serializer=mesh__pb2.RunShadowRequest.SerializeToString,
                 response_deserializer=mesh__pb2.ShadowState.FromString,
                 _registered_method=True)
+        self.RunShadowChunked = channel.stream_unary(
+                '/weft.mesh.v1.Mesh/RunShadowChunked',
+                request_serializer=mesh__pb2.VolumeUpload.SerializeToString,
+                response_deserializer=mesh__pb2.ShadowState.FromString,
+                _registered_method=True)
         self.StartShadow = channel.unary_unary(
                 '/weft.mesh.v1.Mesh/StartShadow',
                 request_serializer=mesh__pb2.ShadowRef.SerializeToString,
@@ -83,6 +88,11 @@ class MeshStub:
         self.SyncVolumes = channel.unary_unary(
                 '/weft.mesh.v1.Mesh/SyncVolumes',
                 request_serializer=mesh__pb2.SyncVolumesRequest.SerializeToString,
+                response_deserializer=mesh__pb2.SyncVolumesResponse.FromString,
+                _registered_method=True)
+        self.SyncVolumesChunked = channel.stream_unary(
+                '/weft.mesh.v1.Mesh/SyncVolumesChunked',
+                request_serializer=mesh__pb2.VolumeUpload.SerializeToString,
                 response_deserializer=mesh__pb2.SyncVolumesResponse.FromString,
                 _registered_method=True)
         self.OpenTunnel = channel.unary_unary(
@@ -124,6 +134,21 @@ class MeshServicer:
         asked; otherwise StartShadow starts it, as kubelet's StartContainer does).
         Shadows carry the labels weft.io/origin-node and weft.io/origin-key and are
         hidden from this node's kubelet. Idempotent by key.
+        A request with copied volumes goes by RunShadowChunked instead: a
+        RunShadow message may be at most the mesh's message limit (4 MiB).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RunShadowChunked(self, request_iterator, context):
+        """RunShadow with the container's copied volumes: the first message is the
+        request without its volumes (``run``), the rest the volumes in parts
+        (VolumeUpload), each part's bytes at most 1 MiB. The host reads a part
+        only once the peer has passed its checks, and counts the bytes against
+        its caps (a container's, an origin's) as they arrive: a peer that sends
+        more is refused at the part that takes it over, and nothing is written
+        until the last part is in.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -183,6 +208,16 @@ class MeshServicer:
     def SyncVolumes(self, request, context):
         """Replace the files of the shadow's copied read-only volumes (ConfigMap,
         Secret, projected) with these: how an update on the origin follows.
+        Sent with volumes by an older origin only (up to the message limit); a
+        current one sends SyncVolumesChunked.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SyncVolumesChunked(self, request_iterator, context):
+        """SyncVolumes in parts, as RunShadowChunked: the request without its
+        volumes first (``sync``), then the volumes.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -236,6 +271,11 @@ def add_MeshServicer_to_server(servicer, server):
                     request_deserializer=mesh__pb2.RunShadowRequest.FromString,
                     response_serializer=mesh__pb2.ShadowState.SerializeToString,
             ),
+            'RunShadowChunked': grpc.stream_unary_rpc_method_handler(
+                    servicer.RunShadowChunked,
+                    request_deserializer=mesh__pb2.VolumeUpload.FromString,
+                    response_serializer=mesh__pb2.ShadowState.SerializeToString,
+            ),
             'StartShadow': grpc.unary_unary_rpc_method_handler(
                     servicer.StartShadow,
                     request_deserializer=mesh__pb2.ShadowRef.FromString,
@@ -269,6 +309,11 @@ def add_MeshServicer_to_server(servicer, server):
             'SyncVolumes': grpc.unary_unary_rpc_method_handler(
                     servicer.SyncVolumes,
                     request_deserializer=mesh__pb2.SyncVolumesRequest.FromString,
+                    response_serializer=mesh__pb2.SyncVolumesResponse.SerializeToString,
+            ),
+            'SyncVolumesChunked': grpc.stream_unary_rpc_method_handler(
+                    servicer.SyncVolumesChunked,
+                    request_deserializer=mesh__pb2.VolumeUpload.FromString,
                     response_serializer=mesh__pb2.SyncVolumesResponse.SerializeToString,
             ),
             'OpenTunnel': grpc.unary_unary_rpc_method_handler(
@@ -362,6 +407,33 @@ class Mesh:
             target,
             '/weft.mesh.v1.Mesh/RunShadow',
             mesh__pb2.RunShadowRequest.SerializeToString,
+            mesh__pb2.ShadowState.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RunShadowChunked(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/weft.mesh.v1.Mesh/RunShadowChunked',
+            mesh__pb2.VolumeUpload.SerializeToString,
             mesh__pb2.ShadowState.FromString,
             options,
             channel_credentials,
@@ -551,6 +623,33 @@ class Mesh:
             target,
             '/weft.mesh.v1.Mesh/SyncVolumes',
             mesh__pb2.SyncVolumesRequest.SerializeToString,
+            mesh__pb2.SyncVolumesResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SyncVolumesChunked(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/weft.mesh.v1.Mesh/SyncVolumesChunked',
+            mesh__pb2.VolumeUpload.SerializeToString,
             mesh__pb2.SyncVolumesResponse.FromString,
             options,
             channel_credentials,

@@ -10,6 +10,11 @@ a valid fallback: a slow peer is treated as an absent one.
 gRPC failures become two typed errors: ``PeerUnavailable`` (no answer, TLS
 failed, deadline passed; try the next peer) and ``PeerRefused`` (the peer
 answered that it will not deal with us).
+
+Copied volumes go in parts (``RunShadowChunked``, ``SyncVolumesChunked``;
+``shim.mesh.upload``). A host of a weft from before those methods answers
+UNIMPLEMENTED, and then gets the volumes in the request itself, as it used
+to, while that fits the mesh's message limit.
 """
 
 from __future__ import annotations
@@ -24,9 +29,10 @@ import grpc
 from shim._pb import mesh_pb2 as pb
 from shim._pb import mesh_pb2_grpc as pb_grpc
 from shim.errors import WeftError
+from shim.mesh import upload
 from shim.mesh.certs import MeshTls
 from shim.mesh.identity import PeerRefused
-from shim.mesh.server import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES
+from shim.mesh.server import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES, MAX_RESPONSE_BYTES
 from shim.mesh.tlsreload import generation_of
 
 HELLO_TIMEOUT_S = 2.0
@@ -46,6 +52,13 @@ class PeerUnavailable(WeftError):
         super().__init__(message)
         self.node = node
         self.status = status
+
+
+class PeerTooOld(WeftError):
+    """The peer runs a weft from before what this call needs (copied volumes in parts), and the request does not
+    fit the way it takes them."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
 
 
 # Creating a shadow may pull an image: minutes, not the seconds of a Hello.
@@ -91,7 +104,7 @@ class PeerClient:
             # A peer that restarts should be found again within a Hello period or two,
             # not after gRPC's default two-minute backoff.
             ("grpc.max_reconnect_backoff_ms", 5000),
-            ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+            ("grpc.max_receive_message_length", MAX_RESPONSE_BYTES),
             ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
             *KEEPALIVE_OPTIONS,
         ])
@@ -175,7 +188,11 @@ class PeerClient:
         return answer
 
     def run_shadow(self, request: pb.RunShadowRequest, timeout: float = SHADOW_TIMEOUT_S) -> pb.ShadowState:
-        return self._call("RunShadow", lambda s: s.RunShadow, request, timeout)
+        """RunShadow; with volumes, RunShadowChunked (the volumes in parts)."""
+        if not request.volumes:
+            return self._call("RunShadow", lambda s: s.RunShadow, request, timeout)
+        return self._chunked("RunShadow", lambda s: s.RunShadowChunked, lambda: upload.run_parts(request),
+                             lambda s: s.RunShadow, request, timeout)
 
     def start_shadow(self, origin: str, key: str) -> pb.ShadowState:
         return self._call("StartShadow", lambda s: s.StartShadow, pb.ShadowRef(origin_node=origin, key=key),
@@ -195,8 +212,32 @@ class PeerClient:
         return self._call(method, lambda s: s.ShadowCall, req, timeout).response
 
     def sync_volumes(self, origin: str, key: str, volumes) -> int:
-        req = pb.SyncVolumesRequest(origin_node=origin, key=key, volumes=volumes)
-        return self._call("SyncVolumes", lambda s: s.SyncVolumes, req, SHADOW_TIMEOUT_S).changed
+        """SyncVolumesChunked: the files of the shadow's volumes replaced with ``volumes``."""
+        volumes = list(volumes)
+        req = pb.SyncVolumesRequest(origin_node=origin, key=key)
+        if not volumes:
+            return self._call("SyncVolumes", lambda s: s.SyncVolumes, req, SHADOW_TIMEOUT_S).changed
+        return self._chunked("SyncVolumes", lambda s: s.SyncVolumesChunked,
+                             lambda: upload.sync_parts(origin, key, volumes), lambda s: s.SyncVolumes,
+                             pb.SyncVolumesRequest(origin_node=origin, key=key, volumes=volumes),
+                             SHADOW_TIMEOUT_S).changed
+
+    def _chunked(self, method: str, fn: Callable[[pb_grpc.MeshStub], Callable[..., T]],
+                 parts: Callable[[], object], old: Callable[[pb_grpc.MeshStub], Callable[..., T]],
+                 whole: pb.RunShadowRequest | pb.SyncVolumesRequest, timeout: float) -> T:
+        """A call with volumes in parts; to a host that predates that, the request ``whole`` as it was sent
+        then, when it fits a mesh message."""
+        try:
+            return self._call(f"{method}Chunked", fn, parts(), timeout)
+        except PeerUnavailable as exc:
+            if exc.status is not grpc.StatusCode.UNIMPLEMENTED:
+                raise
+        size = whole.ByteSize()
+        if size > MAX_MESSAGE_BYTES:
+            raise PeerTooOld(f"peer {self.node} runs a weft that takes copied volumes only in one {method} message, "
+                              f"and this one would hold {size} bytes, over the mesh's {MAX_MESSAGE_BYTES}; upgrade "
+                             "the peer")
+        return self._call(method, old, whole, timeout)
 
     def watch(self, origin: str, keys: list[str], heartbeat_s: float):
         """The host's pushed shadow states; a ``grpc`` call object (iterate it, ``cancel()`` it)."""

@@ -16,6 +16,15 @@ another's. A call over its cap is RESOURCE_EXHAUSTED at once (``PeerBusy``).
 A host counts an origin as heard from while any call or stream of it is open
 here (the connection's keepalive ends them within seconds of a cut), not only
 when one of its calls starts.
+
+Message sizes: gRPC reads a request message whole before a handler runs, so
+whatever a unary request may hold is read before the peer-list check. The
+transport refuses a message over ``MAX_MESSAGE_BYTES`` from its length
+prefix, without reading it (and with BDP probing off, its flow-control window
+does not grow for one); each method then has a limit of its own
+(``REQUEST_LIMITS``), checked before the request is parsed. Copied volumes,
+the one thing that may be large, come in client streams of small parts
+(``shim.mesh.upload``), whose handler checks the peer before reading any.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim._pb import mesh_pb2_grpc as pb_grpc
 from shim.errors import ConfigError, WeftError
+from shim.mesh import upload
 from shim.mesh.capacity import CapacityProbe
 from shim.mesh.certs import MeshTls, cert_nodes
 from shim.mesh.identity import PeerPolicy, PeerRefused
@@ -42,6 +52,12 @@ from shim.mesh.tlsreload import NodeTls, server_credentials
 _log = log.get("weft.mesh")
 
 Admit = Callable[[pb.AdmitRequest], pb.AdmitResponse]
+
+
+class MessageTooLarge(WeftError):
+    """A request larger than its method takes (``REQUEST_LIMITS``)."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
 class PeerBusy(WeftError):
@@ -121,6 +137,34 @@ class PeerLimits:
             return {kind: n for (node, kind), n in self._open.items() if not node}
 
 
+@dataclass(frozen=True)
+class Oversized:
+    """What a request over its method's limit is handed to the handler as, unparsed: refused after the peer's
+    checks, so a stranger is told it is a stranger."""
+
+    method: str
+    size: int
+    limit: int
+
+    def refuse(self) -> MessageTooLarge:
+        return MessageTooLarge(f"{self.method}: a message of {self.size} bytes, over the {self.limit} this host "
+                               f"takes for it")
+
+
+def _checked(request: Any) -> Any:
+    if isinstance(request, Oversized):
+        raise request.refuse()
+    return request
+
+
+def _parts(requests: Iterator[Any]) -> Iterator[Any]:
+    """A client stream's messages, a message over its method's limit refused as it comes."""
+    for request in requests:
+        if isinstance(request, Oversized):
+            raise request.refuse()
+        yield request
+
+
 def _abort(method: str, exc: WeftError, context) -> None:
     """weft's typed error as the call's gRPC status; a refused peer is also logged."""
     if isinstance(exc, PeerRefused):
@@ -134,7 +178,26 @@ def _mapped(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
             try:
                 node = self.policy.check(context.auth_context())  # who it is, before anything else
                 with self.limits.hold(node, kind, fn.__name__):
-                    return fn(self, request, context)
+                    return fn(self, _checked(request), context)
+            except WeftError as exc:
+                _abort(fn.__name__, exc, context)
+
+        handler.__name__ = fn.__name__
+        return handler
+
+    return wrap
+
+
+def _mapped_upload(kind: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """A client stream: gRPC calls the handler before reading any message, so the peer is checked (and
+    its call counted) before the first part is read."""
+
+    def wrap(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def handler(self, requests, context):
+            try:
+                node = self.policy.check(context.auth_context())
+                with self.limits.hold(node, kind, fn.__name__):
+                    return fn(self, _parts(requests), context)
             except WeftError as exc:
                 _abort(fn.__name__, exc, context)
 
@@ -150,7 +213,7 @@ def _mapped_stream(kind: str) -> Callable[[Callable[..., Any]], Callable[..., An
             try:
                 node = self.policy.check(context.auth_context())
                 with self.limits.hold(node, kind, fn.__name__):
-                    yield from fn(self, request, context)
+                    yield from fn(self, _checked(request), context)
             except WeftError as exc:
                 _abort(fn.__name__, exc, context)
 
@@ -209,6 +272,12 @@ class MeshServicer(pb_grpc.MeshServicer):
         node = self._host(context, request.origin_node, "RunShadow")
         return self.host.run(node, request)
 
+    @_mapped_upload(CALL)
+    def RunShadowChunked(self, requests, context):  # noqa: N802
+        req = upload.first(requests, "run").run
+        node = self._host(context, req.origin_node, "RunShadowChunked")
+        return self.host.run_chunked(node, req, requests)
+
     @_mapped(CALL)
     def StartShadow(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "StartShadow")
@@ -233,6 +302,12 @@ class MeshServicer(pb_grpc.MeshServicer):
     def SyncVolumes(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "SyncVolumes")
         return self.host.sync_volumes(node, request)
+
+    @_mapped_upload(CALL)
+    def SyncVolumesChunked(self, requests, context):  # noqa: N802
+        req = upload.first(requests, "sync").sync
+        node = self._host(context, req.origin_node, "SyncVolumesChunked")
+        return self.host.sync_volumes_chunked(node, req, requests)
 
     # The two streams: the checks run before the first message, and an error
     # after that ends the stream with its status as the unary calls do.
@@ -297,10 +372,13 @@ class MeshServer:
         # admitted is never queued behind streams.
         self._server = grpc.server(ThreadPoolExecutor(max_workers=limits.workers, thread_name_prefix="weft-mesh"),
                                    options=(*KEEPALIVE_OPTIONS,
-                                            # RunShadow carries copied volumes (up to 64 MiB, see shadow_volumes).
                                             ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
-                                            ("grpc.max_send_message_length", MAX_MESSAGE_BYTES)))
-        pb_grpc.add_MeshServicer_to_server(self.servicer, self._server)
+                                            ("grpc.max_send_message_length", MAX_RESPONSE_BYTES),
+                                            # BDP probing widens a connection's window while a large message
+                                            # comes in, so the transport buffers megabytes of a message it will
+                                            # refuse; the window then stays what a message under the limit needs.
+                                            ("grpc.http2.bdp_probe", 0)))
+        self._server.add_generic_rpc_handlers((handlers(self.servicer),))
 
     def start(self) -> None:
         try:
@@ -324,7 +402,56 @@ class MeshServer:
         self.stop()
 
 
-MAX_MESSAGE_BYTES = 80 << 20
+# The largest request the mesh reads. The largest unary request is a RunShadow without volumes: kubelet's
+# sandbox and container configs, whose environment and arguments must fit the kernel's ARG_MAX (2 MiB with the
+# default stack) for the container to start at all, and whose annotations the API server holds to 256 KiB.
+# Copied volumes, which may be larger, come in parts (shim.mesh.upload).
+MAX_MESSAGE_BYTES = 4 << 20
+# The largest answer: a ShadowCall carries the host's containerd's response, which containerd sends up to
+# 16 MiB (its default max_send_message_size, and kubelet's CRI client reads no more), in a small wrapper.
+MAX_RESPONSE_BYTES = (16 << 20) + (64 << 10)
+# Requests that are small by nature are held to less than MAX_MESSAGE_BYTES: a Watch lists the keys of an
+# origin's shadows here, a Stitch a pod's ports.
+SMALL_REQUEST_BYTES = 256 << 10
+REQUEST_LIMITS = {
+    "Hello": SMALL_REQUEST_BYTES,
+    "Admit": SMALL_REQUEST_BYTES,
+    "RunShadow": MAX_MESSAGE_BYTES,
+    "RunShadowChunked": MAX_MESSAGE_BYTES,  # the first part is a RunShadow; the rest hold 1 MiB of data each
+    "StartShadow": SMALL_REQUEST_BYTES,
+    "ShadowStatus": SMALL_REQUEST_BYTES,
+    "RemoveShadow": SMALL_REQUEST_BYTES,
+    "Watch": 1 << 20,
+    "ShadowCall": MAX_MESSAGE_BYTES,  # kubelet's request: an ExecSync's command, an update's resources
+    "StreamLog": SMALL_REQUEST_BYTES,
+    "SyncVolumes": MAX_MESSAGE_BYTES,  # with volumes from an older origin only
+    "SyncVolumesChunked": (1 << 20) + SMALL_REQUEST_BYTES,
+    "OpenTunnel": SMALL_REQUEST_BYTES,
+    "Stitch": 1 << 20,
+}
+
+
+def _deserializer(method: str, message: Any, limit: int) -> Callable[[bytes], Any]:
+    def parse(data: bytes) -> Any:
+        return Oversized(method, len(data), limit) if len(data) > limit else message.FromString(data)
+
+    return parse
+
+
+def handlers(servicer: MeshServicer) -> grpc.GenericRpcHandler:
+    """The Mesh service's methods (as the generated ``add_MeshServicer_to_server`` makes them), each request
+    held to its method's limit in ``REQUEST_LIMITS``."""
+    service = pb.DESCRIPTOR.services_by_name["Mesh"]
+    kinds = {(False, False): grpc.unary_unary_rpc_method_handler, (False, True): grpc.unary_stream_rpc_method_handler,
+             (True, False): grpc.stream_unary_rpc_method_handler, (True, True): grpc.stream_stream_rpc_method_handler}
+    table = {}
+    for m in service.methods:
+        make = kinds[(m.client_streaming, m.server_streaming)]
+        table[m.name] = make(getattr(servicer, m.name),
+                             request_deserializer=_deserializer(m.name, getattr(pb, m.input_type.name),
+                                                                REQUEST_LIMITS[m.name]),
+                             response_serializer=lambda answer: answer.SerializeToString())
+    return grpc.method_handlers_generic_handler(service.full_name, table)
 
 # A cut link must end the streams on both sides within seconds, not after TCP's own timeouts. Pings go only
 # while a call or stream is open: an idle connection (a candidate host between Hellos, of thousands) costs

@@ -5,16 +5,31 @@ The same paths over real TLS are in ``integration/test_mesh_tls.py``.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import grpc
 import pytest
 from structlog.testing import capture_logs
 
 from shim._pb import mesh_pb2 as pb
 from shim.errors import ConfigError
-from shim.mesh import certs
+from shim.mesh import certs, upload
 from shim.mesh.capacity import CapacityProbe, FixedHost
+from shim.mesh.client import PeerClient
 from shim.mesh.identity import PeerPolicy
-from shim.mesh.server import CALL, HELLO, STREAM, WATCH, MeshLimits, MeshServer, MeshServicer, PeerBusy, PeerLimits
+from shim.mesh.server import (
+    CALL,
+    HELLO,
+    MAX_MESSAGE_BYTES,
+    REQUEST_LIMITS,
+    STREAM,
+    WATCH,
+    MeshLimits,
+    MeshServer,
+    MeshServicer,
+    PeerBusy,
+    PeerLimits,
+)
 
 GI = 2**30
 
@@ -153,3 +168,123 @@ def test_a_call_over_its_peers_cap_is_resource_exhausted() -> None:
         servicer.Hello(_hello("gpu-1"), ctx)
     assert ctx.code is grpc.StatusCode.RESOURCE_EXHAUSTED and "1 hello calls open" in ctx.details
     assert servicer.Hello(_hello("gpu-1"), FakeContext("gpu-1")).node == "cpu-1"
+
+
+# -- message sizes: nothing large is read before the peer is known -------------------------------------
+class UploadHost:
+    """A host that takes volume streams: what it was handed, read under the caps."""
+
+    def __init__(self) -> None:
+        self.runs: list[pb.RunShadowRequest] = []
+        self.in_contact = self.admit = None
+
+    def touch(self, origin: str) -> None:
+        pass
+
+    def run_chunked(self, origin: str, req: pb.RunShadowRequest, parts) -> pb.ShadowState:
+        upload.receive(parts, req.volumes, upload.UploadCaps(max_bytes=8 << 20, max_files=16))
+        self.runs.append(req)
+        return pb.ShadowState(key=req.key, shadow_container_id="c1")
+
+    def run(self, origin: str, req: pb.RunShadowRequest) -> pb.ShadowState:
+        self.runs.append(req)
+        return pb.ShadowState(key=req.key, shadow_container_id="c1")
+
+
+def _upload_servicer(host: UploadHost) -> MeshServicer:
+    probe = CapacityProbe("cpu", 0.5, 0, host=FixedHost(cores=4, memory_total=8 * GI, memory_available=8 * GI))
+    return MeshServicer("cpu-1", PeerPolicy({"gpu-1"}), probe, host=host)
+
+
+def _counted(parts, pulled: list[int]):
+    for p in parts:
+        pulled[0] += 1
+        yield p
+
+
+def _with_volume(size: int, origin: str = "gpu-1") -> pb.RunShadowRequest:
+    return pb.RunShadowRequest(origin_node=origin, key="sb/app/0", volumes=[
+        pb.Volume(container_path="/etc/secret", files=[pb.VolumeFile(path="token", data=b"s" * size)])])
+
+
+def test_a_stranger_is_refused_a_volume_stream_before_any_part_is_read() -> None:
+    host, pulled, ctx = UploadHost(), [0], FakeContext("stranger")
+    with capture_logs() as logs, pytest.raises(Aborted):
+        _upload_servicer(host).RunShadowChunked(_counted(upload.run_parts(_with_volume(16 << 20)), pulled), ctx)
+    assert (ctx.code, pulled, host.runs) == (grpc.StatusCode.PERMISSION_DENIED, [0], [])
+    assert [e["event"] for e in logs] == ["peer.refused"]
+
+
+def test_a_volume_stream_speaking_for_another_node_is_refused_after_its_first_part() -> None:
+    host, pulled, ctx = UploadHost(), [0], FakeContext("gpu-1")
+    with pytest.raises(Aborted):
+        _upload_servicer(host).RunShadowChunked(_counted(upload.run_parts(_with_volume(4 << 20, "gpu-2")), pulled),
+                                                ctx)
+    assert (ctx.code, pulled, host.runs) == (grpc.StatusCode.PERMISSION_DENIED, [1], [])
+
+
+def test_a_listed_peers_volume_stream_reaches_the_host_whole() -> None:
+    host = UploadHost()
+    answer = _upload_servicer(host).RunShadowChunked(upload.run_parts(_with_volume(3 << 20)), FakeContext("gpu-1"))
+    assert answer.shadow_container_id == "c1" and host.runs == [_with_volume(3 << 20)]
+
+
+def test_every_method_has_a_request_limit_none_over_the_mesh_message_limit() -> None:
+    methods = {m.name for m in pb.DESCRIPTOR.services_by_name["Mesh"].methods}
+    assert set(REQUEST_LIMITS) == methods
+    assert max(REQUEST_LIMITS.values()) == MAX_MESSAGE_BYTES <= 4 << 20
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[tuple[MeshServer, UploadHost, dict[str, tuple[bytes, bytes, bytes]]]]:
+    """A real MeshServer on 127.0.0.1 over mutual TLS, gpu-1 listed, ``stranger`` signed by the same CA."""
+    ca = certs.generate_ca()
+    tls = {n: (*certs.issue_node_cert(*ca, n, ["127.0.0.1"]), ca[1]) for n in ("cpu-1", "gpu-1", "stranger")}
+    host = UploadHost()
+    probe = CapacityProbe("cpu", host=FixedHost(4, 8 * GI, 8 * GI))
+    server = MeshServer("cpu-1", "127.0.0.1:0", tls["cpu-1"], PeerPolicy({"gpu-1"}), probe, host=host)
+    server.start()
+    yield server, host, tls
+    server.stop(0)
+
+
+def _channel(served, as_node: str) -> grpc.Channel:
+    server, _, tls = served
+    key, cert, ca = tls[as_node]
+    return grpc.secure_channel(f"127.0.0.1:{server.port}", grpc.ssl_channel_credentials(ca, key, cert), options=[
+        ("grpc.ssl_target_name_override", "cpu-1"), ("grpc.max_send_message_length", 64 << 20)])
+
+
+def _unary(ch: grpc.Channel, method: str, request) -> tuple[grpc.StatusCode, str]:
+    try:
+        ch.unary_unary(f"/weft.mesh.v1.Mesh/{method}")(request.SerializeToString(), timeout=30)
+        return grpc.StatusCode.OK, ""
+    except grpc.RpcError as exc:
+        return exc.code(), exc.details() or ""
+
+
+def test_the_transport_refuses_a_message_over_the_mesh_limit_from_its_length_alone(served) -> None:
+    for who in ("stranger", "gpu-1"):
+        with _channel(served, who) as ch:
+            code, details = _unary(ch, "RunShadow", _with_volume(16 << 20, who))
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED and f"vs. {MAX_MESSAGE_BYTES}" in details, (who, details)
+    assert served[1].runs == []
+
+
+def test_a_request_over_its_methods_limit_is_refused_after_the_peer_check(served) -> None:
+    hello = pb.HelloRequest(origin=pb.PeerState(node="gpu-1", health_detail="x" * (300 << 10)))
+    with _channel(served, "stranger") as ch:
+        assert _unary(ch, "Hello", hello)[0] is grpc.StatusCode.PERMISSION_DENIED
+    with _channel(served, "gpu-1") as ch:
+        code, details = _unary(ch, "Hello", hello)
+        assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert f"Hello: a message of {hello.ByteSize()} bytes, over the {REQUEST_LIMITS['Hello']}" in details
+        hello.origin.health_detail = "ok"
+        assert _unary(ch, "Hello", hello)[0] is grpc.StatusCode.OK
+
+
+def test_volumes_larger_than_a_message_reach_the_host_in_parts(served) -> None:
+    server, host, tls = served
+    with PeerClient("cpu-1", f"127.0.0.1:{server.port}", tls["gpu-1"]) as client:
+        assert client.run_shadow(_with_volume(6 << 20)).shadow_container_id == "c1"
+    assert host.runs[-1] == _with_volume(6 << 20)

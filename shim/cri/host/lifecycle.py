@@ -12,7 +12,9 @@ what is unsafe to reroute (privileged, host namespaces, host paths,
 devices) or what a baseline pod may not run (``shim.core.baseline``),
 whatever the origin asks, and it builds the configs it gives containerd from
 an allowlist of fields (``shim.cri.baseline``), never by passing the
-origin's through. The pod's read-only volumes come copied (``volumes``).
+origin's through. The pod's read-only volumes come copied (``volumes``), in
+parts (``RunShadowChunked``): ``receiving`` reads them under the caps as they
+arrive, and nothing is written before the last part is in.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import json
 import re
 import shutil
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 
 import grpc
@@ -50,6 +52,7 @@ from shim.cri.labels import (
 )
 from shim.cri.mark import MARK_LABEL, ShadowMark
 from shim.errors import BadAnnotation, UpstreamError, WeftError
+from shim.mesh import upload
 
 _log = log.get("weft.shadows")
 
@@ -157,6 +160,17 @@ class Lifecycle:
         # origin that skipped Admit, or asks for more than it was admitted with, is refused. None: no mesh.
         self.admit: Callable[[pb.AdmitRequest], pb.AdmitResponse] | None = None
         self._volume_lock = threading.Lock()
+        self.arriving = shadow_volumes.Arriving()
+
+    @contextlib.contextmanager
+    def receiving(self, origin: str, key: str, stream: Iterator[pb.VolumeUpload], into) -> Iterator[None]:
+        """Read a volume stream's parts into ``into`` (the request's volumes) under a container's caps and the
+        origin's, part by part; the bytes count against the origin's until the call is done (they are in memory
+        until then)."""
+        root = self._volume_dir(origin, key)
+        with self.arriving.counting(root.parent, root) as take:
+            upload.receive(stream, into, shadow_volumes.UPLOAD_CAPS, take)
+            yield
 
     def _volume_dir(self, origin: str, key: str) -> Path:
         return self.volume_root / _safe_component(origin, "origin node") / label(key)

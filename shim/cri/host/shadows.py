@@ -184,6 +184,11 @@ class ShadowHost:
             return self.preparer.prepare(origin, req)
         return self.lifecycle.run(origin, req)
 
+    def run_chunked(self, origin: str, req: pb.RunShadowRequest, parts: Iterator[pb.VolumeUpload]) -> pb.ShadowState:
+        """RunShadow, its volumes read from ``parts`` first."""
+        with self.lifecycle.receiving(origin, req.key, parts, req.volumes):
+            return self.run(origin, req)
+
     def start(self, origin: str, key: str) -> pb.ShadowState:
         return self.lifecycle.start(origin, key)
 
@@ -195,6 +200,11 @@ class ShadowHost:
 
     def sync_volumes(self, origin: str, req: pb.SyncVolumesRequest) -> pb.SyncVolumesResponse:
         return self.lifecycle.sync_volumes(origin, req)
+
+    def sync_volumes_chunked(self, origin: str, req: pb.SyncVolumesRequest,
+                             parts: Iterator[pb.VolumeUpload]) -> pb.SyncVolumesResponse:
+        with self.lifecycle.receiving(origin, req.key, parts, req.volumes):
+            return self.lifecycle.sync_volumes(origin, req)
 
     def watch(self, origin: str, req: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.ShadowState]:
         return self.watcher.watch(origin, req, context)

@@ -21,6 +21,10 @@ kubelet keeps a Secret, each volume is written to a tmpfs of its own
 (``write(tmpfs=True)``, as the host agent writes them): never to the host's
 disk, gone with the shadow or a reboot; ``remove`` unmounts it.
 
+The files arrive in parts (``shim.mesh.upload``), counted against the same
+caps as they come (``UPLOAD_CAPS``, and the origin's in
+``Lifecycle.receiving``); ``plan`` checks them again once they are all in.
+
 ``plan`` is pure (the checks); ``write`` and ``sync`` touch the disk. A file
 is replaced atomically (a temporary file in the same directory, then
 ``rename``), so a container reading through its directory bind mount sees the
@@ -38,17 +42,21 @@ import re
 import secrets
 import shutil
 import stat
-from collections.abc import Iterable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 import grpc
 
 from shim.errors import WeftError
+from shim.mesh.upload import UploadCaps
 
 MAX_BYTES = 64 << 20
 MAX_ORIGIN_BYTES = 256 << 20
 MAX_FILES = 4096
+# The same caps, held part by part while the volumes arrive (shim.mesh.upload).
+UPLOAD_CAPS = UploadCaps(max_bytes=MAX_BYTES, max_files=MAX_FILES)
 MAX_PATH = 4096
 DEFAULT_MODE = 0o644
 SINGLE = "file"
@@ -187,6 +195,46 @@ def check_origin_cap(origin_root: Path, plans: list[VolumePlan], *, replacing: P
     if used + wanted > MAX_ORIGIN_BYTES:
         raise VolumesTooLarge(f"an origin's hosted containers' volumes may hold at most {MAX_ORIGIN_BYTES >> 20} MiB "
                               f"on this host; {used} bytes are held and these add {wanted}")
+
+
+class Arriving:
+    """The bytes of copied volumes being received now, per origin: held against the origin's cap together with
+    what it has on this host, so that its streams at once cannot hold more in memory than the cap."""
+
+    def __init__(self, cap: int = MAX_ORIGIN_BYTES) -> None:
+        self.cap = cap
+        self._lock = threading.Lock()
+        self._bytes: dict[Path, int] = {}
+
+    def now(self, origin_root: Path) -> int:
+        with self._lock:
+            return self._bytes.get(origin_root, 0)
+
+    @contextlib.contextmanager
+    def counting(self, origin_root: Path, root: Path) -> Iterator[Callable[[int], None]]:
+        """``take(n)`` for one stream of the origin under ``origin_root`` (for the container at ``root``, whose
+        volumes it replaces): VolumesTooLarge when ``n`` more bytes would take the origin past its cap."""
+        held = used_bytes(origin_root, besides=root) if origin_root.is_dir() else 0
+        mine = 0
+
+        def take(n: int) -> None:
+            nonlocal mine
+            with self._lock:
+                arriving = self._bytes.get(origin_root, 0)
+                if held + arriving + n > self.cap:
+                    raise VolumesTooLarge(f"an origin's hosted containers' volumes may hold at most {self.cap >> 20} "
+                                          f"MiB on this host; {held} bytes are held, {arriving - mine} are arriving "
+                                          f"for its other containers, and these add more ({mine + n} bytes so far)")
+                self._bytes[origin_root] = arriving + n
+                mine += n
+
+        try:
+            yield take
+        finally:
+            with self._lock:
+                left = self._bytes.pop(origin_root, 0) - mine
+                if left:
+                    self._bytes[origin_root] = left
 
 
 def write(root: Path, plans: list[VolumePlan], *, tmpfs: bool = False) -> None:

@@ -50,7 +50,8 @@ from shim.state.agent import PlacementRecord
 
 _log = log.get("weft.cri")
 
-# Copied volumes travel in one RunShadow message: large volumes are what hostPath or a PVC are for.
+# Copied volumes travel in memory, in RunShadowChunked's parts, to a tmpfs on the host: large volumes are what
+# hostPath or a PVC are for.
 MAX_VOLUME_BYTES = 32 << 20
 # A shadow may take minutes to create (the host pulls the image), but kubelet's CreateContainer has a
 # deadline (runtimeRequestTimeout, 2 min by default): a host may use half of what is left, so that running

@@ -130,3 +130,24 @@ def test_mount_points_are_read_with_their_escapes_deepest_first(tmp_path, monkey
     assert sv.mounts_under(Path("/srv/weft/shadow-volumes")) == [
         Path("/srv/weft/shadow-volumes/gpu-1/abc/0"), Path("/srv/weft/shadow-volumes/gpu-1")]
     assert sv.mounts_under(Path("/srv/weft/shadow volumes")) == [Path("/srv/weft/shadow volumes/x")]
+
+
+def test_an_origins_volumes_arriving_at_once_are_held_to_its_cap_with_what_it_has_here(tmp_path: Path) -> None:
+    origin = tmp_path / "gpu-1"
+    (origin / "held" / "0").mkdir(parents=True)
+    (origin / "held" / "0" / "f").write_bytes(b"h" * 40)
+    arriving = sv.Arriving(cap=100)
+    with arriving.counting(origin, origin / "a") as take_a, arriving.counting(origin, origin / "b") as take_b:
+        take_a(30)
+        take_b(20)
+        with pytest.raises(sv.VolumesTooLarge, match=r"at most 0 MiB on this host; 40 bytes are held, 30 are "
+                                                     r"arriving for its other containers, and these add more "
+                                                     r"\(31 bytes so far\)"):
+            take_b(11)
+        take_b(10)  # exactly the cap
+        assert arriving.now(origin) == 60
+    assert arriving.now(origin) == 0
+    with arriving.counting(origin, origin / "held") as take:  # replacing its own: what it holds is not counted
+        take(100)
+    with arriving.counting(tmp_path / "gpu-2", tmp_path / "gpu-2" / "a") as take:  # another origin: its own cap
+        take(100)
