@@ -160,9 +160,7 @@ def _checked(request: Any) -> Any:
 def _parts(requests: Iterator[Any]) -> Iterator[Any]:
     """A client stream's messages, a message over its method's limit refused as it comes."""
     for request in requests:
-        if isinstance(request, Oversized):
-            raise request.refuse()
-        yield request
+        yield _checked(request)
 
 
 def _abort(method: str, exc: WeftError, context) -> None:

@@ -12,6 +12,7 @@ import pytest
 from structlog.testing import capture_logs
 
 from shim._pb import mesh_pb2 as pb
+from shim._pb import mesh_pb2_grpc as pb_grpc
 from shim.errors import ConfigError
 from shim.mesh import certs, upload
 from shim.mesh.capacity import CapacityProbe, FixedHost
@@ -190,6 +191,10 @@ class UploadHost:
         self.runs.append(req)
         return pb.ShadowState(key=req.key, shadow_container_id="c1")
 
+    def sync_volumes_chunked(self, origin: str, req: pb.SyncVolumesRequest, parts) -> pb.SyncVolumesResponse:
+        upload.receive(parts, req.volumes, upload.UploadCaps(max_bytes=8 << 20, max_files=16))
+        return pb.SyncVolumesResponse(changed=len(req.volumes))
+
 
 def _upload_servicer(host: UploadHost) -> MeshServicer:
     probe = CapacityProbe("cpu", 0.5, 0, host=FixedHost(cores=4, memory_total=8 * GI, memory_available=8 * GI))
@@ -288,3 +293,18 @@ def test_volumes_larger_than_a_message_reach_the_host_in_parts(served) -> None:
     with PeerClient("cpu-1", f"127.0.0.1:{server.port}", tls["gpu-1"]) as client:
         assert client.run_shadow(_with_volume(6 << 20)).shadow_container_id == "c1"
     assert host.runs[-1] == _with_volume(6 << 20)
+
+
+def test_a_part_over_its_streams_limit_is_refused_as_it_comes(served) -> None:
+    head = pb.VolumeUpload(sync=pb.SyncVolumesRequest(origin_node="gpu-1", key="sb/app/0"))
+    volume = pb.VolumeUpload(volume=pb.Volume(container_path="/etc/app"))
+    big = pb.VolumeUpload(file=pb.VolumeFile(path="f", data=b"x" * (2 << 20)))
+    with _channel(served, "gpu-1") as ch:
+        stub = pb_grpc.MeshStub(ch)
+        assert stub.SyncVolumesChunked(iter([head, volume, pb.VolumeUpload(file=pb.VolumeFile(path="f"))]),
+                                       timeout=30).changed == 1
+        with pytest.raises(grpc.RpcError) as caught:
+            stub.SyncVolumesChunked(iter([head, volume, big]), timeout=30)
+    assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert f"SyncVolumesChunked: a message of {big.ByteSize()} bytes, over the " \
+           f"{REQUEST_LIMITS['SyncVolumesChunked']}" in caught.value.details()
