@@ -4,7 +4,8 @@ etcd listens on loopback. The API server listens on one address of the root netw
 the test nodes reach (the local fabric's mesh bridge), with a serving certificate from ``pki``,
 static tokens for its clients (an admin in ``system:masters``, one ``system:node:<name>`` per kubelet,
 the scheduler), Node and RBAC authorization, the ServiceAccount admission and token signing. No
-controller-manager runs: what its controllers would make that the tests need (the ``default``
+controller-manager runs unless a test starts one with the controllers it needs (the DRA test's
+resourceclaim controller): what its controllers would make that the tests need (the ``default``
 ServiceAccount, the ``kube-root-ca.crt`` ConfigMap) the fixture makes itself, and the
 TaintNodesByCondition admission is off, since no node lifecycle controller would lift its taint.
 """
