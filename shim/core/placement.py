@@ -36,6 +36,7 @@ class PlacementReason(enum.Enum):
     UNSAFE = "unsafe"  # privileged, host namespace, host path, device, shared volume or no limits: runs here
     PEERS_REFUSED = "peers-refused"  # every candidate refused at Admit or failed to create it: runs here
     VOLUMES_TOO_LARGE = "volumes-too-large"  # its read-only volumes are too large (or unreadable) to copy
+    CONFIG_TOO_LARGE = "config-too-large"  # kubelet's configs of it hold more than a mesh message carries
     INIT_CONTAINER = "init-container"  # the pod spec says it is an init container: it runs on the pod's node
 
 

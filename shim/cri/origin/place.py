@@ -46,6 +46,7 @@ from shim.cri import baseline
 from shim.cri.fabric import Fabric
 from shim.cri.remote import REMOTE_PREFIX, Remote, new_id
 from shim.errors import WeftError
+from shim.mesh.server import MAX_MESSAGE_BYTES
 from shim.state.agent import PlacementRecord
 
 _log = log.get("weft.cri")
@@ -53,6 +54,8 @@ _log = log.get("weft.cri")
 # Copied volumes travel in memory, in RunShadowChunked's parts, to a tmpfs on the host: large volumes are what
 # hostPath or a PVC are for.
 MAX_VOLUME_BYTES = 32 << 20
+# What RunShadow holds besides kubelet's configs and the credentials: the key, the origin's names, the limits.
+_REQUEST_SLACK = 64 << 10
 # A shadow may take minutes to create (the host pulls the image), but kubelet's CreateContainer has a
 # deadline (runtimeRequestTimeout, 2 min by default): a host may use half of what is left, so that running
 # the container here still fits in the rest.
@@ -251,6 +254,13 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
     shadow_config.CopyFrom(config)
     del shadow_config.mounts[:]
     shadow_config.image.CopyFrom(image)
+    # RunShadow carries the configs in one message (only volumes come in parts); one larger than a mesh message
+    # would fail at every peer alike. kubelet's hold so much only with an environment and arguments past what
+    # the kernel lets a process start with, so the container fails here as it would without weft.
+    configs = sandbox_config.ByteSize() + shadow_config.ByteSize() + (auth.ByteSize() if auth is not None else 0)
+    if configs + _REQUEST_SLACK > MAX_MESSAGE_BYTES:
+        return None, LocalBecause(PlacementReason.CONFIG_TOO_LARGE, f"its sandbox and container configs hold "
+                                  f"{configs} bytes, more than a mesh message carries ({MAX_MESSAGE_BYTES} bytes)")
     limits = facts.limits
     tried: list[str] = []
     candidates = (fabric.prepared.order(decision.candidates, sandbox_config) if fabric.prepared is not None

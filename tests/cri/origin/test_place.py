@@ -167,6 +167,17 @@ def test_a_container_beyond_the_baseline_never_reaches_a_peer(fabric, tmp_path) 
     assert peers["cpu-1"].calls == []
 
 
+def test_configs_larger_than_a_mesh_message_stay_here_saying_so(fabric, tmp_path) -> None:
+    peers = {"cpu-1": Peer()}
+    fabric.mesh = FakeMesh(peers)
+    req = request(tmp_path)
+    req.config.envs.add(key="BIG", value="x" * (4 << 20))
+    remote, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/0", CPU, None)
+    assert remote is None and local.reason is PlacementReason.CONFIG_TOO_LARGE
+    assert f"more than a mesh message carries ({4 << 20} bytes)" in local.detail
+    assert peers["cpu-1"].calls == []
+
+
 def test_read_only_volumes_and_etc_hosts_are_copied_nothing_else(tmp_path: Path) -> None:
     pod = tmp_path / "pods" / "uid-1"
     cm = pod / "volumes" / "kubernetes.io~configmap" / "settings"
