@@ -152,3 +152,23 @@ def test_figures_rerouted_against_local_under_evented_pleg(request: pytest.Fixtu
                    f"rerouted {rerouted['exited']:.2f} s, local {local['exited']:.2f} s "
                    f"({rerouted['exited'] / local['exited']:.2f}x)")
     assert local["exited"] > local["running"] and rerouted["exited"] > rerouted["running"]
+
+
+def test_after_an_agent_restart_kubelet_relists_and_still_sees_rerouted_containers(kube: KubeCluster,
+                                                                                   timings) -> None:
+    """kubelet retries its event stream five times without a pause, then relists for the rest of its life, as
+    after a containerd restart: the stream ends with the agent, and the rerouted stages carry on being seen."""
+    agent = kube.agents[ORIGIN]
+    agent.stop()
+    try:
+        wait_for(lambda: kubelet_metric(kube, ORIGIN, "kubelet_evented_pleg_connection_error_count") >= 1,
+                 timeout=30, what="kubelet noticing its event stream ended")
+    finally:
+        agent.start(timeout=60)
+    try:
+        seen = run_to_exit(kube, "events-after-restart", rerouted=True)
+        prep = container_status(get_pod(kube, "events-after-restart"), "prep")
+        assert prep["state"]["terminated"]["exitCode"] == EXIT_CODE and prep["restartCount"] == 0
+        assert seen["exited"] < SEEN_WITHIN_S + 60
+    finally:
+        delete(kube, "events-after-restart")
