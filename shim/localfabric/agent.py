@@ -90,7 +90,8 @@ class AgentProcess:
             "--socket", str(self.socket),
             "--containerd-socket", str(self.containerd.socket),
             "--state-dir", str(self.state_dir),
-            "--cdi-spec-dirs", str(self.containerd.cdi_spec_dir),
+            # The CDI specs this containerd reads (a stand-in for containerd in a test has none).
+            *(["--cdi-spec-dirs", str(cdi)] if (cdi := getattr(self.containerd, "cdi_spec_dir", None)) else []),
             "--metrics-address", f"{self.metrics_host}:{self.metrics_port}",
             *self.extra_args,
         ]
