@@ -37,6 +37,8 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
                      id="busy-poll-too-long"),
         pytest.param("[agent]\nstream_busy_poll_us = -1\n", ["agent.stream_busy_poll_us", "-1"],
                      id="busy-poll-negative"),
+        pytest.param('[agent]\ncdi_spec_dirs = "/etc/cdi:cdi"\n', ["agent.cdi_spec_dirs", "'cdi'", "absolute"],
+                     id="relative-cdi-spec-dir"),
         pytest.param('[agent\n', ["config file"], id="not-toml"),
     ],
 )
@@ -52,6 +54,12 @@ def test_bad_config_names_what_to_fix(tmp_path: Path, text: str, words: list[str
 def test_missing_file_is_named(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match=r"nope\.toml"):
         config.load(tmp_path / "nope.toml")
+
+
+def test_cdi_spec_dirs_are_containerds_by_default_and_split_on_colons() -> None:
+    assert config.load(None).agent.cdi_spec_path_list == [Path("/etc/cdi"), Path("/var/run/cdi")]
+    cfg = config.load(None, {"agent": {"cdi_spec_dirs": "/a/cdi::/b/cdi"}})
+    assert cfg.agent.cdi_spec_path_list == [Path("/a/cdi"), Path("/b/cdi")]
 
 
 def test_empty_metrics_address_turns_http_off() -> None:
