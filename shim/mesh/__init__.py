@@ -10,4 +10,5 @@ certificate says, and only if it is a node this agent knows.
 - ``identity``: which node a TLS peer is, and whether it is welcome.
 - ``capacity``: this node's real free capacity, as the mesh reports it.
 - ``server`` / ``client``: the two ends of the mesh's gRPC service.
+- ``upload``: copied volumes in small parts, read only after the peer is known.
 """
