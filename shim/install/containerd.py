@@ -146,6 +146,9 @@ class ContainerdPlan:
     dropin: bytes
     base_spec: bytes
     socket: str  # containerd's CRI socket (host path), for the agent
+    # Where the CRI plugin reads CDI specs when the host sets it (None: containerd's default, /etc/cdi and
+    # /var/run/cdi), for the agent: a DRA claim's GPUs are named in those specs.
+    cdi_spec_dirs: tuple[str, ...] | None = None
 
 
 def _refuse(path: str, what: str) -> UnrecognisedHost:
@@ -260,6 +263,8 @@ def _runtime_section(path: str, doc: dict[str, Any]) -> dict[str, Any]:
         return dst
     if not isinstance(src, dict) or not isinstance(src.get("containerd", {}), dict):
         raise _refuse(path, f"plugins.{CRI!r} is not a table")
+    if "cdi_spec_dirs" in src and "cdi_spec_dirs" not in dst:  # migrated like every other runtime key
+        dst["cdi_spec_dirs"] = copy.deepcopy(src["cdi_spec_dirs"])
     ctr = dst.setdefault("containerd", {})
     for k, v in src.get("containerd", {}).items():
         if k not in ("snapshotter", "disable_snapshot_annotations", "discard_unpacked_layers") and k not in ctr:
@@ -393,11 +398,14 @@ def plan(files: HostFiles, hook_argv: list[str], broker_socket: str, ctrd: Conta
                               f"({ctrd.source}), which would not start on it")
     docs = _documents(files, doc)
     if ctrd.merges_deeply:
-        weft, spec = _weft_runtime(files, _effective_runtime_2x(docs), hook_argv, broker_socket)
+        runtime = _effective_runtime_2x(docs)
+        cdi_dirs = _cdi_spec_dirs(runtime)
+        weft, spec = _weft_runtime(files, runtime, hook_argv, broker_socket)
         section = {CRI if version == 2 else CRI_RUNTIME: {"containerd": {"runtimes": {HANDLER: weft}}}}
         dropin, banner = {"version": version, "plugins": section}, _BANNER_2X
     else:
         cri = _effective_cri_1x(docs)
+        cdi_dirs = _cdi_spec_dirs(cri)
         weft, spec = _weft_runtime(files, cri, hook_argv, broker_socket)  # checks the tables it reads
         ctr = cri.setdefault("containerd", {})
         # The default runtime is written out too when the host leaves it implicit, as weft always did on 1.x.
@@ -413,4 +421,17 @@ def plan(files: HostFiles, hook_argv: list[str], broker_socket: str, ctrd: Conta
         dropin=dropin_text.encode(),
         base_spec=(json.dumps(spec, indent=2) + "\n").encode(),
         socket=socket_address(doc),
+        cdi_spec_dirs=cdi_dirs,
     )
+
+
+def _cdi_spec_dirs(section: dict[str, Any]) -> tuple[str, ...] | None:
+    """The CRI runtime section's ``cdi_spec_dirs``, if the host sets it; refused if the agent could not be told it."""
+    dirs = section.get("cdi_spec_dirs")
+    if dirs is None:
+        return None
+    if not isinstance(dirs, list) or not all(isinstance(d, str) and d.startswith("/") and not re.search(r"[:\s]", d)
+                                             for d in dirs):
+        raise _refuse(CONFIG, f"cdi_spec_dirs {dirs!r} is not a list of absolute paths weft can pass on "
+                              "(no ':' or white space)")
+    return tuple(dirs)

@@ -26,6 +26,8 @@ AGENT_UNIT = "weft-agent.service"
 BROKER_UNIT = "weft-broker.service"
 BROKERS = ("nvml", "simulated", "none")
 CONFIG = "/etc/weft/weft.toml"
+# containerd's own default (1.7 and 2.x), and the agent's: nothing to pass on.
+DEFAULT_CDI_SPEC_DIRS = ["/etc/cdi", "/var/run/cdi"]
 MESH_TLS_DIR = "/etc/weft/mesh"
 PEERS_FILE = "/etc/weft/peers.toml"
 API_KUBECONFIG = "/etc/weft/api/kubeconfig"  # kept by the DaemonSet (weft kube-credentials)
@@ -97,8 +99,11 @@ class Plan:
         return {p: c for p, c in {**self.modified, **self.added}.items() if p.startswith(prefix)}
 
 
-def agent_unit(containerd_socket: str, broker: bool, config: bool = False) -> str:
+def agent_unit(containerd_socket: str, broker: bool, config: bool = False,
+               cdi_spec_dirs: tuple[str, ...] | None = None) -> str:
     extra = (f" --broker-socket {BROKER_SOCKET}" if broker else "") + (f" --config {CONFIG}" if config else "")
+    if cdi_spec_dirs is not None and list(cdi_spec_dirs) != DEFAULT_CDI_SPEC_DIRS:
+        extra += f" --cdi-spec-dirs {':'.join(cdi_spec_dirs)}"  # where a DRA claim's GPUs are named
     after = f" {BROKER_UNIT}" if broker else ""
     return f"""# Written by `weft install`; `weft uninstall` removes it.
 [Unit]
@@ -144,7 +149,8 @@ def make(files: HostFiles, opts: Options, ctrd: containerd.Containerd) -> Plan:
     kub = kubelet.plan(files, ctr.socket, AGENT_SOCKET)
     broker = opts.broker != "none"
     added = {
-        f"{UNIT_DIR}/{AGENT_UNIT}": agent_unit(ctr.socket, broker, config=opts.mesh is not None).encode(),
+        f"{UNIT_DIR}/{AGENT_UNIT}": agent_unit(ctr.socket, broker, config=opts.mesh is not None,
+                                               cdi_spec_dirs=ctr.cdi_spec_dirs).encode(),
         containerd.BASE_SPEC: ctr.base_spec,
         containerd.DROPIN: ctr.dropin,
     }

@@ -420,3 +420,51 @@ def test_bad_mesh_settings_are_refused_before_anything_changes(
     assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls), *flags]) == 2
     assert says in capsys.readouterr().err
     assert snapshot(root) == before
+
+
+# -- CDI spec directories: where the agent reads a DRA claim's GPUs ------------------------------------------------
+def _set_cdi_spec_dirs(root: Path, value: str) -> None:
+    """Set the CRI runtime section's ``cdi_spec_dirs`` in the main config, replacing the host's line if it has one."""
+    path = root / "etc/containerd/config.toml"
+    lines = path.read_text().splitlines(keepends=True)
+    at = next((i for i, line in enumerate(lines) if line.strip().startswith("cdi_spec_dirs")), None)
+    if at is not None:
+        lines[at] = f"{lines[at][:len(lines[at]) - len(lines[at].lstrip())]}cdi_spec_dirs = {value}\n"
+    else:
+        header = next(i for i, line in enumerate(lines) if line.strip() in (
+            '[plugins."io.containerd.grpc.v1.cri"]', "[plugins.'io.containerd.cri.v1.runtime']"))
+        lines.insert(header + 1, f"cdi_spec_dirs = {value}\n")
+    path.write_text("".join(lines))
+
+
+def _agent_argv(root: Path) -> str:
+    return (root / "etc/systemd/system/weft-agent.service").read_text().split("ExecStart=")[1].splitlines()[0]
+
+
+@pytest.mark.parametrize("shape", ["kubeadm", "ctrd2-kubeadm", "ctrd2-v2config"],
+                         ids=["1.x-version-2", "2.x-version-4", "2.x-migrating-version-2"])
+def test_containerds_own_cdi_spec_dirs_are_passed_to_the_agent(shape: str, tmp_path: Path, source: Path) -> None:
+    root = copy_shape(shape, tmp_path / "host")
+    _set_cdi_spec_dirs(root, '["/opt/cdi", "/run/cdi"]')
+    before = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 0
+    assert _agent_argv(root).endswith(" --cdi-spec-dirs /opt/cdi:/run/cdi")
+    assert main(["uninstall", "--root", str(root)]) == 0
+    assert snapshot(root) == before
+
+
+@pytest.mark.parametrize("shape", ["ctrd2-default", "kubeadm"], ids=["default-written-out", "default-left-implicit"])
+def test_containerds_default_cdi_spec_dirs_need_no_flag(shape: str, tmp_path: Path, source: Path) -> None:
+    root = copy_shape(shape, tmp_path / "host")
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 0
+    assert "--cdi-spec-dirs" not in _agent_argv(root)
+
+
+def test_cdi_spec_dirs_the_agent_could_not_be_given_are_refused_before_anything_changes(
+        tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = copy_shape("ctrd2-kubeadm", tmp_path / "host")
+    _set_cdi_spec_dirs(root, '["relative/cdi"]')
+    before = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source)]) != 0
+    assert "cdi_spec_dirs" in capsys.readouterr().err
+    assert snapshot(root) == before
