@@ -16,6 +16,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from shim.core.cdi import GPU_CDI as _GPU_CDI
+from shim.core.cdi import resolve
 
 STAGE_ANNOTATION = "weft.io/stage."
 VISIBLE_DEVICE_VARS = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
@@ -62,8 +63,8 @@ class ContainerAsk:
     device_host_paths: Sequence[str] = ()
     cdi_devices: Sequence[str] = ()
     envs: Mapping[str, str] | None = None
-    # The CDI devices of a DRA claim among cdi_devices, each with the GPU UUIDs its CDI spec names
-    # (shim.core.cdi.claim_gpus; read from the node's specs outside the core).
+    # The CDI devices of a DRA claim among cdi_devices, each with the GPUs its CDI spec names: UUIDs, or
+    # device nodes (shim.core.cdi.claim_gpus; read from the node's specs outside the core).
     claim_gpus: Mapping[str, frozenset[str]] = field(default_factory=dict)
 
 
@@ -106,7 +107,7 @@ def requested_gpus(ask: ContainerAsk, all_uuids: Sequence[str], uuid_of_index: M
     naming a GPU the broker does not know is refused by the broker rather
     than leased on another GPU, which the claim did not give the pod.
     """
-    claimed = frozenset().union(*ask.claim_gpus.values()) if ask.claim_gpus else frozenset()
+    claimed = resolve(frozenset().union(*ask.claim_gpus.values()), uuid_of_index) if ask.claim_gpus else frozenset()
     if claimed:
         return len(claimed), claimed
     allowed: set[str] = set()

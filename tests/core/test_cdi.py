@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from shim.core.cdi import claim_gpus, names_gpu_itself, spec_gpus, uuids_in_env
+from shim.core.cdi import claim_gpus, names_gpu_itself, resolve, spec_gpus, uuids_in_env
 
 U0 = "GPU-00000000-0000-4000-8000-000000000000"
 U1 = "GPU-00000000-0000-4000-8000-000000000001"
@@ -46,6 +46,30 @@ def test_a_spec_maps_each_device_to_the_gpus_its_own_edits_name() -> None:
                         {"name": "c-helper", "containerEdits": {"env": ["X=1"]}},
                         {"name": "c-nodes", "containerEdits": {"deviceNodes": [{"path": "/dev/x"}]}}]}
     assert spec_gpus(spec) == {"gpu.weft.test/claim=c-gpu-1": frozenset({U1})}
+
+
+def test_a_device_named_by_its_gpus_device_node_as_nvidias_dra_driver_writes_it() -> None:
+    # The shape of NVIDIA's DRA driver's node-wide spec: per device its GPU's node, the rest spec-wide.
+    spec = {"cdiVersion": "0.5.0", "kind": "k8s.gpu.nvidia.com/device",
+            "containerEdits": {"env": ["NVIDIA_VISIBLE_DEVICES=void"],
+                               "deviceNodes": [{"path": "/dev/nvidiactl"}, {"path": "/dev/nvidia-uvm"}]},
+            "devices": [{"name": "gpu-0", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia0"}]}},
+                        {"name": "gpu-1", "containerEdits": {"deviceNodes": [{"path": "/dev/nvidia1", "hostPath": "/x"},
+                                                                             {"path": "/dev/nvidia-caps/cap1"}]}}]}
+    assert spec_gpus(spec) == {"k8s.gpu.nvidia.com/device=gpu-0": frozenset({"/dev/nvidia0"}),
+                               "k8s.gpu.nvidia.com/device=gpu-1": frozenset({"/dev/nvidia1"})}
+
+
+@pytest.mark.parametrize(
+    ("named", "uuids"),
+    [
+        pytest.param({U1}, {U1}, id="a-uuid-is-itself"),
+        pytest.param({"/dev/nvidia1"}, {U1}, id="a-device-node-by-this-nodes-index"),
+        pytest.param({"/dev/nvidia7"}, {"/dev/nvidia7"}, id="a-node-of-no-gpu-here-stays-for-the-broker-to-refuse"),
+    ],
+)
+def test_resolve(named: set[str], uuids: set[str]) -> None:
+    assert resolve(named, {0: U0, 1: U1}) == uuids
 
 
 @pytest.mark.parametrize(

@@ -190,6 +190,7 @@ def test_classification_is_a_frozen_value() -> None:
         pytest.param(ask(claims={CLAIM0: [U0, U1]}), 2, {U0, U1}, id="one-cdi-device-naming-two-gpus"),
         pytest.param(ask(cdi=["nvidia.com/gpu=all"], claims={CLAIM1: [U1]}), 1, {U1},
                      id="claim-narrows-whatever-else-was-asked"),
+        pytest.param(ask(claims={CLAIM1: ["/dev/nvidia1"]}), 1, {U1}, id="claim-device-named-by-its-node"),
         pytest.param(ask(claims={CLAIM1: ["GPU-not-on-this-node"]}), 1, {"GPU-not-on-this-node"},
                      id="claim-of-an-unknown-gpu-stays-its-domain-for-the-broker-to-refuse"),
     ],

@@ -30,7 +30,7 @@ from google.protobuf.message import DecodeError
 from shim import failpoint, log
 from shim._pb import broker_pb2 as pb
 from shim.core.cdi import GPU_CDI as _GPU_CDI
-from shim.core.cdi import claim_gpus, names_gpu_itself
+from shim.core.cdi import claim_gpus, names_gpu_itself, resolve
 from shim.core.classify import ContainerAsk, Stage, StageAnnotationError, classify, requested_gpus
 from shim.core.placement import (
     LEASE_ANNOTATION,
@@ -175,7 +175,8 @@ def _lease_and_create(fabric: Fabric, req, sandbox, key: str, ask: ContainerAsk,
     if classification.stage is Stage.GPU:
         with fabric.lease_gate:
             lease = _acquire(fabric, key, sandbox, name, ask, pod_annotations)
-        rewrite_for_lease(config, lease, ask.claim_gpus)
+        by_index = {d.index: d.uuid for d in fabric.inventory().devices}
+        rewrite_for_lease(config, lease, {n: resolve(g, by_index) for n, g in ask.claim_gpus.items()})
     config.annotations[PLACEMENT_ANNOTATION] = placement.target
     config.annotations[PLACEMENT_REASON_ANNOTATION] = placement.reason.value
     record = PlacementRecord(

@@ -127,6 +127,22 @@ def test_a_claim_of_a_gpu_the_broker_does_not_have_is_refused_not_leased_elsewhe
     assert broker.leases() == [] and containerd.calls == [] and fabric.store.placements() == []
 
 
+def test_a_gpu_named_by_its_device_node_in_the_drivers_spec_is_leased_and_given_alone(tmp_path: Path, fabric,
+                                                                                    containerd, broker,
+                                                                                    create) -> None:
+    # NVIDIA's DRA driver hands out names from its node-wide spec, each device edited with its GPU's node.
+    devices = [{"name": f"gpu-{i}", "containerEdits": {"deviceNodes": [{"path": f"/dev/nvidia{i}"}]}} for i in (0, 1)]
+    spec = {"cdiVersion": "0.5.0", "kind": "k8s.gpu.nvidia.com/device", "devices": devices,
+            "containerEdits": {"env": ["NVIDIA_VISIBLE_DEVICES=void"]}}
+    (tmp_path / "run-cdi").mkdir()
+    (tmp_path / "run-cdi" / "k8s.gpu.nvidia.com-device_base.json").write_text(json.dumps(spec))
+    create.handle(request(["k8s.gpu.nvidia.com/device=gpu-1"], {"weft.io/gpu-memory.model": "20Gi"}), ctx())
+    [lease] = broker.leases()
+    assert lease.device_uuids == (G1,)
+    assert [d.name for d in sent(containerd).CDI_devices] == ["k8s.gpu.nvidia.com/device=gpu-1"]
+    assert fabric.store.placement(CONTAINER_ID).stage_reason == "dra-claim"
+
+
 def test_an_opaque_cdi_device_without_a_spec_naming_a_gpu_is_not_a_gpu_stage(fabric, containerd, broker,
                                                                              create) -> None:
     create.handle(request([claim_device("gpu-1")]), ctx())
