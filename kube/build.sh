@@ -18,6 +18,9 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=/dev/null
 source "$HERE/versions.env"
+# shellcheck source=buildlib.sh
+source "$HERE/buildlib.sh"
+SCRIPT=kube/build.sh
 
 key_files=("$HERE/versions.env" "$HERE/go.mod" "$HERE/go.sum" "$HERE/critools/go.mod" "$HERE/critools/go.sum")
 hash="$(cat "${key_files[@]}" | sha256sum | cut -c1-12)"
@@ -39,19 +42,12 @@ if complete; then
   exit 0
 fi
 
-mkdir -p "$CACHE"
-exec 9>"$CACHE/.build.lock"
-flock 9  # another checkout may be building the same pins right now
+cache_lock "$CACHE"
 if complete; then
   echo "$DIR/bin"
   exit 0
 fi
-[ -x /usr/local/go/bin/go ] && PATH="$PATH:/usr/local/go/bin"
-if ! command -v go >/dev/null; then
-  echo "kube/build.sh: Go is needed to build the Kubernetes components (apt-get install golang-go, or Go >= 1.24 on PATH)" >&2
-  exit 1
-fi
-export GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false" CGO_ENABLED=0
+need_go "the Kubernetes components (apt-get install golang-go, or Go >= 1.24 on PATH)"
 
 # The modules must say what versions.env says (gen.sh makes them so).
 check_pins() {
@@ -80,17 +76,8 @@ mkdir -p "$TMP/bin"
 trap 'rm -rf "$TMP"' EXIT
 echo "kube/build.sh: building ${BINARIES[*]} into $DIR (a cold build takes several minutes)"
 
-kv="$KUBERNETES_VERSION"
-minor="${kv#v*.}"; minor="${minor%%.*}"
-major="${kv#v}"; major="${major%%.*}"
-build_date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-kube_ldflags="-s -w"
-for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-  kube_ldflags+=" -X $pkg.gitVersion=$kv -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
-  kube_ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$build_date"
-done
 cd "$HERE"
-go build -tags providerless -ldflags "$kube_ldflags" -o "$TMP/bin/" \
+go build -tags providerless -ldflags "$(kube_ldflags "$KUBERNETES_VERSION")" -o "$TMP/bin/" \
   k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
   k8s.io/kubernetes/cmd/kubectl
 go build -ldflags "-s -w" -o "$TMP/bin/etcd" go.etcd.io/etcd/server/v3
@@ -101,17 +88,7 @@ go build -ldflags "$cri_ldflags" -o "$TMP/bin/crictl" sigs.k8s.io/cri-tools/cmd/
 # critest is cri-tools' ginkgo suite compiled as a test binary, as its Makefile does.
 go test -c -ldflags "$cri_ldflags" -o "$TMP/bin/critest" sigs.k8s.io/cri-tools/cmd/critest
 
-for b in "${BINARIES[@]}"; do
-  [ -x "$TMP/bin/$b" ] || { echo "kube/build.sh: $b was not built" >&2; exit 1; }
-done
-{
-  grep -E '^[A-Z_]+=' "$HERE/versions.env"
-  echo "GO_VERSION=$(go env GOVERSION)"
-  echo "BUILD_SECONDS=$(( $(date +%s) - started ))"
-} > "$TMP/versions"
-touch "$TMP/bin/.complete"
-rm -rf "$DIR"
-mv "$TMP" "$DIR"
+grep -E '^[A-Z_]+=' "$HERE/versions.env" | publish "$TMP" "$DIR" "$started" "${BINARIES[@]}"
 trap - EXIT
 echo "kube/build.sh: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
 echo "$DIR/bin"

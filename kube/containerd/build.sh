@@ -21,6 +21,9 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=/dev/null
 source "$HERE/versions.env"
+# shellcheck source=../buildlib.sh
+source "$HERE/../buildlib.sh"
+SCRIPT=kube/containerd/build.sh
 CACHE="${WEFT_CONTAINERD_CACHE:-/var/cache/weft/containerd}"
 LINES=(2 1.7)
 BINARIES=(containerd containerd-shim-runc-v2)
@@ -65,15 +68,8 @@ if all_complete; then
   exit 0
 fi
 
-mkdir -p "$CACHE"
-exec 9>"$CACHE/.build.lock"
-flock 9  # another checkout may be building the same pins right now
-[ -x /usr/local/go/bin/go ] && PATH="$PATH:/usr/local/go/bin"
-if ! command -v go >/dev/null; then
-  echo "kube/containerd/build.sh: Go is needed to build containerd (Go >= the go line of 2/go.mod on PATH)" >&2
-  exit 1
-fi
-export GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false" CGO_ENABLED=0
+cache_lock "$CACHE"
+need_go "containerd (Go >= the go line of 2/go.mod on PATH)"
 
 build_line() {
   local line=$1 version mod DIR TMP started ldflags
@@ -95,18 +91,8 @@ build_line() {
   ldflags="-s -w -X $mod/version.Version=$version -X $mod/version.Revision=$version -X $mod/version.Package=$mod"
   cd "$HERE/$line"
   go build -tags "$TAGS" -ldflags "$ldflags" -o "$TMP/bin/" "$mod/cmd/containerd" "$mod/cmd/containerd-shim-runc-v2"
-  for b in "${BINARIES[@]}"; do
-    [ -x "$TMP/bin/$b" ] || { echo "kube/containerd/build.sh: $b was not built" >&2; exit 1; }
-  done
-  {
-    echo "CONTAINERD_VERSION=$version"
-    grep '^BUILD_REVISION=' "$HERE/versions.env"
-    echo "GO_VERSION=$(go env GOVERSION)"
-    echo "BUILD_SECONDS=$(( $(date +%s) - started ))"
-  } > "$TMP/versions"
-  touch "$TMP/bin/.complete"
-  rm -rf "$DIR"
-  mv "$TMP" "$DIR"
+  { echo "CONTAINERD_VERSION=$version"; grep '^BUILD_REVISION=' "$HERE/versions.env"; } |
+    publish "$TMP" "$DIR" "$started" "${BINARIES[@]}"
   trap - EXIT
   echo "kube/containerd/build.sh: containerd $version built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
 }

@@ -17,6 +17,9 @@ set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=/dev/null
 source "$HERE/../versions.env"
+# shellcheck source=../buildlib.sh
+source "$HERE/../buildlib.sh"
+SCRIPT=kube/dra/build.sh
 # Bumped when this script builds differently (flags, binaries): part of the cache key.
 DRA_BUILD_REVISION=1
 
@@ -40,19 +43,12 @@ if complete; then
   exit 0
 fi
 
-mkdir -p "$CACHE"
-exec 9>"$CACHE/.build.lock"
-flock 9  # another checkout may be building the same pins right now
+cache_lock "$CACHE"
 if complete; then
   echo "$DIR/bin"
   exit 0
 fi
-[ -x /usr/local/go/bin/go ] && PATH="$PATH:/usr/local/go/bin"
-if ! command -v go >/dev/null; then
-  echo "kube/dra/build.sh: Go is needed to build kube-controller-manager and the test DRA driver" >&2
-  exit 1
-fi
-export GOTOOLCHAIN=local GOFLAGS="-mod=readonly -buildvcs=false" CGO_ENABLED=0
+need_go "kube-controller-manager and the test DRA driver"
 
 # The module must build the release ../versions.env pins, with its staging modules at theirs.
 python3 - "$HERE/go.mod" "$KUBERNETES_VERSION" "$KUBERNETES_STAGING_VERSION" <<'PY'
@@ -75,31 +71,13 @@ mkdir -p "$TMP/bin"
 trap 'rm -rf "$TMP"' EXIT
 echo "kube/dra/build.sh: building ${BINARIES[*]} into $DIR"
 
-kv="$KUBERNETES_VERSION"
-minor="${kv#v*.}"; minor="${minor%%.*}"
-major="${kv#v}"; major="${major%%.*}"
-build_date="$(date -u +%Y-%m-%dT%H:%M:%SZ)"
-ldflags="-s -w"
-for pkg in k8s.io/component-base/version k8s.io/client-go/pkg/version; do
-  ldflags+=" -X $pkg.gitVersion=$kv -X $pkg.gitMajor=$major -X $pkg.gitMinor=$minor"
-  ldflags+=" -X $pkg.gitTreeState=clean -X $pkg.buildDate=$build_date"
-done
+ldflags="$(kube_ldflags "$KUBERNETES_VERSION")"
 cd "$HERE"
 go build -tags providerless -ldflags "$ldflags" -o "$TMP/bin/" k8s.io/kubernetes/cmd/kube-controller-manager
 go build -ldflags "$ldflags" -o "$TMP/bin/weft-test-dra-driver" ./gpudriver
 
-for b in "${BINARIES[@]}"; do
-  [ -x "$TMP/bin/$b" ] || { echo "kube/dra/build.sh: $b was not built" >&2; exit 1; }
-done
-{
-  echo "KUBERNETES_VERSION=$KUBERNETES_VERSION"
-  echo "DRA_BUILD_REVISION=$DRA_BUILD_REVISION"
-  echo "GO_VERSION=$(go env GOVERSION)"
-  echo "BUILD_SECONDS=$(( $(date +%s) - started ))"
-} > "$TMP/versions"
-touch "$TMP/bin/.complete"
-rm -rf "$DIR"
-mv "$TMP" "$DIR"
+printf 'KUBERNETES_VERSION=%s\nDRA_BUILD_REVISION=%s\n' "$KUBERNETES_VERSION" "$DRA_BUILD_REVISION" |
+  publish "$TMP" "$DIR" "$started" "${BINARIES[@]}"
 trap - EXIT
 echo "kube/dra/build.sh: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
 echo "$DIR/bin"
