@@ -29,10 +29,12 @@ def test_bench_tunnel_quick_has_every_figure_and_leaves_no_relay(tmp_path: Path)
                              "--output", str(out)], cwd=REPO, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
     bench = psutil.Process(proc.pid)
-    relays: set[int] = set()
+    # By process, not by PID: psutil knows each one by its start time too, so a PID the system hands to
+    # another process after a relay exits (PIDs wrap) is not taken for a relay left running.
+    relays: dict[int, psutil.Process] = {}
     try:
         while proc.poll() is None and len(relays) < 2:
-            relays |= {c.pid for c in bench.children(recursive=True)}
+            relays.update({c.pid: c for c in bench.children(recursive=True) if c.pid not in relays})
             time.sleep(0.05)
         stdout, stderr = proc.communicate(timeout=180)
     finally:
@@ -48,4 +50,11 @@ def test_bench_tunnel_quick_has_every_figure_and_leaves_no_relay(tmp_path: Path)
     tput = figures["throughput_gbytes_s"]
     assert figures["tls_throughput_ratio"] == pytest.approx(tput["tls"] / tput["plain"], abs=0.01)
     assert relays, "the relays were never seen running"
-    assert not [p for p in relays if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    left = []
+    for p in relays.values():
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                left.append(p.pid)
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"relays still running: {left}"
