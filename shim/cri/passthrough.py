@@ -145,7 +145,8 @@ class Upstream:
         """A server-streaming call to containerd, cancelled with ``context`` (or ``cancel()``)."""
         call = self.channel.unary_stream(path)(
             request, timeout=timeout_of(context), metadata=outgoing_metadata(context.invocation_metadata()))
-        context.add_callback(call.cancel)
+        if not context.add_callback(call.cancel):  # the client went away already
+            call.cancel()
         return StreamCall(self, call)
 
     def unary_or_missing(self, path: str, request: bytes, context: grpc.ServicerContext) -> tuple[

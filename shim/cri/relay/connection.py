@@ -91,6 +91,7 @@ class Stream:
     emitted: int = 0  # bytes of a streamed answer handed to the relay (by its thread)
     sent: int = 0  # ... and of those, sent to kubelet (``flow.Downlink``)
     overrun: bool = False  # ended for a backlog kubelet did not read: reset, not trailers behind the backlog
+    finished: bool = False  # weft's final frames for it are queued: nothing more may follow them
 
 
 class Connection:
@@ -212,6 +213,8 @@ class Connection:
             if st is not None:
                 self._end_stream(st, grpc.StatusCode.CANCELLED, "cancelled by the client")
                 if st.intercepted:
+                    st.finished = True
+                    self.down.discard(sid)  # what still waits for kubelet would go out on a closed stream
                     if st.ctx is not None:
                         st.ctx.cancel()
                     return
@@ -424,13 +427,13 @@ class Connection:
             finally:
                 self.relay.streamed.discard(key)
                 self.relay.instrument.stream_closed(st.method)
-            with contextlib.suppress(RuntimeError):  # the loop is gone: the agent stopped
+            with contextlib.suppress(RuntimeError):  # the loop was closed: nothing is left to answer
                 loop.call_soon_threadsafe(self.answer, st, outcome)
 
         threading.Thread(target=run, name=f"weft-cri-{st.method.name}", daemon=True).start()
 
     def _emit(self, st: Stream, message: bytes) -> None:
-        if self.closed or st.sid not in self.streams:
+        if self.closed or st.finished or st.sid not in self.streams:
             return
         if not st.responded:
             st.responded = True
@@ -454,10 +457,12 @@ class Connection:
                                    ())
 
     def answer(self, st: Stream, outcome: Outcome) -> None:
-        if self.closed or st.sid not in self.streams:
-            return
+        if self.closed or st.finished or st.sid not in self.streams:
+            return  # answered already (the agent stopping ends a streamed call itself), or kubelet reset it
         initial = header_fields(st.ctx.initial_metadata if st.ctx else ())
         trailing = header_fields(outcome.trailing_metadata)
+        if outcome.code is grpc.StatusCode.OK or st.overrun:
+            st.finished = True
         if st.overrun:  # trailers would wait behind what kubelet does not read: drop it, reset the stream
             _log.warning("relay.stream_overrun", method=st.method.name, unsent=st.emitted - st.sent)
             self.down.discard(st.sid)
@@ -474,6 +479,9 @@ class Connection:
         self.down.flush()
 
     def _answer_error(self, st: Stream, code: grpc.StatusCode, details: str, trailing, initial=()) -> None:
+        if st.finished:
+            return
+        st.finished = True
         frames = answers.error_frames(st.sid, code, details, trailing, initial, responded=st.responded,
                                       max_frame=self.down.max_frame)
         if st.intercepted:
@@ -503,7 +511,7 @@ class Connection:
 
     # -- ending (shutdown) ---------------------------------------------------------
     def _close_if_done(self) -> None:
-        if self.ending.may_close(self.streams, self.down.out):
+        if self.ending.may_close(self.streams, self.down.waiting):
             asyncio.get_running_loop().call_later(CLOSE_DELAY_S, self.close)
 
     def goaway(self) -> None:
@@ -515,10 +523,10 @@ class Connection:
 
     def shutdown(self) -> None:
         """Server stopping: no new calls; calls in flight may finish, streamed answers end now (they never
-        would): UNAVAILABLE, so the client opens its stream again on the agent that comes next."""
+        would), UNAVAILABLE: a client may open its stream again on the agent that comes next."""
         self.goaway()
         for st in list(self.streams.values()):
-            if st.streamed and st.ctx is not None:
+            if st.streamed and st.ctx is not None and not st.finished:
                 st.ctx.cancel()
                 self._answer_error(st, grpc.StatusCode.UNAVAILABLE, "weft: the agent is stopping", ())
         self.drain()

@@ -50,6 +50,9 @@ class RelayContext:
         return not self._cancelled
 
     def add_callback(self, cb: Callable[[], None]) -> bool:
+        """As grpc's: False (and ``cb`` never called) once the call has ended, so the caller must check."""
+        if self._cancelled:
+            return False
         self._callbacks.append(cb)
         return True
 

@@ -4,9 +4,16 @@ containerd's DATA passes through, and kubelet's WINDOW_UPDATEs for it pass
 back to containerd; weft's own answers spend the same connection window, so
 the credit kubelet then gives for them is weft's (``owed``) and is kept back
 from containerd. An intercepted stream also has a window of its own, which
-weft keeps. A frame that does not fit waits in ``out``, in order, behind any
-frame already waiting; frames that fit are gathered in ``wbuf`` and written
-with one syscall (a response is usually HEADERS, DATA and trailers at once).
+weft keeps. A frame that does not fit the connection's window waits in
+``out``, in order, behind any frame already waiting (containerd's header
+blocks must reach kubelet in the order containerd encoded them: HPACK). A
+frame of weft's own answer that waits only on its stream's window waits in
+that stream's queue (``held``) instead, with the stream's later frames:
+weft's header blocks never touch HPACK's table, so a stream kubelet reads
+slowly (a GetContainerEvents it is behind on) holds back none of the
+connection's other calls. Frames that fit are gathered in ``wbuf`` and
+written with one syscall (a response is usually HEADERS, DATA and trailers
+at once).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ class Downlink:
         self.initial_window = h2.DEFAULT_WINDOW
         self.max_frame = h2.DEFAULT_MAX_FRAME
         self.out: deque[tuple[int, int, bytes, bool]] = deque()  # (stream id, DATA length, frame, ends an answer)
+        self.held: dict[int, deque[tuple[int, int, bytes, bool]]] = {}  # weft's streams waiting on their windows
         self.owed = 0
         self.wbuf: list[bytes] = []
         self.closed = False
@@ -50,31 +58,55 @@ class Downlink:
         ``last`` marks the final frame of an answer weft writes itself: only
         once it is out may that stream (and its window) be forgotten.
         """
-        if not self.out and self._fits(sid, data_len):
-            self._consume(sid, data_len)
-            self.wbuf.append(raw)
-            if last:
-                self.answered(sid)
-            return
-        self.out.append((sid, data_len, raw, last))
+        item = (sid, data_len, raw, last)
+        if sid in self.held:
+            self.held[sid].append(item)
+        elif not self.out and self._fits(sid, data_len):
+            self._write(item)
+        elif not self.out and self._stream_bound(sid, data_len):
+            self.held[sid] = deque([item])
+        else:
+            self.out.append(item)
 
-    def discard(self, sid: int) -> None:
-        """Forget the frames of ``sid`` still waiting (a stream ended by reset: they would never be read)."""
-        if any(q[0] == sid for q in self.out):
-            self.out = deque(q for q in self.out if q[0] != sid)
+    @property
+    def waiting(self) -> bool:
+        """Whether any frame is still queued."""
+        return bool(self.out or self.held)
 
     def drain(self) -> None:
         """Send what now fits, in order, and write."""
+        self._drain_held()
         while self.out:
-            sid, n, raw, last = self.out[0]
+            sid, n = self.out[0][:2]
+            if sid in self.held or (self.conn_window >= n and not self._fits(sid, n)):
+                self.held.setdefault(sid, deque()).append(self.out.popleft())
+                continue
             if not self._fits(sid, n):
                 break
-            self.out.popleft()
-            self._consume(sid, n)
-            self.wbuf.append(raw)
-            if last:
-                self.answered(sid)
+            self._write(self.out.popleft())
+        self._drain_held()
         self.flush()
+
+    def discard(self, sid: int) -> None:
+        """Forget the frames of ``sid`` still waiting (a stream ended by reset: they would never be read)."""
+        self.held.pop(sid, None)
+        if any(q[0] == sid for q in self.out):
+            self.out = deque(q for q in self.out if q[0] != sid)
+
+    def _drain_held(self) -> None:
+        for sid in list(self.held):
+            queue = self.held[sid]
+            while queue and self._fits(sid, queue[0][1]):
+                self._write(queue.popleft())
+            if not queue:
+                self.held.pop(sid, None)
+
+    def _write(self, item: tuple[int, int, bytes, bool]) -> None:
+        sid, n, raw, last = item
+        self._consume(sid, n)
+        self.wbuf.append(raw)
+        if last:
+            self.answered(sid)
 
     def flush(self) -> None:
         if self.wbuf:
@@ -82,6 +114,11 @@ class Downlink:
             self.wbuf.clear()
             if not self.closed:
                 self.writer.write(data)
+
+    def _stream_bound(self, sid: int, n: int) -> bool:
+        """Whether this frame waits on its own stream's window alone (one of weft's answers)."""
+        st = self.streams.get(sid)
+        return n > 0 and st is not None and st.intercepted and self.conn_window >= n
 
     def _fits(self, sid: int, n: int) -> bool:
         if n == 0:

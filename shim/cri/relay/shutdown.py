@@ -37,7 +37,7 @@ class Ending:
         """A stream kubelet opened after our GOAWAY: it retries the call elsewhere."""
         return self.goaway_sid is not None and sid > self.goaway_sid
 
-    def may_close(self, streams: Collection[Any], queued: Collection[Any]) -> bool:
+    def may_close(self, streams: Collection[Any], queued: bool) -> bool:
         return self.goaway_sent and not streams and not queued and not self.closed
 
 

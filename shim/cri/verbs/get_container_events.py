@@ -11,7 +11,9 @@ status as the whole truth about that pod: its containers are the event's
 - writes the events of remote containers themselves, created, started,
   stopped (exited, or lost with their host) and deleted, as containerd
   writes its own: the sandbox's status from containerd, every container of
-  the pod, the time of the change.
+  the pod, the time of the change;
+- keeps each pod's event times rising in the order they are sent
+  (``Rising``): kubelet drops an event older than the pod's last.
 
 The stream lives as long as kubelet does, so whether it is weft's is decided
 when kubelet opens it: on every node with a mesh (the only nodes that can
@@ -25,6 +27,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from cri_api.v1 import api_pb2 as cri
@@ -55,34 +58,74 @@ def route(fabric: Fabric) -> Route:
 
 def events(fabric: Fabric, request: bytes, context, emit: Callable[[bytes], None]) -> None:
     q: queue.SimpleQueue = queue.SimpleQueue()
-    stop_listening = fabric.remotes.listen(lambda r, kind: q.put((r, kind, time.time_ns())))
-    upstream = fabric.upstream.server_stream(PATH, request, context)
-    context.add_callback(lambda: q.put(_END))
-
-    def read() -> None:
-        try:
-            for message in upstream:
-                q.put(message)
-            q.put(_END)
-        except WeftError as exc:
-            q.put(exc)
-        except Exception as exc:  # noqa: BLE001 - the stream ends with the error, not silently
-            q.put(WeftError(f"weft: containerd's container events failed: {exc!r}"))
-
-    threading.Thread(target=read, name="weft-cri-events-upstream", daemon=True).start()
+    stamps = Rising()
+    stop_listening = upstream = None
     try:
+        stop_listening = fabric.remotes.listen(lambda r, kind: q.put((r, kind, time.time_ns())))
+        upstream = fabric.upstream.server_stream(PATH, request, context)
+        if not context.add_callback(lambda: q.put(_END)):
+            return  # kubelet went away before the stream began
+
+        def read() -> None:
+            try:
+                for message in upstream:
+                    q.put(message)
+                q.put(_END)
+            except WeftError as exc:
+                q.put(exc)
+            except Exception as exc:  # noqa: BLE001 - the stream ends with the error, not silently
+                q.put(WeftError(f"weft: containerd's container events failed: {exc!r}"))
+
+        threading.Thread(target=read, name="weft-cri-events-upstream", daemon=True).start()
         while True:
             item = q.get()
             if item is _END:
                 return
             if isinstance(item, WeftError):
                 raise item
-            out = passed_on(fabric, item) if isinstance(item, bytes) else remote_event(fabric, *item)
+            if isinstance(item, bytes):
+                out = passed_on(fabric, item, stamps)
+            else:
+                out = remote_event(fabric, *item, stamps=stamps)
             if out is not None:
                 emit(out)
     finally:
-        stop_listening()
-        upstream.cancel()
+        if stop_listening is not None:
+            stop_listening()
+        if upstream is not None:
+            upstream.cancel()
+
+
+class Rising:
+    """Each pod's events leave with rising times, in the order they are sent.
+
+    kubelet keeps a pod's newest status and drops an event older than it,
+    with the lifecycle event it would have raised; weft's events are stamped
+    by this agent when a remote container changes, containerd's by containerd
+    when it writes them, so one may be sent after a newer one. Such an event
+    is sent a nanosecond after the pod's last (its status is as fresh: the
+    remote containers in it are read as it is sent). The pods seen last are
+    kept, a bounded number.
+    """
+
+    LIMIT = 4096
+
+    def __init__(self) -> None:
+        self._last: OrderedDict[str, int] = OrderedDict()
+
+    def keep(self, event: cri.ContainerEventResponse) -> bool:
+        """Stamp ``event`` after its pod's last event if it is older; whether it changed."""
+        pod = event.pod_sandbox_status.metadata.uid
+        if not pod:
+            return False
+        last = self._last.pop(pod, 0)
+        changed = event.created_at < last
+        if changed:
+            event.created_at = last + 1
+        self._last[pod] = event.created_at
+        if len(self._last) > self.LIMIT:
+            self._last.popitem(last=False)
+        return changed
 
 
 def is_shadow(fabric: Fabric, sandbox: cri.PodSandboxStatus) -> bool:
@@ -93,8 +136,9 @@ def is_shadow(fabric: Fabric, sandbox: cri.PodSandboxStatus) -> bool:
     return mark is None or mark.is_sandbox(sandbox.labels, sandbox.metadata.uid)
 
 
-def passed_on(fabric: Fabric, message: bytes) -> bytes | None:
-    """containerd's event as kubelet gets it: None for a shadow's, with the pod's remote containers added."""
+def passed_on(fabric: Fabric, message: bytes, stamps: Rising) -> bytes | None:
+    """containerd's event as kubelet gets it: None for a shadow's, with the pod's remote containers added
+    (byte for byte where weft adds nothing)."""
     try:
         event = cri.ContainerEventResponse.FromString(message)
     except DecodeError:
@@ -102,12 +146,12 @@ def passed_on(fabric: Fabric, message: bytes) -> bytes | None:
     sandbox = event.pod_sandbox_status
     if fabric.shadows_present and is_shadow(fabric, sandbox):
         return None
-    if not fabric.remotes.present or not with_remote_statuses(fabric, sandbox.id, event.containers_statuses):
-        return message
-    return event.SerializeToString()
+    added = fabric.remotes.present and with_remote_statuses(fabric, sandbox.id, event.containers_statuses)
+    restamped = stamps.keep(event)
+    return event.SerializeToString() if added or restamped else message
 
 
-def remote_event(fabric: Fabric, r: Remote, kind: int, at_ns: int) -> bytes | None:
+def remote_event(fabric: Fabric, r: Remote, kind: int, at_ns: int, *, stamps: Rising) -> bytes | None:
     """The event containerd would send for this change of a remote container; None once its pod is gone."""
     try:
         sandbox = cri.PodSandboxStatusResponse.FromString(fabric.upstream.unary(
@@ -121,6 +165,7 @@ def remote_event(fabric: Fabric, r: Remote, kind: int, at_ns: int) -> bytes | No
         _log.debug("events.remote_skipped", container_id=r.id, sandbox_id=r.sandbox_id, error=exc.message)
         return None
     with_remote_statuses(fabric, r.sandbox_id, event.containers_statuses)
+    stamps.keep(event)
     return event.SerializeToString()
 
 

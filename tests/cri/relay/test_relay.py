@@ -144,10 +144,10 @@ def test_never_closes_with_frames_still_queued(conn) -> None:
         conn.answer(st, Outcome(grpc.StatusCode.OK, "", b"x" * 100_000))  # more than the windows allow
         conn.goaway()
         await asyncio.sleep(0.1)
-        assert not conn.closed and conn.down.out
+        assert not conn.closed and conn.down.waiting
         _feed(conn, h2.window_update(0, 100_000) + h2.window_update(1, 100_000))
         await asyncio.sleep(0.1)
-        assert not conn.down.out and conn.closed
+        assert not conn.down.waiting and conn.closed
 
     conn.loop.run_until_complete(scenario())
 
@@ -276,7 +276,7 @@ def test_a_stream_kubelet_does_not_read_is_ended_before_its_backlog_grows_withou
     # Trailers would wait behind the backlog forever: the stream is reset (gRPC: RESOURCE_EXHAUSTED) instead.
     assert [p for t, _, s, p in frames if t == h2.RST_STREAM and s == 1] == [b"\0\0\0\x0b"]
     assert sum(len(p) for t, _, s, p in frames if t == h2.DATA and s == 1) <= h2.DEFAULT_WINDOW
-    assert 1 not in conn.streams and not conn.down.out
+    assert 1 not in conn.streams and not conn.down.waiting
 
 
 def test_the_agent_stopping_ends_a_streamed_call_unavailable_and_closes(conn) -> None:
@@ -305,3 +305,70 @@ def test_streamed_calls_past_the_cap_are_refused_at_once(conn, monkeypatch) -> N
     assert _status(frames, 3) == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and not second.contexts
     first.todo.put(None)
     _settle(conn, lambda: not conn.relay.streamed)
+
+
+def _fill_stream_window(conn, e: Emitter, sid: int = 1) -> None:
+    """The streamed call's window (64 KiB by default) spent, and a message more waiting on it."""
+    _feed(conn, h2.window_update(0, 10_000_000))  # the connection's window is not what holds it back
+    _open_stream(conn, sid, e)
+    e.todo.put(b"x" * 70_000)
+    _settle(conn, lambda: conn.down.held)
+
+
+def test_a_streamed_call_waiting_on_its_window_holds_no_other_call_back(conn) -> None:
+    e = Emitter()
+    _fill_stream_window(conn, e)
+    conn.down_w.frames()
+    st = _open_intercepted(conn, 3)
+    conn.answer(st, Outcome(grpc.StatusCode.OK, "", b"an answer"))
+    frames = conn.down_w.frames()
+    assert _status(frames, 3) == 0 and _messages(frames, 3) == [b"an answer"]
+    assert 1 in conn.down.held  # the stream's own frames still wait, in order
+    _feed(conn, h2.window_update(1, 100_000))
+    assert not conn.down.held
+    e.todo.put(None)
+    _settle(conn, lambda: not conn.relay.streamed and 1 not in conn.streams)
+
+
+def test_kubelet_resetting_a_stream_drops_what_still_waited_for_it(conn) -> None:
+    e = Emitter()
+    _fill_stream_window(conn, e)
+    conn.down_w.frames()
+
+    async def reset() -> None:
+        _feed(conn, h2.rst_stream(1))
+
+    conn.loop.run_until_complete(reset())
+    _settle(conn, lambda: not conn.relay.streamed)
+    _feed(conn, h2.window_update(1, 100_000) + h2.frame(h2.PING, 0, 0, b"\0" * 8))
+    assert not [f for f in conn.down_w.frames() if f[2] == 1] and not conn.down.waiting
+
+
+def test_the_agent_stopping_with_a_backlog_ends_the_stream_once_and_nothing_follows(conn) -> None:
+    e = Emitter()
+    _fill_stream_window(conn, e)
+
+    async def stop() -> None:
+        conn.shutdown()
+
+    conn.loop.run_until_complete(stop())
+    _settle(conn, lambda: not conn.relay.streamed)  # the handler saw the cancel and returned OK: ignored
+    e.todo.put(b"late")
+
+    async def credit() -> None:
+        _feed(conn, h2.window_update(1, 1_000_000))
+
+    conn.loop.run_until_complete(credit())
+    frames = [f for f in conn.down_w.frames() if f[2] == 1]
+    ends = [i for i, (t, fl, _, _) in enumerate(frames) if t == h2.HEADERS and fl & h2.FLAG_END_STREAM]
+    assert len(ends) == 1 and ends[0] == len(frames) - 1, "one end, and nothing after it"
+    assert _status(frames, 1) == grpc.StatusCode.UNAVAILABLE.value[0]
+
+
+def test_a_cancelled_call_takes_no_callback_as_grpc_does(conn) -> None:
+    from shim.cri.relay.context import RelayContext
+
+    ctx = RelayContext([], None)
+    ctx.cancel()
+    called = []
+    assert ctx.add_callback(lambda: called.append(1)) is False and not called

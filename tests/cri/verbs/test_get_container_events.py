@@ -214,3 +214,42 @@ def test_kubelet_cancelling_closes_containerds_stream_and_weft_stops_listening(f
         time.sleep(0.01)
     add_remote(fabric)  # no one listens: nothing is queued anywhere
     assert not fabric.remotes._listeners
+
+
+def test_a_call_kubelet_cancelled_before_it_began_ends_at_once_and_holds_nothing(fabric, mesh, containerd) -> None:
+    c = ctx()
+    c.cancel()
+    route = get_container_events.route(fabric)
+    done = threading.Event()
+    threading.Thread(target=lambda: (route.stream(b"", c, lambda m: None), done.set()), daemon=True).start()
+    assert done.wait(5), "the handler waited for a cancel that had come already"
+    assert not fabric.remotes._listeners
+    time.sleep(0.2)
+    assert containerd.streams_open[EVENTS] == 0
+
+
+def test_each_pods_events_leave_with_rising_times(fabric, containerd, stream) -> None:
+    """A containerd event written before weft's last event of the pod, but sent after it, would be dropped."""
+    local_container(containerd)
+    r = add_remote(fabric)
+    created = stream.next()
+    assert created.container_id == r.id
+    older = local_event(kind=cri.CONTAINER_STOPPED_EVENT)
+    older.created_at = created.created_at - 1_000_000
+    containerd.streamed[EVENTS].put(older)
+    got = stream.next()
+    assert got.container_event_type == cri.CONTAINER_STOPPED_EVENT
+    assert got.created_at == created.created_at + 1
+    newer = local_event()
+    newer.created_at = created.created_at + 5_000_000
+    containerd.streamed[EVENTS].put(newer)
+    assert stream.next().created_at == newer.created_at  # a newer one keeps its own time
+
+
+def test_rising_forgets_the_oldest_pods_past_its_bound() -> None:
+    rising = get_container_events.Rising()
+    for i in range(rising.LIMIT + 10):
+        ev = local_event(sandbox_status(uid=f"uid-{i}"))
+        ev.created_at = 100
+        assert not rising.keep(ev)
+    assert len(rising._last) == rising.LIMIT
