@@ -89,10 +89,13 @@ def test_two_leases_on_one_gpu_are_each_held_to_their_share(node: dict) -> None:
     assert "each with its own MPS daemon" in checks["live.leases"]["detail"]
     assert checks["live.mps-limits"]["detail"] == ("lease a: 1024 MiB, 25% on its daemon; "
                                                    "lease b: 1024 MiB, 50% on its daemon")
-    assert "client a sees 1024 MiB" in checks["live.memory-within"]["detail"]
+    assert "client a sees 81920 MiB of Fake GPU (32 SMs)" in checks["live.memory-within"]["detail"]
     assert "CUDA_ERROR_OUT_OF_MEMORY" in checks["live.memory-beyond"]["detail"]
-    assert checks["live.compute-shares"]["detail"] == ("client a (25%) ran on 33 of 132 SMs (25%); "
-                                                       "client b (50%) ran on 66 of 132 SMs (50%)")
+    # The device's 132 SMs read by a client outside MPS; each lease's client, given blocks for all of them, runs
+    # on its share alone (25% of 132 is 32 SMs in whole TPCs, as the driver rounds it).
+    assert checks["live.compute-shares"]["detail"] == (
+        "client a (25%), given blocks for all 132 SMs, ran on 32 (24%; it sees 32); "
+        "client b (50%), given blocks for all 132 SMs, ran on 66 (50%; it sees 66)")
     assert "no CUDA_MPS_* or CUDA_VISIBLE_DEVICES variables" in checks["live.cleared-env"]["detail"]
     assert "was killed with lease a's processes; client b still answers" in checks["live.watchdog"]["detail"]
     assert "released" in checks["live.released"]["detail"]
@@ -124,6 +127,21 @@ def test_a_client_stuck_in_the_driver_is_named_and_killed(node: dict) -> None:
     assert code == cli.EXIT_FAILED
     assert checks["live.compute-shares"]["detail"] == "client a did not answer 'busy 300' within 3s"
     assert checks["live.released"]["result"] == "ok", checks["live.released"]
+
+
+def test_without_the_devices_sm_count_the_compute_shares_are_not_judged(node: dict) -> None:
+    # As on a GPU in EXCLUSIVE_PROCESS mode while an MPS server runs: only MPS clients get a context.
+    settings = replace(node["settings"], client_env={**node["settings"].client_env, "FAKE_CUDA_MPS_ONLY": "1"})
+    code, doc = gpu_check(node, settings)
+    checks = live(doc)
+    assert checks["live.compute-shares"] == {
+        "name": "live.compute-shares", "result": "warn",
+        "detail": "the device's SM count could not be read outside MPS (a client outside MPS could not make a "
+                  "context: CUDA_ERROR_DEVICES_UNAVAILABLE (cuDevicePrimaryCtxRetain)), so the shares cannot be "
+                  "judged against it: client a (25%) sees 32 SMs and ran on 32; client b (50%) sees 66 SMs and "
+                  "ran on 66"}
+    assert "could not make a context of its own" in checks["live.watchdog"]["detail"]
+    assert code == cli.EXIT_OK and checks["live.released"]["result"] == "ok", checks
 
 
 def test_a_driver_error_in_a_client_is_a_fail_line_naming_it(node: dict) -> None:

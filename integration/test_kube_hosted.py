@@ -344,7 +344,8 @@ def test_without_the_api_shadows_run_on_a_restart_is_placed_by_the_old_rules_and
             (s,) = [s for s in _live(kube) if s["key"] == f"{sandbox}/prep/1"] or [None]
             return s if s is None or s["reservation"]["state"] in ("admitted", "lost") else None
 
-        made = wait_for(settled, timeout=90, what="the restarted stage's reservation made and admitted")
+        # kubelet's pod watch comes back with client-go's backoff (up to a minute a try); the host waits for it.
+        made = wait_for(settled, timeout=180, what="the restarted stage's reservation made and admitted")
         assert made is not None and made["reservation"]["state"] == "admitted", (
             made, kube.kubectl("get", "pods", "-A", "-o", "wide").stdout)
         assert len(_reservations(kube)) == 2 and kept in {c.id for c in _shadows(kube)}

@@ -8,9 +8,11 @@ kernel is PTX text, which the driver compiles for whatever GPU it finds.
 It reads one command per line on stdin and answers each with one JSON line on
 stdout, so ``weft gpu-check`` can hold two clients in step::
 
-    init            load the device's primary context; answers the memory the client sees and the SM count
+    init            load the device's primary context; answers the device's memory and the SM count the
+                    client sees (under an MPS active thread percentage, the driver shows that share of the SMs)
     alloc MIB       allocate MIB MiB and keep it; ok false with the CUDA error name when the driver refuses
-    busy MS         run a kernel on every SM it may use for about MS ms; answers how many SMs ran its blocks
+    busy MS [SMS]   run a kernel for about MS ms with enough blocks for SMS SMs (default: the count it sees);
+                    answers how many SMs ran its blocks, which MPS holds to the client's share
     free            free what alloc kept
     exit            (or end of input) release the context and exit 0
 
@@ -34,6 +36,7 @@ CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT = 16
 BLOCKS_PER_SM = 4
 THREADS_PER_BLOCK = 32
 MAX_ALLOC_MIB = 1 << 24  # 16 TiB: anything larger is a typo, not a test
+MAX_SMS = 4096  # far above any GPU's; bounds the grid and the host buffer it is read back into
 
 # Each block's first thread writes the SM it runs on (%smid) to out[block], then
 # every thread spins until ``cycles`` clock ticks have passed: busy SMs, and a
@@ -155,7 +158,7 @@ class Client:
         self.clock_khz = value.value
         free, total = ctypes.c_size_t(), ctypes.c_size_t()
         cu.call("cuMemGetInfo_v2", ctypes.byref(free), ctypes.byref(total))
-        # Under an MPS memory limit the driver shows the limit as the total.
+        # The device's memory: an MPS memory limit is not shown here, only enforced at allocation.
         return {"name": name.value.decode(errors="replace"), "sms": self.sms, "free_bytes": free.value,
                 "total_bytes": total.value}
 
@@ -166,11 +169,13 @@ class Client:
         self.held_bytes += mib << 20
         return {"bytes": mib << 20, "held_bytes": self.held_bytes}
 
-    def busy(self, ms: int) -> dict:
+    def busy(self, ms: int, sms: int | None = None) -> dict:
         cu = self.cu
         if self.sms <= 0:
             raise CudaError("busy", -1, "NOT_INITIALIZED (send init first)")
-        blocks = self.sms * BLOCKS_PER_SM
+        # Sized for the whole device when the caller knows it: blocks for SMs outside the share would spread onto
+        # them if MPS did not hold the client back.
+        blocks = (sms or self.sms) * BLOCKS_PER_SM
         size = blocks * 4
         out = ctypes.c_uint64()
         cu.call("cuMemAlloc_v2", ctypes.byref(out), ctypes.c_size_t(size))
@@ -221,13 +226,16 @@ def answer(client: Client, line: str) -> dict | None:
     """One command's answer; None for exit."""
     words = line.split()
     if not words:
-        return {"ok": False, "error": "empty command (init, alloc MIB, busy MS, free, exit)"}
+        return {"ok": False, "error": "empty command (init, alloc MIB, busy MS [SMS], free, exit)"}
     op, args = words[0], words[1:]
-    want = {"init": 0, "alloc": 1, "busy": 1, "free": 0, "exit": 0}
+    want = {"init": (0, 0), "alloc": (1, 1), "busy": (1, 2), "free": (0, 0), "exit": (0, 0)}
     if op not in want:
-        return {"op": op, "ok": False, "error": f"unknown command {op!r} (init, alloc MIB, busy MS, free, exit)"}
-    if len(args) != want[op]:
-        return {"op": op, "ok": False, "error": f"{op} takes {want[op]} argument(s), got {len(args)}"}
+        return {"op": op, "ok": False,
+                "error": f"unknown command {op!r} (init, alloc MIB, busy MS [SMS], free, exit)"}
+    low, high = want[op]
+    if not low <= len(args) <= high:
+        takes = f"{low}" if low == high else f"{low} to {high}"
+        return {"op": op, "ok": False, "error": f"{op} takes {takes} argument(s), got {len(args)}"}
     if op == "exit":
         return None
     try:
@@ -236,7 +244,8 @@ def answer(client: Client, line: str) -> dict | None:
         elif op == "alloc":
             out = client.alloc(_number(args[0], "alloc MIB", 1, MAX_ALLOC_MIB))
         elif op == "busy":
-            out = client.busy(_number(args[0], "busy MS", 1, 60_000))
+            out = client.busy(_number(args[0], "busy MS", 1, 60_000),
+                              _number(args[1], "busy SMS", 1, MAX_SMS) if len(args) > 1 else None)
         else:
             out = client.free()
     except ValueError as exc:

@@ -11,7 +11,8 @@ mounts (the MPS pipes at MPS's default ``/tmp/nvidia-mps``, the lease's
     live.mps-limits      each daemon holds its lease's limits (read back from it)
     live.memory-within   each client allocates half its lease
     live.memory-beyond   over its lease, a client's allocation fails; the neighbour still allocates
-    live.compute-shares  a busy kernel in each runs on its share of the SMs
+    live.compute-shares  a busy kernel in each, with blocks for every SM of the device, runs on its
+                         share of them alone (the device's count read first by a client outside MPS)
     live.cleared-env     a client with no CUDA_MPS_* variables is still held to its lease
     live.watchdog        a client that leaves MPS and takes more is killed with its lease's
                          processes; the neighbour runs on
@@ -46,7 +47,7 @@ from shim._pb import broker_pb2_grpc as pb_grpc
 from shim.broker.mps import control, memory_matches, parse_memory, parse_percent
 from shim.broker.watchdog import CGROUP_ROOT
 from shim.gpucheck import cuda_client
-from shim.gpucheck.report import Check, fail, ok
+from shim.gpucheck.report import Check, fail, ok, warn
 
 _log = log.get("weft.gpucheck")
 DEFAULT_BROKER_SOCKET = Path("/run/weft/broker.sock")
@@ -193,6 +194,8 @@ class LiveTest:
         self.cgroup_parent: Path | None = None
         self.made_default_pipe = False
         self.device = ""
+        self.device_sms: int | None = None  # read outside MPS before the leases; None: it could not be
+        self.device_sms_why = ""
         self.tag = f"weft-gpu-check-{os.getpid()}-{int(time.time())}"
 
     # -- the steps --------------------------------------------------------------------------
@@ -304,6 +307,7 @@ class LiveTest:
                                    f"({', '.join(f'{d.uuid}: {d.memory_leased >> 20} MiB leased' for d in devices)}). "
                                    "Change: run the test when a GPU is idle"))
         self.device = fit[0].uuid
+        self.device_sms, self.device_sms_why = self._read_device_sms()
         self.cgroup_parent = self._cgroup_parent()
         for n, share in zip(("a", "b"), self.s.shares, strict=True):
             req = pb.AcquireRequest(key=f"{self.tag}/{n}/0", namespace="weft-gpu-check", pod=self.tag, container=n,
@@ -383,10 +387,38 @@ class LiveTest:
         return ok(name, f"client a was refused {more} MiB more ({refused_a}) while client b went on allocating; "
                         f"client b was then refused too ({refused_b})")
 
+    def _read_device_sms(self) -> tuple[int | None, str]:
+        """The device's SM count, from a client with a context of its own before any lease's daemon runs: an MPS
+        client is shown only its share of the SMs, so the share can be judged only against this."""
+        assert self.work is not None
+        empty = self.work / "no-mps-probe"
+        empty.mkdir(exist_ok=True)
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", **self.s.client_env,
+               "CUDA_VISIBLE_DEVICES": self.device, "CUDA_MPS_PIPE_DIRECTORY": str(empty)}
+        if os.environ.get("LD_LIBRARY_PATH"):
+            env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+        proc = subprocess.Popen([sys.executable, "-I", "-S", str(CLIENT), "--libcuda", self.s.libcuda,
+                                 "--max-seconds", str(int(self.s.step_timeout))],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                                start_new_session=True)
+        probe = Client("device-probe", proc, self.s.step_timeout)
+        try:
+            if not probe.read(what="whether it loaded libcuda").get("ok"):
+                return None, "the probe could not load libcuda"
+            got = probe.ask("init")
+            if not got.get("ok"):
+                return None, f"a client outside MPS could not make a context: {_cuda_error(got)}"
+            return int(got["sms"]), ""
+        except ClientError as exc:
+            return None, str(exc)
+        finally:
+            probe.stop()
+
     def _compute(self, a: Client, b: Client) -> Check:
         name = "live.compute-shares"
-        for c in (a, b):  # both busy at once
-            c.send(f"busy {self.s.busy_ms}")
+        whole = self.device_sms
+        for c in (a, b):  # both busy at once, each with blocks enough for the whole device
+            c.send(f"busy {self.s.busy_ms}" + (f" {whole}" if whole else ""))
         got = {}
         for c in (a, b):
             try:
@@ -395,12 +427,19 @@ class LiveTest:
                 raise _Stop(fail(name, str(exc))) from None
             if not got[c.name].get("ok"):
                 raise _Stop(fail(name, f"client {c.name}: busy failed: {_cuda_error(got[c.name])}"))
+        if not whole:
+            seen = "; ".join(f"client {c.name} ({share}%) sees {got[c.name]['sms_total']} SMs and ran on "
+                             f"{got[c.name]['sms_used']}" for c, share in ((a, self.s.shares[0]),
+                                                                           (b, self.s.shares[1])))
+            return warn(name, f"the device's SM count could not be read outside MPS ({self.device_sms_why}), so "
+                              f"the shares cannot be judged against it: {seen}")
         parts, bad = [], []
         for c, share in ((a, self.s.shares[0]), (b, self.s.shares[1])):
-            used, total = got[c.name]["sms_used"], got[c.name]["sms_total"]
-            frac = used / total if total else 0.0
-            parts.append(f"client {c.name} ({share}%) ran on {used} of {total} SMs ({frac:.0%})")
-            if not total or not used or abs(frac - share / 100) > 0.1:
+            used, seen = got[c.name]["sms_used"], got[c.name]["sms_total"]
+            frac = used / whole
+            parts.append(f"client {c.name} ({share}%), given blocks for all {whole} SMs, ran on {used} ({frac:.0%}; "
+                         f"it sees {seen})")
+            if not used or abs(frac - share / 100) > 0.1:
                 bad.append(c.name)
         text = "; ".join(parts)
         if bad:

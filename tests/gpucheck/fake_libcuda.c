@@ -7,6 +7,10 @@
  * CUDA_MPS_PINNED_DEVICE_MEM_LIMIT ("0=<n>M") can lower the memory limit, never raise it. Not
  * found, the client has a context of its own, limited only by the device.
  *
+ * As the real driver does (seen on an H200, driver 580): an MPS client's SM count attribute shows
+ * its share of the SMs, rounded down to whole TPCs of two SMs (25% of 132 is 32), its blocks run on
+ * those alone, and cuMemGetInfo shows the device's memory, not the limit (which only refuses).
+ *
  * An MPS client keeps the daemon it found (<pipe>/fake-daemon.pid, standing in for its server): once
  * that process is gone, its allocations and launches fail with CUDA_ERROR_MPS_CONNECTION_FAILED, as a
  * real client's do when its server dies.
@@ -15,6 +19,7 @@
  * <world>/<pid>, which the fake NVML reads as its process list.
  *
  * Faults: FAKE_CUDA_FAIL="cuInit=100,cuMemAlloc_v2=2" makes those calls answer those codes;
+ * FAKE_CUDA_MPS_ONLY=1 refuses a context outside MPS (a GPU in EXCLUSIVE_PROCESS mode under MPS);
  * FAKE_CUDA_HANG="cuLaunchKernel" makes that call never return. FAKE_CUDA_TOTAL_MIB (81920)
  * and FAKE_CUDA_SMS (132) describe the device.
  */
@@ -30,7 +35,8 @@ typedef int CUdevice;
 typedef uint64_t CUdeviceptr;
 
 enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEVICE = 100,
-       INVALID_DEVICE = 101, INVALID_PTX = 218, NOT_FOUND = 500, MPS_CONNECTION_FAILED = 805 };
+       DEVICES_UNAVAILABLE = 46, INVALID_DEVICE = 101, INVALID_PTX = 218, NOT_FOUND = 500,
+       MPS_CONNECTION_FAILED = 805 };
 
 static int initialised, mps, sms = 132, pct = 100, server_pid;
 static long long total_bytes = 81920LL << 20, limit_bytes, used_bytes;
@@ -58,6 +64,13 @@ static int listed(const char *list, const char *fn, int *code) {
 } while (0)
 
 /* The daemon this client found is still there (a zombie is gone: nothing answers for it). */
+/* The SMs a client may use: its active thread percentage of them, in whole TPCs (two SMs). */
+static int allowed_sms(void) {
+    if (pct >= 100) return sms;
+    int n = sms * pct / 100 / 2 * 2;
+    return n < 1 ? 1 : n;
+}
+
 static int server_alive(void) {
     if (!server_pid) return 1;
     char path[64], buf[512];
@@ -105,7 +118,7 @@ CUresult cuDeviceGet(CUdevice *dev, int ordinal) {
 CUresult cuDeviceGetAttribute(int *value, int attribute, CUdevice dev) {
     ENTER("cuDeviceGetAttribute");
     if (dev != 0) return INVALID_DEVICE;
-    *value = attribute == 16 ? sms : attribute == 13 ? 1000 : 0;
+    *value = attribute == 16 ? allowed_sms() : attribute == 13 ? 1000 : 0;
     return OK;
 }
 
@@ -126,6 +139,8 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice dev) {
     struct stat st;
     snprintf(path, sizeof path, "%s/control", pipe);
     mps = stat(path, &st) == 0;
+    const char *only = getenv("FAKE_CUDA_MPS_ONLY");
+    if (!mps && only && *only == '1') return DEVICES_UNAVAILABLE;
     limit_bytes = total_bytes;
     if (mps) {
         snprintf(path, sizeof path, "%s/fake-limits", pipe);
@@ -159,8 +174,8 @@ CUresult cuCtxSynchronize(void) { ENTER("cuCtxSynchronize"); return OK; }
 
 CUresult cuMemGetInfo_v2(size_t *free_bytes, size_t *total) {
     ENTER("cuMemGetInfo_v2");
-    *total = (size_t)limit_bytes;
-    *free_bytes = (size_t)(limit_bytes - used_bytes);
+    *total = (size_t)total_bytes;
+    *free_bytes = (size_t)(total_bytes - used_bytes);
     return OK;
 }
 
@@ -227,8 +242,7 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
     if (!fn || !params || bx == 0) return INVALID_VALUE;
     if (!server_alive()) return MPS_CONNECTION_FAILED;
     uint32_t *out = (uint32_t *)(uintptr_t)*(CUdeviceptr *)params[0];
-    int allowed = sms * pct / 100;
-    if (allowed < 1) allowed = 1;
+    int allowed = allowed_sms();
     for (unsigned i = 0; i < gx; i++) out[i] = i % (unsigned)allowed;
     return OK;
 }
@@ -240,6 +254,7 @@ CUresult cuGetErrorName(CUresult error, const char **name) {
     case OUT_OF_MEMORY: *name = "CUDA_ERROR_OUT_OF_MEMORY"; return OK;
     case NOT_INITIALIZED: *name = "CUDA_ERROR_NOT_INITIALIZED"; return OK;
     case NO_DEVICE: *name = "CUDA_ERROR_NO_DEVICE"; return OK;
+    case DEVICES_UNAVAILABLE: *name = "CUDA_ERROR_DEVICES_UNAVAILABLE"; return OK;
     case INVALID_DEVICE: *name = "CUDA_ERROR_INVALID_DEVICE"; return OK;
     case INVALID_PTX: *name = "CUDA_ERROR_INVALID_PTX"; return OK;
     case NOT_FOUND: *name = "CUDA_ERROR_NOT_FOUND"; return OK;

@@ -44,26 +44,29 @@ def test_a_client_outside_mps_sees_the_whole_device(fake_libcuda: str, tmp_path:
 def test_an_mps_client_is_held_to_its_servers_limits(fake_libcuda: str, tmp_path: Path) -> None:
     (tmp_path / "control").touch()  # a daemon listens here
     (tmp_path / "fake-limits").write_text("1024 25\n")
-    code, lines, _ = run(fake_libcuda, ["init", "alloc 512", "alloc 600", "busy 10"],
+    code, lines, _ = run(fake_libcuda, ["init", "alloc 512", "alloc 600", "busy 10", "busy 10 132"],
                          {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path), "FAKE_CUDA_SMS": "132"})
     assert code == 0
-    _, init, within, beyond, busy = lines
-    assert init["total_bytes"] == 1 << 30, "under an MPS memory limit the driver shows the limit"
+    _, init, within, beyond, busy, busy_whole = lines
+    # As the driver shows an MPS client: the device's memory (the limit only refuses), a share of its SMs.
+    assert (init["total_bytes"], init["sms"]) == (81920 << 20, 32)
     assert within["ok"] is True
     assert beyond == {"op": "alloc", "ok": False, "error": "CUDA_ERROR_OUT_OF_MEMORY", "code": 2,
                       "call": "cuMemAlloc_v2"}
-    assert (busy["sms_used"], busy["sms_total"]) == (33, 132)
+    assert (busy["sms_used"], busy["sms_total"], busy["blocks"]) == (32, 32, 128)
+    # Given blocks for the whole device, it still runs on its share alone.
+    assert (busy_whole["sms_used"], busy_whole["sms_total"], busy_whole["blocks"]) == (32, 32, 528)
 
 
 def test_a_clients_own_limit_only_lowers_its_servers(fake_libcuda: str, tmp_path: Path) -> None:
     (tmp_path / "control").touch()
     (tmp_path / "fake-limits").write_text("1024 50\n")
     env = {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path), "CUDA_MPS_PINNED_DEVICE_MEM_LIMIT": "0=8192M"}
-    _, lines, _ = run(fake_libcuda, ["init", "alloc 2048"], env)
-    assert lines[1]["total_bytes"] == 1 << 30 and lines[2]["error"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    _, lines, _ = run(fake_libcuda, ["init", "alloc 1000", "alloc 48"], env)
+    assert lines[2]["ok"] and lines[3]["error"] == "CUDA_ERROR_OUT_OF_MEMORY"
     env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = "0=256M"
-    _, lines, _ = run(fake_libcuda, ["init", "alloc 512"], env)
-    assert lines[1]["total_bytes"] == 256 << 20 and lines[2]["error"] == "CUDA_ERROR_OUT_OF_MEMORY"
+    _, lines, _ = run(fake_libcuda, ["init", "alloc 200", "alloc 512"], env)
+    assert lines[2]["ok"] and lines[3]["error"] == "CUDA_ERROR_OUT_OF_MEMORY"
 
 
 @pytest.mark.parametrize(
@@ -75,8 +78,10 @@ def test_a_clients_own_limit_only_lowers_its_servers(fake_libcuda: str, tmp_path
         pytest.param("alloc 0", "alloc MIB must be within 1..16777216, got 0", id="zero"),
         pytest.param("alloc -5", "alloc MIB must be within 1..16777216, got -5", id="negative"),
         pytest.param("busy 600000", "busy MS must be within 1..60000, got 600000", id="busy-too-long"),
-        pytest.param("launch", "unknown command 'launch' (init, alloc MIB, busy MS, free, exit)", id="unknown"),
-        pytest.param("   ", "empty command (init, alloc MIB, busy MS, free, exit)", id="empty"),
+        pytest.param("busy 10 0", "busy SMS must be within 1..4096, got 0", id="busy-no-sms"),
+        pytest.param("busy 10 20 30", "busy takes 1 to 2 argument(s), got 3", id="busy-extra-argument"),
+        pytest.param("launch", "unknown command 'launch' (init, alloc MIB, busy MS [SMS], free, exit)", id="unknown"),
+        pytest.param("   ", "empty command (init, alloc MIB, busy MS [SMS], free, exit)", id="empty"),
     ],
 )
 def test_a_bad_command_is_answered_and_the_client_goes_on(fake_libcuda: str, command: str, error: str) -> None:

@@ -55,9 +55,10 @@ from shim.periodic import Periodic
 _log = log.get("weft.reservations")
 RECONCILE_S = 5.0
 WATCH_S = 5
-# A reservation made once the API is back after an outage: the host's kubelet reconnects with a backoff of
-# its own before it admits anything, and the shadow has been running all along; it is not judged sooner.
-AFTER_OUTAGE_GRACE_S = 60.0
+# A reservation made once the API is back after an outage: the host's kubelet sees it only when its pod watch
+# reconnects, and client-go's reflector retries with a backoff capped at 30 s plus up to as much again of
+# jitter, then lists; the shadow has been running all along, so it is not judged before two such retries.
+AFTER_OUTAGE_GRACE_S = 150.0
 
 
 class ReservationRefused(WeftError):
