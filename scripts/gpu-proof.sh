@@ -54,7 +54,9 @@ SITE="$(mktemp -d /tmp/weft-gpu-proof.XXXXXX)"
 trap 'rm -rf "$SITE"' EXIT
 summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
-summary "weft GPU proof, $(date -u +%FT%TZ), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)"
+# WEFT_PROOF_COMMIT: the commit the tree is, where it was copied without its history (a GPU machine reached
+# through a file copy may carry an older .git beside a newer tree).
+summary "weft GPU proof, $(date -u +%FT%TZ), commit ${WEFT_PROOF_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 # 1. What the proof runs with.
 {
