@@ -16,8 +16,8 @@ cd "$ROOT"
 "$VENV/bin/pytest" -n "${WEFT_TEST_WORKERS:-3}" --dist loadfile --durations=25 "$@"
 
 # The whole suite ran on Debian's containerd 1.6; a smoke subset runs on each release WEFT_TEST_CONTAINERDS names
-# (default 2.x alone, what current clusters run: with 1.7 beside it a cold run on 2 cores passes 30 minutes; "1.7 2"
-# for both; 1.7 still runs in the suite through the installer's config dumps) (built by kube/containerd/build.sh): the harness and its config, the pass-through differential,
+# (default "1.7 2", both lines built by kube/containerd/build.sh in any case; side by side they add about half a
+# minute to 2.x alone): the harness and its config, the pass-through differential,
 # a pod's lifecycle through the agent, an opted-in GPU pod and a plain one through the weft handler, one rerouted
 # pod under real kubelets, and critest direct vs through the agent. Only for the whole suite (no arguments);
 # the releases run side by side, each on two workers: critest is the long pole and mostly waits on daemons.
@@ -29,7 +29,7 @@ SMOKE=(integration/test_harness.py integration/test_differential.py integration/
        integration/test_critest.py)
 mkdir -p "$VENV/log"
 smoke=()
-for line in ${WEFT_TEST_CONTAINERDS-2}; do
+for line in ${WEFT_TEST_CONTAINERDS-1.7 2}; do
   echo "weft: smoke run on containerd $line (log: $VENV/log/smoke-containerd-$line.log)"
   WEFT_CONTAINERD="$line" "$VENV/bin/pytest" -n 2 --dist loadfile -p no:cacheprovider "${SMOKE[@]}" \
     >"$VENV/log/smoke-containerd-$line.log" 2>&1 &
