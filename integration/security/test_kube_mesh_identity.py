@@ -20,6 +20,8 @@ from __future__ import annotations
 import base64
 import datetime as dt
 import json
+import os
+import signal
 import socket
 import ssl
 import subprocess
@@ -90,15 +92,28 @@ def signer(api: ControlPlane, tmp_path_factory: pytest.TempPathFactory) -> Itera
                    capture_output=True)
     token = api.kubectl("create", "token", "weft-mesh-signer", "-n", "weft-system", "--duration", "1h").stdout
     kubeconfig = _kubeconfig_with_token(api, "signer", token.strip())
-    log = (api.workdir / "signer.log").open("w")
-    proc = subprocess.Popen([sys.executable, "-m", "shim", "mesh-signer", "--ca-dir", str(ca_dir), "--kubeconfig",
-                             str(kubeconfig), "--max-lifetime", str(LIFETIME_S)], stdout=log, stderr=log)
+    proc = _start_signer(ca_dir, kubeconfig, api.workdir / "signer.log")
+    _SIGNER["proc"] = proc
     try:
         yield ca_dir, kubeconfig
     finally:
         proc.terminate()
         proc.wait(10)
-        log.close()
+        _SIGNER.clear()
+
+
+_SIGNER: dict[str, subprocess.Popen] = {}  # the module's signer process, for the test that hangs it
+
+
+def _start_signer(ca_dir: Path, kubeconfig: Path, log_path: Path) -> subprocess.Popen:
+    with log_path.open("w") as log:
+        return subprocess.Popen([sys.executable, "-m", "shim", "mesh-signer", "--ca-dir", str(ca_dir),
+                                 "--kubeconfig", str(kubeconfig), "--max-lifetime", str(LIFETIME_S)],
+                                stdout=log, stderr=log)
+
+
+def _signer_events(*logs: Path) -> list[dict]:
+    return [json.loads(line) for p in logs for line in p.read_text().splitlines() if line.startswith("{")]
 
 
 _CLIENTS: dict[str, lightkube.Client] = {}
@@ -336,3 +351,37 @@ def test_the_signer_approves_for_weft_io_mesh_only_and_a_node_approves_nothing(a
         with pytest.raises(lightkube.ApiError) as refused:
             client.replace(CertificateSigningRequestApproval.from_dict(doc))
         assert refused.value.status.code == 403
+
+
+def test_two_signers_issue_each_certificate_once_and_a_hung_one_holds_up_no_renewal(api, signer, tmp_path):
+    """The Deployment runs two signers with no leader: each request is signed by one of them, and a node still
+    gets its certificate while the other hangs (as on a node that stopped answering)."""
+    ca_dir, kubeconfig = signer
+    before = {c.metadata.name for c in _as(api, "admin").list(CertificateSigningRequest)}
+    second_log = api.workdir / "signer-2.log"
+    second = _start_signer(ca_dir, kubeconfig, second_log)
+    first = _SIGNER["proc"]
+    try:
+        os.kill(first.pid, signal.SIGSTOP)
+        try:
+            _enroller(api, "node-c", tmp_path / "while-hung").run(threading.Event(), once=True)
+        finally:
+            os.kill(first.pid, signal.SIGCONT)
+        assert cert_nodes((tmp_path / "while-hung" / "node-c.crt").read_bytes()) == ["node-c"]
+        # Both answering at once, request after request.
+        for i in range(6):
+            node = ("node-a", "node-c")[i % 2]
+            _enroller(api, node, tmp_path / f"both-{i}").run(threading.Event(), once=True)
+            assert cert_nodes((tmp_path / f"both-{i}" / f"{node}.crt").read_bytes()) == [node]
+        ours = {c.metadata.name for c in _as(api, "admin").list(CertificateSigningRequest)} - before
+        assert len(ours) == 7
+    finally:
+        second.terminate()
+        second.wait(10)
+    # The hung signer, resumed, acted on what it had missed: what it tried the API refused (409) and it dropped.
+    # Nothing failed, and each request was signed once, by one of the two.
+    events = [e for e in _signer_events(api.workdir / "signer.log", second_log) if e.get("csr") in ours]
+    assert not [e for e in events if e["event"] == "mesh.signer.failed"], events
+    signed = sorted(e["csr"] for e in events if e["event"] == "mesh.signer.signed")
+    assert signed == sorted(ours), events
+

@@ -1,7 +1,12 @@
 """The mesh signer (``weft mesh-signer``): signs nodes' mesh certificates through the Kubernetes CSR API.
 
-It runs as a Deployment of one replica, the only workload that mounts the
-mesh CA's key (the ``weft-mesh-ca`` Secret). It lists and watches the
+It runs as a Deployment of two replicas on different nodes, the only
+workload that mounts the mesh CA's key (the ``weft-mesh-ca`` Secret), so a
+node's renewal does not wait for a signer to come back. Replicas need no
+leader: each update carries the resourceVersion it read, so when two decide
+the same request at once the API takes one and answers the other 409
+Conflict, which is logged as ``mesh.signer.raced`` and dropped (the winner's
+update arrives as the next event, and is then nothing to do). It lists and watches the
 CertificateSigningRequests whose ``spec.signerName`` is ``weft.io/mesh``,
 and for each one neither issued nor refused yet reads what it says
 (``shim.mesh.csr.facts``), asks the API whether the requesting node is still
@@ -131,7 +136,10 @@ class Signer:
     def _handle_logged(self, obj: CertificateSigningRequest) -> None:
         try:
             self.handle(obj)
-        except lightkube.ApiError as exc:  # a conflict (another update won) or a refusal: the next event retries
+        except lightkube.ApiError as exc:
+            if exc.status.code == 409:  # another replica (or update) came first: its change is the next event
+                _log.info("mesh.signer.raced", csr=obj.metadata.name)
+                return
             _log.warning("mesh.signer.failed", csr=obj.metadata.name, error=exc.status.message)
 
     def run(self, stop: threading.Event) -> None:

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import base64
 
+import lightkube
 from cryptography import x509
+from lightkube.models.meta_v1 import Status
 from lightkube.resources.certificates_v1 import CertificateSigningRequest
+from structlog.testing import capture_logs
 
 from shim.core.meshcsr import SIGNER_NAME, Reason
 from shim.mesh import certs, csr
@@ -81,3 +84,24 @@ def test_other_signers_and_finished_requests_are_left_alone_and_an_approved_unsi
     assert signer.handle(_csr(status=approved)).approved
     (status,) = api.replaced  # signed, not approved a second time
     assert status.status.certificate
+
+
+class Refusing(Recorder):
+    """An API that refuses every update with ``code``."""
+
+    def __init__(self, code: int, reason: str) -> None:
+        super().__init__()
+        self.code, self.reason = code, reason
+
+    def replace(self, obj):
+        raise lightkube.ApiError(status=Status(code=self.code, reason=self.reason, message=f"{self.reason} (test)"))
+
+
+def test_a_conflict_is_the_other_signer_first_and_is_dropped_while_other_refusals_are_failures() -> None:
+    ca_key, ca_cert = certs.generate_ca()
+    for code, reason, event, level in ((409, "Conflict", "mesh.signer.raced", "info"),
+                                       (403, "Forbidden", "mesh.signer.failed", "warning")):
+        signer = Nodes(Refusing(code, reason), ca_key, ca_cert, max_lifetime_s=3600)
+        with capture_logs() as logs:
+            signer._handle_logged(_csr())
+        assert [(e["event"], e["log_level"], e["csr"]) for e in logs] == [(event, level, "weft-mesh-x")]

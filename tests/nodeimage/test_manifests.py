@@ -226,7 +226,13 @@ def test_only_the_signer_mounts_the_mesh_ca_and_its_secret_is_what_init_ca_write
     (c,) = pod["containers"]
     args = parser().parse_args(c["args"])
     assert {m["name"]: m["mountPath"] for m in c["volumeMounts"]}[vol["name"]] == str(args.ca_dir)
-    assert deploy["spec"]["replicas"] == 1 and pod["serviceAccountName"] == _one("ServiceAccount", SIGNER)[
+    # Two signers, spread over nodes, one at a time taken by a rollout or a drain: a renewal always finds one.
+    assert deploy["spec"]["replicas"] == 2 and deploy["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 1
+    (spread,) = pod["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert spread["podAffinityTerm"]["labelSelector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+    budget = _one("PodDisruptionBudget", SIGNER)
+    assert budget["spec"] == {"minAvailable": 1, "selector": deploy["spec"]["selector"]}
+    assert pod["serviceAccountName"] == _one("ServiceAccount", SIGNER)[
         "metadata"]["name"]
     assert pod["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["capabilities"] == {"drop": ["ALL"]}
     assert c["image"] == build.DEFAULT_NAME
