@@ -22,7 +22,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.cri.fabric import Fabric
-from shim.cri.host.runtime import RT, ShadowRuntime
+from shim.cri.host.runtime import ShadowRuntime
 from shim.cri.labels import KEY_ANNOTATION, ORIGIN_LABEL
 from shim.errors import UpstreamError, WeftError
 from shim.periodic import Periodic
@@ -98,8 +98,7 @@ class Fencer:
             if silent <= self.fence_timeout:  # heard from while we listed
                 continue
             try:
-                self.rt.call(RT + "StopContainer", cri.StopContainerRequest(container_id=c.id, timeout=0),
-                           cri.StopContainerResponse)
+                self.rt.stop(c.id)
             except UpstreamError as exc:
                 if exc.code is not grpc.StatusCode.NOT_FOUND:
                     raise

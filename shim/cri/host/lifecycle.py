@@ -372,8 +372,7 @@ class Lifecycle:
         try:
             # At once, as containerd's RemoveContainer does: the origin's kubelet gave the grace period when
             # it stopped the container; waiting here would hold the lock every other shadow call needs.
-            self.rt.call(RT + "StopContainer", cri.StopContainerRequest(container_id=c.id, timeout=0),
-                       cri.StopContainerResponse)
+            self.rt.stop(c.id)
             self.rt.call(RT + "RemoveContainer", cri.RemoveContainerRequest(container_id=c.id),
                        cri.RemoveContainerResponse)
             rest = self.rt.find({ORIGIN_LABEL: origin}, containers=True)

@@ -3,17 +3,23 @@
 from __future__ import annotations
 
 import hashlib
+import time
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
 
+from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.cri.fabric import Fabric
 from shim.cri.labels import KEY_LABEL, ORIGIN_LABEL
 from shim.errors import UnknownContainer, UpstreamError
 
+_log = log.get("weft.shadows")
 RT = "/runtime.v1.RuntimeService/"
 IMG = "/runtime.v1.ImageService/"
+# containerd answers a kill UNKNOWN ("ttrpc: closed") when its connection to the container's shim drops during
+# the call; it has the task's exit, or a new connection, by a later try (kubelet too stops again at its next sync).
+STOP_RETRY_S = (0.2, 0.5, 1.0)
 
 
 def label(value: str) -> str:
@@ -36,6 +42,19 @@ class ShadowRuntime:
             return self.fabric.upstream.channel.unary_unary(path)(request, timeout=timeout)
         except grpc.RpcError as exc:
             raise self.fabric.upstream.translate(exc) from None
+
+    def stop(self, container_id: str, retry_s: tuple[float, ...] = STOP_RETRY_S) -> None:
+        """StopContainer at once (no grace: the origin's kubelet gave it), tried again after an UNKNOWN."""
+        req = cri.StopContainerRequest(container_id=container_id, timeout=0)
+        for wait in (*retry_s, None):
+            try:
+                self.call(RT + "StopContainer", req, cri.StopContainerResponse)
+                return
+            except UpstreamError as exc:
+                if exc.code is not grpc.StatusCode.UNKNOWN or wait is None:
+                    raise
+                _log.warning("shadow.stop_retried", container_id=container_id, error=exc.message, retry_in=wait)
+                time.sleep(wait)
 
     def containers(self, state: int | None = None, labels: dict[str, str] | None = None) -> list[cri.Container]:
         f = cri.ContainerFilter(label_selector=labels or {})

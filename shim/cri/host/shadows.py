@@ -39,7 +39,7 @@ from shim.cri.host.group_weight import ShadowGroupWeight
 from shim.cri.host.lifecycle import Lifecycle
 from shim.cri.host.prepare import Preparer
 from shim.cri.host.reservations import Reservations
-from shim.cri.host.runtime import RT, ShadowRuntime, label
+from shim.cri.host.runtime import ShadowRuntime, label
 from shim.cri.host.watch import Watcher
 from shim.cri.labels import KEY_ANNOTATION, KEY_LABEL
 from shim.kube.access import ApiAccess
@@ -119,8 +119,7 @@ class ShadowHost:
                 if c.state != cri.CONTAINER_RUNNING or not self.lifecycle.mark.is_container(c.labels):
                     continue
                 self.rt.reasons[c.id] = ("Evicted", detail)
-                self.rt.call(RT + "StopContainer", cri.StopContainerRequest(container_id=c.id, timeout=0),
-                             cri.StopContainerResponse)
+                self.rt.stop(c.id)
                 self.capacity.forget()
                 _log.warning("shadow.evicted", container_id=c.id, key=c.annotations.get(KEY_ANNOTATION, ""),
                              used=used, detail=detail)
@@ -137,8 +136,7 @@ class ShadowHost:
             if c.state not in (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING):
                 continue
             self.rt.reasons[c.id] = (v.reason.value if v.reason else "ReservationLost", v.detail)
-            self.rt.call(RT + "StopContainer", cri.StopContainerRequest(container_id=c.id, timeout=0),
-                         cri.StopContainerResponse)
+            self.rt.stop(c.id)
             self.capacity.forget()
             _log.warning("shadow.reservation_lost", key=key, container_id=c.id,
                          reason=v.reason.value if v.reason else "", detail=v.detail)

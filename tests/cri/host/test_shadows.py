@@ -1,12 +1,16 @@
-"""The host's pure rules for shadows: which are orphans, how often Watch beats, what is never run."""
+"""The host's pure rules for shadows: which are orphans, how often Watch beats, what is never run, when a stop is
+tried again."""
 
+import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.host.lifecycle import _unsafe, sandbox_to_use
+from shim.cri.host.runtime import RT, ShadowRuntime
 from shim.cri.host.runtime import label as _label
 from shim.cri.host.watch import heartbeat_s, orphans
 from shim.cri.labels import KEY_LABEL
+from shim.errors import UpstreamError
 
 
 def _shadow(cid: str, key: str) -> cri.Container:
@@ -81,3 +85,35 @@ def test_an_empty_dir_is_made_fresh_and_writable_at_an_absolute_path_only(tmp_pa
     assert made.is_dir() and not any(made.iterdir()) and made.stat().st_mode & 0o777 == 0o777
     with pytest.raises(BadAnnotation, match="must be absolute"):
         _empty_dir(tmp_path / "v", 1, pb.EmptyDir(container_path="scratch"))
+
+
+class _Containerd(ShadowRuntime):
+    """StopContainer answered from a script of errors (None: done)."""
+
+    def __init__(self, answers: list[UpstreamError | None]) -> None:
+        super().__init__(fabric=None)
+        self.answers, self.asked = answers, []
+
+    def call(self, path, request, response_type, timeout=120.0):
+        self.asked.append((path, request.container_id, request.timeout))
+        answer = self.answers.pop(0)
+        if answer is not None:
+            raise answer
+        return response_type()
+
+
+def test_a_stop_containerd_answers_unknown_is_tried_again_and_other_refusals_are_not() -> None:
+    closed = UpstreamError(grpc.StatusCode.UNKNOWN, 'failed to kill container "c1": ttrpc: closed: unknown')
+    rt = _Containerd([closed, closed, None])
+    rt.stop("c1", retry_s=(0, 0, 0))
+    assert rt.asked == [(RT + "StopContainer", "c1", 0)] * 3
+    # Past its tries the error is the caller's, as is any other at once.
+    rt = _Containerd([closed] * 4)
+    with pytest.raises(UpstreamError) as still:
+        rt.stop("c1", retry_s=(0, 0, 0))
+    assert still.value is closed and len(rt.asked) == 4
+    gone = UpstreamError(grpc.StatusCode.NOT_FOUND, 'container "c1" not found')
+    rt = _Containerd([gone])
+    with pytest.raises(UpstreamError):
+        rt.stop("c1")
+    assert len(rt.asked) == 1
