@@ -390,17 +390,9 @@ class LiveTest:
     def _read_device_sms(self) -> tuple[int | None, str]:
         """The device's SM count, from a client with a context of its own before any lease's daemon runs: an MPS
         client is shown only its share of the SMs, so the share can be judged only against this."""
-        assert self.work is not None
-        empty = self.work / "no-mps-probe"
-        empty.mkdir(exist_ok=True)
-        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", **self.s.client_env,
-               "CUDA_VISIBLE_DEVICES": self.device, "CUDA_MPS_PIPE_DIRECTORY": str(empty)}
-        if os.environ.get("LD_LIBRARY_PATH"):
-            env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
-        proc = subprocess.Popen([sys.executable, "-I", "-S", str(CLIENT), "--libcuda", self.s.libcuda,
-                                 "--max-seconds", str(int(self.s.step_timeout))],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(self._client_argv(self.s.step_timeout), stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                env={**self._client_env(), **self._outside_mps("probe")}, start_new_session=True)
         probe = Client("device-probe", proc, self.s.step_timeout)
         try:
             if not probe.read(what="whether it loaded libcuda").get("ok"):
@@ -521,24 +513,19 @@ class LiveTest:
         variables, ``bypass`` pointed at a directory with no MPS daemon (a context of its own)."""
         assert self.work is not None
         name = {"env": rec.name, "cleared": f"{rec.name}-cleared", "bypass": f"{rec.name}-outside-mps"}[mode]
-        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", **self.s.client_env}
-        if os.environ.get("LD_LIBRARY_PATH"):
-            env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+        env = self._client_env()
         if mode == "env":
             env.update({k: v for k, v in rec.lease.env.items()})
             env["CUDA_MPS_PIPE_DIRECTORY"] = rec.pipe_dir  # the container sees it at /run/weft-mps
         elif mode == "bypass":
-            empty = self.work / f"no-mps-{rec.name}"
-            empty.mkdir(exist_ok=True)
-            env.update({"CUDA_VISIBLE_DEVICES": self.device, "CUDA_MPS_PIPE_DIRECTORY": str(empty)})
+            env.update(self._outside_mps(rec.name))
         if not MPS_DEFAULT_PIPE.exists():
             MPS_DEFAULT_PIPE.mkdir(mode=0o755)  # a mount point only; removed at clean-up
             self.made_default_pipe = True
         argv = ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", _ENTER, "weft-gpu-check",
                 rec.shm_dir, rec.pipe_dir, str(rec.cgroup_dir / "cgroup.procs"),
                 "env", "-i", *(f"{k}={v}" for k, v in sorted(env.items())),
-                sys.executable, "-I", "-S", str(CLIENT), "--libcuda", self.s.libcuda,
-                "--max-seconds", str(int(self.s.step_timeout * 8 + self.s.watchdog_timeout))]
+                *self._client_argv(self.s.step_timeout * 8 + self.s.watchdog_timeout)]
         proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                 start_new_session=True)
         client = Client(name, proc, self.s.step_timeout)
@@ -551,6 +538,24 @@ class LiveTest:
             raise _Stop(fail("live.memory-within", f"client {name}: {first.get('error')}. Change: install the NVIDIA "
                                                    "driver's libcuda.so.1"))
         return client
+
+    def _client_env(self) -> dict[str, str]:
+        """What every client starts with: a plain PATH, the test's own variables, and where libcuda is found."""
+        env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", **self.s.client_env}
+        if os.environ.get("LD_LIBRARY_PATH"):
+            env["LD_LIBRARY_PATH"] = os.environ["LD_LIBRARY_PATH"]
+        return env
+
+    def _outside_mps(self, name: str) -> dict[str, str]:
+        """A client's variables pointing it at a directory with no MPS daemon: a context of its own."""
+        assert self.work is not None
+        empty = self.work / f"no-mps-{name}"
+        empty.mkdir(exist_ok=True)
+        return {"CUDA_VISIBLE_DEVICES": self.device, "CUDA_MPS_PIPE_DIRECTORY": str(empty)}
+
+    def _client_argv(self, max_seconds: float) -> list[str]:
+        return [sys.executable, "-I", "-S", str(CLIENT), "--libcuda", self.s.libcuda,
+                "--max-seconds", str(int(max_seconds))]
 
     def _cgroup_parent(self) -> Path:
         """A cgroup for the test's leases under the hierarchy the watchdog reads (memory on v1, unified on v2)."""
