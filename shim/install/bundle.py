@@ -1,18 +1,31 @@
-"""A self-contained weft for the host: the running Python, its standard library, weft and its dependencies.
+"""A self-contained weft for the host: the running Python, its standard library, weft, its dependencies and the
+shared libraries they need beyond the C library.
 
 The DaemonSet's image has Python; the host may not (or not the same one), and
 systemd must run weft without the image. So ``/opt/weft`` gets::
 
-    bin/python3                 the interpreter binary (lib/libpython3.X.so* beside it when shared)
+    bin/python3                 the interpreter binary
     bin/weft, bin/weft-oci-hook launchers (sh) that find their own directory, so the tree can live anywhere
+    lib/*.so*                   libpython where it is shared, and every library the interpreter, the standard
+                                library's extension modules and the dependencies' link that is not part of the C
+                                library (libsqlite3, libssl, libffi, libstdc++, ...): a minimal node has few of them
     lib/python3.X/              the standard library, less tests, IDLE, Tk and ensurepip
-    lib/python3.X/site-packages weft (shim, hooks) and the installed distributions its requirements pull in
+    lib/weft/                   weft (shim, hooks) and its dependencies
+    lib/weft-main.py            what bin/weft runs: puts lib/weft first on the path, then weft's command line
 
 Python finds its prefix from the binary's location (the ``lib/python3.X/os.py``
-landmark), so the copy uses nothing of the image. It still needs the host's
-libc (glibc, as every mainstream node OS has). The hook launcher runs with
-``-S -I``: the hook imports only the standard library. ``--source DIR``
-copies a prepared tree instead (a CI-built bundle, or a small one in tests).
+landmark), so the copy uses nothing of the image. weft lives in a directory
+of its own rather than in ``site-packages`` because where ``site`` looks
+depends on who built the interpreter (Debian's looks in ``dist-packages``):
+the entry script names the directory itself. The dependencies are weft's
+requirement closure where weft's package metadata is installed (a virtual
+environment), else every distribution installed beside ``shim`` (the node
+image installs them with ``pip --target`` into a directory of weft's own).
+The copy still needs the host's C library (glibc, as every mainstream node OS
+has); :func:`check_argv` is the installer's proof that it runs there. The
+hook launcher runs with ``-S -I``: the hook imports only the standard library.
+``--source DIR`` copies a prepared tree instead (a CI-built bundle, or a small
+one in tests).
 """
 
 from __future__ import annotations
@@ -22,6 +35,7 @@ import importlib.metadata as md
 import os
 import re
 import shutil
+import struct
 import sys
 import sysconfig
 from collections.abc import Iterator
@@ -33,18 +47,45 @@ MARKER = ".weft-bundle"
 _SKIP_STDLIB = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip",
                 "lib2to3", "__pycache__"}
 PYVER = f"python{sys.version_info.major}.{sys.version_info.minor}"
+APP = "lib/weft"  # weft and its dependencies, in the bundle
+ENTRY = "lib/weft-main.py"
+# The C library's own objects: the host's are the ones that must be used (they go with its loader).
+_GLIBC = re.compile(r"^(ld-linux.*|libc|libm|libmvec|libpthread|libdl|librt|libutil|libresolv|libanl|libnsl"
+                    r"|libBrokenLocale|libthread_db|libnss_\w+|libc_malloc_debug|libmemusage|libpcprofile)"
+                    r"\.so(\.\d+)*$")
 
+ENTRY_PY = """# weft's command line in the copy under /opt/weft (written by weft install), run by bin/weft.
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.realpath(__file__)), "weft"))
+# The launcher put the copy's libraries on the loader's path for this process alone: what weft starts (systemctl,
+# nsenter, ip, ...) is the host's and gets the host's path back.
+was = os.environ.pop("WEFT_HOST_LD_LIBRARY_PATH", None)
+if was is None:
+    os.environ.pop("LD_LIBRARY_PATH", None)
+else:
+    os.environ["LD_LIBRARY_PATH"] = was
+from shim.cli import main  # noqa: E402
+
+sys.exit(main())
+"""
 WEFT_SH = """#!/bin/sh
 # weft, self-contained (written by weft install)
 here=$(dirname "$(readlink -f "$0")")
-LD_LIBRARY_PATH="$here/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/python3" -I -m shim "$@"
+[ -n "${LD_LIBRARY_PATH+set}" ] && export WEFT_HOST_LD_LIBRARY_PATH="$LD_LIBRARY_PATH"
+LD_LIBRARY_PATH="$here/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \\
+  exec "$here/python3" -I "$here/../lib/weft-main.py" "$@"
 """
-HOOK_SH = f"""#!/bin/sh
+HOOK_SH = """#!/bin/sh
 # weft's OCI hook, self-contained (written by weft install): standard library only (-S -I)
 here=$(dirname "$(readlink -f "$0")")
-LD_LIBRARY_PATH="$here/../lib${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" \\
-  exec "$here/python3" -S -I "$here/../lib/{PYVER}/site-packages/hooks/weft_oci_hook.py" "$@"
+LD_LIBRARY_PATH="$here/../lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" \\
+  exec "$here/python3" -S -I "$here/../lib/weft/hooks/weft_oci_hook.py" "$@"
 """
+# What the services import, and the standard library's extension modules that they load on the way: run by the
+# copied interpreter on the host before any service is started (check_argv).
+CHECK_IMPORTS = ("shim.agent", "shim.brokerd", "shim.cli", "sqlite3", "ssl", "ctypes", "grpc")
 
 
 def _norm(name: str) -> str:
@@ -52,9 +93,12 @@ def _norm(name: str) -> str:
 
 
 def _distributions() -> list[md.Distribution]:
-    """weft's requirement closure, as installed (a requirement that is not installed is not needed here)."""
+    """weft's requirement closure, as installed; without weft's metadata, what is installed beside ``shim``."""
+    if not _has("weft"):
+        home = str(Path(shim.__file__).resolve().parent.parent)
+        return [d for d in md.distributions(path=[home]) if _norm(d.metadata["Name"] or "") != "weft"]
     seen: dict[str, md.Distribution] = {}
-    todo = [str(r) for r in (md.distribution("weft").requires or [])] if _has("weft") else []
+    todo = [str(r) for r in (md.distribution("weft").requires or [])]
     while todo:
         req = todo.pop()
         if "extra ==" in req:
@@ -84,26 +128,101 @@ def _tree(src: Path, rel: str, skip: set[str]) -> Iterator[tuple[Path, str]]:
                 yield p, f"{rel}/{p.relative_to(src)}"
 
 
+# -- the shared libraries the copy needs ----------------------------------------------------------------------
+def elf_needs(path: Path) -> tuple[list[str], list[str]] | None:
+    """An ELF file's DT_NEEDED names and its RPATH/RUNPATH entries; None for a file that is not a 64-bit ELF."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if data[:5] != b"\x7fELF\x02" or len(data) < 64:
+        return None
+    end = "<" if data[5] == 1 else ">"
+    phoff, = struct.unpack_from(end + "Q", data, 32)
+    phentsize, phnum = struct.unpack_from(end + "HH", data, 54)
+    loads, dynamic = [], None
+    for i in range(phnum):
+        p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from(end + "IIQQQQ", data, phoff + i * phentsize)
+        if p_type == 1:
+            loads.append((p_vaddr, p_offset, p_filesz))
+        elif p_type == 2:
+            dynamic = (p_offset, p_filesz)
+    if dynamic is None:
+        return [], []
+    entries, strtab = [], None
+    for off in range(dynamic[0], dynamic[0] + dynamic[1], 16):
+        tag, val = struct.unpack_from(end + "qQ", data, off)
+        if tag == 0:
+            break
+        if tag == 5:
+            strtab = val
+        elif tag in (1, 15, 29):  # DT_NEEDED, DT_RPATH, DT_RUNPATH
+            entries.append((tag, val))
+    base = next((o + strtab - v for v, o, n in loads if strtab is not None and v <= strtab < v + n), None)
+    if base is None:
+        return [], []
+
+    def string(at: int) -> str:
+        return data[base + at:data.index(b"\0", base + at)].decode()
+
+    needed = [string(v) for t, v in entries if t == 1]
+    paths = [p for t, v in entries if t != 1 for p in string(v).split(":") if p]
+    return needed, paths
+
+
+def _system_lib_dirs() -> list[Path]:
+    arch = sysconfig.get_config_var("MULTIARCH") or ""
+    dirs = [f"/lib/{arch}", f"/usr/lib/{arch}", "/lib64", "/usr/lib64", "/lib", "/usr/lib", "/usr/local/lib"]
+    return [Path(d) for d in dirs if d and Path(d).is_dir()]
+
+
+def native_libraries(objects: list[Path]) -> list[Path]:
+    """The shared libraries ``objects`` need, transitively, that are not the C library's nor found next to them
+    (a wheel's own ``<name>.libs``, through its $ORIGIN run path): what a host may lack."""
+    system = _system_lib_dirs()
+    out: dict[str, Path] = {}
+    todo = list(objects)
+    while todo:
+        obj = todo.pop()
+        found = elf_needs(obj)
+        if found is None:
+            continue
+        needed, paths = found
+        own = [Path(p.replace("$ORIGIN", str(obj.parent)).replace("${ORIGIN}", str(obj.parent))) for p in paths]
+        for name in needed:
+            if _GLIBC.match(name) or name in out or any((d / name).exists() for d in own):
+                continue
+            lib = next((d / name for d in system if (d / name).exists()), None)
+            if lib is not None:
+                out[name] = lib
+                todo.append(lib.resolve())
+    return [out[n] for n in sorted(out)]
+
+
 def manifest() -> list[tuple[Path, str]]:
     """(source file, path in the bundle) for a bundle of the running interpreter and weft."""
-    out: list[tuple[Path, str]] = [(Path(sys.executable).resolve(), "bin/python3")]
+    python = Path(sys.executable).resolve()
+    out: list[tuple[Path, str]] = [(python, "bin/python3")]
     if sysconfig.get_config_var("Py_ENABLE_SHARED"):
         libdir = Path(sysconfig.get_config_var("LIBDIR"))
         for lib in sorted(libdir.glob(f"libpython{sys.version_info.major}.{sys.version_info.minor}*.so*")):
             out.append((lib.resolve(), f"lib/{lib.name}"))
-    out += _tree(Path(sysconfig.get_paths()["stdlib"]), f"lib/{PYVER}", _SKIP_STDLIB | {
+    out += [(p, rel) for p, rel in _tree(Path(sysconfig.get_paths()["stdlib"]), f"lib/{PYVER}", _SKIP_STDLIB | {
         d for d in os.listdir(sysconfig.get_paths()["stdlib"]) if d.startswith("config-")})
-    site = f"lib/{PYVER}/site-packages"
+        if not p.name.startswith("_tkinter")]  # Tk, and the X libraries it links, with tkinter
     for pkg in ("shim", "hooks"):
         mod = sys.modules.get(pkg) or __import__(pkg)
-        out += _tree(Path(mod.__file__).parent, f"{site}/{pkg}", {"__pycache__"})  # type: ignore[arg-type]
+        out += _tree(Path(mod.__file__).parent, f"{APP}/{pkg}", {"__pycache__"})  # type: ignore[arg-type]
     for dist in _distributions():
         for f in dist.files or []:
             if ".." in f.parts or "__pycache__" in f.parts or f.suffix == ".pyc":
                 continue
             p = Path(str(dist.locate_file(f)))
             if p.is_file():
-                out.append((p, f"{site}/{f.as_posix()}"))
+                out.append((p, f"{APP}/{f.as_posix()}"))
+    have = {rel.rsplit("/", 1)[-1] for _, rel in out if rel.startswith("lib/") and rel.count("/") == 1}
+    objects = [src for src, rel in out if rel == "bin/python3" or ".so" in rel.rsplit("/", 1)[-1]]
+    out += [(lib.resolve(), f"lib/{lib.name}") for lib in native_libraries(objects) if lib.name not in have]
     return out
 
 
@@ -128,8 +247,15 @@ def build(files: list[tuple[Path, str]], dest: Path, stamp: str, launchers: bool
         target.parent.mkdir(parents=True, exist_ok=True)
         shutil.copy2(src, target)
     if launchers:
+        (dest / ENTRY).write_text(ENTRY_PY)
         for name, text in (("weft", WEFT_SH), ("weft-oci-hook", HOOK_SH)):
             (dest / "bin" / name).write_text(text)
             (dest / "bin" / name).chmod(0o755)
     (dest / MARKER).write_text(stamp + "\n")
 
+
+def check_argv(opt: str) -> list[str]:
+    """A command, run on the host (``opt`` as the host sees it), that exits 0 only where the copy's services
+    can start: the copied interpreter imports what they import, each library it loads found."""
+    code = f"import sys; sys.path.insert(0, {opt + '/' + APP!r}); " + "; ".join(f"import {m}" for m in CHECK_IMPORTS)
+    return ["/usr/bin/env", f"LD_LIBRARY_PATH={opt}/lib", f"{opt}/bin/python3", "-I", "-c", code]

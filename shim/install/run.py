@@ -191,6 +191,13 @@ class _Installer:
             Host.sync_dir(self.host.path(OPT).parent)
             self.say(f"copied weft to {OPT}")
         self.host.remove(old)
+        if self.s.source is None and self.s.services.active:
+            # Before anything is started from it: a host that lacks what the copy needs (a C library too old)
+            # is named here, not in the agent's journal after kubelet's switch was attempted.
+            problem = services.run_on_host(self.s.root, bundle.check_argv(OPT), timeout=120)
+            if problem:
+                raise InstallError(f"the copy of weft in {OPT} does not run on this host: {problem}")
+            self.say(f"the copy of weft in {OPT} runs on this host")
 
     # -- uninstall -----------------------------------------------------------
     def uninstall(self) -> None:
@@ -270,8 +277,10 @@ class _Installer:
             elif step == "weft-stop" and "weft-start" in j.started:
                 sv.systemctl("disable", "--now", BROKER_UNIT, AGENT_UNIT, check=False)
             elif step == "units":
+                # With them, the agent's configuration: /etc/weft may hold what weft did not add (the node's
+                # mesh key, kept there by weft mesh-identity), so each added file goes, not the directory.
                 for p in ours:
-                    if p.startswith("/etc/systemd/") and self.host.remove(p):
+                    if p.startswith(("/etc/systemd/", "/etc/weft/")) and self.host.remove(p):
                         self.say(f"removed {p}")
                 if "units" in j.started:
                     attempt("daemon-reload")

@@ -53,6 +53,20 @@ class Systemctl:
             raise InstallError(f"{shlex.join([*self.argv, *args])} failed: {detail[0]}")
 
 
+def run_on_host(root: Path, argv: list[str], timeout: float) -> str | None:
+    """Run ``argv`` on the host whose root is ``root`` (``chroot`` into it unless it is ``/``); None when it
+    exits 0, else what it said last."""
+    cmd = argv if root == Path("/") else ["chroot", str(root), *argv]
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return str(exc)
+    if res.returncode == 0:
+        return None
+    lines = (res.stderr or res.stdout).strip().splitlines()
+    return lines[-1] if lines else f"exit {res.returncode}"
+
+
 def agent_version(socket: Path, timeout: float) -> str:
     """The agent's answer to CRI ``Version`` (it relays it from containerd); waits up to ``timeout``."""
     import grpc

@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from shim.cli import main
-from shim.install import containerd
+from shim.install import bundle, containerd
 from tests.install.conftest import SHAPES, SHAPES_1X, SHAPES_2X, copy_shape, snapshot, stamps
 
 AGENT = "unix:///run/weft/cri.sock"
@@ -301,10 +301,30 @@ def test_the_copied_weft_runs_on_its_own(tmp_path: Path) -> None:
     weft = root / "opt/weft/bin/weft"
     out = subprocess.run([str(weft), "--version"], capture_output=True, text=True, check=True, env={"PATH": "/bin"})
     assert out.stdout.strip() == "weft 0.1.0"
-    where = subprocess.run([str(weft.with_name("python3")), "-I", "-c", "import sys, grpc, yaml, shim; "
-                            "print(sys.prefix); print(shim.__file__)"], capture_output=True, text=True, check=True,
-                           env={"LD_LIBRARY_PATH": str(root / "opt/weft/lib")}).stdout.split()
-    assert all(w.startswith(str(root / "opt/weft")) for w in where), where
+    opt = str(root / "opt/weft")
+    check = bundle.check_argv(opt)
+    where = subprocess.run([*check[:-1], check[-1] + "; import yaml, shim; print(sys.prefix); print(shim.__file__)"
+                            "; print(sqlite3.__file__); print(sys.path)"],
+                           capture_output=True, text=True, check=True, env={}).stdout.split("\n")
+    assert all(w.startswith(opt) for w in where[:3]), where
+    assert all(p.startswith(opt) for p in eval(where[3])), where  # nothing of this machine's Python is searched
+    # The libraries a minimal node lacks travel with the copy (the C library's own never do).
+    carried = {p.name for p in (root / "opt/weft/lib").iterdir() if ".so" in p.name}
+    assert {"libsqlite3.so.0", "libssl.so.3", "libffi.so.8"} <= carried, carried
+    assert not carried & {"libc.so.6", "libm.so.6", "ld-linux-x86-64.so.2"}
+    # A process weft starts gets the host's library path back, not the copy's: what the entry leaves in its
+    # environment before weft's command line runs.
+    prelude = (root / "opt/weft/lib/weft-main.py").read_text().split("from shim.cli")[0]
+    for host_env, left in (({"LD_LIBRARY_PATH": "/host/lib"}, "/host/lib"), ({}, "None")):
+        launched = {"LD_LIBRARY_PATH": opt + "/lib"}  # as bin/weft starts it
+        if host_env:
+            launched["WEFT_HOST_LD_LIBRARY_PATH"] = host_env["LD_LIBRARY_PATH"]
+        shown = subprocess.run(
+            [str(weft.with_name("python3")), "-I", "-c",
+             f"__file__ = {str(root / 'opt/weft/lib/weft-main.py')!r}\n" + prelude
+             + "print(os.environ.get('LD_LIBRARY_PATH'))"],
+            capture_output=True, text=True, env=launched)
+        assert shown.stdout.strip() == left, shown.stderr
     hook = subprocess.run([str(weft.with_name("weft-oci-hook")), "createRuntime"], input='{"annotations": {}}',
                           capture_output=True, text=True, env={"PATH": "/bin"})
     assert hook.returncode == 0, hook.stderr
@@ -374,10 +394,40 @@ def test_tls_on_host_checks_the_files_the_node_keeps_and_never_writes_or_removes
         (mesh_dir / name).write_bytes((mesh_tls / name).read_bytes())
     (mesh_dir / "cpu-7.key").chmod(0o600)
     kept = {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in mesh_dir.iterdir()}
+    with_identity = snapshot(root)
     assert main(["install", "--root", str(root), "--source", str(source), *flags]) == 0
     assert config.load(root / "etc/weft/weft.toml").mesh.tls_dir == "/etc/weft/mesh"
     assert main(["uninstall", "--root", str(root)]) == 0
     assert {p.name: (p.read_bytes(), p.stat().st_mtime_ns) for p in mesh_dir.iterdir()} == kept
+    assert snapshot(root) == with_identity  # weft.toml gone too, though /etc/weft was not weft's to remove
+
+
+def test_a_rolled_back_install_beside_the_nodes_mesh_identity_leaves_nothing_so_a_retry_starts_clean(
+        tmp_path: Path, source: Path, mesh_tls: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """/etc/weft exists before the install (the DaemonSet's mesh-identity made /etc/weft/mesh): a rollback removes
+    the files weft added there, or every later try would be refused as a hand-made install."""
+    root = copy_shape("kubeadm", tmp_path / "host")
+    mesh_dir = root / "etc/weft/mesh"
+    mesh_dir.mkdir(parents=True)
+    for name in ("ca.crt", "cpu-7.crt", "cpu-7.key"):
+        (mesh_dir / name).write_bytes((mesh_tls / name).read_bytes())
+    before = snapshot(root)
+    flags = ["--node-name", "cpu-7", "--mesh-address", "10.0.0.7:7443", "--tls-on-host", "--source", str(source)]
+    failing, working = tmp_path / "failing", tmp_path / "working"
+    failing.write_text('#!/bin/sh\n[ "$*" = "restart containerd.service" ] && { echo "Job failed" >&2; exit 1; }\n'
+                       "exit 0\n")
+    working.write_text("#!/bin/sh\nexit 0\n")
+    for prog in (failing, working):
+        prog.chmod(0o755)
+    assert main(["install", "--root", str(root), "--systemctl", str(failing), *flags]) == 2
+    assert "rolled back" in capsys.readouterr().err
+    assert snapshot(root) == before
+    # The retry is not refused up front: it goes as far as its own systemctl lets it (no agent answers here).
+    assert main(["install", "--root", str(root), "--systemctl", str(working), "--agent-timeout", "0.1",
+                 "--agent-socket", str(tmp_path / "none.sock"), *flags]) == 2
+    err = capsys.readouterr().err
+    assert "agent-verify failed" in err and "exists, but no weft install journal does" not in err, err
+    assert snapshot(root) == before
 
 
 def test_mesh_flags_default_to_the_daemonsets_environment_and_a_static_peers_file_is_copied(
