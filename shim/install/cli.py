@@ -13,7 +13,7 @@ import re
 from pathlib import Path
 
 from shim.core.annotations import parse_host_port
-from shim.errors import InstallError
+from shim.errors import InstallError, UnrecognisedHost
 from shim.install import plan, run, services
 
 _HELP_SYSTEMCTL = ("the systemctl to run (default: systemctl when --root is /; none otherwise, so a --root install "
@@ -72,8 +72,25 @@ def _mesh(args: argparse.Namespace, broker: str) -> plan.Mesh:
 
 
 def _install(args: argparse.Namespace) -> int:
-    run.install(_settings(args))
+    try:
+        run.install(_settings(args))
+    except InstallError as exc:
+        _report(exc)
+        raise
     return 0
+
+
+def _report(exc: InstallError) -> None:
+    """In the DaemonSet, what stopped the install is also an Event on the pod (``kubectl describe pod``)."""
+    from shim.kube import events
+
+    pod = events.PodRef.from_environment()
+    if pod is None:
+        return
+    reason = "WeftInstallRefused" if isinstance(exc, UnrecognisedHost) else "WeftInstallFailed"
+    problem = events.report(pod, reason, exc.message)
+    if problem:
+        print(f"weft install: could not report this on pod {pod.namespace}/{pod.name}: {problem}", flush=True)
 
 
 def _uninstall(args: argparse.Namespace) -> int:

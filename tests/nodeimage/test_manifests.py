@@ -92,6 +92,7 @@ def test_rbac_grants_reads_and_writes_pods_only_in_weft_s_namespace():
         ("ClusterRole", "", "pods", ()): {"get", "list", "watch"},  # read anywhere: pod specs, ownership
         ("Role", "", "pods", ()): {"create", "delete", "get", "list", "watch"},  # written in weft-system only
         ("Role", "", "serviceaccounts/token", (sa,)): {"create"},  # the keeper's, for the host agent
+        ("Role", "", "events", ()): {"create"},  # the installer's report of a host it refuses
     }
 
 
@@ -140,7 +141,8 @@ def test_daemonset_runs_the_installer_with_the_host_root_and_keeps_only_the_agen
     assert {m["name"]: m["mountPath"] for m in init["volumeMounts"]}["host-root"] == "/host"
     keeper, _ = spec["containers"]
     assert keeper["args"] == ["kube-credentials", "--dir", "/etc/weft/api"]
-    assert {m["name"]: m["mountPath"] for m in keeper["volumeMounts"]} == {"api-credentials": "/etc/weft/api"}
+    assert {m["name"]: m["mountPath"] for m in keeper["volumeMounts"]} == {"api-credentials": "/etc/weft/api",
+                                                                         "tmp": "/tmp"}
     sc = keeper["securityContext"]  # root for the root-owned host directory, and nothing more
     assert sc["allowPrivilegeEscalation"] is False and sc["readOnlyRootFilesystem"] is True
     assert sc["capabilities"] == {"drop": ["ALL"]} and not sc.get("privileged")
@@ -200,7 +202,7 @@ def test_each_node_makes_its_own_mesh_identity_and_no_node_mounts_a_key_secret()
         mounts = {m["name"]: (m["mountPath"], m.get("readOnly", False)) for m in c["volumeMounts"]}
         assert mounts == {"mesh-identity": ("/etc/weft/mesh", False),
                           "kubelet-kubeconfig": ("/etc/kubernetes/kubelet.conf", True),
-                          "kubelet-pki": ("/var/lib/kubelet/pki", True)}
+                          "kubelet-pki": ("/var/lib/kubelet/pki", True), "tmp": ("/tmp", False)}
         env = {e["name"]: e.get("value") or e["valueFrom"]["fieldRef"]["fieldPath"] for e in c["env"]}
         assert env == {"WEFT_NODE_NAME": "spec.nodeName", "WEFT_KUBELET_KUBECONFIG": "/etc/kubernetes/kubelet.conf"}
         sc = c["securityContext"]
@@ -209,6 +211,35 @@ def test_each_node_makes_its_own_mesh_identity_and_no_node_mounts_a_key_secret()
         args = parser().parse_args(c["args"])
         assert str(args.dir) == "/etc/weft/mesh" and args.fn.__module__ == "shim.mesh.cli"
     assert "mesh-identity" not in {m["name"] for m in install["volumeMounts"]}  # it reads them under /host
+
+
+def test_init_containers_and_containers_have_names_of_their_own():
+    """The API server refuses a pod whose init container and container share a name."""
+    for kind in ("DaemonSet", "Deployment"):
+        spec = (_one(kind) if kind == "DaemonSet" else _one(kind, SIGNER))["spec"]["template"]["spec"]
+        names = [c["name"] for c in spec.get("initContainers", []) + spec["containers"]]
+        assert len(names) == len(set(names)), names
+
+
+def test_every_read_only_root_has_a_writable_tmp_of_its_own():
+    """The Kubernetes client writes a kubeconfig's embedded certificates (kubeadm's kubelet.conf embeds the CA)
+    to temporary files: a read-only root needs /tmp, in memory and small."""
+    for kind in ("DaemonSet", "Deployment"):
+        spec = (_one(kind) if kind == "DaemonSet" else _one(kind, SIGNER))["spec"]["template"]["spec"]
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        for c in spec.get("initContainers", []) + spec["containers"]:
+            if c["securityContext"].get("readOnlyRootFilesystem"):
+                tmp = [m["name"] for m in c["volumeMounts"] if m["mountPath"] == "/tmp"]
+                assert tmp, f"{kind} {c['name']}: read-only root without /tmp"
+                assert volumes[tmp[0]]["emptyDir"]["medium"] == "Memory", c["name"]
+
+
+def test_the_installer_knows_its_pod_to_report_a_refused_host_and_describe_shows_its_last_words():
+    _, install = _one("DaemonSet")["spec"]["template"]["spec"]["initContainers"]
+    env = {e["name"]: e.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath") for e in install["env"]}
+    assert (env["WEFT_POD_NAME"], env["WEFT_POD_NAMESPACE"], env["WEFT_POD_UID"]) == (
+        "metadata.name", "metadata.namespace", "metadata.uid")
+    assert install["terminationMessagePolicy"] == "FallbackToLogsOnError"
 
 
 def test_only_the_signer_mounts_the_mesh_ca_and_its_secret_is_what_init_ca_writes(tmp_path):
@@ -221,7 +252,7 @@ def test_only_the_signer_mounts_the_mesh_ca_and_its_secret_is_what_init_ca_write
     assert mounting == [(SIGNER, "Deployment")]
     deploy = _one("Deployment", SIGNER)
     pod = deploy["spec"]["template"]["spec"]
-    (vol,) = pod["volumes"]
+    (vol,) = [v for v in pod["volumes"] if "emptyDir" not in v]
     assert vol["secret"]["secretName"] == example["metadata"]["name"]
     (c,) = pod["containers"]
     args = parser().parse_args(c["args"])
