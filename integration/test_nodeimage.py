@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
+import tarfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -24,9 +26,11 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from nodeimage import build
 from shim import __version__
+from shim.install import bundle
 from shim.localfabric import pods
 from shim.localfabric.containerd import Containerd
 from shim.localfabric.waiting import wait_for
+from tests.install.conftest import HOSTROOTS, snapshot
 
 pytestmark = pytest.mark.slow
 
@@ -97,3 +101,78 @@ def test_image_runs_the_oci_hook(containerd: Containerd, imported: build.Built):
         rt = cri_grpc.RuntimeServiceStub(ch)
         code, lines = _run_to_exit(rt, containerd, "weft-hook", ["sh", "-c", script], [], imported.name)
     assert (code, lines) == (0, ["weft-oci-hook: unknown hook stage 'probe'; doing nothing", "rc=0"])
+
+
+# -- the host copy the image's installer makes, on a node with nothing but the C library ------------------------
+CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
+
+
+def _unpack(built: build.Built, dest: Path) -> Path:
+    """The image's root filesystem, its layers applied in order (neither layer deletes anything)."""
+    manifest, _ = build.Layout(built.layout).image()
+    for desc in manifest["layers"]:
+        with tarfile.open(build.Layout(built.layout).blob_path(desc["digest"]), mode="r:*") as tar:
+            tar.extractall(dest, filter="fully_trusted")
+    return dest
+
+
+def _minimal_node(dest: Path) -> Path:
+    """A node's root with a kubeadm layout and only Debian's libc6, dash and coreutils: no libsqlite3, libssl,
+    libffi or Python, as a minimal node OS has."""
+    shutil.copytree(HOSTROOTS / "kubeadm", dest, symlinks=True)
+    for top in ("bin", "lib", "lib64", "sbin"):  # merged /usr, as Debian 12's
+        (dest / "usr" / top).mkdir(parents=True, exist_ok=True)
+        (dest / top).symlink_to(f"usr/{top}")
+    for pkg in ("libc6", "dash", "coreutils"):
+        listed = subprocess.run(["dpkg", "-L", pkg], capture_output=True, text=True, check=True).stdout.split("\n")
+        for path in filter(None, listed):
+            src = Path(path)
+            if src.is_symlink() or src.is_file():
+                target = dest / path.lstrip("/")
+                target.parent.mkdir(parents=True, exist_ok=True)
+                if not target.exists() and not target.is_symlink():
+                    shutil.copy2(src, target, follow_symlinks=False)
+    return dest
+
+
+def test_the_images_installer_copies_a_weft_that_runs_on_a_node_with_only_the_c_library(
+        archive: build.Built, tmp_path: Path) -> None:
+    """The DaemonSet's install container, as its image runs it: the copy in /opt/weft carries weft, its
+    dependencies and every library they need beyond the C library, and runs on the host by itself."""
+    image = _unpack(archive, tmp_path / "image")
+    node = _minimal_node(tmp_path / "node")
+    assert not list(node.glob("usr/lib/*/libsqlite3.so*")) and not (node / "usr/bin/python3").exists()
+    before = snapshot(node)
+    image_env = dict(e.split("=", 1) for e in archive.config["config"]["Env"])  # as a container of it has
+    (image / "host").mkdir(exist_ok=True)
+    (image / "proc").mkdir(exist_ok=True)
+    subprocess.run(["mount", "--bind", str(node), str(image / "host")], check=True)
+    subprocess.run(["mount", "-t", "proc", "proc", str(image / "proc")], check=True)  # as a container has
+    try:
+        def in_image(*args: str) -> subprocess.CompletedProcess[str]:
+            return subprocess.run([CHROOT, str(image), "/opt/weft/bin/weft", *args, "--root", "/host"],
+                                  capture_output=True, text=True, timeout=300, env=image_env)
+
+        res = in_image("install")
+        assert res.returncode == 0, res.stdout + res.stderr
+        ran = subprocess.run([CHROOT, str(node), "/opt/weft/bin/weft", "--version"], capture_output=True,
+                             text=True, timeout=60, env={"PATH": "/usr/bin:/bin"})
+        assert (ran.returncode, ran.stdout.strip()) == (0, f"weft {__version__}"), ran.stderr
+        check = subprocess.run([CHROOT, str(node), *bundle.check_argv("/opt/weft")], capture_output=True,
+                               text=True, timeout=120, env={})
+        assert check.returncode == 0, check.stderr  # what the installer runs on a real host before any service
+        hook = subprocess.run([CHROOT, str(node), "/opt/weft/bin/weft-oci-hook", "probe"], input="{}",
+                              capture_output=True, text=True, timeout=60, env={})
+        assert hook.returncode == 0, hook.stderr
+        # Without a library the copy carries, the same check names it (the installer refuses with it).
+        (node / "opt/weft/lib/libsqlite3.so.0").unlink()
+        check = subprocess.run([CHROOT, str(node), *bundle.check_argv("/opt/weft")], capture_output=True,
+                               text=True, timeout=120, env={})
+        assert check.returncode != 0 and "libsqlite3.so.0" in check.stderr, check.stderr
+
+        res = in_image("uninstall")
+        assert res.returncode == 0, res.stdout + res.stderr
+    finally:
+        for point in ("proc", "host"):
+            subprocess.run(["umount", str(image / point)], check=False)
+    assert snapshot(node) == before
