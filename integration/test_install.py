@@ -37,7 +37,7 @@ from shim.install import containerd as ctrd_config
 from shim.install.run import INSTALL_STEPS, UNINSTALL_STEPS
 from shim.localfabric import pods
 from shim.localfabric.agent import AgentProcess
-from shim.localfabric.containerd import LINES, Containerd, bin_dir
+from shim.localfabric.containerd import LINES, RELEASE_LINES, Containerd, bin_dir
 from tests.install.conftest import SHAPES_1X, SHAPES_2X, copy_shape, snapshot
 from tests.install.test_containerd import MERGED
 
@@ -384,3 +384,37 @@ def test_uninstall_killed_after_each_step_is_repaired_by_uninstall_or_by_install
     assert _kubelet_on_agent(other)
     assert _weft("uninstall", other, *flags).returncode == 0
     assert snapshot(other) == before
+
+
+RELEASES = ("1.6", "1.7", *RELEASE_LINES, "2")
+
+
+@pytest.mark.parametrize("line", RELEASES)
+def test_each_releases_own_default_config_installs_and_uninstalls_byte_for_byte(
+        line: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The newest patch of every line upstream ships, on the file its own ``containerd config default`` writes
+    (the config version a new node of that release has) and asked its ``--version`` as on a node where none
+    runs: the installer takes it, containerd reads the drop-in, and uninstall gives the file back."""
+    binary = _containerd_binary(line)
+    default = subprocess.run([str(binary), "config", "default"], capture_output=True, text=True, timeout=60)
+    assert default.returncode == 0, default.stderr
+    version = tomllib.loads(default.stdout).get("version", 1)
+    root = copy_shape("kubeadm", tmp_path / "host")
+    (root / "etc/containerd/config.toml").write_text(default.stdout)
+    (root / "usr/bin/containerd").write_text(f'#!/bin/sh\nexec {binary} "$@"\n')
+    said = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60).stdout.split()
+    before_files = snapshot(root)
+    before = _dump(binary, root, tmp_path / "before")
+
+    res = _weft("install", root, "--source", str(_source(tmp_path)))
+    assert res.returncode == 0, res.stderr
+    after = _dump(binary, root, tmp_path / "after")
+    section = ctrd_config.CRI if version == 2 else ctrd_config.CRI_RUNTIME
+    runtimes = after["plugins"][section]["containerd"]["runtimes"]
+    assert runtimes.pop("weft")["base_runtime_spec"] == ctrd_config.BASE_SPEC
+    assert after == before
+    assert _weft("uninstall", root).returncode == 0
+    assert snapshot(root) == before_files
+    with capsys.disabled():
+        print(f"\n[weft install] containerd {said[2] if len(said) > 2 else said}: config default writes version "
+              f"{version}; installed and uninstalled byte for byte")

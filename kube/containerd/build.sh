@@ -7,6 +7,8 @@
 #
 #   2     containerd, containerd-shim-runc-v2   github.com/containerd/containerd/v2  (2/)
 #   1.7   containerd, containerd-shim-runc-v2   github.com/containerd/containerd     (1.7/)
+#   2.0, 2.1, 2.2, 2.3                          github.com/containerd/containerd/v2  (2.0/ ... 2.3/)
+#         the newest patch of each other 2.x line, for the installer's tests (config default, --version)
 #
 # Static (CGO_ENABLED=0, so the netgo/osusergo paths), without the snapshotters only cgo or the CRI
 # tests never use would bring (btrfs needs cgo; devmapper, zfs, aufs are left out with their tags),
@@ -14,7 +16,7 @@
 # Debian's.
 #
 # Usage: build.sh                   build every line not cached; prints the cache directory last
-#        build.sh LINE              build LINE (2 or 1.7) if not cached; prints its bin directory last
+#        build.sh LINE              build LINE (2, 1.7, 2.0, ...) if not cached; prints its bin directory last
 #        build.sh --bin-dir LINE    print LINE's bin directory only (built or not)
 #        build.sh --cached [LINE]   exit 0 if every line (or LINE) is built already, 1 if not (builds nothing)
 set -euo pipefail
@@ -25,7 +27,7 @@ source "$HERE/versions.env"
 source "$HERE/../buildlib.sh"
 SCRIPT=kube/containerd/build.sh
 CACHE="${WEFT_CONTAINERD_CACHE:-/var/cache/weft/containerd}"
-LINES=(2 1.7)
+LINES=(2 1.7 2.0 2.1 2.2 2.3)
 BINARIES=(containerd containerd-shim-runc-v2)
 TAGS="no_btrfs no_devmapper no_zfs no_aufs urfave_cli_no_docs"
 
@@ -33,10 +35,14 @@ pin() {  # the version of a line
   case "$1" in
     2) echo "$CONTAINERD_2_VERSION" ;;
     1.7) echo "$CONTAINERD_1_7_VERSION" ;;
+    2.0) echo "$CONTAINERD_2_0_VERSION" ;;
+    2.1) echo "$CONTAINERD_2_1_VERSION" ;;
+    2.2) echo "$CONTAINERD_2_2_VERSION" ;;
+    2.3) echo "$CONTAINERD_2_3_VERSION" ;;
     *) echo "build.sh: no containerd line '$1' (want one of: ${LINES[*]})" >&2; return 1 ;;
   esac
 }
-module() { if [ "$1" = 2 ]; then echo github.com/containerd/containerd/v2; else echo github.com/containerd/containerd; fi; }
+module() { if [ "$1" = 1.7 ]; then echo github.com/containerd/containerd; else echo github.com/containerd/containerd/v2; fi; }
 dir() {  # the cache directory of a line
   local version hash
   version="$(pin "$1")"

@@ -61,6 +61,9 @@ MAX_SLOTS = 200
 
 VERSION_ENV = "WEFT_CONTAINERD"
 LINES = ("1.6", "1.7", "2")
+# The other 2.x lines upstream ships, built too for the installer's tests (their config default, --version);
+# the harness itself runs on LINES.
+RELEASE_LINES = ("2.0", "2.1", "2.2", "2.3")
 DEFAULT_LINE = "1.6"
 # Only a checkout has the build script; an installed weft runs the containerd on PATH.
 CONTAINERD_BUILD = Path(__file__).resolve().parents[2] / "kube" / "containerd" / "build.sh"
@@ -87,8 +90,8 @@ def bin_dir(line: str) -> Path | None:
     """
     if line == DEFAULT_LINE:
         return None
-    if line not in LINES:
-        raise ValueError(f"containerd line {line!r}: want one of {', '.join(LINES)}")
+    if line not in (*LINES, *RELEASE_LINES):
+        raise ValueError(f"containerd line {line!r}: want one of {', '.join((*LINES, *RELEASE_LINES))}")
     if not CONTAINERD_BUILD.is_file():
         raise RuntimeError(f"containerd {line} is built by kube/containerd/build.sh, which only a checkout has")
     res = subprocess.run(["bash", str(CONTAINERD_BUILD), line], capture_output=True, text=True, timeout=3600)
