@@ -15,6 +15,7 @@ fi
 
 APT_PACKAGES=(containerd runc containernetworking-plugins busybox-static iproute2 iptables util-linux
               docker-registry skopeo apache2-utils prometheus faketime
+              systemd-container debootstrap  # the test cluster's nodes: systemd booted under systemd-nspawn
               python3 python3-venv python3-pip
               gcc libc6-dev)  # the unit tests build a fake libcuda to drive weft gpu-check without a GPU
 missing=()
