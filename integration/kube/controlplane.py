@@ -102,11 +102,14 @@ class ControlPlane:
             self.apiserver.stop()
 
     def start_controller_manager(self, controllers: list[str], timeout: float = 120.0) -> None:
-        """kube-controller-manager with only ``controllers`` (the DRA tests' resourceclaim controller), as the
-        admin; built by kube/dra/build.sh, since the other tests need none."""
+        """kube-controller-manager with only ``controllers`` (the DRA tests' resourceclaim controller, a real
+        cluster's workload controllers), as the admin; built by kube/dra/build.sh, since most tests need
+        none."""
+        assert self.pki is not None
         self.controller_manager = Daemon("kube-controller-manager", [
             binaries.dra_binary("kube-controller-manager"), "--kubeconfig", str(self.kubeconfig("admin")),
-            f"--controllers={','.join(controllers)}", "--leader-elect=false", "--secure-port=0", "--v=1"],
+            f"--controllers={','.join(controllers)}", "--leader-elect=false", "--secure-port=0",
+            f"--root-ca-file={self.pki.ca_cert}", "--v=1"],  # what the CA publisher puts in kube-root-ca.crt
             self.workdir / "kube-controller-manager.log")
         self.controller_manager.start(lambda: True, timeout)
 

@@ -1,8 +1,9 @@
 """The cluster's certificates and keys: a CA, the API server's serving certificate, the service-account key pair.
 
-Everything is written once into the control plane's work directory. Clients authenticate with static
-tokens (``--token-auth-file``), so no client certificates are needed; the CA is what kubelets, kubectl
-and the ``kube-root-ca.crt`` ConfigMap trust.
+Everything is written once into the control plane's work directory. The harness's clients authenticate
+with static tokens (``--token-auth-file``); nodes laid out as kubeadm lays them get client certificates
+from the CA (:meth:`Pki.client_certificate`), as the API server's ``--client-ca-file`` accepts. The CA is
+what kubelets, kubectl and the ``kube-root-ca.crt`` ConfigMap trust.
 """
 
 from __future__ import annotations
@@ -25,6 +26,24 @@ class Pki:
     serving_key: Path
     sa_public: Path
     sa_private: Path
+    ca_key: Path | None = None  # kept for client certificates of nodes laid out as kubeadm lays them
+
+    def client_certificate(self, common_name: str, organization: str) -> tuple[bytes, bytes]:
+        """A client certificate and key (PEM) signed by the cluster CA: a kubelet's ``system:node:<name>``
+        in ``system:nodes``, as kubeadm's TLS bootstrap leaves it in /var/lib/kubelet/pki."""
+        assert self.ca_key is not None, "this PKI kept no CA key"
+        ca = x509.load_pem_x509_certificate(self.ca_cert.read_bytes())
+        ca_key = serialization.load_pem_private_key(self.ca_key.read_bytes(), None)
+        key = ec.generate_private_key(ec.SECP256R1())
+        now = dt.datetime.now(dt.UTC) - dt.timedelta(minutes=5)
+        cert = (x509.CertificateBuilder()
+                .subject_name(x509.Name([x509.NameAttribute(NameOID.ORGANIZATION_NAME, organization),
+                                         x509.NameAttribute(NameOID.COMMON_NAME, common_name)]))
+                .issuer_name(ca.subject).public_key(key.public_key()).serial_number(x509.random_serial_number())
+                .not_valid_before(now).not_valid_after(now + dt.timedelta(days=2))
+                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+                .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
+        return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
 
 
 def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
@@ -55,13 +74,16 @@ def make_pki(out: Path, ips: list[str], names: list[str]) -> Pki:
                .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]), critical=False)
                .sign(ca_key, hashes.SHA256()))
     sa_key = ec.generate_private_key(ec.SECP256R1())
-    pki = Pki(out / "ca.crt", out / "apiserver.crt", out / "apiserver.key", out / "sa.pub", out / "sa.key")
+    pki = Pki(out / "ca.crt", out / "apiserver.crt", out / "apiserver.key", out / "sa.pub", out / "sa.key",
+              out / "ca.key")
     pki.ca_cert.write_bytes(ca.public_bytes(serialization.Encoding.PEM))
+    assert pki.ca_key is not None
+    pki.ca_key.write_bytes(_key_pem(ca_key))
     pki.serving_cert.write_bytes(serving.public_bytes(serialization.Encoding.PEM))
     pki.serving_key.write_bytes(_key_pem(key))
     pki.sa_private.write_bytes(_key_pem(sa_key))
     pki.sa_public.write_bytes(sa_key.public_key().public_bytes(serialization.Encoding.PEM,
                                                                serialization.PublicFormat.SubjectPublicKeyInfo))
-    for p in (pki.serving_key, pki.sa_private):
+    for p in (pki.serving_key, pki.sa_private, pki.ca_key):
         p.chmod(0o600)
     return pki

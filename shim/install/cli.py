@@ -35,6 +35,7 @@ def _settings(args: argparse.Namespace) -> run.Settings:
         options=plan.Options(broker=broker, simulated_devices=getattr(args, "simulated_devices", "2x80GiB"),
                              mesh=mesh),
         say=lambda line: print(f"weft {args.command}: {line}", flush=True),
+        purge=getattr(args, "purge", False),
     )
 
 
@@ -140,4 +141,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     i.set_defaults(fn=_install)
     u = sub.add_parser("uninstall", help="restore containerd's and kubelet's files exactly and remove weft")
     _common(u)
+    u.add_argument("--purge", action="store_true", help="also remove what weft's DaemonSet keeps on the host: "
+                   "the node's mesh key and certificate and the agent's API credentials (/etc/weft), and the "
+                   "agent's state (/var/lib/weft); the cluster's back-out runs it")
     u.set_defaults(fn=_uninstall)

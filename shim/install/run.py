@@ -34,13 +34,14 @@ from shim import failpoint
 from shim.errors import InstallError, UnrecognisedHost
 from shim.install import bundle, containerd, kubelet, services
 from shim.install.host import JOURNAL, Host, Journal, JournalState, OriginalFiles
-from shim.install.plan import AGENT_SOCKET, AGENT_UNIT, BROKER_UNIT, INSTALL_DIR, OPT, Options, Plan, make
+from shim.install.plan import AGENT_SOCKET, AGENT_UNIT, BROKER_UNIT, INSTALL_DIR, OPT, STATE_DIR, Options, Plan, make
 
 INSTALL_STEPS = ("bundle", "units", "containerd-config", "containerd-restart", "weft-start", "agent-verify",
                  "kubelet-config", "kubelet-restart", "kubelet-health")
 UNINSTALL_STEPS = ("kubelet-config", "kubelet-restart", "kubelet-health", "weft-stop", "units",
                    "containerd-config", "containerd-restart", "bundle", "journal")
 KUBELET_FILES = (kubelet.CONFIG_YAML, *kubelet.FLAG_FILES)
+PURGED = ("/etc/weft", STATE_DIR)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Settings:
     agent_timeout: float = 60.0
     source: Path | None = None
     options: Options = field(default_factory=Options)
+    purge: bool = False  # uninstall: also what the DaemonSet kept on the host (PURGED)
     say: Callable[[str], None] = print
 
 
@@ -206,12 +208,24 @@ class _Installer:
             left = self._clear_leftovers()
             self.say("weft is not installed here (no install journal); nothing to undo"
                      + (f" (removed leftovers: {', '.join(left)})" if left else ""))
+            self._purge()
             return
         self._warn_pods(j)
         problems = self._uninstall(j)
         if problems:
             raise InstallError(f"files restored and weft removed, but: {'; '.join(problems)}")
         self.say("uninstalled: kubelet -> containerd, as before weft")
+        self._purge()
+
+    def _purge(self) -> None:
+        """With --purge, what weft's DaemonSet keeps on the host besides the install: the node's mesh identity
+        and the agent's API credentials (/etc/weft), the agent's state (/var/lib/weft)."""
+        if not self.s.purge:
+            return
+        for path in PURGED:
+            if self.host.exists(path):
+                self.host.remove(path)
+                self.say(f"removed {path}")
 
     def _clear_leftovers(self) -> list[str]:
         """What a crash left with no journal: backups written before it (install) or after it was removed."""

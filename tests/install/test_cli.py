@@ -402,6 +402,26 @@ def test_tls_on_host_checks_the_files_the_node_keeps_and_never_writes_or_removes
     assert snapshot(root) == with_identity  # weft.toml gone too, though /etc/weft was not weft's to remove
 
 
+def test_uninstall_purge_also_removes_what_the_daemonset_kept_on_the_host(
+        tmp_path: Path, source: Path, mesh_tls: Path) -> None:
+    """The cluster's back-out: the node's mesh identity and the agent's API credentials go too."""
+    root = copy_shape("kubeadm", tmp_path / "host")
+    before = snapshot(root)
+    for d, names in (("etc/weft/mesh", ("ca.crt", "cpu-7.crt", "cpu-7.key")), ("etc/weft/api", ("kubeconfig",))):
+        (root / d).mkdir(parents=True)
+        for name in names:
+            (root / d / name).write_bytes((mesh_tls / name).read_bytes() if d.endswith("mesh") else b"k")
+    flags = ["--node-name", "cpu-7", "--mesh-address", "10.0.0.7:7443", "--tls-on-host", "--source", str(source)]
+    assert main(["install", "--root", str(root), *flags]) == 0
+    assert main(["uninstall", "--root", str(root)]) == 0
+    assert (root / "etc/weft/mesh/cpu-7.key").exists()  # without --purge, the identity stays
+    assert main(["uninstall", "--root", str(root), "--purge"]) == 0  # nothing installed: still purges
+    assert snapshot(root) == before
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 0
+    assert main(["uninstall", "--root", str(root), "--purge"]) == 0
+    assert snapshot(root) == before
+
+
 def test_a_rolled_back_install_beside_the_nodes_mesh_identity_leaves_nothing_so_a_retry_starts_clean(
         tmp_path: Path, source: Path, mesh_tls: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """/etc/weft exists before the install (the DaemonSet's mesh-identity made /etc/weft/mesh): a rollback removes

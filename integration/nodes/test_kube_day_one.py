@@ -1,0 +1,195 @@
+"""Day one on a real cluster: weft installed from its image and manifests onto nodes run by systemd, and
+backed out, as a platform team does it.
+
+The cluster (``integration/nodes/cluster.py``): the control plane on this machine (etcd, kube-apiserver,
+kube-scheduler, kube-controller-manager with a cluster's workload controllers), three nodes booted with
+systemd under systemd-nspawn and laid out as kubeadm lays out workers (containerd and kubelet as units,
+the kubelet's own client certificate), Debian's containerd 1.6 on ``cpu-1`` and 2.4 on ``gpu-1`` and
+``cpu-2``, a flat pod network, and a registry the nodes pull from. The user's steps, as
+``docs/operations.md`` gives them: the image built with ``python -m nodeimage.build --base
+debian-packages`` and pushed; ``kubectl apply -k`` of an overlay that only names it; the mesh CA Secret;
+then, to back out, ``kubectl apply -k`` of the back-out overlay, its rollout, ``kubectl delete -k`` and
+the nodes' CSRs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from integration.kube import fixture
+from integration.nodes.cluster import Cluster
+from integration.nodes.kubeadm import NodeSpec
+from nodeimage import build
+
+pytestmark = pytest.mark.slow
+
+REPO = Path(__file__).resolve().parents[2]
+NODES = [NodeSpec("gpu-1", "gpu", "2", "10.245.1.0/24"), NodeSpec("cpu-1", "cpu", "1.6", "10.245.2.0/24"),
+         NodeSpec("cpu-2", "cpu", "2", "10.245.3.0/24")]
+# The host files weft install changes, to be given back byte for byte.
+HOST_FILES = ("/etc/containerd/config.toml", "/var/lib/kubelet/config.yaml", "/var/lib/kubelet/kubeadm-flags.env")
+# What weft leaves on a node while installed, and must not after the back-out.
+WEFT_PATHS = ("/opt/weft", "/etc/weft", "/var/lib/weft", "/etc/systemd/system/weft-agent.service",
+              "/etc/containerd/weft")
+TAG = "0.1.0-test"
+
+
+@pytest.fixture(scope="module")
+def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
+    c = Cluster(tmp_path_factory.mktemp("day-one"), NODES)
+    try:
+        c.up()
+        t = time.monotonic()
+        image = build.build(c.workdir / "image", base="debian-packages")
+        assert c.registry is not None
+        c.registry.push(image.archive, f"weft/node:{TAG}")
+        c.timings["image built and pushed"] = time.monotonic() - t
+        fixture.report(request.config, "day one: cluster up in " + ", ".join(
+            f"{k} {v:.1f} s" for k, v in c.timings.items()))
+        yield c
+    finally:
+        left = c.down()
+        assert not left, f"the cluster left: {left}"
+
+
+def _overlay(c: Cluster, name: str, base: Path) -> Path:
+    """The user's overlay of ``base``: it names the registry's image, nothing else."""
+    assert c.registry is not None
+    where = c.workdir / name
+    where.mkdir(exist_ok=True)
+    (where / "kustomization.yaml").write_text(
+        "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\n"
+        f"resources:\n  - {os.path.relpath(base, where)}\n"
+        f"images:\n  - name: localhost/weft/node\n    newName: {c.registry.host}/weft/node\n    newTag: {TAG}\n")
+    return where
+
+
+def _pod(c: Cluster, name: str, node: str, runtime_class: str | None = None) -> None:
+    assert c.registry is not None
+    spec: dict = {"nodeName": node, "terminationGracePeriodSeconds": 1, "containers": [{
+        "name": "main", "image": f"{c.registry.host}/weft-test/busybox:1",
+        "command": ["sh", "-c", "trap 'exit 0' TERM; while :; do sleep 1; done"],
+        "resources": {"requests": {"cpu": "10m", "memory": "16Mi"}, "limits": {"memory": "32Mi"}}}]}
+    if runtime_class:
+        spec["runtimeClassName"] = runtime_class
+    c.kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "Pod",
+                                                     "metadata": {"name": name, "namespace": "default"},
+                                                     "spec": spec}))
+
+
+def _containers(c: Cluster, names: list[str], timeout: float = 120) -> dict[str, tuple[str, int]]:
+    """Each pod's container ID and restart count, once all run."""
+    deadline = time.monotonic() + timeout
+    while True:
+        items = json.loads(c.kubectl("get", "pods", "-n", "default", "-o", "json").stdout)["items"]
+        found = {p["metadata"]["name"]: p["status"].get("containerStatuses", [{}])[0] for p in items}
+        running = {n: (s["containerID"], s["restartCount"]) for n, s in found.items()
+                   if n in names and s.get("state", {}).get("running")}
+        if len(running) == len(names):
+            return running
+        if time.monotonic() > deadline:
+            raise AssertionError(f"pods not running within {timeout:g}s: {found}")
+        time.sleep(1)
+
+
+def _host_files(c: Cluster) -> dict[str, dict[str, bytes]]:
+    return {n: {f: node.path(f).read_bytes() for f in HOST_FILES} for n, node in c.nodes.items()}
+
+
+def _kubelet_down_s(c: Cluster, node: str, since: float) -> float:
+    """How long the node's kubelet was down across its restarts since ``since``: systemd's journal, from each
+    stop it began to the start that followed."""
+    out = c.nodes[node].run(["journalctl", "-u", "kubelet.service", "-o", "short-unix", "--no-pager",
+                             f"--since=@{int(since)}"]).stdout
+    down, stopping = 0.0, None
+    for line in out.splitlines():
+        stamp, _, text = line.partition(" ")
+        if "Stopping kubelet.service" in text:
+            stopping = float(stamp)
+        elif "Started kubelet.service" in text and stopping is not None:
+            down, stopping = down + float(stamp) - stopping, None
+    return down
+
+
+def _rolled_out(c: Cluster, timeout: float = 300) -> float:
+    t = time.monotonic()
+    res = c.kubectl("-n", "weft-system", "rollout", "status", "daemonset/weft", f"--timeout={int(timeout)}s",
+                    check=False, timeout=timeout + 30)
+    if res.returncode != 0:
+        pods = c.kubectl("-n", "weft-system", "get", "pods", "-o", "wide", check=False).stdout
+        logs = c.kubectl("-n", "weft-system", "logs", "daemonset/weft", "--all-containers", "--tail=30",
+                         check=False).stdout
+        raise AssertionError(f"the DaemonSet did not roll out: {res.stdout}{res.stderr}\n{pods}\n{logs}")
+    return time.monotonic() - t
+
+
+def test_weft_installs_from_its_image_and_manifests_onto_every_node_and_backs_out_in_one_step(
+        cluster: Cluster, request: pytest.FixtureRequest) -> None:
+    c = cluster
+    names = [f"before-{s.name}" for s in NODES]
+    for spec, name in zip(NODES, names, strict=True):
+        _pod(c, name, spec.name)
+    before_pods = _containers(c, names)
+    before_files = _host_files(c)
+    started = time.time()
+
+    # Install, as the docs say: the overlay, then the mesh CA Secret into the namespace it made.
+    t = time.monotonic()
+    c.kubectl("apply", "-k", str(_overlay(c, "install", REPO / "nodeimage" / "manifests")))
+    ca = c.workdir / "mesh-ca"
+    subprocess.run([sys.executable, "-m", "shim", "mesh-signer", "--init-ca", "--ca-dir", str(ca)], check=True,
+                   capture_output=True, timeout=60)
+    c.kubectl("-n", "weft-system", "create", "secret", "generic", "weft-mesh-ca",
+              f"--from-file=ca.crt={ca / 'ca.crt'}", f"--from-file=ca.key={ca / 'ca.key'}")
+    _rolled_out(c)
+    switched = time.monotonic() - t
+    for name, node in c.nodes.items():
+        flags = node.path("/var/lib/kubelet/kubeadm-flags.env").read_text()
+        assert "--container-runtime-endpoint=unix:///run/weft/cri.sock" in flags, (name, flags)
+        assert node.systemctl("is-active", "weft-agent.service", "kubelet.service").stdout.split() == [
+            "active", "active"], name
+    # Each node's mesh certificate was asked for with its kubelet's own credentials and signed.
+    csrs = json.loads(c.kubectl("get", "csr", "-o", "json").stdout)["items"]
+    issued = {r["spec"]["username"] for r in csrs if r["spec"]["signerName"] == "weft.io/mesh"
+              and r.get("status", {}).get("certificate")}
+    assert issued == {f"system:node:{s.name}" for s in NODES}
+    c.wait_ready(list(c.nodes), 60)
+    downtime = {n: _kubelet_down_s(c, n, started) for n in c.nodes}
+    assert _containers(c, names) == before_pods, "a pod from before the install lost its container"
+
+    # Use, on weft: an opted-in pod runs; the plain ones were never touched.
+    _pod(c, "opted-in", "gpu-1", runtime_class="weft")
+    _containers(c, [*names, "opted-in"])
+
+    # Back out in one step, then take the manifests away.
+    t = time.monotonic()
+    c.kubectl("apply", "-k", str(_overlay(c, "backout", REPO / "nodeimage" / "backout")))
+    _rolled_out(c)
+    backed_out = time.monotonic() - t
+    assert _host_files(c) == before_files, "containerd's and kubelet's files are not as before the install"
+    for name, node in c.nodes.items():
+        assert [p for p in WEFT_PATHS if node.path(p).exists()] == [], name
+        assert node.systemctl("is-active", "kubelet.service").stdout.strip() == "active"
+    c.wait_ready(list(c.nodes), 60)
+    after = _containers(c, [*names, "opted-in"])
+    assert {n: after[n] for n in names} == before_pods, "a pod from before the install lost its container"
+    c.kubectl("delete", "-k", str(c.workdir / "backout"), "--wait=true", timeout=300)
+    c.kubectl("delete", "csr", "--field-selector", "spec.signerName=weft.io/mesh")
+    left = c.kubectl("get", "namespaces,clusterroles,clusterrolebindings,runtimeclasses,csr", "-A", "-o", "name",
+                     "-l", "app.kubernetes.io/name=weft").stdout.split()
+    left += c.kubectl("get", "namespace", "weft-system", "--ignore-not-found", "-o", "name").stdout.split()
+    left += c.kubectl("get", "csr", "-o", "name").stdout.split()
+    assert not left, f"left of weft after the back-out: {left}"
+
+    fixture.report(request.config, f"day one: kubectl apply to every node switched {switched:.1f} s; kubelet down "
+                   + ", ".join(f"{n} {s:.1f} s" for n, s in sorted(downtime.items()))
+                   + f"; back-out rolled out in {backed_out:.1f} s; containers restarted by install and back-out: "
+                   f"{sum(after[n][1] for n in names)}")
