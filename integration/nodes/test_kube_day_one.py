@@ -131,6 +131,32 @@ def _rolled_out(c: Cluster, timeout: float = 300) -> float:
     return time.monotonic() - t
 
 
+def _install(c: Cluster) -> None:
+    c.kubectl("apply", "-k", str(_overlay(c, "install", REPO / "nodeimage" / "manifests")))
+    ca = c.workdir / "mesh-ca"
+    if not (ca / "ca.key").exists():
+        subprocess.run([sys.executable, "-m", "shim", "mesh-signer", "--init-ca", "--ca-dir", str(ca)], check=True,
+                       capture_output=True, timeout=60)
+    c.kubectl("-n", "weft-system", "create", "secret", "generic", "weft-mesh-ca",
+              f"--from-file=ca.crt={ca / 'ca.crt'}", f"--from-file=ca.key={ca / 'ca.key'}")
+
+
+def _back_out(c: Cluster) -> None:
+    c.kubectl("apply", "-k", str(_overlay(c, "backout", REPO / "nodeimage" / "backout")))
+    _rolled_out(c)
+
+
+def _remove_manifests(c: Cluster) -> None:
+    """The back-out's last steps, as nodeimage/backout says; then nothing of weft is left in the cluster."""
+    c.kubectl("delete", "-k", str(c.workdir / "backout"), "--wait=true", timeout=300)
+    c.kubectl("delete", "csr", "--field-selector", "spec.signerName=weft.io/mesh")
+    left = c.kubectl("get", "namespaces,clusterroles,clusterrolebindings,runtimeclasses,csr", "-A", "-o", "name",
+                     "-l", "app.kubernetes.io/name=weft").stdout.split()
+    left += c.kubectl("get", "namespace", "weft-system", "--ignore-not-found", "-o", "name").stdout.split()
+    left += c.kubectl("get", "csr", "-o", "name").stdout.split()
+    assert not left, f"left of weft after the back-out: {left}"
+
+
 def test_weft_installs_from_its_image_and_manifests_onto_every_node_and_backs_out_in_one_step(
         cluster: Cluster, request: pytest.FixtureRequest) -> None:
     c = cluster
@@ -143,12 +169,7 @@ def test_weft_installs_from_its_image_and_manifests_onto_every_node_and_backs_ou
 
     # Install, as the docs say: the overlay, then the mesh CA Secret into the namespace it made.
     t = time.monotonic()
-    c.kubectl("apply", "-k", str(_overlay(c, "install", REPO / "nodeimage" / "manifests")))
-    ca = c.workdir / "mesh-ca"
-    subprocess.run([sys.executable, "-m", "shim", "mesh-signer", "--init-ca", "--ca-dir", str(ca)], check=True,
-                   capture_output=True, timeout=60)
-    c.kubectl("-n", "weft-system", "create", "secret", "generic", "weft-mesh-ca",
-              f"--from-file=ca.crt={ca / 'ca.crt'}", f"--from-file=ca.key={ca / 'ca.key'}")
+    _install(c)
     _rolled_out(c)
     switched = time.monotonic() - t
     for name, node in c.nodes.items():
@@ -171,8 +192,7 @@ def test_weft_installs_from_its_image_and_manifests_onto_every_node_and_backs_ou
 
     # Back out in one step, then take the manifests away.
     t = time.monotonic()
-    c.kubectl("apply", "-k", str(_overlay(c, "backout", REPO / "nodeimage" / "backout")))
-    _rolled_out(c)
+    _back_out(c)
     backed_out = time.monotonic() - t
     assert _host_files(c) == before_files, "containerd's and kubelet's files are not as before the install"
     for name, node in c.nodes.items():
@@ -181,15 +201,64 @@ def test_weft_installs_from_its_image_and_manifests_onto_every_node_and_backs_ou
     c.wait_ready(list(c.nodes), 60)
     after = _containers(c, [*names, "opted-in"])
     assert {n: after[n] for n in names} == before_pods, "a pod from before the install lost its container"
-    c.kubectl("delete", "-k", str(c.workdir / "backout"), "--wait=true", timeout=300)
-    c.kubectl("delete", "csr", "--field-selector", "spec.signerName=weft.io/mesh")
-    left = c.kubectl("get", "namespaces,clusterroles,clusterrolebindings,runtimeclasses,csr", "-A", "-o", "name",
-                     "-l", "app.kubernetes.io/name=weft").stdout.split()
-    left += c.kubectl("get", "namespace", "weft-system", "--ignore-not-found", "-o", "name").stdout.split()
-    left += c.kubectl("get", "csr", "-o", "name").stdout.split()
-    assert not left, f"left of weft after the back-out: {left}"
+    _remove_manifests(c)
 
     fixture.report(request.config, f"day one: kubectl apply to every node switched {switched:.1f} s; kubelet down "
                    + ", ".join(f"{n} {s:.1f} s" for n, s in sorted(downtime.items()))
                    + f"; back-out rolled out in {backed_out:.1f} s; containers restarted by install and back-out: "
                    f"{sum(after[n][1] for n in names)}")
+
+
+def test_a_node_weft_cannot_take_says_why_on_its_pod_and_is_left_as_it_was(cluster: Cluster) -> None:
+    """cpu-2's containerd reads an import that imports another file, which the installer does not follow: its
+    pod says so (an Event and its last message), its files stay, its kubelet is never restarted, and the other
+    nodes install as usual."""
+    c = cluster
+    node = c.nodes["cpu-2"]
+    config = node.path("/etc/containerd/config.toml")
+    original = config.read_bytes()
+    node.path("/etc/containerd/conf.d").mkdir(exist_ok=True)
+    node.path("/etc/containerd/conf.d/10-site.toml").write_text(
+        'version = 3\nimports = ["/etc/containerd/conf.d/20-more.toml"]\n')
+    node.path("/etc/containerd/conf.d/20-more.toml").write_text("version = 3\n")
+    config.write_text(original.decode().replace("version = 3\n", 'version = 3\nimports = '
+                                                '["/etc/containerd/conf.d/10-site.toml"]\n', 1))
+    try:
+        node.systemctl("restart", "containerd.service")  # containerd itself takes it
+        before = {f: node.path(f).read_bytes() for f in HOST_FILES}
+        kubelet_pid = node.systemctl("show", "-p", "MainPID", "--value", "kubelet.service").stdout.strip()
+        _install(c)
+
+        def pod_on(name: str) -> dict:
+            pods = json.loads(c.kubectl("-n", "weft-system", "get", "pods", "-l",
+                                        "app.kubernetes.io/component=node", "-o", "json").stdout)["items"]
+            (pod,) = [p for p in pods if p["spec"].get("nodeName") == name]
+            return pod
+
+        deadline = time.monotonic() + 240
+        while True:
+            refused = pod_on("cpu-2")
+            statuses = refused["status"].get("initContainerStatuses", [])
+            install = [s for s in statuses if s["name"] == "install"]
+            others_ready = all(any(cond["type"] == "Ready" and cond["status"] == "True"
+                                   for cond in pod_on(n)["status"].get("conditions", [])) for n in ("gpu-1", "cpu-1"))
+            if others_ready and install and install[0]["restartCount"] >= 1:
+                break
+            assert time.monotonic() < deadline, f"cpu-2's install was not tried twice, or the others not Ready: " \
+                                                f"{statuses}"
+            time.sleep(2)
+        described = c.kubectl("-n", "weft-system", "describe", "pod", refused["metadata"]["name"]).stdout
+        assert "WeftInstallRefused" in described and "its own `imports` is not supported" in described, described
+        last = install[0]["lastState"]["terminated"]
+        assert last["exitCode"] == 2 and "nothing was changed" in last["message"], last
+        assert {f: node.path(f).read_bytes() for f in HOST_FILES} == before
+        assert node.systemctl("show", "-p", "MainPID", "--value", "kubelet.service").stdout.strip() == kubelet_pid
+        assert not node.path("/opt/weft").exists()
+        _back_out(c)
+        _remove_manifests(c)
+        assert {f: node.path(f).read_bytes() for f in HOST_FILES} == before
+    finally:
+        config.write_bytes(original)
+        for name in ("10-site.toml", "20-more.toml"):
+            node.path(f"/etc/containerd/conf.d/{name}").unlink(missing_ok=True)
+        node.systemctl("restart", "containerd.service", check=False)
