@@ -19,7 +19,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -131,8 +131,9 @@ def _rolled_out(c: Cluster, timeout: float = 300) -> float:
     return time.monotonic() - t
 
 
-def _install(c: Cluster) -> None:
+def _install(c: Cluster, before_secret: Callable[[], None] = lambda: None) -> None:
     c.kubectl("apply", "-k", str(_overlay(c, "install", REPO / "nodeimage" / "manifests")))
+    before_secret()
     ca = c.workdir / "mesh-ca"
     if not (ca / "ca.key").exists():
         subprocess.run([sys.executable, "-m", "shim", "mesh-signer", "--init-ca", "--ca-dir", str(ca)], check=True,
@@ -169,7 +170,19 @@ def test_weft_installs_from_its_image_and_manifests_onto_every_node_and_backs_ou
 
     # Install, as the docs say: the overlay, then the mesh CA Secret into the namespace it made.
     t = time.monotonic()
-    _install(c)
+
+    def waits_for_the_ca() -> None:
+        """Until the CA Secret is there, the signer's pods wait to mount it and say so, and no node is touched."""
+        deadline = time.monotonic() + 90
+        while not any("weft-mesh-ca" in e["message"] for e in json.loads(c.kubectl(
+                "-n", "weft-system", "get", "events", "--field-selector", "reason=FailedMount", "-o", "json",
+        ).stdout)["items"]):
+            assert time.monotonic() < deadline, "the signer's pods did not say that the CA Secret is missing"
+            time.sleep(1)
+        assert _host_files(c) == before_files
+        assert not [n for n, node in c.nodes.items() if node.path("/opt/weft").exists()]
+
+    _install(c, waits_for_the_ca)
     _rolled_out(c)
     switched = time.monotonic() - t
     for name, node in c.nodes.items():
@@ -262,3 +275,37 @@ def test_a_node_weft_cannot_take_says_why_on_its_pod_and_is_left_as_it_was(clust
         for name in ("10-site.toml", "20-more.toml"):
             node.path(f"/etc/containerd/conf.d/{name}").unlink(missing_ok=True)
         node.systemctl("restart", "containerd.service", check=False)
+
+
+def test_a_node_that_goes_down_during_its_install_finishes_it_when_it_boots_again(
+        cluster: Cluster, request: pytest.FixtureRequest) -> None:
+    """cpu-1's power is cut the moment its kubelet is switched (the kubelet-restart step): booted again, its
+    units bring containerd, weft and kubelet back, the DaemonSet's pod runs the installer again, which finishes
+    the journal's install, and says so; the node is Ready on weft."""
+    c = cluster
+    node = c.nodes["cpu-1"]
+    flags = node.path("/var/lib/kubelet/kubeadm-flags.env")
+    _install(c)
+    deadline = time.monotonic() + 240
+    while "weft/cri.sock" not in flags.read_text():
+        assert time.monotonic() < deadline, "cpu-1's kubelet was never switched"
+        time.sleep(0.05)
+    cut = time.monotonic()
+    node.boot_again(stop_timeout=0)  # the power cut: SIGKILL for everything at once
+    _rolled_out(c)
+    back = time.monotonic() - cut
+    c.wait_ready(list(c.nodes), 120)
+    assert node.systemctl("is-active", "weft-agent.service", "kubelet.service").stdout.split() == [
+        "active", "active"]
+    assert "--container-runtime-endpoint=unix:///run/weft/cri.sock" in flags.read_text()
+    pod = next(p for p in json.loads(c.kubectl("-n", "weft-system", "get", "pods", "-l",
+                                           "app.kubernetes.io/component=node", "-o", "json").stdout)["items"]
+           if p["spec"]["nodeName"] == "cpu-1")["metadata"]["name"]
+    said = c.kubectl("-n", "weft-system", "logs", pod, "-c", "install").stdout
+    assert "installed: kubelet -> weft agent" in said or "already installed" in said, said
+    assert json.loads(node.path("/var/lib/weft/install/journal.json").read_text())["state"] == "installed"
+    fixture.report(request.config, f"day one: cpu-1 powered off at its kubelet's switch, Ready on weft again "
+                   f"{back:.1f} s later (reboot {node.timings.get('reboot_running', 0):.1f} s); the installer said: "
+                   + said.strip().splitlines()[-1])
+    _back_out(c)
+    _remove_manifests(c)

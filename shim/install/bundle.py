@@ -170,6 +170,24 @@ def elf_needs(path: Path) -> tuple[list[str], list[str]] | None:
     return needed, paths
 
 
+def elf_interpreter(path: Path) -> str | None:
+    """The dynamic loader an ELF executable names (PT_INTERP), if any."""
+    try:
+        data = path.read_bytes()
+    except OSError:
+        return None
+    if data[:5] != b"\x7fELF\x02" or len(data) < 64:
+        return None
+    end = "<" if data[5] == 1 else ">"
+    phoff, = struct.unpack_from(end + "Q", data, 32)
+    phentsize, phnum = struct.unpack_from(end + "HH", data, 54)
+    for i in range(phnum):
+        p_type, _, p_offset, _, _, p_filesz = struct.unpack_from(end + "IIQQQQ", data, phoff + i * phentsize)
+        if p_type == 3:
+            return data[p_offset:p_offset + p_filesz].rstrip(b"\0").decode()
+    return None
+
+
 def _system_lib_dirs() -> list[Path]:
     arch = sysconfig.get_config_var("MULTIARCH") or ""
     dirs = [f"/lib/{arch}", f"/usr/lib/{arch}", "/lib64", "/usr/lib64", "/lib", "/usr/lib", "/usr/local/lib"]

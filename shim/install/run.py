@@ -196,6 +196,10 @@ class _Installer:
         if self.s.source is None and self.s.services.active:
             # Before anything is started from it: a host that lacks what the copy needs (a C library too old)
             # is named here, not in the agent's journal after kubelet's switch was attempted.
+            loader = bundle.elf_interpreter(self.host.path(f"{OPT}/bin/python3"))
+            if loader and not self.host.exists(loader):  # a tree laid out like a node, not a node's root
+                self.say(f"the copy of weft in {OPT} was not run: {self.s.root} has no {loader}")
+                return
             problem = services.run_on_host(self.s.root, bundle.check_argv(OPT), timeout=120)
             if problem:
                 raise InstallError(f"the copy of weft in {OPT} does not run on this host: {problem}")
