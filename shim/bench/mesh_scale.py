@@ -125,8 +125,11 @@ class Peers(pb_grpc.MeshServicer):
             self.bytes += size
 
     def connections(self) -> int:
-        """Established TCP connections to the peers' ports (the agent's, as the peers see them)."""
-        ports = set(self.ports)
+        """Established TCP connections to the peers' addresses (the agent's, as the peers see them): their
+        127.0.0.1 and port, not the port alone, which another process's socket on another address may have."""
+        # 127.0.0.1:<port> as /proc/net/tcp writes it, and as tcp6 writes it IPv4-mapped (gRPC's dual-stack socket).
+        local = {f"{addr}:{port:04X}" for port in self.ports
+                 for addr in ("0100007F", "0000000000000000FFFF00000100007F")}
         count = 0
         for table in ("/proc/net/tcp", "/proc/net/tcp6"):
             try:
@@ -135,7 +138,7 @@ class Peers(pb_grpc.MeshServicer):
                 continue
             for line in lines:
                 fields = line.split()
-                if fields[3] == "01" and int(fields[1].rsplit(":", 1)[1], 16) in ports:
+                if fields[3] == "01" and fields[1] in local:
                     count += 1
         return count
 
