@@ -25,9 +25,10 @@ from integration.nodes.kubeadm import NodeSpec
 from shim.localfabric import images
 from shim.localfabric.containerd import bin_dir
 
-# Apart from integration/nodes/test_nodes.py's bridge, so both can run at once on two workers; pod subnets
+# Apart from integration/nodes/test_nodes.py's bridges (10.244.250.0/24, and the next /24 for its killed-owner
+# test), so both can run at once on two workers; pod subnets
 # (NodeSpec.pod_subnet) are 10.245.<i>.0/24, apart from the local fabric's 10.244.<slot>.0/24.
-BRIDGE, SUBNET = "weftc0", "10.244.251.0/24"
+BRIDGE, SUBNET = "weftc0", "10.244.253.0/24"
 REGISTRY_PORT = 5000
 # What a cluster runs that weft's manifests rely on: DaemonSet and Deployment rollouts, the mesh Service's
 # EndpointSlices, the signer's PodDisruptionBudget, a namespace's kube-root-ca.crt and its deletion.
