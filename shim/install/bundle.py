@@ -129,8 +129,8 @@ def _tree(src: Path, rel: str, skip: set[str]) -> Iterator[tuple[Path, str]]:
 
 
 # -- the shared libraries the copy needs ----------------------------------------------------------------------
-def elf_needs(path: Path) -> tuple[list[str], list[str]] | None:
-    """An ELF file's DT_NEEDED names and its RPATH/RUNPATH entries; None for a file that is not a 64-bit ELF."""
+def _elf(path: Path) -> tuple[bytes, str, list[tuple[int, int, int, int]]] | None:
+    """A 64-bit ELF file's bytes, byte order and program headers (type, offset, address, size in the file)."""
     try:
         data = path.read_bytes()
     except OSError:
@@ -140,13 +140,21 @@ def elf_needs(path: Path) -> tuple[list[str], list[str]] | None:
     end = "<" if data[5] == 1 else ">"
     phoff, = struct.unpack_from(end + "Q", data, 32)
     phentsize, phnum = struct.unpack_from(end + "HH", data, 54)
-    loads, dynamic = [], None
+    headers = []
     for i in range(phnum):
         p_type, _, p_offset, p_vaddr, _, p_filesz = struct.unpack_from(end + "IIQQQQ", data, phoff + i * phentsize)
-        if p_type == 1:
-            loads.append((p_vaddr, p_offset, p_filesz))
-        elif p_type == 2:
-            dynamic = (p_offset, p_filesz)
+        headers.append((p_type, p_offset, p_vaddr, p_filesz))
+    return data, end, headers
+
+
+def elf_needs(path: Path) -> tuple[list[str], list[str]] | None:
+    """An ELF file's DT_NEEDED names and its RPATH/RUNPATH entries; None for a file that is not a 64-bit ELF."""
+    elf = _elf(path)
+    if elf is None:
+        return None
+    data, end, headers = elf
+    loads = [(vaddr, offset, size) for kind, offset, vaddr, size in headers if kind == 1]  # PT_LOAD
+    dynamic = next(((offset, size) for kind, offset, _, size in headers if kind == 2), None)  # PT_DYNAMIC
     if dynamic is None:
         return [], []
     entries, strtab = [], None
@@ -172,20 +180,12 @@ def elf_needs(path: Path) -> tuple[list[str], list[str]] | None:
 
 def elf_interpreter(path: Path) -> str | None:
     """The dynamic loader an ELF executable names (PT_INTERP), if any."""
-    try:
-        data = path.read_bytes()
-    except OSError:
+    elf = _elf(path)
+    if elf is None:
         return None
-    if data[:5] != b"\x7fELF\x02" or len(data) < 64:
-        return None
-    end = "<" if data[5] == 1 else ">"
-    phoff, = struct.unpack_from(end + "Q", data, 32)
-    phentsize, phnum = struct.unpack_from(end + "HH", data, 54)
-    for i in range(phnum):
-        p_type, _, p_offset, _, _, p_filesz = struct.unpack_from(end + "IIQQQQ", data, phoff + i * phentsize)
-        if p_type == 3:
-            return data[p_offset:p_offset + p_filesz].rstrip(b"\0").decode()
-    return None
+    data, _, headers = elf
+    return next((data[offset:offset + size].rstrip(b"\0").decode()
+                 for kind, offset, _, size in headers if kind == 3), None)
 
 
 def _system_lib_dirs() -> list[Path]:
