@@ -34,6 +34,7 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim.install import containerd as ctrd_config
+from shim.install.host import Host
 from shim.install.run import INSTALL_STEPS, UNINSTALL_STEPS
 from shim.localfabric import pods
 from shim.localfabric.agent import AgentProcess
@@ -243,6 +244,13 @@ def test_each_lines_own_config_dump_has_the_weft_runtime_and_every_host_setting_
     (root / "usr/bin/containerd").write_text(f'#!/bin/sh\nexec {binary} "$@"\n')
     before_files = snapshot(root)
     before = _dump(binary, root, tmp_path / "before")
+
+    # The pause image the installer gives reservation pods is the one this containerd runs sandboxes from.
+    ours = ctrd_config.plan(Host(root), ["/hook"], "/broker.sock", ctrd_config.Containerd(
+        "test", *((2, 4) if line == "2" else (1, int(line[2:]))), "test")).sandbox_image
+    theirs = (before["plugins"][ctrd_config.CRI_IMAGES]["pinned_images"]["sandbox"] if line == "2"
+              else before["plugins"][ctrd_config.CRI]["sandbox_image"])
+    assert ours in (None, theirs)
 
     res = _weft("install", root, "--source", str(_source(tmp_path)))
     assert res.returncode == 0, res.stderr

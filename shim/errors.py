@@ -5,6 +5,8 @@ gRPC status, so the mapping lives here and nowhere else::
 
     WeftError                      (UNKNOWN)
     ├── ConfigError                configuration file or flag is invalid (INVALID_ARGUMENT)
+    │   └── KubeconfigNotYet       the agent's kubeconfig is named but not written yet (shim.kube.access;
+    │                              INVALID_ARGUMENT)
     ├── BadAnnotation              a weft.io/ annotation holds a bad value (INVALID_ARGUMENT)
     │   └── UnsafeShadow           a host refuses a shadow it may not run (shim.cri.host.lifecycle; PERMISSION_DENIED)
     ├── NotAdmitted                a host would not admit a RunShadow now (shim.cri.host.lifecycle; RESOURCE_EXHAUSTED)

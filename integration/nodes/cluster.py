@@ -135,7 +135,7 @@ class Cluster:
             ctrd = None if spec.containerd == "1.6" else bin_dir(spec.containerd)
             kubeadm.lay_out(node, spec, pki=self.control.pki, server=self.control.server,
                             registry=self.registry.host, kubelet=Path(binaries.binary("kubelet")),
-                            containerd_bin=ctrd, others=others)
+                            containerd_bin=ctrd, others=others, crictl=Path(binaries.binary("crictl")))
             kubeadm.start(node)
         self.wait_ready(list(self.nodes), timeout)
         self.timings["nodes Ready"] = time.monotonic() - t

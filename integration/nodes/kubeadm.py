@@ -154,9 +154,13 @@ def _write(node: Node, inside: str, data: str | bytes, mode: int = 0o644) -> Non
 
 
 def lay_out(node: Node, spec: NodeSpec, *, pki: Pki, server: str, registry: str, kubelet: Path,
-            containerd_bin: Path | None, others: list[tuple[str, str]]) -> None:
+            containerd_bin: Path | None, others: list[tuple[str, str]], crictl: Path | None = None) -> None:
     """Write what kubeadm join and a node's packages leave (``others``: every other node's address and pod
-    subnet); nothing is started."""
+    subnet; ``crictl``, which a node image carries, as kind's do); nothing is started."""
+    if crictl is not None:
+        shutil.copy2(crictl, node.path("/usr/bin/crictl"))
+        _write(node, "/etc/crictl.yaml", f"runtime-endpoint: {CONTAINERD_SOCKET}\nimage-endpoint: "
+               f"{CONTAINERD_SOCKET}\ntimeout: 10\n")
     # containerd: the line's binaries in place of Debian's, its configuration, the test registry.
     if containerd_bin is not None:
         for name in ("containerd", "containerd-shim-runc-v2"):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+from collections.abc import Callable
 from pathlib import Path
 
 from shim.core.annotations import parse_host_port
@@ -24,19 +25,36 @@ def _settings(args: argparse.Namespace) -> run.Settings:
     root = args.root.resolve()
     command = args.systemctl if args.systemctl is not None else ("systemctl" if root == Path("/") else "")
     svc: services.Services = services.Systemctl(command) if command else services.NoServices()
-    broker = getattr(args, "broker", "none")
+    say = lambda line: print(f"weft {args.command}: {line}", flush=True)  # noqa: E731
+    broker, devices = getattr(args, "broker", "none"), getattr(args, "simulated_devices", "2x80GiB")
     if broker == "auto":
-        broker = "nvml" if (root / "dev/nvidiactl").exists() else "none"
+        broker, devices = _broker_of_node(root, getattr(args, "node_name", None), devices, say)
     mesh = _mesh(args, broker) if getattr(args, "mesh_address", None) else None
     return run.Settings(
         root=root, services=svc, agent_socket=args.agent_socket, containerd_socket=args.containerd_socket,
         kubelet_health_url=args.kubelet_health_url, kubelet_timeout=args.kubelet_timeout,
         agent_timeout=getattr(args, "agent_timeout", 60.0), source=getattr(args, "source", None),
-        options=plan.Options(broker=broker, simulated_devices=getattr(args, "simulated_devices", "2x80GiB"),
-                             mesh=mesh),
-        say=lambda line: print(f"weft {args.command}: {line}", flush=True),
+        options=plan.Options(broker=broker, simulated_devices=devices, mesh=mesh),
+        say=say,
         purge=getattr(args, "purge", False),
     )
+
+
+def _broker_of_node(root: Path, node_name: str | None, devices: str,
+                    say: Callable[[str], None]) -> tuple[str, str]:
+    """``--broker auto``: the node's ``weft.io/broker`` label where it has one (read through the API, as the
+    DaemonSet's pod can), else nvml where the host has an NVIDIA device and none elsewhere."""
+    if node_name and os.environ.get("WEFT_POD_NAME"):  # in the DaemonSet, whose service account reads nodes
+        from shim.kube import nodes
+
+        labels, problem = nodes.labels(node_name)
+        if problem:
+            say(f"node {node_name}'s labels could not be read ({problem}); the broker is chosen from the host")
+        chosen, chose_devices = plan.broker_from_labels(labels)
+        if chosen is not None:
+            say(f"broker {chosen}, as node {node_name}'s label {plan.BROKER_LABEL} says")
+            return chosen, chose_devices or devices
+    return ("nvml" if (root / "dev/nvidiactl").exists() else "none"), devices
 
 
 def _mesh(args: argparse.Namespace, broker: str) -> plan.Mesh:
@@ -119,7 +137,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     i.add_argument("--agent-timeout", type=float, default=60.0, metavar="SECONDS",
                    help="how long the agent has to answer CRI before kubelet is switched")
     i.add_argument("--broker", choices=("auto", *plan.BROKERS), default="auto",
-                   help="GPU broker backend (auto: nvml when the host has /dev/nvidiactl, else no broker)")
+                   help="GPU broker backend (auto: the node's weft.io/broker label where the DaemonSet's pod can "
+                   "read it, else nvml when the host has /dev/nvidiactl, else no broker)")
     i.add_argument("--simulated-devices", default="2x80GiB", help="with --broker simulated")
     m = i.add_argument_group("mesh", "the agent's peer mesh (off without --mesh-address); each flag defaults to "
                              "the DaemonSet's environment variable")

@@ -149,6 +149,9 @@ class ContainerdPlan:
     # Where the CRI plugin reads CDI specs when the host sets it (None: containerd's default, /etc/cdi and
     # /var/run/cdi), for the agent: a DRA claim's GPUs are named in those specs.
     cdi_spec_dirs: tuple[str, ...] | None = None
+    # The image containerd runs each pod's sandbox from, when its configuration names one: what the agent's
+    # reservation pods run, so that they need no image the node would not otherwise have.
+    sandbox_image: str | None = None
 
 
 def _refuse(path: str, what: str) -> UnrecognisedHost:
@@ -292,6 +295,27 @@ def _effective_runtime_2x(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, A
     return out
 
 
+def sandbox_image_2x(docs: list[tuple[str, dict[str, Any]]]) -> str | None:
+    """The pause image containerd 2.x runs pods' sandboxes from, as the last file that names it says
+    (``pinned_images.sandbox`` of the image service; a version 2 file's ``sandbox_image``, which 2.x migrates
+    there); None where no file does."""
+    found = None
+    for _, d in docs:
+        plugins = d.get("plugins", {})
+        if not isinstance(plugins, dict):
+            continue
+        if d.get("version", 1) >= 3:
+            images = plugins.get(CRI_IMAGES, {})
+            pinned = images.get("pinned_images", {}) if isinstance(images, dict) else {}
+            value = pinned.get("sandbox") if isinstance(pinned, dict) else None
+        else:
+            cri = plugins.get(CRI, plugins.get("cri", {}))
+            value = cri.get("sandbox_image") if isinstance(cri, dict) else None
+        if isinstance(value, str) and value:
+            found = value
+    return found
+
+
 # -- the weft runtime ----------------------------------------------------------------------------------------------
 def _weft_runtime(files: HostFiles, section: dict[str, Any], hook_argv: list[str], broker_socket: str) -> tuple[
         dict[str, Any], dict[str, Any]]:
@@ -403,9 +427,11 @@ def plan(files: HostFiles, hook_argv: list[str], broker_socket: str, ctrd: Conta
         weft, spec = _weft_runtime(files, runtime, hook_argv, broker_socket)
         section = {CRI if version == 2 else CRI_RUNTIME: {"containerd": {"runtimes": {HANDLER: weft}}}}
         dropin, banner = {"version": version, "plugins": section}, _BANNER_2X
+        pause = sandbox_image_2x(docs)
     else:
         cri = _effective_cri_1x(docs)
         cdi_dirs = _cdi_spec_dirs(cri)
+        pause = cri.get("sandbox_image") if isinstance(cri.get("sandbox_image"), str) else None
         weft, spec = _weft_runtime(files, cri, hook_argv, broker_socket)  # checks the tables it reads
         ctr = cri.setdefault("containerd", {})
         # The default runtime is written out too when the host leaves it implicit, as weft always did on 1.x.
@@ -422,6 +448,7 @@ def plan(files: HostFiles, hook_argv: list[str], broker_socket: str, ctrd: Conta
         base_spec=(json.dumps(spec, indent=2) + "\n").encode(),
         socket=socket_address(doc),
         cdi_spec_dirs=cdi_dirs,
+        sandbox_image=pause or None,
     )
 
 

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from shim.broker.simulated import parse_spec
+from shim.errors import InstallError
 from shim.install import containerd, kubelet
 from shim.install.containerd import HostFiles
 
@@ -25,6 +27,10 @@ UNIT_DIR = "/etc/systemd/system"
 AGENT_UNIT = "weft-agent.service"
 BROKER_UNIT = "weft-broker.service"
 BROKERS = ("nvml", "simulated", "none")
+# Node labels that choose a node's broker where --broker is auto: a label value holds no comma, so parts of a
+# devices spec are joined with "_" there ("1x80Gi_1x40Gi").
+BROKER_LABEL = "weft.io/broker"
+DEVICES_LABEL = "weft.io/simulated-devices"
 CONFIG = "/etc/weft/weft.toml"
 # containerd's own default (1.7 and 2.x), and the agent's: nothing to pass on.
 DEFAULT_CDI_SPEC_DIRS = ["/etc/cdi", "/var/run/cdi"]
@@ -50,24 +56,46 @@ class Mesh:
     # there): the installer checks them and neither writes nor removes them.
     tls_on_host: bool = False
 
-    def files(self) -> dict[str, bytes]:
+    def files(self, reservation_image: str | None = None) -> dict[str, bytes]:
         out = {} if self.tls_on_host else {
             f"{MESH_TLS_DIR}/ca.crt": self.ca_crt, f"{MESH_TLS_DIR}/{self.node_name}.crt": self.node_crt,
             f"{MESH_TLS_DIR}/{self.node_name}.key": self.node_key}
-        out[CONFIG] = self.config()
+        out[CONFIG] = self.config(reservation_image)
         if self.peers_file is not None:
             out[PEERS_FILE] = self.peers_file
         return out
 
-    def config(self) -> bytes:
+    def config(self, reservation_image: str | None = None) -> bytes:
+        """weft.toml; ``reservation_image`` is the node's own pause image (containerd's sandbox image)."""
         peers = PEERS_FILE if self.peers_file is not None else self.peers
         q = _toml_string
+        kube = f"[kubernetes]\nkubeconfig = {q(API_KUBECONFIG)}\n" + (
+            f"reservation_image = {q(reservation_image)}\n" if reservation_image else "")
         return (f"# Written by `weft install`; `weft uninstall` removes it.\n[mesh]\nnode_name = {q(self.node_name)}\n"
                 f"role = {q(self.role)}\naddress = {q(self.address)}\npeers = {q(peers)}\n"
                 f"tls_dir = {q(MESH_TLS_DIR)}\n"
                 # Peers from Kubernetes: the DaemonSet keeps the agent's API credentials there.
-                + (f"[kubernetes]\nkubeconfig = {q(API_KUBECONFIG)}\n" if self.peers == "kubernetes" else "")
+                + (kube if self.peers == "kubernetes" else "")
                 ).encode()
+
+
+def broker_from_labels(labels: dict[str, str]) -> tuple[str | None, str | None]:
+    """(broker, simulated devices) a node's labels choose; (None, None) where they choose nothing."""
+    broker = labels.get(BROKER_LABEL)
+    if broker is None:
+        return None, None
+    if broker not in BROKERS:
+        raise InstallError(f"node label {BROKER_LABEL}={broker!r} is not one of {', '.join(BROKERS)}; "
+                           "nothing was changed")
+    devices = labels.get(DEVICES_LABEL)
+    if devices is None or broker != "simulated":
+        return broker, None
+    devices = devices.replace("_", ",")
+    try:
+        parse_spec(devices)
+    except ValueError as exc:
+        raise InstallError(f"node label {DEVICES_LABEL}: {exc}; nothing was changed") from None
+    return broker, devices
 
 
 def _toml_string(value: str) -> str:
@@ -158,7 +186,7 @@ def make(files: HostFiles, opts: Options, ctrd: containerd.Containerd) -> Plan:
         added[f"{UNIT_DIR}/{BROKER_UNIT}"] = broker_unit(opts.broker, opts.simulated_devices).encode()
     modes = {}
     if opts.mesh is not None:
-        added.update(opts.mesh.files())
+        added.update(opts.mesh.files(ctr.sandbox_image))
         modes = {p: 0o600 for p in opts.mesh.files() if p.endswith(".key")}
     modified = dict(kub.files)
     original = files.read(containerd.CONFIG)

@@ -74,7 +74,15 @@ class ApiAccess:
         return "no Kubernetes API: static peers and the agent's own placement rules"
 
 
+class KubeconfigNotYet(ConfigError):
+    """The kubeconfig named is not there yet: the DaemonSet's credentials keeper writes it once the install has
+    started the agent. Waiters poll for it at a short, steady interval (a local file, cheap to look for) rather
+    than backing off as from an API that does not answer, so the agent uses the API within a moment of it."""
+
+
 def _read(path: Path) -> KubeConfig:
+    if not path.exists():
+        raise KubeconfigNotYet(f"kubernetes.kubeconfig: {path} is not written yet")
     try:
         return KubeConfig.from_file(path)
     except (OSError, lightkube.ConfigError, ValueError, yaml.YAMLError) as exc:

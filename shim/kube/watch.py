@@ -19,6 +19,7 @@ import httpx2
 
 from shim import log
 from shim.errors import WeftError
+from shim.kube.access import KubeconfigNotYet
 
 _log = log.get("weft.kube")
 
@@ -109,7 +110,7 @@ class PodWatch:
             self._thread.join(self.watch_s + 5)
 
     def _run(self) -> None:
-        delay, version = 0.5, ""
+        delay, version, waiting = 0.5, "", False
         try:
             while not self._stop.is_set():
                 try:
@@ -127,8 +128,13 @@ class PodWatch:
                         if self._stop.is_set():
                             break
                     delay = 0.5
+                except KubeconfigNotYet as exc:  # said once; looked for again shortly, not backed off
+                    if not waiting:
+                        _log.info("kube.kubeconfig_waiting", watch=self.name, error=exc.message, every=0.5)
+                    waiting = True
+                    self._stop.wait(0.5)
                 except WeftError as exc:
-                    version = ""
+                    version, waiting = "", False
                     if self._stop.is_set():
                         return
                     _log.warning(self.failed_event, error=exc.message, retry_in=delay)

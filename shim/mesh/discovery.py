@@ -38,6 +38,7 @@ from lightkube.resources.discovery_v1 import EndpointSlice
 
 from shim import log
 from shim.errors import ConfigError, WeftError
+from shim.kube.access import KubeconfigNotYet
 
 _log = log.get("weft.mesh.discovery")
 
@@ -364,6 +365,7 @@ class EndpointSliceDiscovery:
         """
         last: list[Peer] | None = None
         delay = self._backoff_initial
+        waiting_for_kubeconfig = False
         if self._factory is None:
             self.client()  # no way to build one later either: say so at once
         while not stop.is_set():
@@ -392,6 +394,14 @@ class EndpointSliceDiscovery:
                 if isinstance(exc, _Expired) and had_event:
                     _log.info("mesh.discovery.expired", namespace=self.namespace, service=self.service)
                     continue
+                if isinstance(exc.__cause__, KubeconfigNotYet):  # said once; looked for again shortly
+                    if not waiting_for_kubeconfig:
+                        _log.info("mesh.discovery.waiting", namespace=self.namespace, service=self.service,
+                                  error=str(exc), every=self._backoff_initial)
+                    waiting_for_kubeconfig = True
+                    stop.wait(self._backoff_initial)
+                    continue
+                waiting_for_kubeconfig = False
                 _log.warning(
                     "mesh.discovery.failed", namespace=self.namespace, service=self.service,
                     error=str(exc), retry_in=delay,

@@ -31,7 +31,7 @@ from shim.core import tracking
 from shim.core.reroute import PeerView, Resources
 from shim.core.tracking import ANY_ROOM, Known, TrackReason
 from shim.errors import WeftError
-from shim.kube.access import ApiAccess
+from shim.kube.access import ApiAccess, KubeconfigNotYet
 from shim.mesh.capacity import DRAINING, CapacityProbe, fixed_host
 from shim.mesh.client import PeerClient
 from shim.mesh.discovery import (
@@ -131,7 +131,10 @@ class MeshNode:
         try:
             self._set_peers(self.discovery.list())
         except DiscoveryError as exc:  # the API away, or its credentials not written yet: the watch keeps asking
-            _log.warning("mesh.discovery.deferred", error=exc.message)
+            if isinstance(exc.__cause__, KubeconfigNotYet):  # as on every install: no cause for a warning
+                _log.info("mesh.discovery.waiting", error=exc.message)
+            else:
+                _log.warning("mesh.discovery.deferred", error=exc.message)
             self._set_peers([])
         self.server.start()
         self._hellos.start()

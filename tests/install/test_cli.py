@@ -469,6 +469,86 @@ def test_mesh_flags_default_to_the_daemonsets_environment_and_a_static_peers_fil
     assert snapshot(root) == before
 
 
+# The pause image each shape's containerd names (tests/data/hostroots), or None where it names none.
+SANDBOX = {"ctrd2-default": "registry.k8s.io/pause:3.10.2", "ctrd2-gpu-confd": "registry.k8s.io/pause:3.10.2",
+           "ctrd2-kubeadm": "registry.k8s.io/pause:3.10.2",
+           "ctrd2-eks": "602401143452.dkr.ecr.us-west-2.amazonaws.com/eks/pause:3.10",
+           "ctrd2-v2config": "registry.k8s.io/pause:3.6", "kubeadm-flags": "registry.k8s.io/pause:3.6",
+           "kubeadm": "registry.k8s.io/pause:3.6",
+           # containerd 1.x: the drop-in's CRI section replaces the main file's, which names pause:3.8.
+           "imports": "registry.k8s.io/pause:3.9"}
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_reservation_pods_run_the_pause_image_the_nodes_containerd_runs_sandboxes_from(
+        shape: str, tmp_path: Path, source: Path, mesh_tls: Path) -> None:
+    """A node pulls its own pause image from wherever its containerd says (a mirror, ECR): a reservation pod
+    bound to it must need no other image."""
+    from shim import config
+
+    root = copy_shape(shape, tmp_path / "host")
+    text = (root / "etc/containerd/config.toml").read_text()
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 0
+    image = config.load(root / "etc/weft/weft.toml").kubernetes.reservation_image
+    if shape in SANDBOX:
+        assert image == SANDBOX[shape]
+    else:
+        assert "sandbox" not in text
+        assert image == config.KubernetesConfig().reservation_image  # containerd's default, weft's default
+
+
+def _in_the_daemonset(monkeypatch: pytest.MonkeyPatch, labels: dict[str, str], problem: str | None = None) -> None:
+    from shim.kube import nodes
+
+    monkeypatch.setenv("WEFT_POD_NAME", "weft-abcde")
+    monkeypatch.setattr(nodes, "labels", lambda name: ({} if problem else labels, problem) if name == "cpu-7"
+                        else ({}, f"not this node: {name}"))
+
+
+def test_a_nodes_broker_label_gives_it_that_broker_and_the_gpu_role(
+        tmp_path: Path, source: Path, mesh_tls: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from shim import config
+
+    _in_the_daemonset(monkeypatch, {"weft.io/broker": "simulated", "weft.io/simulated-devices": "1x80Gi_1x40Gi"})
+    root = copy_shape(SHAPES[0], tmp_path / "host")
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 0
+    unit = (root / "etc/systemd/system/weft-broker.service").read_text()
+    assert "--backend simulated --simulated-devices 1x80Gi,1x40Gi" in unit
+    assert config.load(root / "etc/weft/weft.toml").mesh.role == "gpu"
+    assert "broker simulated, as node cpu-7's label weft.io/broker says" in capsys.readouterr().out
+
+
+def test_without_a_broker_label_or_an_nvidia_device_a_node_has_no_broker_and_a_label_it_cannot_read_is_said(
+        tmp_path: Path, source: Path, mesh_tls: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from shim import config
+
+    _in_the_daemonset(monkeypatch, {}, problem="connection refused")
+    root = copy_shape(SHAPES[0], tmp_path / "host")
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 0
+    assert not (root / "etc/systemd/system/weft-broker.service").exists()
+    assert config.load(root / "etc/weft/weft.toml").mesh.role == "cpu"
+    assert "node cpu-7's labels could not be read (connection refused)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("labels", "said"), [
+    ({"weft.io/broker": "cuda"}, "node label weft.io/broker='cuda' is not one of nvml, simulated, none"),
+    ({"weft.io/broker": "simulated", "weft.io/simulated-devices": "2x80GB"},
+     "node label weft.io/simulated-devices: --simulated-devices: '2x80GB' is not COUNTxSIZE"),
+])
+def test_a_broker_label_weft_cannot_use_is_refused_before_anything_changes(
+        labels: dict[str, str], said: str, tmp_path: Path, source: Path, mesh_tls: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _in_the_daemonset(monkeypatch, labels)
+    root = copy_shape(SHAPES[0], tmp_path / "host")
+    before = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "nothing was changed" in err
+    assert snapshot(root) == before
+
+
 def test_without_a_mesh_address_no_mesh_files_are_written(tmp_path: Path, source: Path) -> None:
     root = copy_shape(SHAPES[0], tmp_path / "host")
     assert main(["install", "--root", str(root), "--source", str(source)]) == 0

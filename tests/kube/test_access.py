@@ -38,7 +38,7 @@ def test_a_named_kubeconfig_not_written_yet_is_used_once_it_is(tmp_path: Path) -
     path = tmp_path / "kubeconfig"
     got = access.resolve(path)  # the keeper writes it after the installer started the agent
     assert got.source is access.Source.KUBECONFIG and "not written yet" in got.describe()
-    with pytest.raises(ConfigError, match=r"kubernetes\.kubeconfig: cannot read .*/kubeconfig"):
+    with pytest.raises(access.KubeconfigNotYet, match=r"kubernetes\.kubeconfig: .*/kubeconfig is not written yet"):
         got.client()
     path.write_text(kubeconfig_text("https://10.0.0.1:6443", None, tmp_path / "token", insecure=True))
     client = got.client()

@@ -639,6 +639,31 @@ def test_real_lightkube_client_lists_and_watches_the_services_slices():
 # --- values -----------------------------------------------------------------
 
 
+def test_a_kubeconfig_not_written_yet_is_looked_for_steadily_and_said_once_not_backed_off():
+    """As on every install: the agent starts before the DaemonSet's pod writes its kubeconfig. The agent must use
+    the API within a moment of it, not after a wait that doubled meanwhile (placement has no peers till then)."""
+    from shim.kube.access import KubeconfigNotYet
+
+    stop = RecordingStop()
+    kube = FakeKube(load("endpointslices.json"), stop=stop)
+    attempts = []
+
+    def factory():
+        attempts.append(len(attempts))
+        if len(attempts) < 7:
+            raise KubeconfigNotYet("kubernetes.kubeconfig: /etc/weft/api/kubeconfig is not written yet")
+        return kube
+
+    reports: list[list[Peer]] = []
+    with capture_logs() as logs:
+        EndpointSliceDiscovery(NS, SVC, client_factory=factory, self_node="gpu-1", backoff_initial=0.5,
+                               backoff_max=30.0).watch(reports.append, stop)
+    assert len(attempts) == 7 and stop.waits[:6] == [0.5] * 6
+    assert [e["event"] for e in logs if e["event"].startswith("mesh.discovery.") and e["event"] != (
+        "mesh.discovery.changed")] == ["mesh.discovery.waiting"]
+    assert reports == [[CPU1, CPU2, CPU3]]
+
+
 @pytest.mark.parametrize(
     ("peer", "target"),
     [
