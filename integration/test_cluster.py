@@ -10,6 +10,7 @@ nothing, would not pass.
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import json
 import subprocess
@@ -209,6 +210,35 @@ def _links() -> set[str]:
     return {p.name for p in Path("/sys/class/net").iterdir()}
 
 
+def _link_ids(names: list[str]) -> dict[str, int]:
+    """Each link's ifindex, for those that exist: one made again under the same name has another."""
+    out = {}
+    for name in names:
+        with contextlib.suppress(OSError):
+            out[name] = int(Path(f"/sys/class/net/{name}/ifindex").read_text())
+    return out
+
+
+def _route_ids(subnets: list[str]) -> dict[str, tuple[str, int]]:
+    """Each subnet's route: its device and that device's ifindex (a route made again by another test differs)."""
+    out = {}
+    for subnet in subnets:
+        res = subprocess.run(["ip", "-j", "route", "show", subnet], capture_output=True, text=True, check=True)
+        for route in json.loads(res.stdout or "[]"):
+            dev = route.get("dev", "")
+            out[subnet] = (dev, _link_ids([dev]).get(dev, -1))
+    return out
+
+
+def _netns_ids(names: list[str]) -> dict[str, int]:
+    """Each named network namespace's inode, for those that exist: one made again under the name has another."""
+    out = {}
+    for name in names:
+        with contextlib.suppress(OSError):
+            out[name] = (NETNS_DIR / name).stat().st_ino
+    return out
+
+
 def _procs_mentioning(needles: list[str]) -> list[str]:
     found = []
     for p in psutil.process_iter(["cmdline"]):
@@ -237,15 +267,19 @@ def test_close_leaves_nothing_behind_even_when_the_test_fails() -> None:
         assert len(_procs_mentioning(workdirs)) >= 3, _procs_mentioning(workdirs)
         subnets = [n.pod_subnet for n in cluster.nodes]
         assert all(s in _routes() for s in subnets)
+        # By identity, not by name: once closed, its slots are free, and a test on another worker may take one
+        # and make a link or namespace of the same name (a CI run saw weftnode4 so, a moment after the close).
+        made_links, made_netns, made_routes = _link_ids(links), _netns_ids(namespaces), _route_ids(subnets)
+        mesh_links = _link_ids(sorted(link for link in _links() if link.startswith(f"wm{cluster.mesh}n")))
         raise RuntimeError("the test failed")
 
+    still = {**_link_ids(links), **_link_ids(list(mesh_links))}
     left = {
-        "links": sorted(set(links) & _links()),
-        "mesh links": sorted(link for link in _links() if link.startswith(f"wm{cluster.mesh}n")),
-        "namespaces": [ns for ns in namespaces if (NETNS_DIR / ns).exists()],
+        "links": sorted(name for name, i in {**made_links, **mesh_links}.items() if still.get(name) == i),
+        "namespaces": sorted(name for name, i in _netns_ids(namespaces).items() if made_netns.get(name) == i),
         "processes": _procs_mentioning(workdirs),
         "work directories": [d for d in workdirs if Path(d).exists()],
-        "routes": [s for s in subnets if s in _routes()],
+        "routes": sorted(net for net, via in _route_ids(subnets).items() if made_routes.get(net) == via),
     }
     assert not any(left.values()), left
     cluster.close()  # again: nothing to do, and no error

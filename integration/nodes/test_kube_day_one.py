@@ -145,6 +145,14 @@ def _crictl(c: Cluster, node: str, *args: str) -> dict:
     return json.loads(c.nodes[node].run(["crictl", *args, "-o", "json"]).stdout)
 
 
+def _said_by_weft(c: Cluster, node: str) -> str:
+    """What a person asks first when a stage is not where it should be: ``weft status`` and the agent's log."""
+    status = c.nodes[node].run(["/opt/weft/bin/weft", "status", "--socket", "/run/weft/cri.sock"], check=False)
+    log = c.nodes[node].run(["journalctl", "-u", "weft-agent.service", "-o", "cat", "--no-pager", "-n", "60"],
+                            check=False)
+    return f"weft status on {node}:\n{status.stdout}{status.stderr}\nits agent's log:\n{log.stdout}"
+
+
 def _use(c: Cluster) -> tuple[float, float]:
     """The two-stage pod on weft, and the same pod plain beside it: (time to Ready opted in, plain)."""
     plain = _time_to_ready(c, "two-stage-plain", None)
@@ -152,7 +160,7 @@ def _use(c: Cluster) -> tuple[float, float]:
     # model runs on the GPU node under a lease of its simulated GPUs; prep does not run there.
     on_gpu = {x["metadata"]["name"]: x for x in _crictl(c, "gpu-1", "ps", "--label",
                                                           "io.kubernetes.pod.name=two-stage")["containers"]}
-    assert set(on_gpu) == {"model"}, on_gpu
+    assert set(on_gpu) == {"model"}, _said_by_weft(c, "gpu-1")
     status = json.loads(c.nodes["gpu-1"].run(["/opt/weft/bin/weft", "status", "--json", "--socket",
                                               "/run/weft/cri.sock"]).stdout)
     (lease,) = [x for x in status["leases"] if x["container_id"] == on_gpu["model"]["id"]]
@@ -283,9 +291,12 @@ def test_weft_installs_from_its_image_and_manifests_onto_every_node_and_backs_ou
     before_pods = _containers(c, names)
     before_files = _host_files(c)
     started = time.time()
-    # gpu-1 has no NVIDIA device: the platform team says which broker it gets, as docs/operations.md shows.
+    # gpu-1 has no NVIDIA device, and the nodes share this machine: the platform team says which broker gpu-1
+    # gets and what the CPU nodes offer, as docs/operations.md shows (measured, each would see the whole
+    # machine's load).
     c.kubectl("label", "node", "gpu-1", "weft.io/broker=simulated", "weft.io/simulated-devices=2x80Gi",
               "--overwrite")
+    c.kubectl("label", "node", "cpu-1", "cpu-2", "weft.io/fixed-capacity=2_4Gi", "--overwrite")
 
     # Install, as the docs say: the overlay, then the mesh CA Secret into the namespace it made.
     t = time.monotonic()

@@ -27,9 +27,10 @@ def _settings(args: argparse.Namespace) -> run.Settings:
     svc: services.Services = services.Systemctl(command) if command else services.NoServices()
     say = lambda line: print(f"weft {args.command}: {line}", flush=True)  # noqa: E731
     broker, devices = getattr(args, "broker", "none"), getattr(args, "simulated_devices", "2x80GiB")
+    labels = _node_labels(getattr(args, "node_name", None), say) if args.command == "install" else {}
     if broker == "auto":
-        broker, devices = _broker_of_node(root, getattr(args, "node_name", None), devices, say)
-    mesh = _mesh(args, broker) if getattr(args, "mesh_address", None) else None
+        broker, devices = _broker_of_node(root, labels, devices, say)
+    mesh = _mesh(args, broker, plan.capacity_from_labels(labels)) if getattr(args, "mesh_address", None) else None
     return run.Settings(
         root=root, services=svc, agent_socket=args.agent_socket, containerd_socket=args.containerd_socket,
         kubelet_health_url=args.kubelet_health_url, kubelet_timeout=args.kubelet_timeout,
@@ -40,24 +41,31 @@ def _settings(args: argparse.Namespace) -> run.Settings:
     )
 
 
-def _broker_of_node(root: Path, node_name: str | None, devices: str,
-                    say: Callable[[str], None]) -> tuple[str, str]:
-    """``--broker auto``: the node's ``weft.io/broker`` label where it has one (read through the API, as the
-    DaemonSet's pod can), else nvml where the host has an NVIDIA device and none elsewhere."""
-    if node_name and os.environ.get("WEFT_POD_NAME"):  # in the DaemonSet, whose service account reads nodes
-        from shim.kube import nodes
+def _node_labels(node_name: str | None, say: Callable[[str], None]) -> dict[str, str]:
+    """The Node's labels where the installer runs in the DaemonSet (whose service account reads nodes), else none:
+    one DaemonSet installs every node alike, and labels say what differs (``plan.BROKER_LABEL`` and the rest)."""
+    if not node_name or not os.environ.get("WEFT_POD_NAME"):
+        return {}
+    from shim.kube import nodes
 
-        labels, problem = nodes.labels(node_name)
-        if problem:
-            say(f"node {node_name}'s labels could not be read ({problem}); the broker is chosen from the host")
-        chosen, chose_devices = plan.broker_from_labels(labels)
-        if chosen is not None:
-            say(f"broker {chosen}, as node {node_name}'s label {plan.BROKER_LABEL} says")
-            return chosen, chose_devices or devices
+    labels, problem = nodes.labels(node_name)
+    if problem:
+        say(f"node {node_name}'s labels could not be read ({problem}); the host alone decides")
+    return labels
+
+
+def _broker_of_node(root: Path, labels: dict[str, str], devices: str,
+                    say: Callable[[str], None]) -> tuple[str, str]:
+    """``--broker auto``: the node's ``weft.io/broker`` label where it has one, else nvml where the host has an
+    NVIDIA device and none elsewhere."""
+    chosen, chose_devices = plan.broker_from_labels(labels)
+    if chosen is not None:
+        say(f"broker {chosen}, as the node's label {plan.BROKER_LABEL} says")
+        return chosen, chose_devices or devices
     return ("nvml" if (root / "dev/nvidiactl").exists() else "none"), devices
 
 
-def _mesh(args: argparse.Namespace, broker: str) -> plan.Mesh:
+def _mesh(args: argparse.Namespace, broker: str, fixed_capacity: str = "") -> plan.Mesh:
     """The mesh settings, with this node's TLS files (and a static peers file) read from where the flags name."""
     if not args.node_name:
         raise InstallError("--mesh-address needs --node-name (or WEFT_NODE_NAME); nothing was changed")
@@ -87,7 +95,7 @@ def _mesh(args: argparse.Namespace, broker: str) -> plan.Mesh:
         node_crt=read(tls / f"{args.node_name}.crt", "this node's mesh certificate"),
         node_key=read(tls / f"{args.node_name}.key", "this node's mesh key"),
         peers_file=None if peers == "kubernetes" else read(Path(peers), "the static peers file"),
-        tls_on_host=on_host)
+        tls_on_host=on_host, fixed_capacity=fixed_capacity)
 
 
 def _install(args: argparse.Namespace) -> int:

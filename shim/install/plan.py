@@ -11,9 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from shim.broker.simulated import parse_spec
-from shim.errors import InstallError
+from shim.errors import ConfigError, InstallError
 from shim.install import containerd, kubelet
 from shim.install.containerd import HostFiles
+from shim.mesh.capacity import fixed_host
 
 OPT = "/opt/weft"
 BIN = f"{OPT}/bin/weft"
@@ -31,6 +32,9 @@ BROKERS = ("nvml", "simulated", "none")
 # devices spec are joined with "_" there ("1x80Gi_1x40Gi").
 BROKER_LABEL = "weft.io/broker"
 DEVICES_LABEL = "weft.io/simulated-devices"
+# A node that shares its machine with other nodes (kind's, a staging cluster's) advertises this capacity
+# ("CORES_MEMORY", e.g. "1_2Gi") instead of measuring the whole machine's load: mesh.fixed_capacity.
+CAPACITY_LABEL = "weft.io/fixed-capacity"
 CONFIG = "/etc/weft/weft.toml"
 # containerd's own default (1.7 and 2.x), and the agent's: nothing to pass on.
 DEFAULT_CDI_SPEC_DIRS = ["/etc/cdi", "/var/run/cdi"]
@@ -55,6 +59,7 @@ class Mesh:
     # The TLS files are already in MESH_TLS_DIR, kept there by `weft mesh-identity` (the node made its key
     # there): the installer checks them and neither writes nor removes them.
     tls_on_host: bool = False
+    fixed_capacity: str = ""  # mesh.fixed_capacity ("CORES,MEMORY"); "" measures
 
     def files(self, reservation_image: str | None = None) -> dict[str, bytes]:
         out = {} if self.tls_on_host else {
@@ -74,6 +79,7 @@ class Mesh:
         return (f"# Written by `weft install`; `weft uninstall` removes it.\n[mesh]\nnode_name = {q(self.node_name)}\n"
                 f"role = {q(self.role)}\naddress = {q(self.address)}\npeers = {q(peers)}\n"
                 f"tls_dir = {q(MESH_TLS_DIR)}\n"
+                + (f"fixed_capacity = {q(self.fixed_capacity)}\n" if self.fixed_capacity else "")
                 # Peers from Kubernetes: the DaemonSet keeps the agent's API credentials there.
                 + (kube if self.peers == "kubernetes" else "")
                 ).encode()
@@ -96,6 +102,19 @@ def broker_from_labels(labels: dict[str, str]) -> tuple[str | None, str | None]:
     except ValueError as exc:
         raise InstallError(f"node label {DEVICES_LABEL}: {exc}; nothing was changed") from None
     return broker, devices
+
+
+def capacity_from_labels(labels: dict[str, str]) -> str:
+    """mesh.fixed_capacity from the node's label, checked; "" (measure) where it has none."""
+    value = labels.get(CAPACITY_LABEL)
+    if value is None:
+        return ""
+    spec = value.replace("_", ",", 1)
+    try:
+        fixed_host(spec)
+    except ConfigError as exc:
+        raise InstallError(f"node label {CAPACITY_LABEL}={value!r}: {exc.message}; nothing was changed") from None
+    return spec
 
 
 def _toml_string(value: str) -> str:

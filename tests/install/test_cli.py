@@ -516,7 +516,17 @@ def test_a_nodes_broker_label_gives_it_that_broker_and_the_gpu_role(
     unit = (root / "etc/systemd/system/weft-broker.service").read_text()
     assert "--backend simulated --simulated-devices 1x80Gi,1x40Gi" in unit
     assert config.load(root / "etc/weft/weft.toml").mesh.role == "gpu"
-    assert "broker simulated, as node cpu-7's label weft.io/broker says" in capsys.readouterr().out
+    assert "broker simulated, as the node's label weft.io/broker says" in capsys.readouterr().out
+
+
+def test_a_node_sharing_its_machine_advertises_the_capacity_its_label_gives_instead_of_measuring(
+        tmp_path: Path, source: Path, mesh_tls: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shim import config
+
+    _in_the_daemonset(monkeypatch, {"weft.io/fixed-capacity": "1_2Gi"})
+    root = copy_shape(SHAPES[0], tmp_path / "host")
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 0
+    assert config.load(root / "etc/weft/weft.toml").mesh.fixed_capacity == "1,2Gi"
 
 
 def test_without_a_broker_label_or_an_nvidia_device_a_node_has_no_broker_and_a_label_it_cannot_read_is_said(
@@ -529,13 +539,16 @@ def test_without_a_broker_label_or_an_nvidia_device_a_node_has_no_broker_and_a_l
     assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 0
     assert not (root / "etc/systemd/system/weft-broker.service").exists()
     assert config.load(root / "etc/weft/weft.toml").mesh.role == "cpu"
-    assert "node cpu-7's labels could not be read (connection refused)" in capsys.readouterr().out
+    assert "node cpu-7's labels could not be read (connection refused); the host alone decides" in \
+        capsys.readouterr().out
 
 
 @pytest.mark.parametrize(("labels", "said"), [
     ({"weft.io/broker": "cuda"}, "node label weft.io/broker='cuda' is not one of nvml, simulated, none"),
     ({"weft.io/broker": "simulated", "weft.io/simulated-devices": "2x80GB"},
      "node label weft.io/simulated-devices: --simulated-devices: '2x80GB' is not COUNTxSIZE"),
+    ({"weft.io/fixed-capacity": "two_2Gi"}, "node label weft.io/fixed-capacity='two_2Gi': mesh.fixed_capacity: "
+                                            "'two,2Gi' is not CORES,MEMORY"),
 ])
 def test_a_broker_label_weft_cannot_use_is_refused_before_anything_changes(
         labels: dict[str, str], said: str, tmp_path: Path, source: Path, mesh_tls: Path,
