@@ -142,7 +142,7 @@ def _time_to_ready(c: Cluster, name: str, runtime_class: str | None, timeout: fl
 
 def _crictl(c: Cluster, node: str, *args: str) -> dict:
     """What the node's containerd itself says (crictl on the node, at containerd's socket: not through weft)."""
-    return json.loads(c.nodes[node].run(["crictl", *args, "-o", "json"]).stdout)
+    return json.loads(c.nodes[node].run(["crictl", args[0], "-o", "json", *args[1:]]).stdout)  # flags before IDs
 
 
 def _said_by_weft(c: Cluster, node: str) -> str:
@@ -187,10 +187,12 @@ def _use(c: Cluster) -> tuple[float, float]:
     assert _port_forwarded(c, "pod/two-stage", 8080) == "prep-says-hi"
     # The plain pod beside it: every stage on the GPU node, on containerd's runc handler, as if weft were not there.
     (sandbox,) = _crictl(c, "gpu-1", "pods", "--name", "^two-stage-plain$", "--state", "ready")["items"]
-    inspected = _crictl(c, "gpu-1", "inspectp", sandbox["id"])
-    assert (sandbox["runtimeHandler"], inspected["info"]["runtimeType"]) == ("", "io.containerd.runc.v2"), inspected
-    assert {x["metadata"]["name"] for x in _crictl(c, "gpu-1", "ps", "--pod", sandbox["id"])["containers"]} == {
-        "model", "prep"}
+    assert sandbox["runtimeHandler"] == "", sandbox  # containerd's default runtime
+    stages = {x["metadata"]["name"]: x["id"] for x in _crictl(c, "gpu-1", "ps", "--pod", sandbox["id"])["containers"]}
+    assert set(stages) == {"model", "prep"}
+    for cid in stages.values():
+        inspected = _crictl(c, "gpu-1", "inspect", cid)
+        assert inspected["info"]["runtimeType"] == "io.containerd.runc.v2", inspected["info"]
     (ours,) = _crictl(c, "gpu-1", "pods", "--name", "^two-stage$", "--state", "ready")["items"]
     assert ours["runtimeHandler"] == "weft"
     c.kubectl("delete", "pod", "two-stage", "two-stage-plain", "--wait=true", timeout=180)
