@@ -143,6 +143,8 @@ class Enroller:
             raise EnrollError(f"the API refused the mesh certificate request: {exc.status.message}") from exc
         except Exception as exc:
             raise EnrollError(f"the mesh certificate request could not be made: {exc}") from exc
+        # Said at once: until the signer answers (its pods wait for the mesh CA Secret), this is all a node says.
+        _log.info("mesh.cert.requested", node=self.node, csr=name, signer=SIGNER_NAME, wait_s=self.wait_s)
         deadline = time.monotonic() + self.wait_s
         while True:
             try:
