@@ -201,7 +201,7 @@ def test_an_agent_started_before_its_kubeconfig_is_written_uses_it_once_it_is(
     out = tmp_path / "api"
     with AgentProcess(containerd, tmp_path / "agent",
                       extra_args=_agent_args(mesh_tls, "--kubeconfig", str(out / "kubeconfig"))) as agent:
-        wait_for(lambda: any(e.get("event") == "mesh.discovery.failed" for e in agent.events()), timeout=30,
+        wait_for(lambda: any(e.get("event") == "mesh.discovery.waiting" for e in agent.events()), timeout=30,
                  what="discovery waiting for its credentials")
         _credentials(as_weft, out, "--once")  # the DaemonSet's keeper, just after the installer
         wait_for(lambda: any(e.get("event") == "mesh.peers" and e.get("peers") == ["cpu-1"]

@@ -1,12 +1,15 @@
 """Where the Kubernetes binaries are: ``kube/build.sh`` builds them once per set of pins into a cache.
 
 What only the DRA tests run (kube-controller-manager, the test DRA driver) is built by
-``kube/dra/build.sh`` into a cache key of its own.
+``kube/dra/build.sh`` into a cache key of its own. With ``WEFT_KUBE=next`` (the smoke run on the newest
+release, ``scripts/test.sh``), kubelet, kube-apiserver, kube-scheduler and kubectl are ``kube/next/build.sh``'s
+instead; etcd, crictl and critest stay the pinned set's.
 """
 
 from __future__ import annotations
 
 import functools
+import os
 import subprocess
 from pathlib import Path
 
@@ -14,6 +17,8 @@ REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "kube" / "build.sh"
 DRA_BUILD = REPO / "kube" / "dra" / "build.sh"
 VERSIONS = REPO / "kube" / "versions.env"
+NEXT_BUILD = REPO / "kube" / "next" / "build.sh"
+NEXT_BINARIES = ("kubelet", "kube-apiserver", "kube-scheduler", "kubectl")
 
 
 def _built(script: Path) -> Path:
@@ -37,8 +42,22 @@ def dra_bin_dir() -> Path:
     return _built(DRA_BUILD)
 
 
+@functools.cache
+def next_bin_dir() -> Path:
+    """The newest release's kubelet, API server, scheduler and kubectl, built first if they are not there."""
+    return _built(NEXT_BUILD)
+
+
+def next_release() -> bool:
+    """Whether this run is the smoke run on the newest release (``WEFT_KUBE=next``)."""
+    kube = os.environ.get("WEFT_KUBE", "")
+    if kube not in ("", "next"):
+        raise RuntimeError(f"WEFT_KUBE={kube!r}: expected 'next' or nothing (the pinned release)")
+    return kube == "next"
+
+
 def binary(name: str) -> str:
-    path = bin_dir() / name
+    path = (next_bin_dir() if name in NEXT_BINARIES and next_release() else bin_dir()) / name
     if not path.is_file():
         raise RuntimeError(f"{path} is missing: kube/build.sh did not build {name}")
     return str(path)

@@ -133,6 +133,8 @@ class Kubelet:
             "podLogsDir": str(self.pod_logs_dir), "rotateCertificates": False,
             # Pods are synced (and their ConfigMap and Secret volumes refreshed) every 10 s rather than every minute.
             "syncFrequency": "10s",
+            # These machines run cgroup v1, which kubelet refuses from v1.35 unless told (the newest-release smoke run).
+            "failCgroupV1": False,
             # Without pod cgroups (cgroupsPerQOS false) kubelet v1.34's in-place resize dereferences a nil pod
             # cgroup config when a running container lacks its actuated-resources record, as when a pod is
             # deleted mid-sync under load, and kubelet exits (kubernetes/kubernetes#137999). No test resizes.

@@ -7,6 +7,7 @@ what kubelet would: a socket, logs on stderr, metrics over HTTP, signals.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import random
@@ -25,26 +26,46 @@ import grpc
 from shim.cri.host.volumes import unmount_under
 from shim.localfabric.containerd import Containerd
 
+# Ports handed out by free_port, each held (a lock on a file named for it) for as long as this process lives:
+# an agent restarted by a test binds its port again, and another process must not have drawn it meanwhile.
+PORT_LOCKS = Path("/run/lock/weft-ports")
+_held: dict[int, int] = {}
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A port free on ``host`` now, drawn from below the kernel's ephemeral range.
+    """A port free on ``host`` now, drawn from below the kernel's ephemeral range, and kept from every other
+    process that draws one here for as long as this one lives.
 
     A port the kernel hands out for ``bind(0)`` is handed out again to the next
     ``bind(0)``, in this namespace or in a node's own (the agent's tunnel port
-    is one): a chosen port from that range once collided with it.
+    is one): a chosen port from that range once collided with it. And free
+    now is not free later: a CI run's test restarted an agent on its port a
+    second after stopping it, and a test on another worker had drawn that
+    port in between.
     """
     low = 32768
     with contextlib.suppress(OSError, ValueError):
         low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     floor = min(10000, low // 2)
+    PORT_LOCKS.mkdir(parents=True, exist_ok=True)
     for _ in range(200):
         port = random.randrange(floor, low)
+        if port in _held:
+            continue
+        fd = os.open(PORT_LOCKS / str(port), os.O_CREAT | os.O_RDWR | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:  # another process holds it
+            os.close(fd)
+            continue
         with socket.socket() as s:
             try:
                 s.bind((host, port))
             except OSError:
+                os.close(fd)
                 continue
-            return port
+        _held[port] = fd
+        return port
     raise RuntimeError(f"no free port on {host} in {floor}-{low - 1}")
 
 

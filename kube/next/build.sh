@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# Builds kubelet, kube-apiserver, kube-scheduler and kubectl of the newest release (versions.env here), once
+# per set of pins, into ${WEFT_KUBE_CACHE:-/var/cache/weft/kube}/<key>/bin as ../build.sh does for the pinned
+# release (same flags: static, providerless, stripped, --version set). The smoke subset runs them with the
+# pinned set's etcd, crictl and critest (integration/kube/binaries.py, WEFT_KUBE=next).
+#
+# Usage: kube/next/build.sh             build if not cached; prints the bin directory last
+#        kube/next/build.sh --bin-dir   print the bin directory only (built or not)
+#        kube/next/build.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
+set -euo pipefail
+HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=/dev/null
+source "$HERE/versions.env"
+# shellcheck source=../buildlib.sh
+source "$HERE/../buildlib.sh"
+SCRIPT=kube/next/build.sh
+
+hash="$(cat "$HERE/versions.env" "$HERE/go.mod" "$HERE/go.sum" | sha256sum | cut -c1-12)"
+CACHE="${WEFT_KUBE_CACHE:-/var/cache/weft/kube}"
+DIR="$CACHE/k8s-$KUBERNETES_VERSION-$hash"
+BINARIES=(kubelet kube-apiserver kube-scheduler kubectl)
+
+if [ "${1:-}" = "--bin-dir" ]; then
+  echo "$DIR/bin"
+  exit 0
+fi
+complete() { [ -f "$DIR/bin/.complete" ]; }
+if [ "${1:-}" = "--cached" ]; then
+  complete
+  exit
+fi
+if complete; then
+  echo "$DIR/bin"
+  exit 0
+fi
+
+cache_lock "$CACHE"
+if complete; then
+  echo "$DIR/bin"
+  exit 0
+fi
+need_go "the newest Kubernetes components (apt-get install golang-go, or Go >= 1.24 on PATH)"
+
+# The module must say what versions.env says (gen.sh makes it so).
+python3 - "$HERE/go.mod" "$KUBERNETES_VERSION" "$KUBERNETES_STAGING_VERSION" <<'PY'
+import json, subprocess, sys
+mod, version, staging = sys.argv[1:]
+edit = json.loads(subprocess.run(["go", "mod", "edit", "-json", mod], check=True, capture_output=True, text=True).stdout)
+req = {r["Path"]: r["Version"] for r in edit.get("Require") or []}
+bad = [] if req.get("k8s.io/kubernetes") == version else [f"k8s.io/kubernetes is {req.get('k8s.io/kubernetes')}, versions.env says {version}"]
+bad += [f"{r['Old']['Path']} is replaced by {r['New']}, versions.env says {staging}" for r in edit.get("Replace") or []
+        if r["Old"]["Path"].startswith("k8s.io/") and r["New"].get("Version") != staging]
+if bad:
+    sys.exit(f"kube/next/build.sh: {mod} disagrees with versions.env (run kube/next/gen.sh):\n  " + "\n  ".join(bad))
+PY
+
+started=$(date +%s)
+TMP="$DIR.tmp.$$"
+rm -rf "$TMP"
+mkdir -p "$TMP/bin"
+trap 'rm -rf "$TMP"' EXIT
+echo "kube/next/build.sh: building ${BINARIES[*]} $KUBERNETES_VERSION into $DIR (a cold build takes several minutes)"
+cd "$HERE"
+go build -tags providerless -ldflags "$(kube_ldflags "$KUBERNETES_VERSION")" -o "$TMP/bin/" \
+  k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
+  k8s.io/kubernetes/cmd/kubectl
+grep -E '^[A-Z_]+=' "$HERE/versions.env" | publish "$TMP" "$DIR" "$started" "${BINARIES[@]}"
+trap - EXIT
+echo "kube/next/build.sh: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
+echo "$DIR/bin"
