@@ -53,11 +53,6 @@ for line in ${WEFT_TEST_CONTAINERDS-1.7 2}; do
   smoke+=("$line:$!")
 done
 failed=0
-# And the newest Kubernetes release the module proxy serves (kube/next/versions.env: its kubelet, API server,
-# scheduler and kubectl) on one node and on two with a rerouted pod, after those: a release users move to is
-# tested before they do. WEFT_TEST_KUBE_NEXT=0 leaves it out.
-KUBE_SMOKE=(integration/test_kube_node.py
-            integration/test_kube_reroute.py::test_the_rerouted_stage_is_ready_through_its_http_probe)
 for run in "${smoke[@]}"; do
   log="$VENV/log/smoke-containerd-${run%%:*}.log"
   if wait "${run#*:}"; then
@@ -70,18 +65,4 @@ for run in "${smoke[@]}"; do
     tail -n 80 "$log"
   fi
 done
-if [ "${WEFT_TEST_KUBE_NEXT:-1}" = 1 ]; then
-  next="$(sed -n 's/^KUBERNETES_VERSION=//p' kube/next/versions.env)"
-  echo "weft: smoke run on Kubernetes $next (log: $VENV/log/smoke-kube-next.log)"
-  if WEFT_KUBE=next "$VENV/bin/pytest" -n 2 --dist loadfile -p no:cacheprovider "${KUBE_SMOKE[@]}" \
-      >"$VENV/log/smoke-kube-next.log" 2>&1; then
-    echo "weft: smoke run on Kubernetes $next passed:"
-    grep -E '^\[weft kube\] kube cluster' "$VENV/log/smoke-kube-next.log" || true
-    tail -n 1 "$VENV/log/smoke-kube-next.log"
-  else
-    failed=1
-    echo "weft: smoke run on Kubernetes $next FAILED:"
-    tail -n 80 "$VENV/log/smoke-kube-next.log"
-  fi
-fi
 exit "$failed"

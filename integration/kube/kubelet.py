@@ -135,11 +135,13 @@ class Kubelet:
             "syncFrequency": "10s",
             # These machines run cgroup v1, which kubelet refuses from v1.35 unless told (the newest-release smoke run).
             "failCgroupV1": False,
+            **self.extra_config,
             # Without pod cgroups (cgroupsPerQOS false) kubelet v1.34's in-place resize dereferences a nil pod
             # cgroup config when a running container lacks its actuated-resources record, as when a pod is
             # deleted mid-sync under load, and kubelet exits (kubernetes/kubernetes#137999). No test resizes.
-            **self.extra_config,
-            "featureGates": {"InPlacePodVerticalScaling": False, **self.extra_config.get("featureGates", {})},
+            # From v1.35 the gate is GA and locked on (the newest-release smoke run): kubelet refuses to set it.
+            "featureGates": {**({} if binaries.next_release() else {"InPlacePodVerticalScaling": False}),
+                             **self.extra_config.get("featureGates", {})},
         }
 
     def argv(self) -> list[str]:
