@@ -44,6 +44,8 @@ SMOKE=(integration/test_harness.py integration/test_differential.py integration/
        integration/test_gpu_fabric.py::test_plain_pod_is_passed_through_untouched
        integration/test_kube_reroute.py::test_the_rerouted_stage_is_ready_through_its_http_probe
        integration/test_critest.py)
+KUBE_SMOKE=(integration/test_kube_node.py
+            integration/test_kube_reroute.py::test_the_rerouted_stage_is_ready_through_its_http_probe)
 mkdir -p "$VENV/log"
 smoke=()
 for line in ${WEFT_TEST_CONTAINERDS-1.7 2}; do
@@ -65,4 +67,19 @@ for run in "${smoke[@]}"; do
     tail -n 80 "$log"
   fi
 done
+
+# Likewise kubelet: the one-node module and one rerouted pod under the newest Kubernetes release the module proxy
+# serves (kube/next; WEFT_KUBE=next), its kubelet, API server, scheduler and kubectl on Debian's containerd, after
+# the containerd runs (beside them on two cores the rerouted stage's timings would be the machine's).
+echo "weft: smoke run on the newest Kubernetes release (log: $VENV/log/smoke-kube-next.log)"
+if WEFT_KUBE=next "$VENV/bin/pytest" -n 2 --dist loadfile -p no:cacheprovider "${KUBE_SMOKE[@]}" \
+     >"$VENV/log/smoke-kube-next.log" 2>&1; then
+  echo "weft: smoke run on the newest Kubernetes release passed:"
+  grep -E '^\[weft kube\] kube cluster .*teardown' "$VENV/log/smoke-kube-next.log" || true
+  tail -n 1 "$VENV/log/smoke-kube-next.log"
+else
+  failed=1
+  echo "weft: smoke run on the newest Kubernetes release FAILED:"
+  tail -n 80 "$VENV/log/smoke-kube-next.log"
+fi
 exit "$failed"
