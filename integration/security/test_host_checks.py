@@ -4,6 +4,8 @@ Attacks a node with a valid mesh certificate can make on a CPU host:
 
 - a pod UID that climbs out of the host's shadow cgroup parent
   (``../../../x``), with RunShadow and with a sandbox prepared ahead;
+- a sandbox cgroup parent spelled as a systemd slice sent to a host whose
+  containerd runs cgroupfs: the host spells the shadow's cgroup its own way;
 - RunShadow without Admit, for a container with no CPU limit or with more
   than the host has: it would have run unlimited;
 - UpdateContainerResources through ShadowCall lifting a shadow past what the
@@ -52,6 +54,30 @@ def test_a_pod_uid_cannot_put_a_shadow_outside_the_hosts_cgroup_parent(mesh: Mes
     assert code is grpc.StatusCode.PERMISSION_DENIED, (code, details, escaped)
     assert "is not a UID" in details
     assert escaped == [] and leftover == (set(), set())
+
+
+def test_an_origins_slice_parent_does_not_choose_how_the_host_spells_the_shadows_cgroup(mesh: MeshHost) -> None:
+    slices = {c: set(Path(f"/sys/fs/cgroup/{c}").glob("*.slice")) for c in ("cpu", "memory", "pids")}
+    req = run_shadow_request(mesh.containerd, "gpu-1", "origin-sb-slice/tokenize/0", sandbox="origin-sb-slice")
+    sandbox = cri.PodSandboxConfig.FromString(req.sandbox_config)
+    sandbox.linux.cgroup_parent = "kubepods-besteffort.slice"
+    req.sandbox_config = sandbox.SerializeToString()
+    req.start = True
+    with mesh.channel("gpu-1") as ch:
+        code, details, raw = _ask(ch, "RunShadow", req)
+        try:
+            assert code is grpc.StatusCode.OK, details
+            cid = pb.ShadowState.FromString(raw).shadow_container_id
+            # Under the host's own parent in every hierarchy, where the shadows' group weight counts.
+            for controller, name in (("cpu", "cpu.shares"), ("memory", "memory.limit_in_bytes"),
+                                     ("pids", "pids.max")):
+                found = list(Path(f"/sys/fs/cgroup/{controller}/weft-shadows").glob(f"pod*/{cid}/{name}"))
+                assert found, (controller, cid)
+            made = {c: set(Path(f"/sys/fs/cgroup/{c}").glob("*.slice")) - slices[c] for c in slices}
+            assert made == {c: set() for c in slices}
+        finally:
+            _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=req.key))
+    assert mesh.shadows() == (set(), set())
 
 
 def _limits(req: pb.RunShadowRequest, cpu_quota: int, memory: int) -> pb.RunShadowRequest:

@@ -38,6 +38,7 @@ from shim.cri import baseline
 from shim.cri.fabric import Fabric
 from shim.cri.host import volumes as shadow_volumes
 from shim.cri.host.capacity import HostedCapacity, limits
+from shim.cri.host.cgroup_driver import HostCgroupDriver
 from shim.cri.host.reservations import ApiUnreachable, ReservationRefused, Reservations
 from shim.cri.host.runtime import IMG, RT, ShadowRuntime, label
 from shim.cri.labels import (
@@ -146,6 +147,8 @@ class Lifecycle:
         # Shadows live under a cgroup of this host's choosing: the origin's pod cgroup path means
         # nothing here, and one under kubelet's own tree would be cleaned up by it as an orphaned pod.
         self.cgroup_parent = cgroup_parent
+        # Spelled the way this host's containerd runs cgroups, asked of it: never from the origin's request.
+        self.cgroup_driver = HostCgroupDriver(rt.call)
         self.log_root = state_dir / "shadow-logs"
         # What marks a sandbox or container as one this host made (the list verbs hide only those).
         self.mark = ShadowMark.load(state_dir)
@@ -322,7 +325,7 @@ class Lifecycle:
         shadow.log_directory = str(self._sandbox_logs(origin, req.origin_sandbox_id) if req.origin_sandbox_id
                                    else self.log_root / _safe_component(origin, "origin node"))
         shadow.linux.cgroup_parent = shadow_cgroup(self.cgroup_parent, shadow.metadata.uid,
-                                                   systemd=sandbox.linux.cgroup_parent.endswith(".slice"))
+                                                   systemd=self.cgroup_driver.systemd)
         # No port mappings: the pod's ports are the origin's; the mesh stitches what is needed.
         return shadow
 
