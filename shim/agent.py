@@ -122,7 +122,8 @@ class Agent:
         from shim.mesh.tunnel import TunnelServer, contexts
 
         self.tunnel = TunnelServer(parse_host_port(cfg.mesh.address, field="mesh.address")[0], cfg.mesh.tls_dir,
-                                   mesh.node, busy_poll_us=cfg.agent.stream_busy_poll_us)
+                                   mesh.node, busy_poll_us=cfg.agent.stream_busy_poll_us,
+                                   trusted=lambda: mesh.peer_addresses)
         host.net = ShadowNet(host, self.tunnel)
         host.net.kernel_path = cfg.mesh.stitch_kernel_path
         host.net.tunnel_tls = cfg.mesh.tunnel_tls

@@ -5,7 +5,9 @@ read well inside the handshake timeout) must be cut when the handshake's
 deadline passes; sixty idle connections while the agent cannot start more
 than a few threads (a pids cgroup, as a task limit would) must not end the
 accept loop: once they are gone, a valid token is answered and ``/healthz``
-names no dead loop.
+names no dead loop. And 300 idle connections held open, from one address or
+from many that are no mesh peer's, do not keep an origin from its tunnel: a
+page comes through within 2 s while they are held.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from cri_api.v1 import api_pb2 as cri
 
 from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
 from shim._pb import mesh_pb2 as pb
@@ -133,3 +136,72 @@ def test_idle_connections_under_a_task_limit_do_not_kill_the_tunnel_port(mesh: M
     assert (status, body.get("dead")) == (200, None), body
 
 
+
+
+PAGE = b"page-of-the-shadow"
+
+
+@pytest.fixture(scope="module")
+def web_shadow(mesh: MeshHost) -> Iterator[str]:
+    """A running shadow of gpu-1's serving ``PAGE`` on its port 8080 (busybox httpd); its key."""
+    key = "origin-sb-web/web/0"
+    req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox="origin-sb-web")
+    config = cri.ContainerConfig.FromString(req.container_config)
+    config.command[:] = ["sh", "-c", f"mkdir -p /www && echo {PAGE.decode()} > /www/index.html && "
+                                     "exec httpd -f -p 8080 -h /www"]
+    req.container_config = config.SerializeToString()
+    req.start = True
+    with mesh.channel("gpu-1") as ch:
+        ch.unary_unary(MESH + "RunShadow")(req.SerializeToString(), timeout=120)
+        try:
+            deadline = time.monotonic() + 30
+            while _page(mesh, key, timeout=5) is None:  # httpd starts listening
+                assert time.monotonic() < deadline, "the shadow's httpd never served its page"
+                time.sleep(0.2)
+            yield key
+        finally:
+            ch.unary_unary(MESH + "RemoveShadow")(pb.ShadowRef(origin_node="gpu-1", key=key).SerializeToString(),
+                                                  timeout=120)
+
+
+def _page(mesh: MeshHost, key: str, timeout: float) -> bytes | None:
+    """The shadow's page through a fresh tunnel as its origin opens one, each step within ``timeout``; None:
+    refused."""
+    grant = _grant(mesh, key)
+    try:
+        end = dial(grant.address, grant.token, tls=contexts(mesh.cert_dir, "gpu-1")[1], node="cpu-1",
+                   timeout=timeout)
+    except TunnelError:
+        return None
+    try:
+        end.sock.settimeout(timeout)
+        end.sendall(b"GET / HTTP/1.0\r\n\r\n")
+        body, buf = b"", bytearray(65536)
+        while n := end.recv_into(buf):
+            body += bytes(buf[:n])
+        return body
+    finally:
+        end.close()
+
+
+@pytest.mark.parametrize("sources", [1, 150], ids=["one-address", "many-addresses"])
+def test_idle_connections_from_strangers_do_not_keep_an_origin_from_its_tunnel(mesh: MeshHost, web_shadow: str,
+                                                                               sources: int) -> None:
+    # The peers file has the origins at 127.0.0.1; the flood comes from other loopback addresses, as a tenant
+    # pod's would from the pod network.
+    host, port = _addr(_grant(mesh, web_shadow).address)
+    idle: list[socket.socket] = []
+    try:
+        for i in range(300):
+            with contextlib.suppress(OSError):
+                idle.append(socket.create_connection((host, port), timeout=5,
+                                                     source_address=(f"127.0.1.{i % sources + 1}", 0)))
+        time.sleep(0.5)  # every one accepted, and held or closed
+        started = time.monotonic()
+        page = _page(mesh, web_shadow, timeout=2)
+        took = time.monotonic() - started
+    finally:
+        for s in idle:
+            s.close()
+    assert page is not None and PAGE in page, page
+    assert took < 2, took

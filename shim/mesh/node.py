@@ -105,6 +105,7 @@ class MeshNode:
         self._declared = declared
         self._lock = threading.Lock()
         self._records: dict[str, PeerRecord] = {}
+        self.peer_addresses: frozenset[str] = frozenset()  # the peers' addresses (_set_peers)
         self._clients: dict[str, PeerClient] = {}
         self._stop = threading.Event()
         self._hellos = Periodic("weft-mesh-hello", hello_interval, self.hello_all, failed="mesh.hello_failed",
@@ -170,6 +171,8 @@ class MeshNode:
             self._known_cache = None
             # Only nodes we know may talk to us.
             self.policy.set_known(set(wanted))
+            # Where their connections come from: the tunnel port keeps handshake slots for these.
+            self.peer_addresses = frozenset(p.address for p in peers)
         names = sorted(wanted)
         _log.info("mesh.peers", peers=names if len(names) <= LOGGED_NAMES else names[:LOGGED_NAMES], count=len(names))
 

@@ -343,6 +343,61 @@ def test_connections_beyond_the_handshake_cap_are_closed_and_the_port_still_serv
         s.stop()
 
 
+def _idle_from(server: TunnelServer, source: str, n: int) -> list[socket.socket]:
+    """``n`` connections from ``source`` (another loopback address) that never send a byte."""
+    host, port = server.address.rsplit(":", 1)
+    return [socket.create_connection((host, int(port)), source_address=(source, 0)) for _ in range(n)]
+
+
+def _held(conns: list[socket.socket]) -> int:
+    """How many of ``conns`` the server still holds in their handshake (not closed at once)."""
+    held = 0
+    for c in conns:
+        c.settimeout(0.3)
+        try:
+            held += c.recv(100) != b""
+        except TimeoutError:
+            held += 1
+        except OSError:
+            pass
+    return held
+
+
+def test_one_address_holds_at_most_its_share_of_the_handshake_slots(certs: Path, echo) -> None:
+    s = TunnelServer("127.0.0.1", certs, "host", max_handshakes=4, per_source=2)
+    s.start()
+    idle: list[socket.socket] = []
+    try:
+        idle = _idle_from(s, "127.0.0.2", 6)
+        time.sleep(0.2)
+        assert _held(idle) == 2  # the rest closed at once, not at the handshake deadline
+        # Another address still finds a slot: the flood took two of the four.
+        assert _round_trip(dial(s.address, _grant(s, echo, tls=False), timeout=2), b"hello") == b"hello<5>"
+    finally:
+        for c in idle:
+            c.close()
+        s.stop()
+
+
+def test_mesh_peers_have_handshake_slots_no_stranger_can_take(certs: Path, echo) -> None:
+    s = TunnelServer("127.0.0.1", certs, "host", max_handshakes=4, per_source=2,
+                     trusted=lambda: frozenset({"127.0.0.1"}))
+    s.start()
+    idle: list[socket.socket] = []
+    try:
+        # Strangers from many addresses fill every shared slot.
+        idle = [c for i in range(2, 8) for c in _idle_from(s, f"127.0.0.{i}", 2)]
+        time.sleep(0.2)
+        assert _held(idle) == 4
+        # The peer's own pool is untouched.
+        assert _round_trip(dial(s.address, _grant(s, echo, tls=False), timeout=2), b"hello") == b"hello<5>"
+        assert s.alive
+    finally:
+        for c in idle:
+            c.close()
+        s.stop()
+
+
 def _dial_retrying(server: TunnelServer, echo):
     """The idle connections' slots come back as the server sees them close."""
     deadline = time.monotonic() + 10

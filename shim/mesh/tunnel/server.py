@@ -12,6 +12,14 @@ whole handshake however slowly its bytes come (``Deadline``); a failed
 accept (out of file descriptors, memory) or a thread that cannot start is
 logged and waited out, not the end of the loop; and ``alive`` says whether
 the loop still runs, for ``/healthz``.
+
+Nothing is known of a connection before its handshake but its source
+address, and idle connections from a tenant pod would otherwise take every
+handshake slot and refuse the origins their tunnels. So the tunnel port
+splits them: connections from a mesh peer's address (``trusted``, the
+addresses discovery gives) have a pool of slots of their own, and every
+other source shares the rest with at most ``MAX_PER_SOURCE`` in their
+handshake at once from one address.
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable, Collection
 from pathlib import Path
 
 from shim import log
@@ -36,6 +45,8 @@ MAGIC = b"WEFT-TUNNEL/1 "
 _MAX_LINE = 512
 # Connections in their handshake at once, per listening socket (each holds a thread until its deadline).
 MAX_HANDSHAKES = 64
+# Of those, from one address that is not a mesh peer's (the tunnel port only).
+MAX_PER_SOURCE = 8
 # After a failed accept or thread start: wait this long, doubling up to the most, before the next accept.
 _BACKOFF_S = (0.05, 1.0)
 _RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -88,7 +99,8 @@ class PipeServer:
 
     thread_name = "weft-pipe"
 
-    def __init__(self, sock: socket.socket, *, busy_poll_us: int = 0, max_handshakes: int = MAX_HANDSHAKES) -> None:
+    def __init__(self, sock: socket.socket, *, busy_poll_us: int = 0, max_handshakes: int = MAX_HANDSHAKES,
+                 per_source: int | None = None, trusted: Callable[[], Collection[str]] | None = None) -> None:
         self._sock = sock
         self.busy_poll_us = busy_poll_us  # for the pipes of interactive streams (agent.stream_busy_poll_us)
         self._stop = threading.Event()
@@ -96,6 +108,11 @@ class PipeServer:
         self.pipes: set[Pipe] = set()
         self._lock = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(max_handshakes)
+        # Sources whose connections have slots of their own (None: every source shares one pool).
+        self._trusted = trusted
+        self._trusted_handshakes = threading.BoundedSemaphore(max_handshakes)
+        self._per_source = per_source  # None: no cap per address
+        self._in_handshake: dict[str, int] = {}  # untrusted source address -> its connections in their handshake
 
     @property
     def alive(self) -> bool:
@@ -137,15 +154,16 @@ class PipeServer:
                 self._stop.wait(backoff)
                 backoff = min(_BACKOFF_S[1], backoff * 2)
                 continue
-            if not self._handshakes.acquire(blocking=False):
+            release = self._slot(peer)
+            if release is None:
                 _log.warning("tunnel.busy", server=self.thread_name, peer=_peer(peer))
                 _drop(conn)
                 continue
             try:
-                threading.Thread(target=self._handshake, args=(conn, peer), name=f"{self.thread_name}-conn",
+                threading.Thread(target=self._handshake, args=(conn, peer, release), name=f"{self.thread_name}-conn",
                                  daemon=True).start()
             except RuntimeError as exc:  # no thread to be had (a task limit): this connection waits for none
-                self._handshakes.release()
+                release()
                 _log.warning("tunnel.accept_failed", server=self.thread_name, error=str(exc))
                 _drop(conn)
                 self._stop.wait(backoff)
@@ -153,14 +171,39 @@ class PipeServer:
                 continue
             backoff = _BACKOFF_S[0]
 
-    def _handshake(self, conn: socket.socket, peer: tuple) -> None:
+    def _slot(self, peer: tuple) -> Callable[[], None] | None:
+        """A handshake slot for a connection from ``peer``, as the function that gives it back; None: none free."""
+        source = _source(peer)
+        if self._trusted is not None and source in self._trusted():
+            pool = self._trusted_handshakes
+            return pool.release if pool.acquire(blocking=False) else None
+        if self._per_source is not None:
+            with self._lock:
+                if self._in_handshake.get(source, 0) >= self._per_source:
+                    return None
+        if not self._handshakes.acquire(blocking=False):
+            return None
+        if self._per_source is None:
+            return self._handshakes.release
+        with self._lock:
+            self._in_handshake[source] = self._in_handshake.get(source, 0) + 1
+
+        def release() -> None:
+            with self._lock:
+                left = self._in_handshake.pop(source) - 1
+                if left:
+                    self._in_handshake[source] = left
+            self._handshakes.release()
+        return release
+
+    def _handshake(self, conn: socket.socket, peer: tuple, release: Callable[[], None]) -> None:
         try:
             self._serve(conn, peer)
         except Exception as exc:  # noqa: BLE001 - one connection's failure is never the server's
             _log.warning("tunnel.refused", peer=_peer(peer), error=f"{type(exc).__name__}: {exc}")
             _drop(conn)
         finally:
-            self._handshakes.release()
+            release()
 
     def _serve(self, conn: socket.socket, peer: tuple) -> None:
         raise NotImplementedError
@@ -181,6 +224,12 @@ def _peer(peer: tuple) -> str:
     return f"{peer[0]}:{peer[1]}" if len(peer) >= 2 else str(peer)
 
 
+def _source(peer: tuple) -> str:
+    """The connection's source address as discovery spells a peer's (an IPv4-mapped one as plain IPv4)."""
+    address = str(peer[0]) if peer else ""
+    return address.removeprefix("::ffff:") if address.startswith("::ffff:") and "." in address else address
+
+
 def _drop(conn: socket.socket) -> None:
     with contextlib.suppress(OSError):
         conn.close()
@@ -192,11 +241,15 @@ class TunnelServer(PipeServer):
     thread_name = "weft-tunnel"
 
     def __init__(self, host: str, tls_dir: str | Path, node: str, *, port: int = 0, busy_poll_us: int = 0,
-                 max_handshakes: int = MAX_HANDSHAKES) -> None:
+                 max_handshakes: int = MAX_HANDSHAKES, per_source: int = MAX_PER_SOURCE,
+                 trusted: Callable[[], Collection[str]] | None = None) -> None:
+        """``trusted``: the mesh peers' addresses now (``MeshNode.peer_addresses``), whose connections have
+        handshake slots of their own; every other address has at most ``per_source`` of the shared ones."""
         self.grants = Grants()
         self._server_ctx, _ = contexts(tls_dir, node)
         super().__init__(socket.create_server((host, port), backlog=512, reuse_port=False),
-                         busy_poll_us=busy_poll_us, max_handshakes=max_handshakes)
+                         busy_poll_us=busy_poll_us, max_handshakes=max_handshakes, per_source=per_source,
+                         trusted=trusted)
         self.address = "{}:{}".format(*self._sock.getsockname()[:2])
 
     def start(self) -> None:
