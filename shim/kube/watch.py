@@ -10,7 +10,9 @@ a fresh version after 410 Gone.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import socket
 import threading
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -50,12 +52,20 @@ def list_pods(http: httpx2.Client, namespace: str | None, labels: Mapping[str, s
 
 
 def watch_pods(http: httpx2.Client, namespace: str | None, labels: Mapping[str, str], fields: Mapping[str, str],
-               version: str, timeout: int) -> Iterator[tuple[str, dict[str, Any]]]:
-    """(event type, Pod) from ``version`` on, until the API server ends the watch."""
+               version: str, timeout: int, on_open: Callable[[socket.socket | None], None] | None = None,
+               ) -> Iterator[tuple[str, dict[str, Any]]]:
+    """(event type, Pod) from ``version`` on, until the API server ends the watch.
+
+    ``on_open`` is given the response's socket once the API server has answered (None: not to be had), so
+    that another thread can end a watch that waits for its next event (``PodWatch.stop``).
+    """
     params = {"watch": "1", "labelSelector": _selector(labels), "fieldSelector": _selector(fields),
               "timeoutSeconds": str(timeout), "allowWatchBookmarks": "true", "resourceVersion": version}
     try:
         with http.stream("GET", _path(namespace), params=params) as r:
+            if on_open is not None:
+                stream = r.extensions.get("network_stream")
+                on_open(stream.get_extra_info("socket") if stream is not None else None)
             r.raise_for_status()
             for line in r.iter_lines():
                 if not line:
@@ -77,10 +87,15 @@ class PodWatch:
     host's reservations run.
 
     ``on_list`` gets the whole list after every (re-)list, ``on_event`` each
-    event after it. A failure (the API away, a version too old) is logged as
-    ``failed_event`` and retried after a wait doubling up to ``backoff_max``,
-    with a fresh list. ``stop`` closes the HTTP client, and the thread ends
-    within one watch request (``watch_s``).
+    event after it. A failure (the API away, a version too old, a callback
+    that raised) is logged as ``failed_event`` and retried after a wait
+    doubling up to ``backoff_max``, with a fresh list.
+
+    The watch's thread alone uses and closes its HTTP client: a client closed
+    under a request in flight leaks that request's connection and fails it in
+    a way nobody catches. ``stop`` ends a watch waiting for its next event by
+    shutting its socket down (the thread sees the stream end, and stops), and
+    the thread ends within one request otherwise.
     """
 
     def __init__(self, http_factory: Callable[[float], httpx2.Client], namespace: str | None,
@@ -92,7 +107,7 @@ class PodWatch:
         self.watch_s, self.backoff_max = watch_s, backoff_max
         self._stop = threading.Event()
         self._lock = threading.Lock()
-        self._http: httpx2.Client | None = None
+        self._sock: socket.socket | None = None  # the socket of the watch in flight
         self._thread: threading.Thread | None = None
 
     def start(self) -> None:
@@ -101,28 +116,34 @@ class PodWatch:
         self._thread.start()
 
     def stop(self) -> None:
-        self._stop.set()
         with self._lock:
-            http = self._http
-        if http is not None:
-            http.close()
+            self._stop.set()
+            sock = self._sock
+        if sock is not None:
+            _shut(sock)
         if self._thread is not None:
-            self._thread.join(self.watch_s + 5)
+            self._thread.join(self.watch_s + 15)
+
+    def _opened(self, sock: socket.socket | None) -> None:
+        with self._lock:
+            self._sock = sock
+            stopped = self._stop.is_set()
+        if stopped and sock is not None:  # stop came between the request and its answer
+            _shut(sock)
 
     def _run(self) -> None:
         delay, version, waiting = 0.5, "", False
+        http: httpx2.Client | None = None
         try:
             while not self._stop.is_set():
                 try:
-                    with self._lock:
-                        if self._http is None:
-                            self._http = self.http_factory(self.watch_s + 10)
-                        http = self._http
+                    if http is None:
+                        http = self.http_factory(self.watch_s + 10)
                     if not version:
                         pods, version = list_pods(http, self.namespace, self.labels, self.fields)
                         self.on_list(pods)
                     for kind, pod in watch_pods(http, self.namespace, self.labels, self.fields, version,
-                                                self.watch_s):
+                                                self.watch_s, on_open=self._opened):
                         version = (pod.get("metadata") or {}).get("resourceVersion", version)
                         self.on_event(kind, pod)
                         if self._stop.is_set():
@@ -133,15 +154,24 @@ class PodWatch:
                         _log.info("kube.kubeconfig_waiting", watch=self.name, error=exc.message, every=0.5)
                     waiting = True
                     self._stop.wait(0.5)
-                except WeftError as exc:
+                except Exception as exc:  # noqa: BLE001 - the API's, or a callback's: the watch outlives both
                     version, waiting = "", False
                     if self._stop.is_set():
                         return
-                    _log.warning(self.failed_event, error=exc.message, retry_in=delay)
+                    error = exc.message if isinstance(exc, WeftError) else f"{type(exc).__name__}: {exc}"
+                    _log.warning(self.failed_event, error=error, retry_in=delay)
                     self._stop.wait(delay)
                     delay = min(delay * 2, self.backoff_max)
+                finally:
+                    with self._lock:
+                        self._sock = None
         finally:
-            with self._lock:
-                http, self._http = self._http, None
             if http is not None:
                 http.close()
+
+
+def _shut(sock: socket.socket) -> None:
+    """End the reads waiting on ``sock`` without closing it (its owner does): the socket level's own shutdown,
+    under TLS too, where ``SSLSocket.shutdown`` would also drop the TLS state the reading thread uses."""
+    with contextlib.suppress(OSError):
+        socket.socket.shutdown(sock, socket.SHUT_RDWR)
