@@ -361,8 +361,15 @@ class EndpointSliceDiscovery:
         once a watch delivers an event. Without a client factory, a missing
         Kubernetes configuration is raised at once (waiting will not fix it);
         with one, a client it cannot build yet is retried like an API error.
-        Exceptions from ``on_change`` propagate.
+        Exceptions from ``on_change`` propagate. A client this object built is closed when the watch ends, by
+        the watch's own thread (never under a request in flight).
         """
+        try:
+            self._watch(on_change, stop)
+        finally:
+            self.close()
+
+    def _watch(self, on_change: Callable[[list[Peer]], None], stop: threading.Event) -> None:
         last: list[Peer] | None = None
         delay = self._backoff_initial
         waiting_for_kubeconfig = False

@@ -303,6 +303,11 @@ class FakeKube:
         self.list_errors = list(list_errors)
         self.stop = stop
         self.calls: list[tuple] = []
+        self.closed = False
+
+    def close(self) -> None:
+        self.calls.append(("close",))
+        self.closed = True
 
     def list(self, res, *, namespace=None, chunk_size=None, labels=None, fields=None):
         self.calls.append(("list", res, namespace, labels))
@@ -695,3 +700,5 @@ def test_a_client_its_factory_cannot_build_yet_is_asked_for_again_and_then_used(
     failed = [e for e in logs if e["event"] == "mesh.discovery.failed"]
     assert len(failed) == 2 and all("/etc/weft/kubeconfig" in e["error"] for e in failed)
     assert reports == [[CPU1, CPU2, CPU3]]
+    # The client it built is closed when the watch ends, after its last call, by the watch's own thread.
+    assert kube.calls[-1] == ("close",)
