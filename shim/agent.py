@@ -100,7 +100,7 @@ class Agent:
             self.fabric.pod_spec = self.pods.spec_of
         if self.api.available and k.reservations and "cpu" in mesh.role.split(","):
             host.reserve_with(self.api, mesh.node, k.namespace, k.reservation_image, grace=k.reservation_grace,
-                              metrics=self.metrics)
+                              metrics=self.metrics, store=self.store)
             self.fabric.reservation_of = host.reservation
         self.fabric.mesh = mesh
         self.fabric.pods_dir = m.kubelet_pods_dir

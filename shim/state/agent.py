@@ -53,7 +53,34 @@ MIGRATIONS = (
     ALTER TABLE placements ADD COLUMN log_offset INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE placements ADD COLUMN log_size INTEGER NOT NULL DEFAULT 0
     """,
+    # A CPU host's reservation pods (shim.cri.host.reservations): what decides what it does next with a shadow
+    # (the reservation's state, when it was made, its grace, and for one made while the API was away, the stage
+    # to reserve once it answers) outlives the agent.
+    """
+    CREATE TABLE reservations (
+        key TEXT PRIMARY KEY,
+        name TEXT NOT NULL,
+        created_at REAL NOT NULL,
+        state TEXT NOT NULL,
+        stage TEXT NOT NULL DEFAULT '',
+        grace REAL,
+        reason TEXT NOT NULL DEFAULT '',
+        detail TEXT NOT NULL DEFAULT ''
+    )
+    """,
 )
+
+
+@dataclass(frozen=True)
+class ReservationRecord:
+    key: str
+    name: str
+    created_at: float  # wall clock: it must mean the same after a restart
+    state: str
+    stage: str = ""  # JSON of shim.core.reservation.Stage, for one made while the API was away
+    grace: float | None = None
+    reason: str = ""  # a lost one's (shim.core.reservation.LossReason), and what Kubernetes said
+    detail: str = ""
 
 
 @dataclass(frozen=True)
@@ -215,6 +242,22 @@ class AgentStore:
     def _placement(r) -> PlacementRecord:
         fields = {k: r[k] for k in r.keys()}  # noqa: SIM118 - sqlite3.Row
         return PlacementRecord(**{**fields, "state": PlacementState(fields["state"])})
+
+    # -- reservations (a CPU host's) ------------------------------------------------
+    def put_reservation(self, rec: ReservationRecord) -> None:
+        with self.db.transaction() as conn:
+            conn.execute("INSERT OR REPLACE INTO reservations VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+                         (rec.key, rec.name, rec.created_at, rec.state, rec.stage, rec.grace, rec.reason,
+                          rec.detail))
+
+    def drop_reservation(self, key: str) -> None:
+        with self.db.transaction() as conn:
+            conn.execute("DELETE FROM reservations WHERE key = ?", (key,))
+
+    def reservations(self) -> list[ReservationRecord]:
+        rows = self.db.query("SELECT * FROM reservations ORDER BY created_at")
+        return [ReservationRecord(r["key"], r["name"], r["created_at"], r["state"], r["stage"], r["grace"],
+                                  r["reason"], r["detail"]) for r in rows]
 
     def close(self) -> None:
         self.db.close()

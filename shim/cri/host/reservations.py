@@ -20,14 +20,23 @@ is judged without the API), and a new one is made as it was before
 reservations, at the lowest CPU weight, UNRESERVED; once the API answers,
 reconciliation checks its origin pod and makes its reservation (or stops it,
 if the origin did not own the pod).
+
+What decides what the host does next with a shadow (its reservation's
+state, when it was made and the grace it has, the stage an UNRESERVED one
+waits to reserve) is kept in the agent's state store as it changes, and read
+back at start: an agent killed at any step of a reservation's life goes on
+from that step. A reservation it had seen lost is acted on again: a shadow the loss was
+stopping when the agent died is stopped, with the same reason.
 """
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from typing import Protocol
 
 import grpc
 import httpx2
@@ -51,6 +60,7 @@ from shim.errors import WeftError
 from shim.kube.access import ApiAccess
 from shim.kube.watch import PodWatch
 from shim.periodic import Periodic
+from shim.state.agent import ReservationRecord
 
 _log = log.get("weft.reservations")
 RECONCILE_S = 5.0
@@ -89,14 +99,47 @@ class Held:
     lost: Verdict | None = None
     stage: Stage | None = None  # UNRESERVED: what to reserve once the API is back
     grace: float | None = None  # the admission grace, when not the host's own
+    replay: bool = False  # lost before a restart: its loss is acted on again (reconcile)
+
+
+class ReservationStore(Protocol):
+    """Where the host keeps its reservations' records (``shim.state.agent.AgentStore``)."""
+
+    def put_reservation(self, rec: ReservationRecord) -> None: ...
+
+    def drop_reservation(self, key: str) -> None: ...
+
+    def reservations(self) -> list[ReservationRecord]: ...
+
+
+def _record(held: Held) -> ReservationRecord:
+    created_at = time.time() - (time.monotonic() - held.created)
+    stage = json.dumps(asdict(held.stage)) if held.stage is not None else ""
+    lost = held.lost
+    return ReservationRecord(held.key, held.name, created_at, held.state.value, stage, held.grace,
+                             lost.reason.value if lost is not None and lost.reason else "",
+                             lost.detail if lost is not None else "")
+
+
+def _from_record(rec: ReservationRecord) -> Held:
+    created = time.monotonic() - max(0.0, time.time() - rec.created_at)
+    stage = Stage(**json.loads(rec.stage)) if rec.stage else None
+    state = ReservationState(rec.state)
+    held = Held(rec.key, rec.name, created, state, stage=stage, grace=rec.grace)
+    if state is ReservationState.LOST:
+        # Lost before the restart: its shadow may not have stopped yet; reconciliation stops it again.
+        held.lost = Verdict(state, LossReason(rec.reason) if rec.reason else None, rec.detail)
+        held.replay = True
+    return held
 
 
 class Reservations:
     def __init__(self, api: ApiAccess, node: str, namespace: str, pause_image: str,
                  on_lost: Callable[[str, Verdict], None], live_keys: Callable[[], Iterable[str]],
-                 *, grace: float = 10.0, metrics=None) -> None:
+                 *, grace: float = 10.0, metrics=None, store: ReservationStore | None = None) -> None:
         self.api, self.node, self.namespace, self.pause_image = api, node, namespace, pause_image
         self.on_lost, self.live_keys, self.grace, self.metrics = on_lost, live_keys, grace, metrics
+        self.store = store
         self._lock = threading.Lock()
         self._held: dict[str, Held] = {}  # by shadow key
         self._client: lightkube.Client | None = None
@@ -109,6 +152,25 @@ class Reservations:
                                watch_s=WATCH_S)
         self._reconciler = Periodic("weft-reservations", RECONCILE_S, self.reconcile,
                                     failed="reservation.reconcile_failed", first=True)
+
+    # -- the records -----------------------------------------------------------------------
+    def _keep(self, held: Held) -> None:
+        """Write ``held`` through to the store; call with the lock held, so writes land in the order made."""
+        if self.store is not None:
+            self.store.put_reservation(_record(held))
+
+    def _forget(self, key: str) -> None:
+        """Call with the lock held."""
+        if self.store is not None:
+            self.store.drop_reservation(key)
+
+    def load(self) -> None:
+        """The records an earlier run of the agent kept (``start`` reads them before it watches)."""
+        if self.store is None:
+            return
+        with self._lock:
+            for rec in self.store.reservations():
+                self._held.setdefault(rec.key, _from_record(rec))
 
     # -- the API -------------------------------------------------------------------------
     def client(self) -> lightkube.Client:
@@ -143,14 +205,17 @@ class Reservations:
         """Create the stage's reservation (idempotent: the same key's one may already be there)."""
         manifest = pod_manifest(stage, namespace=self.namespace, pause_image=self.pause_image)
         with self._lock:
-            self._held.setdefault(stage.key, Held(stage.key, manifest["metadata"]["name"], time.monotonic()))
+            if stage.key not in self._held:
+                self._held[stage.key] = Held(stage.key, manifest["metadata"]["name"], time.monotonic())
+                self._keep(self._held[stage.key])
         try:
             self.client().create(Pod.from_dict(manifest), namespace=self.namespace)
         except lightkube.ApiError as exc:
             if exc.status.code == 409:  # the origin retried: ours is there already
                 return
             with self._lock:
-                self._held.pop(stage.key, None)
+                if self._held.pop(stage.key, None) is not None:
+                    self._forget(stage.key)
             raise ReservationRefused(f"reservation for {stage.namespace}/{stage.pod}/{stage.container}: "
                                      f"{exc.status.message}") from exc
         except httpx2.TransportError as exc:
@@ -167,6 +232,7 @@ class Reservations:
         with self._lock:
             self._held[stage.key] = Held(stage.key, name_of(stage.key), time.monotonic(),
                                          ReservationState.UNRESERVED, stage=stage)
+            self._keep(self._held[stage.key])
         _log.warning("reservation.deferred", key=stage.key, pod=stage.pod, namespace=stage.namespace,
                      container=stage.container, why=why)
 
@@ -180,16 +246,17 @@ class Reservations:
                 stage = replace(stage, priority_class=origin.priority_class)
             with self._lock:
                 if self._held.get(held.key) is held:
-                    del self._held[held.key]
+                    del self._held[held.key]  # its record stays until reserve writes the new one
             self.reserve(stage)
             with self._lock:
                 made = self._held.get(held.key)
                 if made is not None and made.state is ReservationState.PENDING:
                     made.grace = max(self.grace, AFTER_OUTAGE_GRACE_S)
+                    self._keep(made)
         except ReservationRefused as exc:
-            self._give_up(held, Verdict(ReservationState.LOST, LossReason.REJECTED, exc.message))
             with self._lock:
                 self._held.setdefault(held.key, held)
+            self._give_up(held, Verdict(ReservationState.LOST, LossReason.REJECTED, exc.message))
         except ApiUnreachable:
             pass  # still away: the next round tries again
 
@@ -197,6 +264,7 @@ class Reservations:
         """Delete the shadow's reservation (the shadow is gone); a missing one is fine."""
         with self._lock:
             held = self._held.pop(key, None)
+            self._forget(key)  # the API's orphan, if the delete below fails, is reconciliation's
         name = held.name if held else name_of(key)
         try:
             self.client().delete(Pod, name, namespace=self.namespace, grace_period=0)
@@ -224,6 +292,7 @@ class Reservations:
 
     # -- watching --------------------------------------------------------------------------
     def start(self) -> None:
+        self.load()
         self._watch.start()
         self._reconciler.start()
 
@@ -246,15 +315,20 @@ class Reservations:
             held = self._held.get(key)
             if held is None or held.lost is not None:
                 return
+            changed = held.state is not v.state
             held.state = v.state
             if v.state is ReservationState.LOST:
                 held.lost = v
+            if changed:
+                self._keep(held)
         if v.state is ReservationState.LOST:
             self._lost(key, v)
 
     def _give_up(self, held: Held, v: Verdict) -> None:
         with self._lock:
             held.lost, held.state = v, ReservationState.LOST
+            if self._held.get(held.key) is held:
+                self._keep(held)
         self._lost(held.key, v)
 
     def _lost(self, key: str, v: Verdict) -> None:
@@ -282,14 +356,24 @@ class Reservations:
                 _log.info("reservation.orphan", key=key, name=p.metadata.name)
                 with self._lock:
                     self._held.setdefault(key, Held(key, p.metadata.name, time.monotonic()))
-                self.release(key)
+                self.release(key)  # forgets its record too
         now = time.monotonic()
+        with self._lock:  # neither shadow nor reservation left (a loss acted on): nothing to remember
+            for key, held in list(self._held.items()):
+                if key not in live and key not in on_api and (held.lost is not None or now - held.created > self.grace):
+                    del self._held[key]
+                    self._forget(key)
         for key in live:
             with self._lock:
                 held = self._held.get(key)
-                if held is None:  # a shadow from before a restart: adopt its reservation, if there is one
+                if held is None:  # a shadow no record names (from before records were kept): adopt it
                     p = on_api.get(key)
                     held = self._held[key] = Held(key, p.metadata.name if p else name_of(key), now)
+                    self._keep(held)
+            if held.replay:
+                held.replay = False
+                self._lost(key, held.lost)
+                continue
             p = on_api.get(key)
             if p is None and held.state is ReservationState.UNRESERVED and held.lost is None:
                 self._reserve_deferred(held)  # made while the API was away; it answers again

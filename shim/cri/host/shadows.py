@@ -38,7 +38,7 @@ from shim.cri.host.fence import Fencer
 from shim.cri.host.group_weight import ShadowGroupWeight
 from shim.cri.host.lifecycle import Lifecycle
 from shim.cri.host.prepare import Preparer
-from shim.cri.host.reservations import Reservations
+from shim.cri.host.reservations import Reservations, ReservationStore
 from shim.cri.host.runtime import ShadowRuntime, label
 from shim.cri.host.watch import Watcher
 from shim.cri.labels import KEY_ANNOTATION, KEY_LABEL
@@ -67,10 +67,11 @@ class ShadowHost:
 
     # -- the agent's ---------------------------------------------------------------
     def reserve_with(self, api: ApiAccess, node: str, namespace: str, pause_image: str, *, grace: float,
-                     metrics: Any = None) -> None:
-        """Give every shadow a reservation pod on this host (``reservations``), through the Kubernetes API."""
+                     metrics: Any = None, store: ReservationStore | None = None) -> None:
+        """Give every shadow a reservation pod on this host (``reservations``), through the Kubernetes API; their
+        records kept in ``store`` (the agent's state store) across restarts."""
         self.reservations = Reservations(api, node, namespace, pause_image, self._reservation_lost,
-                                         self._live_keys, grace=grace, metrics=metrics)
+                                         self._live_keys, grace=grace, metrics=metrics, store=store)
         self.lifecycle.reservations = self.reservations
         # Shadows on Kubernetes' books run at their requests' weight, and their cgroup weighs the sum of those
         # (shim.cri.host.group_weight); without, each runs at the floor and the group is left as it is.
