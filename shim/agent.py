@@ -74,6 +74,7 @@ class Agent:
                                   Instrument(self.metrics, self.fabric.pod_of), cfg.agent.workers)
         self.reconciler = Reconciler(self.fabric)
         self.pods: PodCache | None = None
+        self.host = None  # a ShadowHost, where this node hosts (_mesh)
         self.mesh = self._mesh(cfg)
         self.http: HttpEndpoint | None = None
         self._stop = threading.Event()
@@ -101,6 +102,7 @@ class Agent:
         if self.api.available and k.reservations and "cpu" in mesh.role.split(","):
             host.reserve_with(self.api, mesh.node, k.namespace, k.reservation_image, grace=k.reservation_grace,
                               metrics=self.metrics, store=self.store)
+            self._stop_hook(cfg, host)
             self.fabric.reservation_of = host.reservation
         self.fabric.mesh = mesh
         self.fabric.pods_dir = m.kubelet_pods_dir
@@ -112,6 +114,21 @@ class Agent:
                                            heartbeat=m.heartbeat_interval, volume_interval=m.volume_sync_interval)
         self._tunnels(cfg, mesh, host)
         return mesh
+
+    def _stop_hook(self, cfg: Config, host) -> None:
+        """Reservation pods get a preStop hook to this agent's HTTP endpoint, where kubelet (in the host's
+        network) reaches it: an address bound to every interface is reached on loopback. None without an
+        endpoint, or on a port chosen at bind time (not known when a reservation is made)."""
+        from shim.core.annotations import parse_host_port
+
+        if not cfg.agent.metrics_address:
+            return
+        address, port = parse_host_port(cfg.agent.metrics_address, field="agent.metrics_address")
+        if port == 0:
+            return
+        reachable = {"": "127.0.0.1", "0.0.0.0": "127.0.0.1", "::": "::1"}.get(address, address)
+        host.reservations.stop_endpoint = (reachable, port)
+        host.reservations.stop_token = host.lifecycle.mark.reservation_stop
 
     def _tunnels(self, cfg: Config, mesh, host) -> None:
         """Exec/attach relay and the stitched pod network (shim.mesh.tunnel, shim.cri.origin.stitch)."""
@@ -156,8 +173,10 @@ class Agent:
             self.stitch.start()
         if self.cfg.agent.metrics_address:
             try:
+                reservations = self.host.reservations if self.host is not None else None
                 self.http = HttpEndpoint(self.cfg.agent.metrics_address, self.metrics, _probe(self.upstream),
-                                         self._dead_loops)
+                                         self._dead_loops,
+                                         reservations.stop_for_kubelet if reservations is not None else None)
             except OSError:
                 self.server.stop(0)
                 raise

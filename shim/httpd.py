@@ -7,6 +7,9 @@
               ``dead``.
 ``/readyz``   200 only when containerd answers through the agent's upstream
               channel (readiness), 503 with the reason otherwise.
+``/reservations/<name>/stop``  on a CPU host with reservation pods: kubelet's
+              preStop hook of reservation ``<name>`` (its token in a
+              header); answered once the shadow has stopped.
 """
 
 from __future__ import annotations
@@ -19,16 +22,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from shim.core.annotations import parse_host_port
+from shim.core.reservation import STOP_TOKEN_HEADER
 from shim.metrics import Metrics
 
 # () -> (containerd reachable, detail)
 Probe = Callable[[], tuple[bool, str]]
 # () -> the names of the agent's loops that died (empty while all run)
 Loops = Callable[[], list[str]]
+# (reservation name, token) -> (HTTP status, text): shim.cri.host.reservations.Reservations.stop_for_kubelet
+StopReservation = Callable[[str, str], tuple[int, str]]
 
 
 class HttpEndpoint:
-    def __init__(self, address: str, metrics: Metrics, probe: Probe, loops: Loops | None = None) -> None:
+    def __init__(self, address: str, metrics: Metrics, probe: Probe, loops: Loops | None = None,
+                 stop_reservation: StopReservation | None = None) -> None:
         host, port = parse_host_port(address, field="agent.metrics_address")
         registry, check, dead_loops = metrics.registry, probe, loops or (lambda: [])
 
@@ -46,6 +53,9 @@ class HttpEndpoint:
                         body["dead"] = dead
                         status = 503
                     self._send(status, json.dumps(body).encode() + b"\n", "application/json")
+                elif stop_reservation is not None and (name := _reservation(path)):
+                    status, text = stop_reservation(name, self.headers.get(STOP_TOKEN_HEADER, ""))
+                    self._send(status, text.encode(), "text/plain")
                 else:
                     self._send(404, b"not found: try /metrics, /healthz or /readyz\n", "text/plain")
 
@@ -70,3 +80,9 @@ class HttpEndpoint:
     def stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
+
+
+def _reservation(path: str) -> str:
+    """The reservation named by ``/reservations/<name>/stop``; "" for any other path."""
+    parts = path.split("/")
+    return parts[2] if len(parts) == 4 and parts[1] == "reservations" and parts[3] == "stop" else ""

@@ -7,7 +7,9 @@ it like any pod, kubelet admits or refuses it, preemption and eviction apply
 to it, and kubectl and cost tools see it (``weft.io/role=hosted-stage`` and the
 ``weft.io/origin-*`` labels). It runs nothing and may do nothing: no volumes,
 no token, non-root, read-only, no capabilities, ``RuntimeDefault`` seccomp (the
-``restricted`` Pod Security Standard).
+``restricted`` Pod Security Standard, but for its ``preStop`` hook's ``host``,
+the host's agent, which baseline forbids from v1.34: weft's namespace is
+privileged).
 
 The shadow lives only as long as its reservation::
 
@@ -109,8 +111,32 @@ def labels_of(stage: Stage) -> dict[str, str]:
             ORIGIN_CONTAINER_LABEL: label_value(stage.container), KEY_LABEL: _digest(stage.key, 40)}
 
 
-def pod_manifest(stage: Stage, *, namespace: str, pause_image: str) -> dict[str, Any]:
-    """The reservation Pod, as JSON for the API: bound to the host, the stage's requests, the origin's priority."""
+STOP_TOKEN_HEADER = "X-Weft-Stop-Token"
+
+
+@dataclass(frozen=True)
+class StopHook:
+    """Where kubelet asks the host's agent to stop the shadow before it ends the reservation's container."""
+
+    host: str  # the agent's HTTP endpoint, as kubelet reaches it (kubelet runs in the host's network)
+    port: int
+    token: str  # this reservation's own (the host's HMAC of its name): nobody else stops its shadow
+    grace_s: int  # how long kubelet waits for the answer (the pod's termination grace)
+
+
+def stop_path(name: str) -> str:
+    return f"/reservations/{name}/stop"
+
+
+def pod_manifest(stage: Stage, *, namespace: str, pause_image: str,
+                 stop_hook: StopHook | None = None) -> dict[str, Any]:
+    """The reservation Pod, as JSON for the API: bound to the host, the stage's requests, the origin's priority.
+
+    With ``stop_hook``, the container's ``preStop`` asks the host's agent to stop the shadow, and kubelet ends
+    the container (and Kubernetes lets the pod's CPU go) only once it has answered: whatever removes the
+    reservation (preemption, eviction, deletion, a drain), the stage's CPU is never counted free while its
+    shadow still runs. Without one, the pod ends at once and the host stops the shadow when it sees it go.
+    """
     requests = {"cpu": f"{max(stage.cpu_millis, 1)}m", "memory": str(max(stage.memory_bytes, 1))}
     spec: dict[str, Any] = {
         "nodeName": stage.host,
@@ -129,6 +155,11 @@ def pod_manifest(stage: Stage, *, namespace: str, pause_image: str) -> dict[str,
                                 "capabilities": {"drop": ["ALL"]}},
         }],
     }
+    if stop_hook is not None:
+        spec["terminationGracePeriodSeconds"] = max(1, stop_hook.grace_s)
+        spec["containers"][0]["lifecycle"] = {"preStop": {"httpGet": {
+            "host": stop_hook.host, "port": stop_hook.port, "path": stop_path(name_of(stage.key)),
+            "scheme": "HTTP", "httpHeaders": [{"name": STOP_TOKEN_HEADER, "value": stop_hook.token}]}}}
     if stage.priority_class:
         spec["priorityClassName"] = stage.priority_class
     return {

@@ -56,6 +56,10 @@ class ShadowMark:
     def container(self, origin: str, key_label: str) -> str:
         return self._mac("container", origin, key_label)
 
+    def reservation_stop(self, name: str) -> str:
+        """The token kubelet presents (the reservation's preStop hook) to have its shadow stopped."""
+        return self._mac("reservation-stop", name)
+
     def is_sandbox(self, labels, uid: str) -> bool:
         """Whether a sandbox with these labels and UID is one this host made for a peer."""
         origin = labels.get(ORIGIN_LABEL)

@@ -10,6 +10,7 @@ from shim.core.reservation import (
     LossReason,
     ReservationState,
     Stage,
+    StopHook,
     cpu_shares,
     label_value,
     name_of,
@@ -49,6 +50,20 @@ def test_it_passes_the_restricted_pod_security_standard() -> None:
     assert c["securityContext"] == {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
                                     "capabilities": {"drop": ["ALL"]}}
     assert not any(k in spec for k in ("hostNetwork", "hostPID", "hostIPC"))
+
+
+def test_with_a_stop_hook_kubelet_asks_the_host_to_stop_the_shadow_before_it_ends_the_pod() -> None:
+    hook = StopHook("127.0.0.1", 9464, token="t0ken", grace_s=10)
+    spec = pod_manifest(STAGE, namespace="weft-system", pause_image="pause", stop_hook=hook)["spec"]
+    (c,) = spec["containers"]
+    assert c["lifecycle"] == {"preStop": {"httpGet": {
+        "host": "127.0.0.1", "port": 9464, "path": f"/reservations/{name_of(STAGE.key)}/stop", "scheme": "HTTP",
+        "httpHeaders": [{"name": "X-Weft-Stop-Token", "value": "t0ken"}]}}}
+    # kubelet waits for the hook at most the pod's grace: a host agent that hangs holds the CPU no longer.
+    assert spec["terminationGracePeriodSeconds"] == 10
+    # Without one the pod ends at once, as before.
+    plain = pod_manifest(STAGE, namespace="weft-system", pause_image="pause")["spec"]
+    assert plain["terminationGracePeriodSeconds"] == 0 and "lifecycle" not in plain["containers"][0]
 
 
 def test_one_name_per_shadow_key_valid_for_the_api() -> None:

@@ -31,6 +31,7 @@ stopping when the agent died is stopped, with the same reason.
 
 from __future__ import annotations
 
+import hmac
 import json
 import threading
 import time
@@ -48,9 +49,11 @@ from shim.core.quantity import AnnotationError, parse_memory
 from shim.core.reservation import (
     ROLE,
     ROLE_LABEL,
+    STOP_TOKEN_HEADER,
     LossReason,
     ReservationState,
     Stage,
+    StopHook,
     Verdict,
     name_of,
     pod_manifest,
@@ -140,6 +143,10 @@ class Reservations:
         self.api, self.node, self.namespace, self.pause_image = api, node, namespace, pause_image
         self.on_lost, self.live_keys, self.grace, self.metrics = on_lost, live_keys, grace, metrics
         self.store = store
+        # Where kubelet reaches this agent's HTTP endpoint, and the token of a reservation's name (the host's
+        # mark): set by the agent, reservations carry a preStop hook there (``stop_for_kubelet``). None: none.
+        self.stop_endpoint: tuple[str, int] | None = None
+        self.stop_token: Callable[[str], str] | None = None
         self._lock = threading.Lock()
         self._held: dict[str, Held] = {}  # by shadow key
         self._client: lightkube.Client | None = None
@@ -203,7 +210,11 @@ class Reservations:
 
     def reserve(self, stage: Stage) -> None:
         """Create the stage's reservation (idempotent: the same key's one may already be there)."""
-        manifest = pod_manifest(stage, namespace=self.namespace, pause_image=self.pause_image)
+        hook = None
+        if self.stop_endpoint is not None and self.stop_token is not None:
+            hook = StopHook(*self.stop_endpoint, token=self.stop_token(name_of(stage.key)),
+                            grace_s=max(2, round(self.grace)))
+        manifest = pod_manifest(stage, namespace=self.namespace, pause_image=self.pause_image, stop_hook=hook)
         with self._lock:
             if stage.key not in self._held:
                 self._held[stage.key] = Held(stage.key, manifest["metadata"]["name"], time.monotonic())
@@ -276,6 +287,41 @@ class Reservations:
             _log.warning("reservation.delete_failed", key=key, name=name, error=repr(exc))
             return
         _log.info("reservation.deleted", key=key, name=name)
+
+    def stop_for_kubelet(self, name: str, token: str) -> tuple[int, str]:
+        """kubelet is ending reservation ``name`` (its preStop hook): stop its shadow, and answer only once it
+        has stopped, so that Kubernetes frees the stage's CPU after the shadow, never before. (HTTP status,
+        what is said.)"""
+        if self.stop_token is None or not hmac.compare_digest(token.encode(), self.stop_token(name).encode()):
+            return 403, f"reservation {name}: no or wrong {STOP_TOKEN_HEADER}\n"
+        with self._lock:
+            held = next((h for h in self._held.values() if h.name == name), None)
+        if held is None:  # released by this host (its shadow gone), or a stranger's name with a valid token: none
+            return 200, f"reservation {name}: no shadow of it runs on this host\n"
+        v = held.lost or self._ending(name)
+        with self._lock:
+            ours = held.lost is None
+            if ours:
+                held.lost, held.state = v, ReservationState.LOST
+                if self._held.get(held.key) is held:
+                    self._keep(held)
+        if ours:
+            self._lost(held.key, v)  # the loss is this call's to act on
+        else:
+            self.on_lost(held.key, v)  # the watch's: its stop may still be under way, and this answer waits for it
+        _log.info("reservation.stop_hook", key=held.key, name=name, reason=v.reason.value if v.reason else "")
+        return 200, f"reservation {name}: its shadow stopped ({v.reason.value if v.reason else 'lost'})\n"
+
+    def _ending(self, name: str) -> Verdict:
+        """Why the reservation is ending, as the API says (preempted, evicted, deleted)."""
+        try:
+            pod = self.client().get(Pod, name, namespace=self.namespace).to_dict()
+        except (lightkube.ApiError, httpx2.TransportError):
+            pod = None
+        v = verdict(pod) if pod is not None else None
+        if v is None or v.state is not ReservationState.LOST:
+            return Verdict(ReservationState.LOST, LossReason.DELETED, "kubelet is ending the reservation pod")
+        return v
 
     def state(self, key: str) -> dict | None:
         """For ``weft status``: the reservation's name and state."""

@@ -45,6 +45,8 @@ class FakeApi:
     # lightkube.Client's
     def get(self, res, name: str, *, namespace: str):
         self._answer()
+        if name in self.pods:  # a reservation
+            return Pod.from_dict(self.pods[name])
         assert name == "infer"
         return self.origin
 
@@ -161,3 +163,50 @@ def test_a_released_reservation_leaves_no_record(api: FakeApi, tmp_path: Path) -
     host.r.release(KEY)
     assert host.store.reservations() == [] and api.pods == {}
     assert Host(api, tmp_path, set(), grace=10.0).r.state(KEY) is None
+
+
+def _hooked(api: FakeApi, tmp_path: Path) -> Host:
+    host = Host(api, tmp_path, {KEY}, grace=10.0)
+    host.r.stop_endpoint = ("127.0.0.1", 9464)
+    host.r.stop_token = lambda name: f"token-of-{name}"
+    host.r.reserve(STAGE)
+    return host
+
+
+def test_kubelets_stop_hook_stops_the_shadow_with_the_apis_reason_before_it_answers(api: FakeApi,
+                                                                                    tmp_path: Path) -> None:
+    host = _hooked(api, tmp_path)
+    hook = api.pods[name_of(KEY)]["spec"]["containers"][0]["lifecycle"]["preStop"]["httpGet"]
+    assert hook["httpHeaders"] == [{"name": "X-Weft-Stop-Token", "value": f"token-of-{name_of(KEY)}"}]
+    api.pods[name_of(KEY)]["metadata"]["deletionTimestamp"] = "2026-12-05T12:00:00Z"
+    api.set_status("Running", conditions=[{"type": "DisruptionTarget", "status": "True",
+                                           "reason": "PreemptionByScheduler", "message": "preempted by urgent"}])
+    assert host.r.stop_for_kubelet(name_of(KEY), f"token-of-{name_of(KEY)}")[0] == 200
+    assert [(k, v.reason) for k, v in host.losses] == [(KEY, LossReason.PREEMPTED)]
+    # The watch seeing the same deletion later does not act twice.
+    host.r.seen(api.pods[name_of(KEY)])
+    assert len(host.losses) == 1
+
+
+def test_a_stop_hook_acts_even_where_the_watch_saw_the_loss_first(api: FakeApi, tmp_path: Path) -> None:
+    host = _hooked(api, tmp_path)
+    host.r.seen({**api.pods[name_of(KEY)], "metadata": {**api.pods[name_of(KEY)]["metadata"],
+                                                         "deletionTimestamp": "2026-12-05T12:00:00Z"}})
+    assert len(host.losses) == 1
+    # The watch's stop may still be under way: the hook's answer waits for a stop of its own.
+    assert host.r.stop_for_kubelet(name_of(KEY), f"token-of-{name_of(KEY)}")[0] == 200
+    assert [k for k, _ in host.losses] == [KEY, KEY]
+
+
+@pytest.mark.parametrize("token", ["", "token-of-someone-else"], ids=["none", "another-reservations"])
+def test_a_stop_hook_without_the_reservations_token_stops_nothing(api: FakeApi, tmp_path: Path, token: str) -> None:
+    host = _hooked(api, tmp_path)
+    status, text = host.r.stop_for_kubelet(name_of(KEY), token)
+    assert status == 403 and "X-Weft-Stop-Token" in text
+    assert host.losses == [] and host.r.state(KEY)["state"] == "pending"
+
+
+def test_a_stop_hook_for_a_reservation_released_here_answers_at_once(api: FakeApi, tmp_path: Path) -> None:
+    host = _hooked(api, tmp_path)
+    host.r.release(KEY)
+    assert host.r.stop_for_kubelet(name_of(KEY), f"token-of-{name_of(KEY)}")[0] == 200 and host.losses == []
