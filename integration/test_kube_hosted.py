@@ -45,8 +45,10 @@ NS = "weft-system"
 
 @pytest.fixture(scope="module")
 def kube(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[KubeCluster]:
+    # The host's watch acts on a lost reservation 3 s late, as a loaded host may (CI saw a preemptor run beside
+    # the shadow it preempted): what keeps the two apart must not be the watch's speed.
     for c in fixture.cluster(request, tmp_path_factory, [NodeSpec(ORIGIN, "gpu"), NodeSpec(HOST, "cpu")],
-                             agent_api=True):
+                             agent_api=True, agent_env={"WEFT_FAILPOINT_DELAYS": "reservation.lost_seen=3"}):
         apply(c,
               {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "low"},
                "value": 10},

@@ -76,6 +76,8 @@ class KubeCluster:
     # over the harness's own (KubeletConfiguration fields, e.g. featureGates).
     containerd_line: str | None = None
     kubelet_config: dict = field(default_factory=dict)
+    # Environment every agent gets over the test's own (e.g. WEFT_FAILPOINT_DELAYS).
+    agent_env: dict[str, str] = field(default_factory=dict)
 
     def __enter__(self) -> KubeCluster:
         try:
@@ -164,7 +166,7 @@ class KubeCluster:
                 extra += ["--kubeconfig", str(self.agent_kubeconfig)]
             self.agents[node.name] = AgentProcess(node.containerd, self.workdir / node.name, name=node.name,
                                                   extra_args=extra, netns=node.netns, metrics_host=node.mesh_ip,
-                                                  metrics_port=free_port())
+                                                  metrics_port=free_port(), env=dict(self.agent_env))
         for agent in self.agents.values():
             agent.start(timeout=60)
         if len(self.specs) > 1:

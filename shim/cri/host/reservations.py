@@ -44,7 +44,7 @@ import httpx2
 import lightkube
 from lightkube.resources.core_v1 import Pod
 
-from shim import log
+from shim import failpoint, log
 from shim.core.quantity import AnnotationError, parse_memory
 from shim.core.reservation import (
     ROLE,
@@ -357,6 +357,8 @@ class Reservations:
         """What the API shows of one reservation: its shadow stops if it is lost."""
         key = (pod.get("metadata", {}).get("annotations") or {}).get("weft.io/origin-key-full", "")
         v = verdict(pod, deleted=deleted)
+        if v.state is ReservationState.LOST:
+            failpoint.pause("reservation.lost_seen")  # a host slow to see it (tests)
         with self._lock:
             held = self._held.get(key)
             if held is None or held.lost is not None:
