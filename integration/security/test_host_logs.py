@@ -42,12 +42,23 @@ def _yes(mesh: MeshHost, key: str) -> pb.RunShadowRequest:
     return req
 
 
+def _unstarved(container_id: str) -> None:
+    """The writer at a local container's CPU weight rather than a shadow's lowest: on a loaded machine (a CI
+    run's other workers) it would otherwise write too little to reach the cap, and these tests are about the
+    cap, not the weight (a shadow's weight is ``test_kube_hosted``'s)."""
+    found = list(Path("/sys/fs/cgroup/cpu/weft-shadows").glob(f"*/{container_id}/cpu.shares"))
+    assert found, container_id
+    for shares in (found[0], found[0].parent.parent / "cpu.shares"):  # the container's, and its pod's
+        shares.write_text("1024\n")
+
+
 def test_a_fast_writer_does_not_fill_the_hosts_disk_with_its_log(mesh: MeshHost) -> None:
     key = "origin-sb-yes/yes/0"
     req = _yes(mesh, key)
     received = [0]
     with mesh.channel("gpu-1") as ch:
         state = pb.ShadowState.FromString(ch.unary_unary(MESH + "RunShadow")(req.SerializeToString(), timeout=120))
+        _unstarved(state.shadow_container_id)
         log = Path(cri.ContainerStatus.FromString(state.status).log_path)
         stream = ch.unary_stream(MESH + "StreamLog")(pb.LogRequest(origin_node="gpu-1", key=key).SerializeToString())
         reader = threading.Thread(target=_drain, args=(stream, received), daemon=True)
@@ -71,6 +82,7 @@ def test_a_fast_writer_no_origin_reads_does_not_fill_the_hosts_disk_either(mesh:
     with mesh.channel("gpu-1") as ch:
         state = pb.ShadowState.FromString(ch.unary_unary(MESH + "RunShadow")(_yes(mesh, key).SerializeToString(),
                                                                              timeout=120))
+        _unstarved(state.shadow_container_id)
         log = Path(cri.ContainerStatus.FromString(state.status).log_path)
         try:
             # No StreamLog: the host's timer alone keeps the log to its cap. Past the cap by a margin, however
