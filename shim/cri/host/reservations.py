@@ -299,16 +299,9 @@ class Reservations:
         if held is None:  # released by this host (its shadow gone), or a stranger's name with a valid token: none
             return 200, f"reservation {name}: no shadow of it runs on this host\n"
         v = held.lost or self._ending(name)
-        with self._lock:
-            ours = held.lost is None
-            if ours:
-                held.lost, held.state = v, ReservationState.LOST
-                if self._held.get(held.key) is held:
-                    self._keep(held)
-        if ours:
-            self._lost(held.key, v)  # the loss is this call's to act on
-        else:
-            self.on_lost(held.key, v)  # the watch's: its stop may still be under way, and this answer waits for it
+        if not self._give_up(held, v):
+            v = held.lost or v
+            self.on_lost(held.key, v)  # the watch's loss: its stop may still be under way, and this answer waits
         _log.info("reservation.stop_hook", key=held.key, name=name, reason=v.reason.value if v.reason else "")
         return 200, f"reservation {name}: its shadow stopped ({v.reason.value if v.reason else 'lost'})\n"
 
@@ -372,12 +365,16 @@ class Reservations:
         if v.state is ReservationState.LOST:
             self._lost(key, v)
 
-    def _give_up(self, held: Held, v: Verdict) -> None:
+    def _give_up(self, held: Held, v: Verdict) -> bool:
+        """Mark ``held`` lost by ``v`` and act on it; False, doing nothing, if it was lost already."""
         with self._lock:
+            if held.lost is not None:
+                return False
             held.lost, held.state = v, ReservationState.LOST
             if self._held.get(held.key) is held:
                 self._keep(held)
         self._lost(held.key, v)
+        return True
 
     def _lost(self, key: str, v: Verdict) -> None:
         if self.metrics is not None:
