@@ -33,6 +33,28 @@ def _drain(call, received: list[int]) -> None:
         pass  # cancelled at the end
 
 
+def _drain_watch(call) -> None:
+    try:
+        for _ in call:
+            pass
+    except grpc.RpcError:
+        pass  # cancelled at the end
+
+
+def _still_writing(mesh: MeshHost, container_id: str) -> bool:
+    """True while the writer runs; an AssertionError naming why once it does not (fenced, say)."""
+    from cri_api.v1 import api_pb2_grpc as cri_grpc
+
+    with mesh.containerd.channel() as c:
+        status = cri_grpc.RuntimeServiceStub(c).ContainerStatus(
+            cri.ContainerStatusRequest(container_id=container_id), timeout=10).status
+    if status.state != cri.CONTAINER_RUNNING:
+        fenced = [m for m in mesh.agent.metrics_text().splitlines() if m.startswith("weft_shadows_fenced_total")]
+        raise AssertionError(f"the writer stopped before its log passed the cap: "
+                             f"{cri.ContainerState.Name(status.state)}, reason {status.reason!r}, fenced: {fenced}")
+    return True
+
+
 def _yes(mesh: MeshHost, key: str) -> pb.RunShadowRequest:
     req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox=key.split("/")[0])
     config = cri.ContainerConfig.FromString(req.container_config)
@@ -82,19 +104,27 @@ def test_a_fast_writer_no_origin_reads_does_not_fill_the_hosts_disk_either(mesh:
     with mesh.channel("gpu-1") as ch:
         state = pb.ShadowState.FromString(ch.unary_unary(MESH + "RunShadow")(_yes(mesh, key).SerializeToString(),
                                                                              timeout=120))
+        # No StreamLog, but the origin is still there: a Watch keeps it in contact, so that a machine too slow
+        # to write past the cap within a fence timeout does not see its writer fenced (the host stops the
+        # shadows of an origin silent that long) rather than capped.
+        watch = ch.unary_stream(MESH + "Watch")(pb.WatchRequest(origin_node="gpu-1", keys=[key],
+                                                                heartbeat_s=1).SerializeToString())
+        threading.Thread(target=_drain_watch, args=(watch,), daemon=True).start()
         _unstarved(state.shadow_container_id)
         log = Path(cri.ContainerStatus.FromString(state.status).log_path)
         try:
-            # No StreamLog: the host's timer alone keeps the log to its cap. Past the cap by a margin, however
-            # fast this machine lets the writer go, then one more round of the timer.
+            # The host's timer alone keeps the log to its cap. Past the cap by a margin, however fast this
+            # machine lets the writer go, then one more round of the timer.
             began = time.monotonic()
-            wait_for(lambda: log.exists() and log.stat().st_size > MAX_BACKLOG + (32 << 20), timeout=120,
+            wait_for(lambda: _still_writing(mesh, state.shadow_container_id) and log.exists()
+                     and log.stat().st_size > MAX_BACKLOG + (32 << 20), timeout=180,
                      what="the log past its cap", every=0.5)
             time.sleep(LOG_CAP_S + 1)
             written = log.stat().st_size
             allocated = log.stat().st_blocks * 512
             rate = written / (time.monotonic() - began)
         finally:
+            watch.cancel()
             ch.unary_unary(MESH + "RemoveShadow")(pb.ShadowRef(origin_node="gpu-1", key=key).SerializeToString(),
                                                   timeout=120)
     print(f"\nyes, no reader: {written >> 20} MiB written, {allocated >> 20} MiB on disk")
