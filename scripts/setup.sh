@@ -69,7 +69,8 @@ fi
 # containerd 1.7 and 2.x (kube/containerd/versions.env) into /var/cache/weft/containerd the same way, for
 # the smoke runs against them (Debian's 1.6 runs the rest); then kube-controller-manager and the test DRA
 # driver (kube/dra/build.sh, a cache key of its own in /var/cache/weft/dra, so it never rebuilds the kube set)
-# for the DRA test; last, the newest Kubernetes release (kube/next/build.sh) for its smoke run. Only the tests
+# for the DRA test; Helm (kube/helm/build.sh, /var/cache/weft/helm) for the chart's tests; last, the newest
+# Kubernetes release (kube/next/build.sh) for its smoke run. Only the tests
 # need them: scripts/test.sh starts the builds (WEFT_SETUP_KUBE=background:
 # one after the other, kube first since its tests come sooner, at the lowest CPU priority, beside the tests
 # that do not need them, which run first); WEFT_SETUP_KUBE=1 builds before going on.
@@ -77,18 +78,22 @@ if [ "${WEFT_SETUP_KUBE:-0}" = 1 ]; then
   bash "$ROOT/kube/build.sh" >&2
   bash "$ROOT/kube/containerd/build.sh" >&2
   bash "$ROOT/kube/dra/build.sh" >&2
+  bash "$ROOT/kube/helm/build.sh" >&2
   bash "$ROOT/kube/next/build.sh" >&2
 elif [ "${WEFT_SETUP_KUBE:-0}" = background ] &&
      ! { bash "$ROOT/kube/build.sh" --cached && bash "$ROOT/kube/containerd/build.sh" --cached &&
-         bash "$ROOT/kube/dra/build.sh" --cached && bash "$ROOT/kube/next/build.sh" --cached; } >/dev/null; then
+         bash "$ROOT/kube/dra/build.sh" --cached && bash "$ROOT/kube/helm/build.sh" --cached &&
+         bash "$ROOT/kube/next/build.sh" --cached; } >/dev/null; then
   mkdir -p "$VENV/log"
-  echo "weft: building the Kubernetes components, containerd 1.7/2.x, the DRA test binaries and the newest" \
-    "Kubernetes release in the background (logs: $VENV/log/kube-build.log, $VENV/log/containerd-build.log," \
-    "$VENV/log/dra-build.log, $VENV/log/kube-next-build.log)"
+  echo "weft: building the Kubernetes components, containerd 1.7/2.x, the DRA test binaries, Helm and the" \
+    "newest Kubernetes release in the background (logs: $VENV/log/kube-build.log," \
+    "$VENV/log/containerd-build.log, $VENV/log/dra-build.log, $VENV/log/helm-build.log," \
+    "$VENV/log/kube-next-build.log)"
   # A session of its own, so that the whole build (go and its compilers) can be stopped as one.
   setsid nice -n 19 bash -c 'bash "$1/kube/build.sh" >"$2/kube-build.log" 2>&1
                              bash "$1/kube/containerd/build.sh" >"$2/containerd-build.log" 2>&1
                              bash "$1/kube/dra/build.sh" >"$2/dra-build.log" 2>&1
+                             bash "$1/kube/helm/build.sh" >"$2/helm-build.log" 2>&1
                              bash "$1/kube/next/build.sh" >"$2/kube-next-build.log" 2>&1' \
     _ "$ROOT" "$VENV/log" &
   WEFT_KUBE_BUILD_PID=$!

@@ -18,7 +18,7 @@ from pathlib import Path
 import grpc
 from cri_api.v1 import api_pb2
 
-from shim import log
+from shim import log, sdnotify
 from shim.broker.client import BrokerClient
 from shim.config import Config
 from shim.cri.cdi import CdiSpecs
@@ -217,6 +217,7 @@ class Agent:
         signal.signal(signal.SIGTERM, self.request_stop)
         signal.signal(signal.SIGINT, self.request_stop)
         self.start()
+        sdnotify.notify()  # only now may kubelet start (the unit is Type=notify, Before=kubelet.service)
         try:
             self._stop.wait()
         finally:

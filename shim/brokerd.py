@@ -18,7 +18,7 @@ import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from shim import log
+from shim import log, sdnotify
 from shim.broker.metrics import BrokerMetrics
 from shim.broker.server import BrokerServer
 from shim.broker.service import LeaseService
@@ -117,6 +117,7 @@ def run(cfg: BrokerConfig) -> int:
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
     signal.signal(signal.SIGINT, lambda *_: stop.set())
     broker.start()
+    sdnotify.notify()  # the agent's unit is ordered after this one: it starts once the broker serves
     try:
         stop.wait()
     finally:

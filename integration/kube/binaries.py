@@ -3,7 +3,7 @@
 What only the DRA tests run (kube-controller-manager, the test DRA driver) is built by
 ``kube/dra/build.sh`` into a cache key of its own. With ``WEFT_KUBE=next`` (the smoke run on the newest
 release, ``scripts/test.sh``), kubelet, kube-apiserver, kube-scheduler and kubectl are ``kube/next/build.sh``'s
-instead; etcd, crictl and critest stay the pinned set's.
+instead; etcd, crictl and critest stay the pinned set's. Helm, for the chart's tests, is ``kube/helm/build.sh``'s.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ BUILD = REPO / "kube" / "build.sh"
 DRA_BUILD = REPO / "kube" / "dra" / "build.sh"
 VERSIONS = REPO / "kube" / "versions.env"
 NEXT_BUILD = REPO / "kube" / "next" / "build.sh"
+HELM_BUILD = REPO / "kube" / "helm" / "build.sh"
 NEXT_BINARIES = ("kubelet", "kube-apiserver", "kube-scheduler", "kubectl")
 
 
@@ -46,6 +47,15 @@ def dra_bin_dir() -> Path:
 def next_bin_dir() -> Path:
     """The newest release's kubelet, API server, scheduler and kubectl, built first if they are not there."""
     return _built(NEXT_BUILD)
+
+
+@functools.cache
+def helm() -> str:
+    """The helm command (kube/helm/build.sh), built first if it is not there."""
+    path = _built(HELM_BUILD) / "helm"
+    if not path.is_file():
+        raise RuntimeError(f"{path} is missing: kube/helm/build.sh did not build helm")
+    return str(path)
 
 
 def next_release() -> bool:

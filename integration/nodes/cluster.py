@@ -111,7 +111,7 @@ class Cluster:
         self.bridge = nspawn.Bridge(BRIDGE, SUBNET)
         self.bridge.up()
         gateway = str(self.bridge.gateway)
-        self.control = ControlPlane(self.workdir / "control-plane", gateway, [])
+        self.control = ControlPlane(self.workdir / "control-plane", gateway, [], runtime_class=False)
         self.control.start()
         self.control.start_controller_manager(list(CONTROLLERS))
         self.registry = Registry(self.workdir / "registry", gateway)

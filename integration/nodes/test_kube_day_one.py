@@ -14,11 +14,14 @@ the nodes' CSRs.
 
 from __future__ import annotations
 
+import datetime
+import itertools
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -26,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from integration.kube import fixture
+from integration.kube import binaries, fixture
+from integration.nodes import nspawn
 from integration.nodes.cluster import Cluster
 from integration.nodes.kubeadm import NodeSpec
 from nodeimage import build
@@ -109,7 +113,7 @@ MODEL = ('echo "model up on GPU ${NVIDIA_VISIBLE_DEVICES:-none}"; mkdir -p /www;
 PREP = "echo prep starting; mkdir -p /www; echo prep-says-hi > /www/index.html; exec httpd -f -p 8080 -h /www"
 
 
-def _two_stage(c: Cluster, name: str, runtime_class: str | None) -> None:
+def _two_stage(c: Cluster, name: str, runtime_class: str | None, prep: str = PREP) -> None:
     assert c.registry is not None
     image = f"{c.registry.host}/weft-test/busybox:1"
 
@@ -120,7 +124,7 @@ def _two_stage(c: Cluster, name: str, runtime_class: str | None) -> None:
 
     spec: dict = {"nodeSelector": {"weft.io/role": "gpu"}, "terminationGracePeriodSeconds": 2, "containers": [
         stage("model", MODEL, 9090, env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}]),
-        stage("prep", PREP, 8080, resources={"requests": {"cpu": "100m", "memory": "32Mi"},
+        stage("prep", prep, 8080, resources={"requests": {"cpu": "100m", "memory": "32Mi"},
                                              "limits": {"cpu": "500m", "memory": "64Mi"}})]}
     if runtime_class:
         spec["runtimeClassName"] = runtime_class
@@ -230,17 +234,17 @@ def _host_files(c: Cluster) -> dict[str, dict[str, bytes]]:
     return {n: {f: node.path(f).read_bytes() for f in HOST_FILES} for n, node in c.nodes.items()}
 
 
-def _kubelet_down_s(c: Cluster, node: str, since: float) -> float:
-    """How long the node's kubelet was down across its restarts since ``since``: systemd's journal, from each
-    stop it began to the start that followed."""
-    out = c.nodes[node].run(["journalctl", "-u", "kubelet.service", "-o", "short-unix", "--no-pager",
+def _kubelet_down_s(c: Cluster, node: str, since: float, unit: str = "kubelet.service") -> float:
+    """How long the node's kubelet (or ``unit``) was down across its restarts since ``since``: systemd's
+    journal, from each stop it began to the start that followed."""
+    out = c.nodes[node].run(["journalctl", "-u", unit, "-o", "short-unix", "--no-pager",
                              f"--since=@{int(since)}"]).stdout
     down, stopping = 0.0, None
     for line in out.splitlines():
         stamp, _, text = line.partition(" ")
-        if "Stopping kubelet.service" in text:
+        if f"Stopping {unit}" in text:
             stopping = float(stamp)
-        elif "Started kubelet.service" in text and stopping is not None:
+        elif f"Started {unit}" in text and stopping is not None:
             down, stopping = down + float(stamp) - stopping, None
     return down
 
@@ -257,8 +261,23 @@ def _rolled_out(c: Cluster, timeout: float = 300) -> float:
     return time.monotonic() - t
 
 
-def _install(c: Cluster, before_secret: Callable[[], None] = lambda: None) -> None:
-    c.kubectl("apply", "-k", str(_overlay(c, "install", REPO / "nodeimage" / "manifests")))
+def _helm(c: Cluster, *args: str) -> str:
+    assert c.control is not None
+    res = subprocess.run([binaries.helm(), *args, "--kubeconfig", str(c.control.kubeconfig("admin"))],
+                         capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, f"helm {' '.join(args)}: {res.stdout}\n{res.stderr}"
+    return res.stdout
+
+
+def _install(c: Cluster, before_secret: Callable[[], None] = lambda: None, via: str = "kustomize") -> None:
+    """As docs/operations.md says: the manifests through an overlay naming the image (or the chart, with the
+    image in its values), then the mesh CA Secret."""
+    assert c.registry is not None
+    if via == "helm":
+        _helm(c, "install", "weft", str(REPO / "charts" / "weft"), "--set", f"image.registry={c.registry.host}",
+              "--set", f"image.tag={TAG}")
+    else:
+        c.kubectl("apply", "-k", str(_overlay(c, "install", REPO / "nodeimage" / "manifests")))
     before_secret()
     ca = c.workdir / "mesh-ca"
     if not (ca / "ca.key").exists():
@@ -268,14 +287,22 @@ def _install(c: Cluster, before_secret: Callable[[], None] = lambda: None) -> No
               f"--from-file=ca.crt={ca / 'ca.crt'}", f"--from-file=ca.key={ca / 'ca.key'}")
 
 
-def _back_out(c: Cluster) -> None:
-    c.kubectl("apply", "-k", str(_overlay(c, "backout", REPO / "nodeimage" / "backout")))
+def _back_out(c: Cluster, via: str = "kustomize") -> None:
+    if via == "helm":
+        _helm(c, "upgrade", "weft", str(REPO / "charts" / "weft"), "--reuse-values", "--set", "backout=true")
+    else:
+        c.kubectl("apply", "-k", str(_overlay(c, "backout", REPO / "nodeimage" / "backout")))
     _rolled_out(c)
 
 
-def _remove_manifests(c: Cluster) -> None:
-    """The back-out's last steps, as nodeimage/backout says; then nothing of weft is left in the cluster."""
-    c.kubectl("delete", "-k", str(c.workdir / "backout"), "--wait=true", timeout=300)
+def _remove_manifests(c: Cluster, via: str = "kustomize") -> None:
+    """The back-out's last steps, as nodeimage/backout (or the chart's notes) say; then nothing of weft is left
+    in the cluster."""
+    if via == "helm":
+        _helm(c, "uninstall", "weft", "--wait", "--timeout", "300s")
+        assert "weft" not in _helm(c, "list", "-A", "-q").split()
+    else:
+        c.kubectl("delete", "-k", str(c.workdir / "backout"), "--wait=true", timeout=300)
     c.kubectl("delete", "csr", "--field-selector", "spec.signerName=weft.io/mesh")
     left = c.kubectl("get", "namespaces,clusterroles,clusterrolebindings,runtimeclasses,csr", "-A", "-o", "name",
                      "-l", "app.kubernetes.io/name=weft").stdout.split()
@@ -415,11 +442,13 @@ def test_a_node_that_goes_down_during_its_install_finishes_it_when_it_boots_agai
         cluster: Cluster, request: pytest.FixtureRequest) -> None:
     """cpu-1's power is cut the moment its kubelet is switched (the kubelet-restart step): booted again, its
     units bring containerd, weft and kubelet back, the DaemonSet's pod runs the installer again, which finishes
-    the journal's install, and says so; the node is Ready on weft."""
+    the journal's install, and says so; the node is Ready on weft. Installed, backed out and uninstalled with
+    Helm (charts/weft), as docs/operations.md gives it."""
     c = cluster
     node = c.nodes["cpu-1"]
     flags = node.path("/var/lib/kubelet/kubeadm-flags.env")
-    _install(c)
+    before_files = _host_files(c)
+    _install(c, via="helm")
     deadline = time.monotonic() + 240
     while "weft/cri.sock" not in flags.read_text():
         assert time.monotonic() < deadline, "cpu-1's kubelet was never switched"
@@ -441,5 +470,290 @@ def test_a_node_that_goes_down_during_its_install_finishes_it_when_it_boots_agai
     fixture.report(request.config, f"day one: cpu-1 powered off at its kubelet's switch, Ready on weft again "
                    f"{back:.1f} s later (reboot {node.timings.get('reboot_running', 0):.1f} s); the installer said: "
                    + said.strip().splitlines()[-1])
+    _back_out(c, via="helm")
+    assert _host_files(c) == before_files, "containerd's and kubelet's files are not as before the install"
+    for name, n in c.nodes.items():
+        assert [p for p in WEFT_PATHS if n.path(p).exists()] == [], name
+    _remove_manifests(c, via="helm")
+
+
+# Day two. The rerouted stage of the upgrade's pod counts as it runs: its log, read on the GPU node where kubelet
+# reads it, must hold every number once, in order, across every agent's restart.
+COUNTING_PREP = ("mkdir -p /www; echo prep-says-hi > /www/index.html; httpd -f -p 8080 -h /www & "
+                 "i=0; while :; do echo \"seq $i\"; i=$((i+1)); sleep 0.2; done")
+UPGRADE_VERSION = "0.1.0+day-two"
+
+
+def _image_of_version(c: Cluster, version: str, tag: str) -> None:
+    """A second node image, weft's own version changed (``weft --version`` says it), pushed as ``tag``."""
+    assert c.registry is not None
+    tree = c.workdir / f"repo-{tag}"
+    files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "--", "shim", "hooks",
+                            "nodeimage"], capture_output=True, text=True, check=True).stdout.split()
+    for f in files:
+        (tree / f).parent.mkdir(parents=True, exist_ok=True)
+        if (REPO / f).is_file():
+            (tree / f).write_bytes((REPO / f).read_bytes())
+            (tree / f).chmod((REPO / f).stat().st_mode)
+    init = tree / "shim" / "__init__.py"
+    text = init.read_text()
+    assert '__version__ = "' in text
+    init.write_text(text.replace(text.split('__version__ = "', 1)[1].split('"', 1)[0], version, 1))
+    image = build.build(c.workdir / f"image-{tag}", base="debian-packages", repo=tree)
+    c.registry.push(image.archive, f"weft/node:{tag}")
+
+
+def _set_image(c: Cluster, tag: str) -> None:
+    """What a user does: the DaemonSet's image, every container and init container, to ``tag``."""
+    assert c.registry is not None
+    c.kubectl("-n", "weft-system", "set", "image", "daemonset/weft", f"*={c.registry.host}/weft/node:{tag}")
+
+
+class Copies:
+    """Running copies of a rerouted stage on the CPU nodes, asked of each node's containerd every 0.5 s. A
+    node whose containerd does not answer (restarting, or the node powered off) is left out of that sample and
+    named in it."""
+
+    def __init__(self, c: Cluster, *filters: str) -> None:
+        self.c, self.filters, self._stop = c, ["--label", "weft.io/origin-node=gpu-1", *filters], threading.Event()
+        self.samples: list[tuple[float, int, tuple[str, ...]]] = []  # (when, copies seen, nodes not asked)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    @classmethod
+    def of_pod(cls, c: Cluster, origin_pod: str) -> Copies:
+        """The copies of ``origin_pod``'s stage, for its sandbox on gpu-1 now."""
+        (sandbox,) = _crictl(c, "gpu-1", "pods", "--name", f"^{origin_pod}$", "--state", "ready")["items"]
+        return cls(c, "--label", f"weft.io/origin-sandbox={sandbox['id']}")
+
+    def _sample(self) -> tuple[int, tuple[str, ...]]:
+        total, missed = 0, []
+        for n in ("cpu-1", "cpu-2"):
+            try:
+                res = self.c.nodes[n].run(["crictl", "ps", "-o", "json", *self.filters], check=False, timeout=10)
+                total += len(json.loads(res.stdout)["containers"]) if res.returncode == 0 else 0
+                if res.returncode != 0:
+                    missed.append(n)
+            except (nspawn.NodeError, subprocess.TimeoutExpired, ValueError):
+                missed.append(n)
+        return total, tuple(missed)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.monotonic(), *self._sample()))
+            self._stop.wait(0.5)
+
+    def counts(self, complete: bool = True) -> list[int]:
+        """Copies seen in each sample (``complete``: only the samples in which every node answered)."""
+        return [n for _, n, missed in self.samples if not (complete and missed)]
+
+    def __enter__(self) -> Copies:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(30)
+
+
+def _stage_state(c: Cluster, pod: str) -> tuple[dict[str, tuple[str, int]], str]:
+    """The pod's containers (ID, restarts) as kubelet reports them, and its reservation pod's UID."""
+    status = json.loads(c.kubectl("get", "pod", pod, "-o", "json").stdout)["status"]
+    containers = {s["name"]: (s["containerID"], s["restartCount"]) for s in status["containerStatuses"]}
+    (reservation,) = json.loads(c.kubectl("get", "pods", "-A", "-l", "weft.io/role=hosted-stage,"
+                                          f"weft.io/origin-pod={pod}", "-o", "json").stdout)["items"]
+    return containers, reservation["metadata"]["uid"]
+
+
+def _sequence_problems(log: str) -> tuple[int, list[str]]:
+    """(numbers seen, what is wrong): a number missing or seen twice."""
+    seen = [int(line.split()[1]) for line in log.splitlines() if line.startswith("seq ")]
+    problems = [f"seq {b} after seq {a}" for a, b in itertools.pairwise(seen) if b != a + 1]
+    return len(seen), problems
+
+
+def _roll(c: Cluster, tag: str, version: str, during: str | None) -> dict[str, float]:
+    """The DaemonSet moved to ``tag`` as a user moves it, one node at a time; each node's agent then runs
+    ``version``. ``during``: an opted-in pod created once the first node has switched. Returns each node's
+    agent downtime and the rollout's duration."""
+    started, t = time.time(), time.monotonic()
+    _set_image(c, tag)
+    if during:
+        deadline = time.monotonic() + 180
+        while not any(_agent_version(c, n) == version for n in c.nodes):
+            assert time.monotonic() < deadline, "no node's agent moved to the new version"
+            time.sleep(0.5)
+        _two_stage(c, during, "weft", prep=COUNTING_PREP)
+    rolled = _rolled_out(c, timeout=600)
+    assert {n: _agent_version(c, n) for n in c.nodes} == dict.fromkeys(c.nodes, version)
+    down = {n: _kubelet_down_s(c, n, started, unit="weft-agent.service") for n in c.nodes}
+    return {"rollout": time.monotonic() - t, "rollout status": rolled,
+            **{f"agent down {n}": d for n, d in down.items()}}
+
+
+def _agent_version(c: Cluster, node: str) -> str:
+    res = c.nodes[node].run(["/opt/weft/bin/weft", "--version"], check=False)
+    return res.stdout.strip().removeprefix("weft ") if res.returncode == 0 else ""
+
+
+def test_weft_upgrades_and_rolls_back_through_its_daemonset_while_a_rerouted_stage_runs_on(
+        cluster: Cluster, request: pytest.FixtureRequest) -> None:
+    """Day two: a new image through the DaemonSet's rolling update, then back, while the two-stage pod runs with
+    its CPU stage rerouted: no container of it restarts, one copy of the stage runs throughout, its log has
+    every line once, its reservation stays, and a pod created during the rollout is placed as usual."""
+    c = cluster
+    t = time.monotonic()
+    _image_of_version(c, UPGRADE_VERSION, "0.2.0-test")
+    built = time.monotonic() - t
+    c.kubectl("label", "node", "gpu-1", "weft.io/broker=simulated", "weft.io/simulated-devices=2x80Gi",
+              "--overwrite")
+    c.kubectl("label", "node", "cpu-1", "cpu-2", "weft.io/fixed-capacity=2_4Gi", "--overwrite")
+    _install(c)
+    _rolled_out(c)
+    _mesh_up(c)
+    first = {n: _agent_version(c, n) for n in c.nodes}
+    assert set(first.values()) == {"0.1.0"}, first
+    _two_stage(c, "steady", "weft", prep=COUNTING_PREP)
+    c.kubectl("wait", "--for=condition=Ready", "pod/steady", "--timeout=180s", timeout=210)
+    before = _stage_state(c, "steady")
+    figures: dict[str, dict[str, float]] = {}
+    with Copies.of_pod(c, "steady") as copies:
+        figures["upgrade"] = _roll(c, "0.2.0-test", UPGRADE_VERSION, during="during-upgrade")
+        c.kubectl("wait", "--for=condition=Ready", "pod/during-upgrade", "--timeout=180s", timeout=210)
+        assert _stage_state(c, "steady") == before, "a container of the pod restarted, or its reservation went"
+        figures["rollback"] = _roll(c, TAG, "0.1.0", during=None)
+        c.kubectl("wait", "--for=condition=Ready", "pod/steady", "--timeout=180s", timeout=210)
+        time.sleep(2)  # the last lines reach the GPU node's log
+    after = _stage_state(c, "steady")
+    assert after == before, f"a container of the pod restarted, or its reservation went: {before} -> {after}"
+    counts = copies.counts()
+    assert counts and set(counts) == {1}, f"copies of the rerouted stage over time: {copies.samples}"
+    lines, problems = _sequence_problems(c.kubectl("logs", "steady", "-c", "prep").stdout)
+    assert lines > 0 and not problems, problems
+    (during,) = _crictl(c, "gpu-1", "pods", "--name", "^during-upgrade$", "--state", "ready")["items"]
+    during_host = [n for n in ("cpu-1", "cpu-2") if _crictl(c, n, "ps", "--label",
+                                                            f"weft.io/origin-sandbox={during['id']}")["containers"]]
+    c.kubectl("delete", "pod", "steady", "during-upgrade", "--wait=true", timeout=180)
     _back_out(c)
     _remove_manifests(c)
+    fixture.report(request.config, f"day two: second image built and pushed in {built:.1f} s; " + "; ".join(
+        f"{what}: all nodes {f['rollout']:.1f} s, agent down " + ", ".join(
+            f"{k.removeprefix('agent down ')} {v:.1f} s" for k, v in sorted(f.items()) if k.startswith("agent down"))
+        for what, f in figures.items())
+        + f"; containers restarted 0; copies of the rerouted stage sampled {len(counts)} times, always 1; "
+        f"its log {lines} lines, none lost or doubled; the pod created during the upgrade: prep on "
+        f"{during_host or ['gpu-1 (local)']}")
+
+
+def _started_order(c: Cluster, node: str, units: tuple[str, ...]) -> list[str]:
+    """The units in the order this boot's journal says systemd started them."""
+    out = c.nodes[node].run(["journalctl", "-b", "-o", "short-unix", "--no-pager", *[f"-u{u}" for u in units]]).stdout
+    started = {}
+    for line in out.splitlines():
+        stamp, _, text = line.partition(" ")
+        for u in units:
+            if f"Started {u}" in text and u not in started:
+                started[u] = float(stamp)
+    return sorted(started, key=started.__getitem__)
+
+
+def _mesh_up(c: Cluster, timeout: float = 60) -> None:
+    """Until gpu-1's agent has heard from both CPU nodes (healthy, with their free capacity): before that, a
+    stage created is placed locally, as it should be while no host has said it can take one."""
+    deadline = time.monotonic() + timeout
+    while True:
+        res = c.nodes["gpu-1"].run(["/opt/weft/bin/weft", "status", "--json", "--socket", "/run/weft/cri.sock"],
+                                   check=False)
+        peers = json.loads(res.stdout).get("peers", []) if res.returncode == 0 else []
+        up = {p["node"] for p in peers if p["healthy"] and p.get("free_cpu_cores") is not None}
+        if {"cpu-1", "cpu-2"} <= up:
+            return
+        assert time.monotonic() < deadline, f"gpu-1 has not heard from both CPU nodes: {peers}"
+        time.sleep(0.5)
+
+
+def _heard_from_since(c: Cluster, node: str, since: float, timeout: float = 180) -> None:
+    """Until ``node`` is Ready by a kubelet heartbeat after ``since`` (wall clock): a Node's condition outlives
+    its kubelet for a while, so Ready alone says nothing of a reboot."""
+    deadline = time.monotonic() + timeout
+    while True:
+        doc = json.loads(c.kubectl("get", "node", node, "-o", "json").stdout)
+        ready = [x for x in doc["status"].get("conditions", []) if x["type"] == "Ready"]
+        if ready and ready[0]["status"] == "True" and datetime.datetime.fromisoformat(
+                ready[0]["lastHeartbeatTime"]).timestamp() >= int(since):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{node} not Ready by a heartbeat since its reboot within {timeout:g}s: {ready}\n"
+                                 + c.nodes[node].run(["journalctl", "-b", "-u", "kubelet.service", "-n", "40",
+                                                      "--no-pager"], check=False).stdout)
+        time.sleep(0.5)
+
+
+def _ready_again(c: Cluster, pod: str, restarted: str, before: int, timeout: float = 240) -> float:
+    """Seconds until ``pod`` is Ready with its ``restarted`` container past ``before`` restarts (or in a new
+    sandbox: its restart count back at 0 under a new container)."""
+    t = time.monotonic()
+    deadline = t + timeout
+    while True:
+        status = json.loads(c.kubectl("get", "pod", pod, "-o", "json").stdout)["status"]
+        ready = any(x["type"] == "Ready" and x["status"] == "True" for x in status.get("conditions", []))
+        stage = {s["name"]: s for s in status.get("containerStatuses", [])}.get(restarted, {})
+        if ready and stage.get("containerID") and stage["containerID"] != before:
+            return time.monotonic() - t
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{pod} not Ready again with a new {restarted} within {timeout:g}s: {status}\n"
+                                 + _said_by_weft(c, "gpu-1"))
+        time.sleep(1)
+
+
+def test_a_rebooted_cpu_host_and_gpu_node_come_back_on_weft_and_the_pod_is_ready_again(
+        cluster: Cluster, request: pytest.FixtureRequest) -> None:
+    """Day two: the CPU host that runs the rerouted stage, then the GPU node, powered off cleanly through their
+    systemd and booted again: containerd, weft and kubelet come back in that order with kubelet on weft, at most
+    one copy of the stage lives at any time, the GPU node's leases are its running containers' only, and the
+    pod is Ready again each time."""
+    c = cluster
+    c.kubectl("label", "node", "gpu-1", "weft.io/broker=simulated", "weft.io/simulated-devices=2x80Gi",
+              "--overwrite")
+    c.kubectl("label", "node", "cpu-1", "cpu-2", "weft.io/fixed-capacity=2_4Gi", "--overwrite")
+    _install(c)
+    _rolled_out(c)
+    _mesh_up(c)
+    _two_stage(c, "rebooted", "weft")
+    c.kubectl("wait", "--for=condition=Ready", "pod/rebooted", "--timeout=180s", timeout=210)
+    (host,) = [n for n in ("cpu-1", "cpu-2") if _crictl(c, n, "ps", "--label", "weft.io/origin-node=gpu-1",
+                                                        "--name", "^prep$")["containers"]]
+    figures: dict[str, float] = {}
+    units = ("containerd.service", "weft-agent.service", "kubelet.service")
+    with Copies(c, "--name", "^prep$") as copies:
+        for node, stage in ((host, "prep"), ("gpu-1", "model")):
+            containers = {x["name"]: (x["containerID"], x["restartCount"]) for x in json.loads(c.kubectl(
+                "get", "pod", "rebooted", "-o", "json").stdout)["status"]["containerStatuses"]}
+            t, wall = time.monotonic(), time.time()
+            c.nodes[node].boot_again()  # SIGRTMIN+3 to its systemd: a clean poweroff, then the same disk booted
+            _heard_from_since(c, node, wall)
+            figures[f"{node} Ready"] = time.monotonic() - t
+            figures[f"{node} pod Ready"] = figures[f"{node} Ready"] + _ready_again(c, "rebooted", stage,
+                                                                                 containers[stage][0])
+            # In order, each once: kubelet found weft serving when it started (it did not fail and wait out
+            # its restart delay).
+            assert _started_order(c, node, units) == list(units), _started_order(c, node, units)
+            kubelet = c.nodes[node].run(["journalctl", "-b", "-u", "kubelet.service", "-o", "cat", "--no-pager"]).stdout
+            assert "kubelet.service: Main process exited" not in kubelet, kubelet[-3000:]
+            flags = c.nodes[node].path("/var/lib/kubelet/kubeadm-flags.env").read_text()
+            assert "--container-runtime-endpoint=unix:///run/weft/cri.sock" in flags
+            assert c.nodes[node].systemctl("is-active", *units).stdout.split() == ["active"] * 3
+    counts = copies.counts(complete=False)
+    assert counts and max(counts) <= 1, f"copies of the rerouted stage over time: {copies.samples}"
+    # The GPU node's leases after its reboot: the model container running now holds one, bound; nothing else
+    # (the leases of the containers the poweroff ended were released).
+    status = json.loads(c.nodes["gpu-1"].run(["/opt/weft/bin/weft", "status", "--json", "--socket",
+                                              "/run/weft/cri.sock"]).stdout)
+    running = {x["id"] for x in _crictl(c, "gpu-1", "ps")["containers"]}
+    assert [x["state"] for x in status["leases"]] == ["bound"] and status["leases"][0]["container_id"] in running, \
+        status["leases"]
+    c.kubectl("delete", "pod", "rebooted", "--wait=true", timeout=180)
+    _back_out(c)
+    _remove_manifests(c)
+    fixture.report(request.config, "day two: reboots, clean poweroff to " + ", ".join(
+        f"{k} {v:.1f} s" for k, v in figures.items()) + f"; at most {max(counts)} copy of the rerouted stage "
+        f"in {len(counts)} samples")

@@ -30,7 +30,10 @@ def _settings(args: argparse.Namespace) -> run.Settings:
     labels = _node_labels(getattr(args, "node_name", None), say) if args.command == "install" else {}
     if broker == "auto":
         broker, devices = _broker_of_node(root, labels, devices, say)
-    mesh = _mesh(args, broker, plan.capacity_from_labels(labels)) if getattr(args, "mesh_address", None) else None
+    mesh = None
+    if getattr(args, "mesh_address", None):
+        role = _role_of_node(args, labels, say)
+        mesh = _mesh(args, broker, plan.capacity_from_labels(labels), role)
     return run.Settings(
         root=root, services=svc, agent_socket=args.agent_socket, containerd_socket=args.containerd_socket,
         kubelet_health_url=args.kubelet_health_url, kubelet_timeout=args.kubelet_timeout,
@@ -65,7 +68,21 @@ def _broker_of_node(root: Path, labels: dict[str, str], devices: str,
     return ("nvml" if (root / "dev/nvidiactl").exists() else "none"), devices
 
 
-def _mesh(args: argparse.Namespace, broker: str, fixed_capacity: str = "") -> plan.Mesh:
+def _role_of_node(args: argparse.Namespace, labels: dict[str, str], say: Callable[[str], None]) -> str:
+    """``--role auto``: what ``--gpu-nodes`` and ``--cpu-nodes`` (the chart's selectors) say of this node's
+    labels, where they say anything; "auto" (the host decides) otherwise. Both selectors are checked first."""
+    role = plan.role_from_selectors(labels, args.gpu_nodes or "", args.cpu_nodes or "")
+    if args.role != "auto":
+        return args.role
+    if role is not None:
+        said = {"gpu": f"--gpu-nodes {args.gpu_nodes!r}", "cpu": f"--cpu-nodes {args.cpu_nodes!r}"}
+        say(f"mesh role {role}, as the node's labels match "
+            + (f"{said['gpu']} and {said['cpu']}" if role == "both" else said[role]))
+        return role
+    return "auto"
+
+
+def _mesh(args: argparse.Namespace, broker: str, fixed_capacity: str = "", role: str = "auto") -> plan.Mesh:
     """The mesh settings, with this node's TLS files (and a static peers file) read from where the flags name."""
     if not args.node_name:
         raise InstallError("--mesh-address needs --node-name (or WEFT_NODE_NAME); nothing was changed")
@@ -79,7 +96,7 @@ def _mesh(args: argparse.Namespace, broker: str, fixed_capacity: str = "") -> pl
         parse_host_port(args.mesh_address, field="--mesh-address")
     except ValueError as exc:
         raise InstallError(f"{exc}; nothing was changed") from None
-    role = args.role if args.role != "auto" else ("gpu" if broker != "none" else "cpu")
+    role = role if role != "auto" else ("gpu" if broker != "none" else "cpu")
     peers = args.peers or "kubernetes"
 
     def read(path: Path, what: str) -> bytes:
@@ -95,7 +112,7 @@ def _mesh(args: argparse.Namespace, broker: str, fixed_capacity: str = "") -> pl
         node_crt=read(tls / f"{args.node_name}.crt", "this node's mesh certificate"),
         node_key=read(tls / f"{args.node_name}.key", "this node's mesh key"),
         peers_file=None if peers == "kubernetes" else read(Path(peers), "the static peers file"),
-        tls_on_host=on_host, fixed_capacity=fixed_capacity)
+        tls_on_host=on_host, fixed_capacity=fixed_capacity, namespace=os.environ.get("WEFT_POD_NAMESPACE", ""))
 
 
 def _install(args: argparse.Namespace) -> int:
@@ -154,6 +171,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="this node's name in the mesh and its certificate (WEFT_NODE_NAME)")
     m.add_argument("--role", choices=("auto", *plan.MESH_ROLES), default=os.environ.get("WEFT_ROLE") or "auto",
                    help="what this node offers (WEFT_ROLE; auto: gpu with a GPU broker, else cpu)")
+    m.add_argument("--gpu-nodes", default=os.environ.get("WEFT_GPU_NODES") or None, metavar="SELECTOR",
+                   help="with --role auto: a node whose labels match this label selector (key=value,key!=value,"
+                   "key,!key) is a GPU node (WEFT_GPU_NODES; read where the DaemonSet's pod can read its node)")
+    m.add_argument("--cpu-nodes", default=os.environ.get("WEFT_CPU_NODES") or None, metavar="SELECTOR",
+                   help="likewise for CPU nodes (WEFT_CPU_NODES); a node both match is both")
     m.add_argument("--mesh-address", default=os.environ.get("WEFT_MESH_ADDRESS") or None, metavar="HOST:PORT",
                    help="where the agent's mesh listens (WEFT_MESH_ADDRESS)")
     m.add_argument("--peers", default=os.environ.get("WEFT_PEERS") or None,

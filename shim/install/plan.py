@@ -8,6 +8,7 @@ convergent: a re-run after a crash writes the same bytes again.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 
 from shim.broker.simulated import parse_spec
@@ -42,6 +43,7 @@ MESH_TLS_DIR = "/etc/weft/mesh"
 PEERS_FILE = "/etc/weft/peers.toml"
 API_KUBECONFIG = "/etc/weft/api/kubeconfig"  # kept by the DaemonSet (weft kube-credentials)
 MESH_ROLES = ("gpu", "cpu", "both")
+DEFAULT_NAMESPACE = "weft-system"  # mesh.namespace's and kubernetes.namespace's default
 
 
 @dataclass(frozen=True)
@@ -60,6 +62,9 @@ class Mesh:
     # there): the installer checks them and neither writes nor removes them.
     tls_on_host: bool = False
     fixed_capacity: str = ""  # mesh.fixed_capacity ("CORES,MEMORY"); "" measures
+    # weft's namespace in the cluster (the DaemonSet's own): where the mesh's EndpointSlices and the host's
+    # reservation pods are. "" or the default writes nothing.
+    namespace: str = ""
 
     def files(self, reservation_image: str | None = None) -> dict[str, bytes]:
         out = {} if self.tls_on_host else {
@@ -74,12 +79,14 @@ class Mesh:
         """weft.toml; ``reservation_image`` is the node's own pause image (containerd's sandbox image)."""
         peers = PEERS_FILE if self.peers_file is not None else self.peers
         q = _toml_string
+        namespace = f"namespace = {q(self.namespace)}\n" if self.namespace not in ("", DEFAULT_NAMESPACE) else ""
         kube = f"[kubernetes]\nkubeconfig = {q(API_KUBECONFIG)}\n" + (
-            f"reservation_image = {q(reservation_image)}\n" if reservation_image else "")
+            f"reservation_image = {q(reservation_image)}\n" if reservation_image else "") + namespace
         return (f"# Written by `weft install`; `weft uninstall` removes it.\n[mesh]\nnode_name = {q(self.node_name)}\n"
                 f"role = {q(self.role)}\naddress = {q(self.address)}\npeers = {q(peers)}\n"
                 f"tls_dir = {q(MESH_TLS_DIR)}\n"
                 + (f"fixed_capacity = {q(self.fixed_capacity)}\n" if self.fixed_capacity else "")
+                + (namespace if self.peers == "kubernetes" else "")
                 # Peers from Kubernetes: the DaemonSet keeps the agent's API credentials there.
                 + (kube if self.peers == "kubernetes" else "")
                 ).encode()
@@ -115,6 +122,45 @@ def capacity_from_labels(labels: dict[str, str]) -> str:
     except ConfigError as exc:
         raise InstallError(f"node label {CAPACITY_LABEL}={value!r}: {exc.message}; nothing was changed") from None
     return spec
+
+
+_LABEL_KEY = re.compile(r"([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?")
+
+
+def selector_matches(selector: str, labels: dict[str, str], *, what: str) -> bool:
+    """Whether ``labels`` match an equality-based Kubernetes label selector ("k=v,k2!=v2,k3,!k4"), as
+    ``kubectl get -l`` reads one. The whole selector is checked first; set-based terms ("k in (a,b)") are
+    refused, naming ``what`` set it."""
+    terms: list[tuple[str, str, str]] = []  # (key, op, value); op one of = != exists absent
+    for term in (t.strip() for t in selector.split(",")):
+        if " in " in f" {term} " or " notin " in f" {term} " or "(" in term:
+            raise InstallError(f"{what} {selector!r}: set-based terms ({term!r}) are not supported, only "
+                               "key=value, key!=value, key and !key; nothing was changed")
+        if "!=" in term:
+            key, _, value = term.partition("!=")
+            op = "!="
+        elif "=" in term:
+            key, _, value = term.replace("==", "=", 1).partition("=")
+            op = "="
+        elif term.startswith("!"):
+            key, op, value = term[1:], "absent", ""
+        else:
+            key, op, value = term, "exists", ""
+        key, value = key.strip(), value.strip()
+        if not _LABEL_KEY.fullmatch(key):
+            raise InstallError(f"{what} {selector!r}: {key!r} is not a label key; nothing was changed")
+        terms.append((key, op, value))
+    checks = {"=": lambda k, v: labels.get(k) == v, "!=": lambda k, v: labels.get(k) != v,
+              "exists": lambda k, v: k in labels, "absent": lambda k, v: k not in labels}
+    return all(checks[op](key, value) for key, op, value in terms)
+
+
+def role_from_selectors(labels: dict[str, str], gpu_nodes: str, cpu_nodes: str) -> str | None:
+    """The mesh role the cluster's selectors give a node with these labels (``--gpu-nodes``, ``--cpu-nodes``):
+    gpu, cpu, both where both match; None where neither is set or none matches (the host decides)."""
+    gpu = bool(gpu_nodes) and selector_matches(gpu_nodes, labels, what="--gpu-nodes")
+    cpu = bool(cpu_nodes) and selector_matches(cpu_nodes, labels, what="--cpu-nodes")
+    return "both" if gpu and cpu else "gpu" if gpu else "cpu" if cpu else None
 
 
 def _toml_string(value: str) -> str:
@@ -160,6 +206,9 @@ Wants=containerd.service{after}
 Before=kubelet.service
 
 [Service]
+# Ready once it serves CRI (sd_notify), so that kubelet, ordered after it, finds the socket at boot.
+Type=notify
+NotifyAccess=main
 ExecStart={BIN} agent --socket {AGENT_SOCKET} --containerd-socket {containerd_socket} --state-dir {STATE_DIR}{extra}
 Restart=always
 RestartSec=1
@@ -178,6 +227,8 @@ Description=weft GPU broker (leases of this node's GPUs)
 Before={AGENT_UNIT} kubelet.service
 
 [Service]
+Type=notify
+NotifyAccess=main
 ExecStart={BIN} broker --socket {BROKER_SOCKET} --state-dir {BROKER_STATE_DIR} --backend {backend}{sim}
 Restart=always
 RestartSec=1

@@ -562,6 +562,67 @@ def test_a_broker_label_weft_cannot_use_is_refused_before_anything_changes(
     assert snapshot(root) == before
 
 
+@pytest.mark.parametrize(("labels", "role", "said"), [
+    ({"nvidia.com/gpu.present": "true"}, "gpu", "mesh role gpu, as the node's labels match --gpu-nodes "
+                                                "'nvidia.com/gpu.present=true,!drained,zone!=lab'"),
+    ({"pool": "batch"}, "cpu", "mesh role cpu, as the node's labels match --cpu-nodes 'pool=batch'"),
+    ({"nvidia.com/gpu.present": "true", "pool": "batch"}, "both", "mesh role both, as the node's labels match "
+                                                                  "--gpu-nodes 'nvidia.com/gpu.present=true,"
+                                                                  "!drained,zone!=lab' and --cpu-nodes"),
+    # Neither matches (a label the GPU selector must not see, one it must not hold): the host decides, and
+    # without a broker here that is cpu.
+    ({"nvidia.com/gpu.present": "true", "drained": ""}, "cpu", None),
+    ({"nvidia.com/gpu.present": "true", "zone": "lab"}, "cpu", None),
+    ({"pool": "gpu"}, "cpu", None),
+])
+def test_the_charts_node_selectors_give_a_node_its_mesh_role(
+        labels: dict[str, str], role: str, said: str | None, tmp_path: Path, source: Path, mesh_tls: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    from shim import config
+
+    _in_the_daemonset(monkeypatch, labels)
+    monkeypatch.setenv("WEFT_GPU_NODES", "nvidia.com/gpu.present=true,!drained,zone!=lab")
+    monkeypatch.setenv("WEFT_CPU_NODES", "pool=batch")
+    root = copy_shape(SHAPES[0], tmp_path / "host")
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 0
+    assert config.load(root / "etc/weft/weft.toml").mesh.role == role
+    out = capsys.readouterr().out
+    assert (said in out) if said else "mesh role" not in out, out
+
+
+@pytest.mark.parametrize(("selector", "said"), [
+    ("pool in (a,b)", "set-based terms ('pool in (a' ) are not supported"),
+    ("pool=a,,x", "'' is not a label key"),
+    ("bad key=1", "'bad key' is not a label key"),
+])
+def test_a_node_selector_weft_cannot_read_is_refused_before_anything_changes(
+        selector: str, said: str, tmp_path: Path, source: Path, mesh_tls: Path,
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    _in_the_daemonset(monkeypatch, {"pool": "a"})
+    root = copy_shape(SHAPES[0], tmp_path / "host")
+    before = snapshot(root)
+    assert main(["install", "--root", str(root), "--source", str(source),
+                 *_mesh_flags(mesh_tls, "--role", "cpu", "--cpu-nodes", selector)]) == 2
+    err = capsys.readouterr().err
+    assert f"--cpu-nodes {selector!r}: " in err and said.replace("' )", "')") in err and "nothing was changed" in err
+    assert snapshot(root) == before
+
+
+def test_a_daemonset_in_another_namespace_points_the_agent_at_its_own(
+        tmp_path: Path, source: Path, mesh_tls: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from shim import config
+
+    root = copy_shape(SHAPES[0], tmp_path / "host")
+    monkeypatch.setenv("WEFT_POD_NAMESPACE", "gpu-platform")
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 0
+    cfg = config.load(root / "etc/weft/weft.toml")
+    assert (cfg.mesh.namespace, cfg.kubernetes.namespace) == ("gpu-platform", "gpu-platform")
+    monkeypatch.setenv("WEFT_POD_NAMESPACE", "weft-system")  # the default: nothing written
+    root = copy_shape(SHAPES[0], tmp_path / "host2")
+    assert main(["install", "--root", str(root), "--source", str(source), *_mesh_flags(mesh_tls)]) == 0
+    assert "namespace" not in (root / "etc/weft/weft.toml").read_text()
+
+
 def test_without_a_mesh_address_no_mesh_files_are_written(tmp_path: Path, source: Path) -> None:
     root = copy_shape(SHAPES[0], tmp_path / "host")
     assert main(["install", "--root", str(root), "--source", str(source)]) == 0
