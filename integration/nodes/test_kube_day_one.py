@@ -9,7 +9,11 @@ the kubelet's own client certificate), Debian's containerd 1.6 on ``cpu-1`` and 
 ``docs/operations.md`` gives them: the image built with ``python -m nodeimage.build --base
 debian-packages`` and pushed; ``kubectl apply -k`` of an overlay that only names it; the mesh CA Secret;
 then, to back out, ``kubectl apply -k`` of the back-out overlay, its rollout, ``kubectl delete -k`` and
-the nodes' CSRs.
+the nodes' CSRs (or the same through the Helm chart, in the power-cut test).
+
+Day two, on weft installed once (``on_weft``): a rolling upgrade to a second image and back while a
+rerouted stage runs, a CPU host's and the GPU node's reboot through their systemd, and an upgrade to an
+image that cannot start, which stops at its first node and rolls back.
 """
 
 from __future__ import annotations
@@ -477,6 +481,21 @@ def test_a_node_that_goes_down_during_its_install_finishes_it_when_it_boots_agai
     _remove_manifests(c, via="helm")
 
 
+@pytest.fixture(scope="module")
+def on_weft(cluster: Cluster) -> Iterator[Cluster]:
+    """Day two's cluster: weft installed once, as day one's test installs it, for the tests of what a platform
+    team does to it every week; backed out at the end, leaving nothing."""
+    c = cluster
+    c.kubectl("label", "node", "gpu-1", "weft.io/broker=simulated", "weft.io/simulated-devices=2x80Gi",
+              "--overwrite")
+    c.kubectl("label", "node", "cpu-1", "cpu-2", "weft.io/fixed-capacity=2_4Gi", "--overwrite")
+    _install(c)
+    _rolled_out(c)
+    yield c
+    _back_out(c)
+    _remove_manifests(c)
+
+
 # Day two. The rerouted stage of the upgrade's pod counts as it runs: its log, read on the GPU node where kubelet
 # reads it, must hold every number once, in order, across every agent's restart.
 COUNTING_PREP = ("mkdir -p /www; echo prep-says-hi > /www/index.html; httpd -f -p 8080 -h /www & "
@@ -484,8 +503,9 @@ COUNTING_PREP = ("mkdir -p /www; echo prep-says-hi > /www/index.html; httpd -f -
 UPGRADE_VERSION = "0.1.0+day-two"
 
 
-def _image_of_version(c: Cluster, version: str, tag: str) -> None:
-    """A second node image, weft's own version changed (``weft --version`` says it), pushed as ``tag``."""
+def _image_of_version(c: Cluster, version: str, tag: str, agent_exits: bool = False) -> None:
+    """A second node image, weft's own version changed (``weft --version`` says it), pushed as ``tag``;
+    ``agent_exits``: one whose agent exits at start (everything else in it works, its installer included)."""
     assert c.registry is not None
     tree = c.workdir / f"repo-{tag}"
     files = subprocess.run(["git", "-C", str(REPO), "ls-files", "-co", "--exclude-standard", "--", "shim", "hooks",
@@ -499,6 +519,11 @@ def _image_of_version(c: Cluster, version: str, tag: str) -> None:
     text = init.read_text()
     assert '__version__ = "' in text
     init.write_text(text.replace(text.split('__version__ = "', 1)[1].split('"', 1)[0], version, 1))
+    if agent_exits:
+        cli = tree / "shim" / "cli.py"
+        assert "    Agent(cfg).run()\n" in cli.read_text()
+        cli.write_text(cli.read_text().replace("    Agent(cfg).run()\n",
+                                               '    raise SystemExit("weft agent: a test build that never starts")\n'))
     image = build.build(c.workdir / f"image-{tag}", base="debian-packages", repo=tree)
     c.registry.push(image.archive, f"weft/node:{tag}")
 
@@ -596,19 +621,14 @@ def _agent_version(c: Cluster, node: str) -> str:
 
 
 def test_weft_upgrades_and_rolls_back_through_its_daemonset_while_a_rerouted_stage_runs_on(
-        cluster: Cluster, request: pytest.FixtureRequest) -> None:
+        on_weft: Cluster, request: pytest.FixtureRequest) -> None:
     """Day two: a new image through the DaemonSet's rolling update, then back, while the two-stage pod runs with
     its CPU stage rerouted: no container of it restarts, one copy of the stage runs throughout, its log has
     every line once, its reservation stays, and a pod created during the rollout is placed as usual."""
-    c = cluster
+    c = on_weft
     t = time.monotonic()
     _image_of_version(c, UPGRADE_VERSION, "0.2.0-test")
     built = time.monotonic() - t
-    c.kubectl("label", "node", "gpu-1", "weft.io/broker=simulated", "weft.io/simulated-devices=2x80Gi",
-              "--overwrite")
-    c.kubectl("label", "node", "cpu-1", "cpu-2", "weft.io/fixed-capacity=2_4Gi", "--overwrite")
-    _install(c)
-    _rolled_out(c)
     _mesh_up(c)
     first = {n: _agent_version(c, n) for n in c.nodes}
     assert set(first.values()) == {"0.1.0"}, first
@@ -633,8 +653,6 @@ def test_weft_upgrades_and_rolls_back_through_its_daemonset_while_a_rerouted_sta
     during_host = [n for n in ("cpu-1", "cpu-2") if _crictl(c, n, "ps", "--label",
                                                             f"weft.io/origin-sandbox={during['id']}")["containers"]]
     c.kubectl("delete", "pod", "steady", "during-upgrade", "--wait=true", timeout=180)
-    _back_out(c)
-    _remove_manifests(c)
     fixture.report(request.config, f"day two: second image built and pushed in {built:.1f} s; " + "; ".join(
         f"{what}: all nodes {f['rollout']:.1f} s, agent down " + ", ".join(
             f"{k.removeprefix('agent down ')} {v:.1f} s" for k, v in sorted(f.items()) if k.startswith("agent down"))
@@ -706,17 +724,12 @@ def _ready_again(c: Cluster, pod: str, restarted: str, before: int, timeout: flo
 
 
 def test_a_rebooted_cpu_host_and_gpu_node_come_back_on_weft_and_the_pod_is_ready_again(
-        cluster: Cluster, request: pytest.FixtureRequest) -> None:
+        on_weft: Cluster, request: pytest.FixtureRequest) -> None:
     """Day two: the CPU host that runs the rerouted stage, then the GPU node, powered off cleanly through their
     systemd and booted again: containerd, weft and kubelet come back in that order with kubelet on weft, at most
     one copy of the stage lives at any time, the GPU node's leases are its running containers' only, and the
     pod is Ready again each time."""
-    c = cluster
-    c.kubectl("label", "node", "gpu-1", "weft.io/broker=simulated", "weft.io/simulated-devices=2x80Gi",
-              "--overwrite")
-    c.kubectl("label", "node", "cpu-1", "cpu-2", "weft.io/fixed-capacity=2_4Gi", "--overwrite")
-    _install(c)
-    _rolled_out(c)
+    c = on_weft
     _mesh_up(c)
     _two_stage(c, "rebooted", "weft")
     c.kubectl("wait", "--for=condition=Ready", "pod/rebooted", "--timeout=180s", timeout=210)
@@ -752,8 +765,89 @@ def test_a_rebooted_cpu_host_and_gpu_node_come_back_on_weft_and_the_pod_is_ready
     assert [x["state"] for x in status["leases"]] == ["bound"] and status["leases"][0]["container_id"] in running, \
         status["leases"]
     c.kubectl("delete", "pod", "rebooted", "--wait=true", timeout=180)
-    _back_out(c)
-    _remove_manifests(c)
     fixture.report(request.config, "day two: reboots, clean poweroff to " + ", ".join(
         f"{k} {v:.1f} s" for k, v in figures.items()) + f"; at most {max(counts)} copy of the rerouted stage "
         f"in {len(counts)} samples")
+
+
+def _daemonset_pods(c: Cluster) -> dict[str, dict]:
+    pods = json.loads(c.kubectl("-n", "weft-system", "get", "pods", "-l", "app.kubernetes.io/component=node",
+                                "-o", "json").stdout)["items"]
+    return {p["spec"]["nodeName"]: p for p in pods if p["spec"].get("nodeName")}
+
+
+def _failing(pod: dict, why: tuple[str, ...]) -> bool:
+    """Whether a container of ``pod`` waits for one of ``why`` or has exited in failure."""
+    for st in pod["status"].get("initContainerStatuses", []) + pod["status"].get("containerStatuses", []):
+        if (st.get("state", {}).get("waiting") or {}).get("reason") in why:
+            return True
+        for state in (st.get("state", {}), st.get("lastState", {})):
+            if (state.get("terminated") or {}).get("exitCode", 0) != 0:
+                return True
+    return False
+
+
+def _ready(pod: dict) -> bool:
+    return any(x["type"] == "Ready" and x["status"] == "True" for x in pod["status"].get("conditions", []))
+
+
+def _stuck_at_one_node(c: Cluster, tag: str, why: tuple[str, ...], hold: float = 10) -> str:
+    """The node whose pod moved to ``tag`` and cannot start (a container waiting for one of ``why``, or
+    exited in failure), once the rollout has gone no further for ``hold`` seconds, the others' pods still
+    the old ones and Ready."""
+    deadline, failing_since = time.monotonic() + 300, None
+    while True:
+        pods = _daemonset_pods(c)
+        moved = {n for n, p in pods.items() if any(x["image"].endswith(f":{tag}")
+                                                   for x in p["spec"]["containers"])}
+        assert len(moved) <= 1, f"the rollout went past a node whose pod cannot start: {sorted(moved)}"
+        if moved:
+            (node,) = moved
+            assert not _ready(pods[node]), f"{node}'s pod on {tag} is Ready"
+            if failing_since is None and _failing(pods[node], why):
+                failing_since = time.monotonic()
+            if failing_since is not None and time.monotonic() - failing_since >= hold:
+                assert all(_ready(p) for n, p in pods.items() if n != node), \
+                    "a node beside the stuck one lost its weft pod"
+                return node
+        assert time.monotonic() < deadline, f"no node's pod got stuck on {tag}: " + json.dumps(
+            {n: p["status"] for n, p in pods.items()})[:4000]
+        time.sleep(1)
+
+
+def test_an_upgrade_to_an_image_that_cannot_start_stops_at_its_first_node_and_rolls_back(
+        on_weft: Cluster, request: pytest.FixtureRequest) -> None:
+    """A tag that does not exist, then an image whose agent exits at start: the rollout stops at its first node,
+    the other nodes keep their agents, the first node's kubelet keeps its pods running (through weft, or
+    containerd once the installer has rolled that node back), and setting the old tag again restores it."""
+    c = on_weft
+    names = [f"kept-{n}" for n in c.nodes]
+    for name, node in zip(names, c.nodes, strict=True):
+        _pod(c, name, node)
+    before = _containers(c, names)
+    said = []
+    _image_of_version(c, "0.1.0+exits", "0.3.0-exits", agent_exits=True)
+    for tag, why in (("0.0.0-no-such-tag", ("ErrImagePull", "ImagePullBackOff")),
+                     ("0.3.0-exits", ("CrashLoopBackOff",))):
+        t = time.monotonic()
+        _set_image(c, tag)
+        node = _stuck_at_one_node(c, tag, why)
+        stuck = time.monotonic() - t
+        flags = c.nodes[node].path("/var/lib/kubelet/kubeadm-flags.env").read_text()
+        on = "weft" if "weft/cri.sock" in flags else "containerd"
+        assert {n: _agent_version(c, n) for n in c.nodes if n != node} == \
+            dict.fromkeys([n for n in c.nodes if n != node], "0.1.0")
+        assert _containers(c, names) == before, f"a pod lost its container while {node} was stuck on {tag}"
+        t = time.monotonic()
+        _set_image(c, TAG)
+        _rolled_out(c)
+        back = time.monotonic() - t
+        assert {n: _agent_version(c, n) for n in c.nodes} == dict.fromkeys(c.nodes, "0.1.0")
+        for n in c.nodes:
+            assert "weft/cri.sock" in c.nodes[n].path("/var/lib/kubelet/kubeadm-flags.env").read_text(), n
+        assert _containers(c, names) == before, f"a pod lost its container rolling back from {tag}"
+        said.append(f"{tag}: stopped at {node} ({stuck:.1f} s; its kubelet on {on} meanwhile), "
+                    f"rolled back in {back:.1f} s")
+    c.kubectl("delete", "pod", *names, "--wait=true", timeout=180)
+    fixture.report(request.config, "day two: an image that cannot start: " + "; ".join(said)
+                   + "; containers restarted 0")
