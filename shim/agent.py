@@ -102,6 +102,7 @@ class Agent:
         if self.api.available and k.reservations and "cpu" in mesh.role.split(","):
             host.reserve_with(self.api, mesh.node, k.namespace, k.reservation_image, grace=k.reservation_grace,
                               metrics=self.metrics, store=self.store)
+            host.reservations.on_cordon = lambda on: setattr(mesh.probe, "cordoned", on)  # no new stages then
             self._stop_hook(cfg, host)
             self.fabric.reservation_of = host.reservation
         self.fabric.mesh = mesh

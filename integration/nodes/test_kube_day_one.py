@@ -238,19 +238,25 @@ def _host_files(c: Cluster) -> dict[str, dict[str, bytes]]:
     return {n: {f: node.path(f).read_bytes() for f in HOST_FILES} for n, node in c.nodes.items()}
 
 
-def _kubelet_down_s(c: Cluster, node: str, since: float, unit: str = "kubelet.service") -> float:
-    """How long the node's kubelet (or ``unit``) was down across its restarts since ``since``: systemd's
-    journal, from each stop it began to the start that followed."""
+def _down_intervals(c: Cluster, node: str, since: float, unit: str) -> list[tuple[float, float]]:
+    """When the node's ``unit`` was down since ``since``: systemd's journal, from each stop it began to the
+    start that followed (the nodes share this machine's clock)."""
     out = c.nodes[node].run(["journalctl", "-u", unit, "-o", "short-unix", "--no-pager",
                              f"--since=@{int(since)}"]).stdout
-    down, stopping = 0.0, None
+    down, stopping = [], None
     for line in out.splitlines():
         stamp, _, text = line.partition(" ")
         if f"Stopping {unit}" in text:
             stopping = float(stamp)
         elif f"Started {unit}" in text and stopping is not None:
-            down, stopping = down + float(stamp) - stopping, None
+            down.append((stopping, float(stamp)))
+            stopping = None
     return down
+
+
+def _kubelet_down_s(c: Cluster, node: str, since: float, unit: str = "kubelet.service") -> float:
+    """How long the node's kubelet (or ``unit``) was down across its restarts since ``since``."""
+    return sum(end - start for start, end in _down_intervals(c, node, since, unit))
 
 
 def _rolled_out(c: Cluster, timeout: float = 300) -> float:
@@ -610,7 +616,11 @@ def _roll(c: Cluster, tag: str, version: str, during: str | None) -> dict[str, f
         _two_stage(c, during, "weft", prep=COUNTING_PREP)
     rolled = _rolled_out(c, timeout=600)
     assert {n: _agent_version(c, n) for n in c.nodes} == dict.fromkeys(c.nodes, version)
-    down = {n: _kubelet_down_s(c, n, started, unit="weft-agent.service") for n in c.nodes}
+    intervals = {n: _down_intervals(c, n, started, "weft-agent.service") for n in c.nodes}
+    # One node at a time, as the update strategy says: no two nodes' agents were ever down together.
+    spans = sorted((a, b, n) for n, found in intervals.items() for a, b in found)
+    assert all(b1 <= a2 for (_, b1, _), (a2, _, _) in itertools.pairwise(spans)), spans
+    down = {n: sum(b - a for a, b in found) for n, found in intervals.items()}
     return {"rollout": time.monotonic() - t, "rollout status": rolled,
             **{f"agent down {n}": d for n, d in down.items()}}
 
@@ -851,3 +861,81 @@ def test_an_upgrade_to_an_image_that_cannot_start_stops_at_its_first_node_and_ro
     c.kubectl("delete", "pod", *names, "--wait=true", timeout=180)
     fixture.report(request.config, "day two: an image that cannot start: " + "; ".join(said)
                    + "; containers restarted 0")
+
+
+def _peer_draining(c: Cluster, timeout: float = 60, **want: bool) -> None:
+    """Until gpu-1's agent sees each named CPU node draining (cordoned, or ``weft drain``) or not, as ``want``
+    says (a host says so in its next Hello)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        res = c.nodes["gpu-1"].run(["/opt/weft/bin/weft", "status", "--json", "--socket", "/run/weft/cri.sock"],
+                                   check=False)
+        peers = {p["node"]: p for p in (json.loads(res.stdout).get("peers", []) if res.returncode == 0 else [])}
+        if all(n in peers and peers[n]["healthy"] and bool(peers[n].get("draining")) is on
+               for n, on in want.items()):
+            return
+        assert time.monotonic() < deadline, f"gpu-1 does not see {want}: {peers}"
+        time.sleep(0.5)
+
+
+def _stage_host(c: Cluster, pod: str) -> str | None:
+    """The CPU node running ``pod``'s rerouted stage now (its origin sandbox's), or None (it runs on gpu-1)."""
+    (sandbox,) = _crictl(c, "gpu-1", "pods", "--name", f"^{pod}$", "--state", "ready")["items"]
+    found = [n for n in ("cpu-1", "cpu-2") if _crictl(c, n, "ps", "--label",
+                                                      f"weft.io/origin-sandbox={sandbox['id']}")["containers"]]
+    assert len(found) <= 1, found
+    return found[0] if found else None
+
+
+def test_kubectl_drain_of_the_stages_host_moves_the_stage_and_uncordon_takes_stages_again(
+        on_weft: Cluster, request: pytest.FixtureRequest) -> None:
+    """`kubectl drain` (no --force) of the CPU node running a rerouted stage: its reservation is evicted through
+    the Eviction API, the stage stops there and kubelet on gpu-1 restarts it on the other CPU node, nothing of it
+    is left on the drained one, and no new stage goes there while it is cordoned; uncordoned, it takes new
+    stages again."""
+    c = on_weft
+    _mesh_up(c)
+    _two_stage(c, "drained", "weft")
+    c.kubectl("wait", "--for=condition=Ready", "pod/drained", "--timeout=180s", timeout=210)
+    host = _stage_host(c, "drained")
+    assert host is not None, "the stage was not rerouted"
+    other = "cpu-2" if host == "cpu-1" else "cpu-1"
+    before = {x["name"]: x["containerID"] for x in json.loads(c.kubectl(
+        "get", "pod", "drained", "-o", "json").stdout)["status"]["containerStatuses"]}
+    t = time.monotonic()
+    said = c.kubectl("drain", host, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=120s",
+                     timeout=180).stdout
+    drained = time.monotonic() - t
+    assert "evicting pod weft-system/" in said and f"node/{host} drained" in said, said
+    moved = _ready_again(c, "drained", "prep", before["prep"])
+    assert _stage_host(c, "drained") == other
+    status = json.loads(c.kubectl("get", "pod", "drained", "-o", "json").stdout)["status"]
+    assert {x["name"]: x["containerID"] for x in status["containerStatuses"]}["model"] == before["model"]
+    # No container of it runs on the drained node and no reservation is there. The stopped shadow (and its
+    # sandbox) stays, as kubelet keeps a pod's last ended container, until kubelet on gpu-1 removes that
+    # container (with the pod, below).
+    deadline = time.monotonic() + 120
+    while (left := c.kubectl("get", "pods", "-A", "-l", "weft.io/role=hosted-stage", "--field-selector",
+                             f"spec.nodeName={host}", "-o", "name").stdout.split()
+           + [x["id"] for x in _crictl(c, host, "ps", "--label", "weft.io/origin-node=gpu-1")["containers"]]):
+        assert time.monotonic() < deadline, f"running or reserved on the drained {host}: {left}"
+        time.sleep(1)
+    # While it is cordoned its agent admits nothing; uncordoned (and the other cordoned), a new stage goes there.
+    _peer_draining(c, **{host: True})
+    c.kubectl("uncordon", host)
+    c.kubectl("cordon", other)
+    try:
+        _peer_draining(c, **{host: False, other: True})
+        _two_stage(c, "after-drain", "weft")
+        c.kubectl("wait", "--for=condition=Ready", "pod/after-drain", "--timeout=180s", timeout=210)
+        assert _stage_host(c, "after-drain") == host
+    finally:
+        c.kubectl("uncordon", other)
+    c.kubectl("delete", "pod", "drained", "after-drain", "--wait=true", timeout=180)
+    deadline = time.monotonic() + 120
+    while left := ([x["id"] for x in _crictl(c, host, "ps", "-a", "--label", "weft.io/origin-node=gpu-1")["containers"]]
+                   + [x["id"] for x in _crictl(c, host, "pods", "--label", "weft.io/origin-node=gpu-1")["items"]]):
+        assert time.monotonic() < deadline, f"left on {host} after the pods went: {left}"
+        time.sleep(1)
+    fixture.report(request.config, f"day two: kubectl drain {host} took {drained:.1f} s (its reservation "
+                   f"evicted), the stage running again on {other} {moved:.1f} s after; nothing of it left on {host}")

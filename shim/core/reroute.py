@@ -287,8 +287,11 @@ class AdmitDecision:
 
 
 def admit(limits: Resources, free: Resources, *, healthy: bool = True, cpu_host: bool = True,
-          draining: bool = False) -> AdmitDecision:
+          draining: bool = False, cordoned: bool = False) -> AdmitDecision:
     """Would this peer host a container with these limits now?
+
+    ``draining``: ``weft drain``; ``cordoned``: its Node is unschedulable (``kubectl cordon``, ``kubectl
+    drain``). Either way it takes nothing new, with the reason ``draining``.
 
     The limits are checked before the host (a request no peer could take says
     so), and the host's role before its health (a node that never hosts should
@@ -305,6 +308,9 @@ def admit(limits: Resources, free: Resources, *, healthy: bool = True, cpu_host:
     if draining:
         return AdmitDecision(AdmitReason.DRAINING, "this node is draining (weft drain): it takes no new containers",
                              free)
+    if cordoned:
+        return AdmitDecision(AdmitReason.DRAINING, "this node is cordoned (its Node is unschedulable): it takes no "
+                             "new containers", free)
     cpu_short = limits.cpu_cores > free.cpu_cores + _CPU_SLACK
     memory_short = limits.memory_bytes > free.memory_bytes
     if cpu_short or memory_short:

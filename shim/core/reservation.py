@@ -129,8 +129,11 @@ def stop_path(name: str) -> str:
 
 
 def pod_manifest(stage: Stage, *, namespace: str, pause_image: str,
-                 stop_hook: StopHook | None = None) -> dict[str, Any]:
+                 stop_hook: StopHook | None = None, node_uid: str = "") -> dict[str, Any]:
     """The reservation Pod, as JSON for the API: bound to the host, the stage's requests, the origin's priority.
+
+    With ``node_uid`` (the host's Node), the Node is the pod's controller: `kubectl drain` evicts pods that
+    have one and refuses, without ``--force``, those that have none; and the pod goes with its Node.
 
     With ``stop_hook``, the container's ``preStop`` asks the host's agent to stop the shadow, and kubelet ends
     the container (and Kubernetes lets the pod's CPU go) only once it has answered: whatever removes the
@@ -162,16 +165,16 @@ def pod_manifest(stage: Stage, *, namespace: str, pause_image: str,
             "scheme": "HTTP", "httpHeaders": [{"name": STOP_TOKEN_HEADER, "value": stop_hook.token}]}}}
     if stage.priority_class:
         spec["priorityClassName"] = stage.priority_class
-    return {
-        "apiVersion": "v1", "kind": "Pod",
-        "metadata": {
-            "name": name_of(stage.key), "namespace": namespace, "labels": labels_of(stage),
-            # The exact origin, where a label had to be shortened.
-            "annotations": {"weft.io/origin": f"{stage.namespace}/{stage.pod}/{stage.container}",
-                            "weft.io/origin-key-full": stage.key},
-        },
-        "spec": spec,
+    metadata: dict[str, Any] = {
+        "name": name_of(stage.key), "namespace": namespace, "labels": labels_of(stage),
+        # The exact origin, where a label had to be shortened.
+        "annotations": {"weft.io/origin": f"{stage.namespace}/{stage.pod}/{stage.container}",
+                        "weft.io/origin-key-full": stage.key},
     }
+    if node_uid:
+        metadata["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": stage.host, "uid": node_uid,
+                                        "controller": True}]
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": metadata, "spec": spec}
 
 
 _DISRUPTION = {"PreemptionByScheduler": LossReason.PREEMPTED, "EvictionByEvictionAPI": LossReason.EVICTED,

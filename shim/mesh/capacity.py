@@ -162,6 +162,7 @@ class CapacityProbe:
         self._host = host or PsutilHost()
         self._clock = clock
         self.draining = False
+        self.cordoned = False  # the host's Node is unschedulable (told by the host's reservations)
 
     @property
     def hosts_cpu(self) -> bool:
@@ -177,7 +178,7 @@ class CapacityProbe:
         return pb.PeerState(
             role=self.role, allocatable=_pb(allocatable), own_requests=_pb(own), hosted_limits=_pb(hosted),
             measured_used=_pb(used), free=_pb(free), healthy=True, sampled_at=self._clock(),
-            health_detail=DRAINING if self.draining else "",
+            health_detail=DRAINING if self.draining or self.cordoned else "",
         )
 
     def admit(self, request: pb.AdmitRequest) -> pb.AdmitResponse:
@@ -192,7 +193,7 @@ class CapacityProbe:
         limits = Resources(request.limits.cpu_cores, request.limits.memory_bytes)
         free = Resources(state.free.cpu_cores, state.free.memory_bytes)
         decision = reroute.admit(limits, free, healthy=state.healthy, cpu_host=self.hosts_cpu,
-                                 draining=self.draining)
+                                 draining=self.draining, cordoned=self.cordoned)
         return pb.AdmitResponse(admitted=decision.admitted, reason=decision.reason.value, detail=decision.detail,
                                 free_after=_pb(decision.free_after))
 

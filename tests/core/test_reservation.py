@@ -66,6 +66,14 @@ def test_with_a_stop_hook_kubelet_asks_the_host_to_stop_the_shadow_before_it_end
     assert plain["terminationGracePeriodSeconds"] == 0 and "lifecycle" not in plain["containers"][0]
 
 
+def test_its_node_is_its_controller_so_kubectl_drain_evicts_it_without_force() -> None:
+    pod = pod_manifest(STAGE, namespace="weft-system", pause_image="pause", node_uid="0b7e-uid")
+    assert pod["metadata"]["ownerReferences"] == [{"apiVersion": "v1", "kind": "Node", "name": "cpu-1",
+                                                   "uid": "0b7e-uid", "controller": True}]
+    # The Node not read (the API away when it was made): a bare pod, as before.
+    assert "ownerReferences" not in pod_manifest(STAGE, namespace="weft-system", pause_image="pause")["metadata"]
+
+
 def test_one_name_per_shadow_key_valid_for_the_api() -> None:
     assert name_of("a/b/0") == name_of("a/b/0") != name_of("a/b/1")
     assert re.fullmatch(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?", name_of("x" * 300)) and len(name_of("x" * 300)) <= 63

@@ -130,3 +130,14 @@ def test_a_draining_node_says_so_in_hello_stays_healthy_and_refuses_every_admit(
     assert not answer.admitted and answer.reason == "draining" and "weft drain" in answer.detail
     probe.draining = False
     assert probe.admit(request).admitted
+
+
+def test_a_cordoned_node_is_skipped_as_a_draining_one_and_takes_new_containers_again_once_uncordoned() -> None:
+    probe = _probe()
+    request = pb.AdmitRequest(limits=pb.Resources(cpu_cores=1.0, memory_bytes=GI))
+    probe.cordoned = True  # its Node unschedulable: kubectl cordon, or kubectl drain's first step
+    assert probe.sample().health_detail == DRAINING
+    answer = probe.admit(request)
+    assert not answer.admitted and answer.reason == "draining" and "cordoned" in answer.detail
+    probe.cordoned = False
+    assert probe.sample().health_detail == "" and probe.admit(request).admitted

@@ -210,6 +210,9 @@ class Lifecycle:
             existing = self.rt.find({ORIGIN_LABEL: origin, KEY_LABEL: label(req.key)}, containers=True)
             if existing:  # idempotent: the origin retried
                 return self.rt.state(req.key, existing[0].pod_sandbox_id, existing[0].id)
+            if self.reservations is not None and self.reservations.cordoned:  # kubectl cordon or drain
+                raise NotAdmitted(f"RunShadow {req.key}: this host's Node {self.reservations.node} is cordoned "
+                                  "(unschedulable): it takes no new containers")
             cpu, memory = admitted_with(req, config)
             self._admitted(origin, req.key, cpu, memory)
             try:

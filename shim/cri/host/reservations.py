@@ -42,7 +42,7 @@ from typing import Protocol
 import grpc
 import httpx2
 import lightkube
-from lightkube.resources.core_v1 import Pod
+from lightkube.resources.core_v1 import Node, Pod
 
 from shim import failpoint, log
 from shim.core.quantity import AnnotationError, parse_memory
@@ -149,6 +149,11 @@ class Reservations:
         self.stop_token: Callable[[str], str] | None = None
         self._lock = threading.Lock()
         self._held: dict[str, Held] = {}  # by shadow key
+        # This host's Node, read at each reconciliation and each RunShadow: its UID (the reservation pods'
+        # controller) and whether it is cordoned, which ``on_cordon`` passes to the mesh's admission.
+        self.node_uid = ""
+        self.cordoned = False
+        self.on_cordon: Callable[[bool], None] | None = None
         self._client: lightkube.Client | None = None
         self._client_lock = threading.Lock()
         labels, fields = self._selectors()
@@ -186,8 +191,26 @@ class Reservations:
                 self._client = self.api.client()
             return self._client
 
+    def read_node(self) -> None:
+        """This host's Node, as the API has it now; where the API does not answer, what was read last."""
+        try:
+            node = self.client().get(Node, self.node)
+        except (lightkube.ApiError, httpx2.TransportError) as exc:
+            _log.debug("reservation.node_unread", node=self.node, error=str(exc))
+            return
+        cordoned = bool(node.spec is not None and node.spec.unschedulable)
+        with self._lock:
+            self.node_uid = (node.metadata.uid if node.metadata else None) or self.node_uid
+            was, self.cordoned = self.cordoned, cordoned
+        if was != cordoned:
+            _log.info("reservation.node_cordoned" if cordoned else "reservation.node_uncordoned", node=self.node)
+        if self.on_cordon is not None:
+            self.on_cordon(cordoned)
+
     def origin_pod(self, origin: str, namespace: str, pod: str, container: str) -> OriginPod:
-        """The origin's pod, checked to be bound to the origin: a peer reserves only for its own pods."""
+        """The origin's pod, checked to be bound to the origin: a peer reserves only for its own pods. This
+        host's Node is read again too (``cordoned``: the caller takes no new stage then), once the API has
+        answered for the pod."""
         try:
             obj = self.client().get(Pod, pod, namespace=namespace)
         except lightkube.ApiError as exc:
@@ -199,6 +222,7 @@ class Reservations:
             raise ReservationRefused(f"pod {namespace}/{pod} is not bound to {origin} (it is on "
                                      f"{getattr(obj.spec, 'nodeName', None) or 'no node'}): a peer reserves only "
                                      "for its own pods")
+        self.read_node()
         memory = 0
         for c in obj.spec.containers or []:
             if c.name == container and c.resources is not None and c.resources.requests:
@@ -214,7 +238,10 @@ class Reservations:
         if self.stop_endpoint is not None and self.stop_token is not None:
             hook = StopHook(*self.stop_endpoint, token=self.stop_token(name_of(stage.key)),
                             grace_s=max(2, round(self.grace)))
-        manifest = pod_manifest(stage, namespace=self.namespace, pause_image=self.pause_image, stop_hook=hook)
+        if not self.node_uid:
+            self.read_node()
+        manifest = pod_manifest(stage, namespace=self.namespace, pause_image=self.pause_image, stop_hook=hook,
+                                node_uid=self.node_uid)
         with self._lock:
             if stage.key not in self._held:
                 self._held[stage.key] = Held(stage.key, manifest["metadata"]["name"], time.monotonic())
@@ -387,6 +414,7 @@ class Reservations:
 
     def reconcile(self) -> None:
         """No reservation without its shadow, no shadow past the grace without an admitted reservation."""
+        self.read_node()
         # The API's list first, then the shadows: a reservation made between the two belongs to a shadow that
         # the second look sees (the other order would take a fresh reservation for an orphan).
         labels, fields = self._selectors()

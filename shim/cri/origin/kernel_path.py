@@ -233,7 +233,6 @@ class KernelForwards:
         cut = frozenset(ip for ip in cut if ip in forwards.values())
         with self._lock:
             before = dict(self.decisions)
-            self.decisions = decisions
         if forwards != self._installed or cut != self._cut:
             gone = {ip for port, ip in (self._installed or {}).items() if forwards.get(port) != ip}
             try:
@@ -253,6 +252,8 @@ class KernelForwards:
                     self.ns.run(forget_connections, gone)
                 except Exception as exc:  # noqa: BLE001 - they end on their own; only quicker with this
                     _log.info("stitch.conntrack_failed", sandbox_id=self.sandbox_id, error=str(exc))
+        with self._lock:  # said (weft explain) only once the rules that carry them are in place
+            self.decisions = decisions
         for port, (ip, container, d) in decisions.items():
             old = before.get(port)
             if old is None or old[0] != ip or old[2].reason is not d.reason:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx2
 import pytest
-from lightkube.resources.core_v1 import Pod
+from lightkube.resources.core_v1 import Node, Pod
 
 from shim.core.reservation import LossReason, Stage, Verdict, name_of
 from shim.cri.host.reservations import ApiUnreachable, Reservations
@@ -33,6 +33,8 @@ class FakeApi:
                   "spec": {"nodeName": "gpu-1", "priorityClassName": "low",
                            "containers": [{"name": "prep", "image": "x"}]}}
         self.origin = Pod.from_dict(origin)
+        self.node = {"apiVersion": "v1", "kind": "Node", "metadata": {"name": "cpu-1", "uid": "cpu-1-uid"},
+                     "spec": {}}
 
     # ApiAccess's
     def client(self) -> FakeApi:
@@ -43,8 +45,11 @@ class FakeApi:
             raise httpx2.ConnectError("connection refused")
 
     # lightkube.Client's
-    def get(self, res, name: str, *, namespace: str):
+    def get(self, res, name: str, *, namespace: str | None = None):
         self._answer()
+        if res is Node:
+            assert name == "cpu-1"
+            return Node.from_dict(self.node)
         if name in self.pods:  # a reservation
             return Pod.from_dict(self.pods[name])
         assert name == "infer"
@@ -210,3 +215,27 @@ def test_a_stop_hook_for_a_reservation_released_here_answers_at_once(api: FakeAp
     host = _hooked(api, tmp_path)
     host.r.release(KEY)
     assert host.r.stop_for_kubelet(name_of(KEY), f"token-of-{name_of(KEY)}")[0] == 200 and host.losses == []
+
+
+def test_reservation_pods_are_their_nodes_and_a_cordoned_node_is_said_to_the_mesh(api: FakeApi,
+                                                                                   tmp_path: Path) -> None:
+    """Its Node is the reservation pod's controller (kubectl drain evicts it without --force), and each
+    reconciliation tells the mesh's admission whether the Node is cordoned, and says when it changes."""
+    host = Host(api, tmp_path, {KEY}, grace=10)
+    told: list[bool] = []
+    host.r.on_cordon = told.append
+    host.r.reserve(STAGE)
+    (owner,) = api.pods[name_of(KEY)]["metadata"]["ownerReferences"]
+    assert (owner["kind"], owner["name"], owner["uid"], owner["controller"]) == ("Node", "cpu-1", "cpu-1-uid", True)
+    host.r.reconcile()
+    api.node["spec"]["unschedulable"] = True  # kubectl cordon
+    host.r.reconcile()
+    assert host.r.cordoned and told[-1] is True
+    api.up = False  # the API away: what was read last holds
+    with pytest.raises(httpx2.ConnectError):
+        host.r.reconcile()
+    assert host.r.cordoned
+    api.up = True
+    api.node["spec"]["unschedulable"] = False  # kubectl uncordon
+    host.r.reconcile()
+    assert not host.r.cordoned and told[-1] is False
