@@ -385,6 +385,7 @@ def test_weft_installs_from_its_image_and_manifests_onto_every_node_and_backs_ou
     after = _containers(c, [*names, "opted-in"])
     assert {n: after[n] for n in names} == before_pods, "a pod from before the install lost its container"
     _remove_manifests(c)
+    c.kubectl("delete", "pod", *names, "opted-in", "--wait=true", timeout=180)
 
     fixture.report(request.config, f"day one: kubectl apply to every node switched {switched:.1f} s; kubelet down "
                    + ", ".join(f"{n} {s:.1f} s" for n, s in sorted(downtime.items()))
@@ -492,6 +493,8 @@ def on_weft(cluster: Cluster) -> Iterator[Cluster]:
     """Day two's cluster: weft installed once, as day one's test installs it, for the tests of what a platform
     team does to it every week; backed out at the end, leaving nothing."""
     c = cluster
+    # Day two starts from a cluster with no workload of day one's left on it (a bare pod would stop a drain).
+    c.kubectl("delete", "pods", "--all", "-n", "default", "--wait=true", timeout=180)
     c.kubectl("label", "node", "gpu-1", "weft.io/broker=simulated", "weft.io/simulated-devices=2x80Gi",
               "--overwrite")
     c.kubectl("label", "node", "cpu-1", "cpu-2", "weft.io/fixed-capacity=2_4Gi", "--overwrite")
