@@ -687,16 +687,21 @@ def _started_order(c: Cluster, node: str, units: tuple[str, ...]) -> list[str]:
     return sorted(started, key=started.__getitem__)
 
 
+def _peers_seen_by_gpu1(c: Cluster) -> dict[str, dict]:
+    """gpu-1's agent's peers, by node name, as `weft status --json` gives them (none while it does not answer)."""
+    res = c.nodes["gpu-1"].run(["/opt/weft/bin/weft", "status", "--json", "--socket", "/run/weft/cri.sock"],
+                               check=False)
+    return {p["node"]: p for p in (json.loads(res.stdout).get("peers", []) if res.returncode == 0 else [])}
+
+
 def _mesh_up(c: Cluster, timeout: float = 60) -> None:
     """Until gpu-1's agent has heard from both CPU nodes (healthy, with their free capacity): before that, a
     stage created is placed locally, as it should be while no host has said it can take one."""
     deadline = time.monotonic() + timeout
     while True:
-        res = c.nodes["gpu-1"].run(["/opt/weft/bin/weft", "status", "--json", "--socket", "/run/weft/cri.sock"],
-                                   check=False)
-        peers = json.loads(res.stdout).get("peers", []) if res.returncode == 0 else []
-        up = {p["node"] for p in peers if p["healthy"] and p.get("free_cpu_cores") is not None}
-        if {"cpu-1", "cpu-2"} <= up:
+        peers = _peers_seen_by_gpu1(c)
+        if all(n in peers and peers[n]["healthy"] and peers[n].get("free_cpu_cores") is not None
+               for n in ("cpu-1", "cpu-2")):
             return
         assert time.monotonic() < deadline, f"gpu-1 has not heard from both CPU nodes: {peers}"
         time.sleep(0.5)
@@ -871,9 +876,7 @@ def _peer_draining(c: Cluster, timeout: float = 60, **want: bool) -> None:
     says (a host says so in its next Hello)."""
     deadline = time.monotonic() + timeout
     while True:
-        res = c.nodes["gpu-1"].run(["/opt/weft/bin/weft", "status", "--json", "--socket", "/run/weft/cri.sock"],
-                                   check=False)
-        peers = {p["node"]: p for p in (json.loads(res.stdout).get("peers", []) if res.returncode == 0 else [])}
+        peers = _peers_seen_by_gpu1(c)
         if all(n in peers and peers[n]["healthy"] and bool(peers[n].get("draining")) is on
                for n, on in want.items()):
             return
