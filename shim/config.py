@@ -109,6 +109,13 @@ class AgentConfig:
 MESH_ROLES = ("gpu", "cpu", "both")
 
 
+# The mesh's gRPC keepalive: a ping every STREAM_KEEPALIVE_S on a connection with a call or stream open, the
+# connection dead when one goes unanswered for as long again. Until then a host counts an origin whose stream
+# crosses a cut link as in contact, so the origin's loss timeout has to wait that long on top of the fence.
+STREAM_KEEPALIVE_S = 2.0
+STREAM_DEAD_S = 2 * STREAM_KEEPALIVE_S
+LOSS_MARGIN_S = STREAM_DEAD_S + 2.0  # + the host's fence round and its StopContainer
+
 @dataclass(frozen=True)
 class MeshConfig:
     """The peer mesh; off unless ``address`` is set."""
@@ -159,10 +166,11 @@ class MeshConfig:
             raise ConfigError(f"mesh.fence_timeout: {self.fence_timeout} s must be at least two Hello intervals "
                               f"({self.hello_interval} s) and two heartbeats ({self.heartbeat_interval} s), "
                               "or a healthy origin's shadows would be fenced")
-        if self.loss_timeout < self.fence_timeout + 2:
+        if self.loss_timeout < self.fence_timeout + LOSS_MARGIN_S:
             raise ConfigError(f"mesh.loss_timeout: {self.loss_timeout} s must exceed mesh.fence_timeout "
-                              f"({self.fence_timeout} s) by at least 2 s, the time a host has to kill a fenced "
-                              "shadow before the origin starts another copy")
+                              f"({self.fence_timeout} s) by at least {LOSS_MARGIN_S:g} s: a cut link's mesh "
+                              f"stream looks open to the host for up to {STREAM_DEAD_S:g} s (keepalive), and the "
+                              "host then needs time to kill a fenced shadow before the origin starts another copy")
         if not self.address:
             return
         try:

@@ -42,6 +42,7 @@ import grpc
 from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim._pb import mesh_pb2_grpc as pb_grpc
+from shim.config import STREAM_KEEPALIVE_S
 from shim.errors import ConfigError, WeftError
 from shim.mesh import upload
 from shim.mesh.capacity import CapacityProbe
@@ -455,8 +456,8 @@ def handlers(servicer: MeshServicer) -> grpc.GenericRpcHandler:
 # while a call or stream is open: an idle connection (a candidate host between Hellos, of thousands) costs
 # nothing, and a call on one that died fails by its deadline.
 KEEPALIVE_OPTIONS = (
-    ("grpc.keepalive_time_ms", 2000),
-    ("grpc.keepalive_timeout_ms", 2000),
+    ("grpc.keepalive_time_ms", int(STREAM_KEEPALIVE_S * 1000)),
+    ("grpc.keepalive_timeout_ms", int(STREAM_KEEPALIVE_S * 1000)),
     ("grpc.keepalive_permit_without_calls", 0),
     ("grpc.http2.min_ping_interval_without_data_ms", 1000),
     ("grpc.http2.max_pings_without_data", 0),
