@@ -25,6 +25,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 from lightkube.models.core_v1 import Container, PodSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Pod, Secret
+from lightkube.resources.policy_v1 import PodDisruptionBudget
 
 from integration.kube.controlplane import ControlPlane
 from shim.kube import access
@@ -102,16 +103,22 @@ def test_the_keeper_as_weft_s_own_account_writes_a_kubeconfig_the_agent_finds_it
                                                                              "token": "0o600"}
     assert oct(out.stat().st_mode & 0o777) == "0o700"
     assert _peers(out / "kubeconfig") == [Peer("cpu-1", "10.9.0.2", 7443, True)]
-    # Least privilege (nodeimage/manifests/rbac.yaml): the token reads pods, never Secrets, and writes pods only
-    # in weft-system.
+    # Least privilege (nodeimage/manifests/rbac.yaml): the token reads pods and PodDisruptionBudgets, never
+    # Secrets, and writes either only in weft-system.
     client = access.resolve(out / "kubeconfig").client()
     try:
         with pytest.raises(lightkube.ApiError) as refused:
             list(client.list(Secret, namespace="default"))
         assert refused.value.status.code == 403
+        assert list(client.list(PodDisruptionBudget, namespace="default")) == []
         with pytest.raises(lightkube.ApiError) as refused:
             client.create(Pod(metadata=ObjectMeta(name="not-weft-s", namespace="default"),
                               spec=PodSpec(containers=[Container(name="c", image="busybox")])))
+        assert refused.value.status.code == 403
+        with pytest.raises(lightkube.ApiError) as refused:
+            client.create(PodDisruptionBudget.from_dict({
+                "metadata": {"name": "not-weft-s", "namespace": "default"},
+                "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": "x"}}}}))
     finally:
         client.close()
     assert refused.value.status.code == 403

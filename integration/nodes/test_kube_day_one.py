@@ -133,7 +133,7 @@ def _two_stage(c: Cluster, name: str, runtime_class: str | None, prep: str = PRE
     if runtime_class:
         spec["runtimeClassName"] = runtime_class
     c.kubectl("apply", "-f", "-", stdin=json.dumps({"apiVersion": "v1", "kind": "Pod", "metadata": {
-        "name": name, "namespace": "default",
+        "name": name, "namespace": "default", "labels": {"app": name},
         "annotations": {"weft.io/gpu-memory.model": "20Gi", "weft.io/gpu-compute.model": "50"}}, "spec": spec}))
 
 
@@ -893,12 +893,46 @@ def _stage_host(c: Cluster, pod: str) -> str | None:
     return found[0] if found else None
 
 
+def _stage_budgets(c: Cluster, host: str) -> list[dict]:
+    return json.loads(c.kubectl("get", "pdb", "-n", "weft-system", "-l", f"weft.io/host={host}",
+                                "-o", "json").stdout)["items"]
+
+
+def _drain_waits_on_the_workloads_budget(c: Cluster, host: str, pod: str) -> float:
+    """With a PodDisruptionBudget on ``pod`` that allows no disruption, `kubectl drain` of its stage's host
+    cannot evict the reservation (the host's stage budget refuses it) and the stage runs on; once the
+    workload's budget is gone, so is the stage budget. How long the stage budget took to go (s)."""
+    c.kubectl("apply", "-f", "-", stdin=json.dumps({
+        "apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": {"name": pod, "namespace": "default"},
+        "spec": {"minAvailable": 1, "selector": {"matchLabels": {"app": pod}}}}))
+    deadline = time.monotonic() + 60
+    while not ((budgets := _stage_budgets(c, host)) and (budgets[0].get("status") or {}).get("expectedPods") == 1
+               and budgets[0]["status"].get("observedGeneration") == budgets[0]["metadata"]["generation"]):
+        assert time.monotonic() < deadline, f"no stage budget on {host} for default/{pod}: {budgets}"
+        time.sleep(0.5)
+    (budget,) = budgets
+    assert budget["metadata"]["annotations"]["weft.io/budget-of"] == f"default/{pod}"
+    assert (budget["spec"]["minAvailable"], budget["status"]["disruptionsAllowed"]) == (1, 0), budget
+    state = _stage_state(c, pod)
+    held = c.kubectl("drain", host, "--ignore-daemonsets", "--delete-emptydir-data", "--timeout=15s",
+                     check=False, timeout=60)
+    said = held.stdout + held.stderr
+    assert held.returncode != 0 and "violate the pod's disruption budget" in said, said
+    assert _stage_host(c, pod) == host and _stage_state(c, pod) == state  # nothing restarted, the same reservation
+    c.kubectl("delete", "pdb", pod)
+    t = time.monotonic()
+    while _stage_budgets(c, host):
+        assert time.monotonic() - t < 30, f"the stage budget on {host} outlived default/{pod}'s"
+        time.sleep(0.5)
+    return time.monotonic() - t
+
+
 def test_kubectl_drain_of_the_stages_host_moves_the_stage_and_uncordon_takes_stages_again(
         on_weft: Cluster, request: pytest.FixtureRequest) -> None:
     """`kubectl drain` (no --force) of the CPU node running a rerouted stage: its reservation is evicted through
     the Eviction API, the stage stops there and kubelet on gpu-1 restarts it on the other CPU node, nothing of it
     is left on the drained one, and no new stage goes there while it is cordoned; uncordoned, it takes new
-    stages again."""
+    stages again. First, a PodDisruptionBudget on the workload that allows no disruption holds the drain back."""
     c = on_weft
     _mesh_up(c)
     _two_stage(c, "drained", "weft")
@@ -906,6 +940,7 @@ def test_kubectl_drain_of_the_stages_host_moves_the_stage_and_uncordon_takes_sta
     host = _stage_host(c, "drained")
     assert host is not None, "the stage was not rerouted"
     other = "cpu-2" if host == "cpu-1" else "cpu-1"
+    budget_gone = _drain_waits_on_the_workloads_budget(c, host, "drained")
     before = {x["name"]: x["containerID"] for x in json.loads(c.kubectl(
         "get", "pod", "drained", "-o", "json").stdout)["status"]["containerStatuses"]}
     t = time.monotonic()
@@ -943,5 +978,6 @@ def test_kubectl_drain_of_the_stages_host_moves_the_stage_and_uncordon_takes_sta
                    + [x["id"] for x in _crictl(c, host, "pods", "--label", "weft.io/origin-node=gpu-1")["items"]]):
         assert time.monotonic() < deadline, f"left on {host} after the pods went: {left}"
         time.sleep(1)
-    fixture.report(request.config, f"day two: kubectl drain {host} took {drained:.1f} s (its reservation "
+    fixture.report(request.config, f"day two: kubectl drain {host} held back by the workload's budget (its "
+                   f"stage budget gone {budget_gone:.1f} s after it); then took {drained:.1f} s (its reservation "
                    f"evicted), the stage running again on {other} {moved:.1f} s after; nothing of it left on {host}")

@@ -93,6 +93,8 @@ def test_rbac_grants_reads_and_writes_pods_only_in_weft_s_namespace():
         ("Role", "", "pods", ()): {"create", "delete", "get", "list", "watch"},  # written in weft-system only
         ("Role", "", "serviceaccounts/token", (sa,)): {"create"},  # the keeper's, for the host agent
         ("Role", "", "events", ()): {"create"},  # the installer's report of a host it refuses
+        ("ClusterRole", "policy", "poddisruptionbudgets", ()): {"get", "list", "watch"},  # workloads' budgets
+        ("Role", "policy", "poddisruptionbudgets", ()): {"create", "delete", "get", "list", "patch"},  # stage budgets
     }
 
 

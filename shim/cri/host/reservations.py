@@ -59,6 +59,7 @@ from shim.core.reservation import (
     pod_manifest,
     verdict,
 )
+from shim.cri.host.budgets import StageBudgets
 from shim.errors import WeftError
 from shim.kube.access import ApiAccess
 from shim.kube.watch import PodWatch
@@ -162,6 +163,8 @@ class Reservations:
                                on_event=lambda kind, pod: self.seen(pod, deleted=kind == "DELETED"),
                                name="weft-reservations-watch", failed_event="reservation.watch_failed",
                                watch_s=WATCH_S)
+        # The workloads' PodDisruptionBudgets, kept for the reservations (a drain respects them).
+        self.budgets = StageBudgets(self.client, node, namespace)
         self._reconciler = Periodic("weft-reservations", RECONCILE_S, self.reconcile,
                                     failed="reservation.reconcile_failed", first=True)
 
@@ -459,6 +462,7 @@ class Reservations:
             if held.lost is None and held.state is ReservationState.PENDING and now - held.created > grace:
                 self._give_up(held, Verdict(ReservationState.LOST, LossReason.NOT_ADMITTED,
                                             f"not admitted by kubelet within {grace:g} s"))
+        self.budgets.sync((p for key, p in on_api.items() if key in live), self.node_uid)
         if self.metrics is not None:
             with self._lock:
                 counts: dict[str, int] = {}
