@@ -42,6 +42,7 @@ class StageBudgets:
         self.client, self.node, self.namespace = client, node, namespace
         self._labels: dict[tuple[str, str], tuple[float, dict[str, str] | None]] = {}
         self._said = ""  # the last error said, so a lasting one is not said every round
+        self._none = False  # this host has no stage budget on the API: a host with none to keep asks nothing
 
     def sync(self, reservations: Iterable[Any], node_uid: str = "") -> None:
         """Make the stage budgets match ``reservations`` (this host's reservation Pods, as listed)."""
@@ -78,6 +79,8 @@ class StageBudgets:
                                                int((d.get("status") or {}).get("disruptionsAllowed", 0)),
                                                (d.get("spec") or {}).get("selector")))
         want = plan(self.node, hosted, workload)
+        if not want and self._none:
+            return
         have = {b.metadata.name: b.to_dict() for b in self.client().list(
             PodDisruptionBudget, namespace=self.namespace,
             labels={ROLE_LABEL: BUDGET_ROLE, HOST_LABEL: label_value(self.node)})}
@@ -97,6 +100,7 @@ class StageBudgets:
                     raise
             _log.info("budget.deleted", name=name, of=(have[name]["metadata"].get("annotations") or {}).get(
                 "weft.io/budget-of", ""))
+        self._none = not want
 
     def _create(self, sb: StageBudget, node_uid: str) -> None:
         body = manifest(sb, host=self.node, host_label=label_value(self.node), namespace=self.namespace,

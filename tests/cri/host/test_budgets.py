@@ -123,6 +123,19 @@ def test_no_reservation_left_no_stage_budget_left(api: FakeApi) -> None:
     assert _stage_budgets(api) == {}
 
 
+def test_a_host_with_no_stage_budget_to_keep_asks_for_its_list_once(api: FakeApi) -> None:
+    budgets = StageBudgets(lambda: api, "cpu-1", "weft-system")
+    listed = []
+    real = api.list
+    api.list = lambda kind, namespace, labels=None: listed.append(kind) or real(kind, namespace, labels)
+    for _ in range(3):
+        budgets.sync([])
+    assert listed == [PodDisruptionBudget]
+    _workload(api, "web-0", {"app": "web"}, allowed=0)
+    budgets.sync([_reservation("k1", "web-0")])
+    assert _stage_budgets(api)
+
+
 def test_another_hosts_stage_budgets_are_left_alone(api: FakeApi) -> None:
     _workload(api, "web-0", {"app": "web"}, allowed=0)
     StageBudgets(lambda: api, "cpu-2", "weft-system").sync([_reservation("k2", "web-0")])
