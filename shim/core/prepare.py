@@ -41,8 +41,10 @@ class PrepareDecision:
 
 
 def decide_prepare(annotations: Mapping[str, str], peers: Iterable[PeerView], *, enabled: bool,
-                   host_namespaces: bool, privileged: bool, max_age_s: float = 30.0) -> PrepareDecision:
-    """Prepare on the CPU host with the most room now, unless switched off, opted out, unsafe or none fits."""
+                   host_namespaces: bool, privileged: bool, max_age_s: float = 30.0,
+                   spread: str = "") -> PrepareDecision:
+    """Prepare on the CPU host with the most room now (with ``spread``, the one placement will try first:
+    the same draw), unless switched off, opted out, unsafe or none fits."""
     if not enabled:
         return PrepareDecision(PrepareReason.DISABLED, "", "mesh.prepare_shadow_sandbox is off")
     if annotations.get(PREPARE_ANNOTATION, "").strip().lower() in ("false", "no", "0"):
@@ -50,12 +52,13 @@ def decide_prepare(annotations: Mapping[str, str], peers: Iterable[PeerView], *,
     if host_namespaces or privileged:
         what = "host namespaces" if host_namespaces else "a privileged sandbox"
         return PrepareDecision(PrepareReason.UNSAFE, "", f"no container of a pod with {what} is rerouted")
-    ranking = choose_peers(PROBE, peers, max_age_s=max_age_s)
+    ranking = choose_peers(PROBE, peers, max_age_s=max_age_s, spread=spread)
     if not ranking.candidates:
         seen = ", ".join(f"{node} {why}" for node, why in ranking.rejected)
         return PrepareDecision(PrepareReason.NO_PEERS, "", f"no CPU host with room: {seen}" if seen else "no peers")
     node = ranking.candidates[0]
-    return PrepareDecision(PrepareReason.PREPARED, node, f"most room now: {node}")
+    return PrepareDecision(PrepareReason.PREPARED, node,
+                           f"the roomier of two drawn: {node}" if spread else f"most room now: {node}")
 
 
 def prefer(candidates: tuple[str, ...], prepared: str | None) -> tuple[str, ...]:

@@ -23,6 +23,7 @@ with a reason, and the reason's value is what crictl annotations and
 from __future__ import annotations
 
 import enum
+import hashlib
 import posixpath
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -360,7 +361,13 @@ class PeerRanking:
     rejected: tuple[tuple[str, str], ...]  # (node, PeerRejection value), by node name
 
 
-def choose_peers(limits: Resources, peers: Iterable[PeerView], *, max_age_s: float = 30.0) -> PeerRanking:
+def draw(salt: str, node: str) -> int:
+    """A number from ``salt`` and ``node`` alone: the same placement draws the same, another draws afresh."""
+    return int.from_bytes(hashlib.blake2b(f"{salt}\0{node}".encode(), digest_size=8).digest(), "big")
+
+
+def choose_peers(limits: Resources, peers: Iterable[PeerView], *, max_age_s: float = 30.0,
+                 spread: str = "") -> PeerRanking:
     """The peers that would admit ``limits``, most room left first.
 
     Most free CPU after placement first, because CPU is what the rerouted
@@ -368,6 +375,12 @@ def choose_peers(limits: Resources, peers: Iterable[PeerView], *, max_age_s: flo
     node name, so the same views in any order give the same ranking. A view
     older than ``max_age_s`` is not trusted for anything, health included.
     Admit still has the last word: the peer may have filled up since.
+
+    With ``spread`` (the placement's own key, and the origin's name): the
+    better of two fitting peers drawn by it goes first, then the rest by room
+    with ties by the draw. Origins with the same views (a fleet placing at
+    once) then do not all ask the same roomiest host first, fill it, and move
+    on together to the next (two random choices, as load balancers do).
     """
     fits: list[tuple[float, int, str]] = []
     rejected: list[tuple[str, str]] = []
@@ -381,9 +394,16 @@ def choose_peers(limits: Resources, peers: Iterable[PeerView], *, max_age_s: flo
             fits.append((-after.cpu_cores, -after.memory_bytes, peer.node))
         else:
             rejected.append((peer.node, PeerRejection(decision.reason.value).value))
-    fits.sort()
     rejected.sort()
-    return PeerRanking(tuple(node for _, _, node in fits), tuple(rejected))
+    if not spread:
+        fits.sort()
+        return PeerRanking(tuple(node for _, _, node in fits), tuple(rejected))
+    ranked = sorted(fits, key=lambda f: (f[0], f[1], draw(spread, f[2])))
+    if len(ranked) > 2:
+        two = sorted(range(len(ranked)), key=lambda i: draw(spread + "\0two", ranked[i][2]))[:2]
+        first = min(two)  # the roomier of the two
+        ranked.insert(0, ranked.pop(first))
+    return PeerRanking(tuple(node for _, _, node in ranked), tuple(rejected))
 
 
 # -- the origin's decision -------------------------------------------------------
@@ -418,6 +438,7 @@ def decide(
     *,
     pinned_local: bool = False,
     max_age_s: float = 30.0,
+    spread: str = "",
 ) -> RerouteDecision:
     """Where a CPU container runs: the peers to try in order, or here with the reason.
 
@@ -430,7 +451,7 @@ def decide(
     safety = check_safety(facts)
     if not safety.safe:
         return RerouteDecision(RerouteReason.UNSAFE, (), f"{safety.reason.value}: {safety.detail}")
-    ranking = choose_peers(limits, peers, max_age_s=max_age_s)
+    ranking = choose_peers(limits, peers, max_age_s=max_age_s, spread=spread)
     if ranking.candidates:
         return RerouteDecision(
             RerouteReason.REROUTED, ranking.candidates, f"{limits} fits on: {', '.join(ranking.candidates)}"

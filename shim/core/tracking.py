@@ -12,7 +12,9 @@ fresh capacity only for the peers it has business with:
 * **probes**: a few cold CPU hosts each round, taken in turn from a cursor
   that goes round the fleet by node name, so that every host's room is
   learnt in time and a roomier host replaces a fuller candidate; an empty
-  candidate slot is filled by probing at once.
+  candidate slot is filled by probing at once. Each origin's cursor starts
+  at a host drawn by its own name, so a fleet of origins does not learn the
+  same hosts first.
 
 When placement needs more than the candidates offer, :func:`refresh_order`
 names the cold hosts to ask now, in the same rotation. A host-only node
@@ -27,7 +29,7 @@ import enum
 from collections.abc import Collection, Iterable, Sequence, Sized
 from dataclasses import dataclass
 
-from shim.core.reroute import PeerView, Resources, choose_peers
+from shim.core.reroute import PeerView, Resources, choose_peers, draw
 
 # Candidates an origin keeps fresh; and a small fleet's size, up to which every peer is said Hello to.
 TRACKED_PEERS = 16
@@ -41,6 +43,15 @@ CANDIDATE_REFRESH_S = 10.0
 def candidate_every(hello_interval: float) -> int:
     """Rounds between the candidates' Hellos: every ``CANDIDATE_REFRESH_S``, or every round when longer."""
     return max(1, int(CANDIDATE_REFRESH_S // hello_interval)) if hello_interval > 0 else 1
+
+
+# A peer this node used (a client handed out, a call made) this recently still counts as business.
+BUSINESS_S = 30.0
+# An on-demand refresh asks this many cold hosts at once, for at most this long in all; after one that found
+# no room, placement does not ask again for the same need or more for a while.
+REFRESH_BATCH = 16
+REFRESH_BUDGET_S = 2.0
+NO_ROOM_HOLD_S = 5.0
 
 
 # What "has room" means before placement said what it needs: a container of a millicore and a byte.
@@ -108,6 +119,14 @@ def rotation(known: Sequence[Known], *, exclude: Collection[str], start: str, co
     i = bisect.bisect_right(order, start)
     picked = tuple(order[(i + j) % len(order)] for j in range(min(count, len(order))))
     return picked, picked[-1]
+
+
+def start_cursor(known: Sequence[Known], seed: str) -> str:
+    """Where an origin's rotation starts: a CPU host drawn by ``seed`` (the origin's name). Origins started at
+    once then probe different hosts first and come to know different ones, rather than all walking the fleet
+    from its first name in step."""
+    order = sorted(k.node for k in known if k.cpu_host)
+    return order[draw(seed, "cursor") % len(order)] if order else ""
 
 
 def live(view: PeerView, max_age_s: float) -> bool:

@@ -29,7 +29,15 @@ from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core import tracking
 from shim.core.reroute import PeerView, Resources
-from shim.core.tracking import ANY_ROOM, Known, TrackReason
+from shim.core.tracking import (
+    ANY_ROOM,
+    BUSINESS_S,
+    NO_ROOM_HOLD_S,
+    REFRESH_BATCH,
+    REFRESH_BUDGET_S,
+    Known,
+    TrackReason,
+)
 from shim.errors import WeftError
 from shim.kube.access import ApiAccess, KubeconfigNotYet
 from shim.mesh.capacity import DRAINING, CapacityProbe, fixed_host
@@ -49,15 +57,8 @@ from shim.periodic import Periodic
 
 _log = log.get("weft.mesh")
 
-# A peer this node used (a client handed out, a call made) this recently still counts as business.
-BUSINESS_S = 30.0
 # A connection nothing has used for this long is closed (the next call opens it again).
 IDLE_S = 10.0
-# An on-demand refresh asks this many cold hosts at once, for at most this long in all; after one that found
-# no room, placement does not ask again for the same need or more for a while.
-REFRESH_BATCH = 16
-REFRESH_BUDGET_S = 2.0
-NO_ROOM_HOLD_S = 5.0
 # A discovery change logs the peers' names only for a fleet this small (their count always).
 LOGGED_NAMES = 64
 
@@ -210,7 +211,10 @@ class MeshNode:
         mine.node = self.node
         business = self.business()
         with self._lock:
-            plan = tracking.plan_round(self._known(), self._candidates, business, placing=self.placing,
+            known = self._known()
+            if not self._cursor:  # each origin starts its rotation somewhere of its own, not all at the first name
+                self._cursor = tracking.start_cursor(known, self.node)
+            plan = tracking.plan_round(known, self._candidates, business, placing=self.placing,
                                        limit=self.limit, cursor=self._cursor,
                                        candidates_due=self._round % tracking.candidate_every(self.hello_interval) == 0)
             self._round += 1
@@ -396,6 +400,14 @@ class MeshNode:
             _log.info("mesh.draining" if on else "mesh.undrained", node=self.node)
 
     # -- what placement and status read -----------------------------------------------
+    def spread(self, pod: str) -> str:
+        """What placement draws its two choices with (``reroute.choose_peers``) for ``pod``: this node and the
+        pod, so that its preparation and its containers draw alike, and other origins otherwise. A fleet no
+        larger than the bound ranks by room alone (every origin sees every host; nothing herds)."""
+        with self._lock:
+            small = tracking.small_fleet(self._records, self.limit)
+        return "" if small else f"{self.node}/{pod}"
+
     def views(self, need: Resources | None = None) -> list[PeerView]:
         """The peers this node keeps fresh (every peer in a small fleet), by node name.
 

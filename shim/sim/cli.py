@@ -24,7 +24,7 @@ from pathlib import Path
 
 from shim.core.quantity import AnnotationError, parse_memory
 from shim.core.reroute import Resources
-from shim.sim import plots, report
+from shim.sim import mesh, plots, report
 from shim.sim.cost import DEFAULT_PRICES, Prices
 from shim.sim.model import ClusterSpec, GpuProfile, PodSpec
 from shim.sim.readers import TraceError, read_dlrm, read_genai_samples, read_genai_summary, read_openb_nodes
@@ -70,6 +70,15 @@ def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParse
         "and a validation of the bundled mode against published figures.",
         epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    p.add_argument("mode", nargs="?", choices=("fleet", "mesh"), default="fleet",
+                   help="fleet (default): the workload, bundled and with weft; mesh: the mesh's control plane "
+                   "across a fleet of origins and hosts placing at once (docs/simulator.md)")
+    me = p.add_argument_group("mesh mode")
+    me.add_argument("--scenario", action="append", choices=tuple(mesh.SCENARIOS),
+                    help="a scenario to run (repeat for several; default: every one)")
+    me.add_argument("--hosts", help="CPU hosts (default: each scenario's, 5000)")
+    me.add_argument("--origins", help="origins placing (default: each scenario's, 1000); the placements scale "
+                    "with them")
     src = p.add_argument_group("workload")
     src.add_argument("--dlrm", metavar="FILE", help="Prism DLRM instances CSV (CN and HN rows paired into pods)")
     src.add_argument("--genai-pods", metavar="FILE", help="GenTD26 per-pod duty-cycle and GPU-memory samples CSV")
@@ -309,7 +318,26 @@ def _duty(args: argparse.Namespace) -> Callable[[random.Random], float]:
         raise UsageError(f"--duty: {exc}") from None
 
 
+def run_mesh(args: argparse.Namespace) -> int:
+    try:
+        seed = _count("--seed", args.seed)
+        hosts = _count("--hosts", args.hosts, 1) if args.hosts else None
+        origins = _count("--origins", args.origins, 1) if args.origins else None
+    except UsageError as exc:
+        print(f"weft simulate: {exc}", file=sys.stderr)
+        return 2
+    names = args.scenario or list(mesh.SCENARIOS)
+    figures = mesh.simulate(names, hosts=hosts, origins=origins, seed=seed)
+    if args.json:
+        print(json.dumps({"seed": seed, "delays": str(mesh.Delays()), "scenarios": figures}, indent=2))
+    else:
+        print(mesh.table(figures))
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "mode", "fleet") == "mesh":
+        return run_mesh(args)
     try:
         seed = _count("--seed", args.seed)
         inputs: dict = {"seed": seed}

@@ -380,6 +380,25 @@ def test_choose_peers_orders_by_room_left(peers: list[PeerView], candidates: tup
     assert choose_peers(LIMITS, list(reversed(peers))).candidates == candidates
 
 
+def test_with_a_spread_the_roomier_of_two_drawn_peers_goes_first_and_the_rest_by_room() -> None:
+    peers = [peer(f"h{i:02d}", 3 + i) for i in range(20)]
+    by_room = choose_peers(LIMITS, peers).candidates
+    firsts = set()
+    for pod in range(200):
+        got = choose_peers(LIMITS, peers, spread=f"gpu-1/pod-{pod}").candidates
+        assert got == choose_peers(LIMITS, list(reversed(peers)), spread=f"gpu-1/pod-{pod}").candidates  # same draw
+        assert sorted(got) == sorted(by_room) and got[1:] == tuple(n for n in by_room if n != got[0])
+        firsts.add(got[0])
+    # Drawn: many hosts come first, not the roomiest alone; the roomier of two: never the one with the least.
+    assert len(firsts) > 10 and by_room[-1] not in firsts
+    # Another origin placing the same pod draws afresh.
+    assert len({choose_peers(LIMITS, peers, spread=f"gpu-{o}/pod-1").candidates[0] for o in range(50)}) > 5
+
+
+def test_with_a_spread_two_fitting_peers_still_go_roomiest_first() -> None:
+    assert choose_peers(LIMITS, [peer("a", 4), peer("b", 8), peer("c", 1)], spread="x").candidates == ("b", "a")
+
+
 @pytest.mark.parametrize(
     ("view", "why"),
     [

@@ -23,6 +23,7 @@ from shim.core.tracking import (
     plan_round,
     refresh_order,
     rotation,
+    start_cursor,
 )
 
 GI = 1 << 30
@@ -127,3 +128,11 @@ def test_a_refresh_asks_every_cold_host_once_from_the_cursor() -> None:
 def test_candidates_are_said_hello_to_about_every_ten_seconds() -> None:
     assert candidate_every(2.0) == 5 and candidate_every(0.3) == 33
     assert candidate_every(10.0) == 1 and candidate_every(30.0) == 1
+
+
+def test_each_origin_starts_its_rotation_at_a_host_of_its_own() -> None:
+    known = fleet(1000, gpu=3)
+    starts = {start_cursor(known, f"gpu-{o:04d}") for o in range(200)}
+    assert len(starts) > 150 and all(s.startswith("cpu-") for s in starts)
+    assert start_cursor(known, "gpu-0001") == start_cursor(list(reversed(known)), "gpu-0001")
+    assert start_cursor(fleet(0, gpu=2), "gpu-0001") == ""

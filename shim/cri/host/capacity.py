@@ -60,7 +60,11 @@ class HostedCapacity:
         return self._cached("own", self._own_requests)
 
     def hosted_limits(self) -> Resources:
-        """CPU (quota / period) and memory limits of the running shadows; also sets ``weft_shadows_hosted``."""
+        """CPU (quota / period) and memory limits of the shadows made or running; also sets
+        ``weft_shadows_hosted`` (those running).
+
+        A made shadow counts before it starts: the origin's StartContainer follows its RunShadow, and a
+        second RunShadow admitted in between must not take the same room (a burst of origins would)."""
         return self._cached("hosted", self._hosted_limits)
 
     def _own_requests(self) -> Resources:
@@ -103,11 +107,12 @@ class HostedCapacity:
     def _hosted_limits(self) -> Resources:
         cpu, memory, count = 0.0, 0, 0
         shares: list[int] = []
-        for c in self.rt.containers(cri.CONTAINER_RUNNING):
-            if ORIGIN_LABEL not in c.labels:
+        for c in self.rt.containers():
+            if ORIGIN_LABEL not in c.labels or c.state not in (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING):
                 continue
-            count += 1
-            shares.append(shares_of(c))
+            if c.state == cri.CONTAINER_RUNNING:
+                count += 1
+                shares.append(shares_of(c))
             try:
                 c_cpu, c_mem = self.updated.get(c.id) or (float(c.annotations.get(CPU_LIMIT_ANNOTATION, "0")),
                                                            int(c.annotations.get(MEMORY_LIMIT_ANNOTATION, "0")))

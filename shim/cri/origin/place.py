@@ -239,7 +239,9 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
     if spec is not None and spec.init:
         return None, LocalBecause(PlacementReason.INIT_CONTAINER, f"an init container runs on the pod's node ({rules})")
     facts = facts_of(config, sandbox_config, fabric.pods_dir, spec)
-    decision = decide(facts, facts.limits or Resources(0.0, 0), mesh.views(), max_age_s=fabric.peer_max_age_s)
+    pod = f"{sandbox_config.metadata.uid}/{sandbox_config.metadata.attempt}"
+    decision = decide(facts, facts.limits or Resources(0.0, 0), mesh.views(), max_age_s=fabric.peer_max_age_s,
+                      spread=mesh.spread(pod))
     if decision.reason is not RerouteReason.REROUTED:
         return None, LocalBecause(PlacementReason(decision.reason.value), f"{decision.detail} ({rules})")
     try:

@@ -50,7 +50,8 @@ class Prepared:
         return decide_prepare(dict(config.annotations), self.fabric.mesh.views(),
                               enabled=self.fabric.prepare_shadow_sandbox,
                               host_namespaces=cri.NODE in (o.network, o.pid, o.ipc), privileged=sc.privileged,
-                              max_age_s=self.fabric.peer_max_age_s)
+                              max_age_s=self.fabric.peer_max_age_s,
+                              spread=self.fabric.mesh.spread(f"{config.metadata.uid}/{config.metadata.attempt}"))
 
     def begin(self, config: cri.PodSandboxConfig) -> PrepareDecision:
         """Decide, and when a host is chosen ask it in the background; the decision, for the log."""

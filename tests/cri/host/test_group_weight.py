@@ -44,8 +44,8 @@ class _Runtime:
     def __init__(self, containers: list[cri.Container]) -> None:
         self.list = containers
 
-    def containers(self, state: int) -> list[cri.Container]:
-        return [c for c in self.list if c.state == state]
+    def containers(self, state: int | None = None) -> list[cri.Container]:
+        return [c for c in self.list if state is None or c.state == state]
 
 
 class _Metrics:
@@ -78,3 +78,15 @@ def test_the_running_shadows_weigh_the_group_when_the_hosted_set_changes(tmp_pat
     rt.list = rt.list[:1]
     capacity.reweigh()
     assert (group / "cpu.shares").read_text() == "512\n"
+
+
+def test_a_shadow_made_and_not_yet_started_holds_its_room_but_weighs_nothing(tmp_path: Path) -> None:
+    group = tmp_path / "cpu" / "weft-shadows"
+    group.mkdir(parents=True)
+    rt = _Runtime([_shadow("512"), _shadow("1024", cri.CONTAINER_CREATED), _shadow("256", cri.CONTAINER_EXITED)])
+    capacity = HostedCapacity(rt, _Fabric())  # type: ignore[arg-type]
+    capacity.group = ShadowGroupWeight("/weft-shadows", root=tmp_path)
+    capacity.reweigh()
+    # Room: the running one and the one made (a second RunShadow before its start must not take it again).
+    assert capacity.hosted_limits().cpu_cores == 2.0
+    assert (group / "cpu.shares").read_text() == "512\n"  # weight: what runs

@@ -69,6 +69,9 @@ class FakeMesh:
     def __init__(self, peers: dict[str, Peer]) -> None:
         self.peers = peers
 
+    def spread(self, pod: str) -> str:
+        return ""  # a small fleet: ranked by room alone
+
     def views(self) -> list[PeerView]:
         return [PeerView(n, True, True, Resources(4.0 - i * 0.5, 8 * GI), 0.1) for i, n in enumerate(self.peers)]
 

@@ -249,6 +249,9 @@ class FakeMesh:
     def status(self) -> list[dict[str, Any]]:
         return [{"node": n, "address": h.address, "role": "cpu", "healthy": True} for n, h in self.hosts.items()]
 
+    def spread(self, pod: str) -> str:
+        return ""  # a small fleet: ranked by room alone
+
     def views(self) -> list[PeerView]:
         return [PeerView(n, True, True, Resources(4.0, 8 * GI), 0.1) for n in self.hosts]
 
