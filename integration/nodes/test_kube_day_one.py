@@ -952,13 +952,15 @@ def test_kubectl_drain_of_the_stages_host_moves_the_stage_and_uncordon_takes_sta
     assert _stage_host(c, "drained") == other
     status = json.loads(c.kubectl("get", "pod", "drained", "-o", "json").stdout)["status"]
     assert {x["name"]: x["containerID"] for x in status["containerStatuses"]}["model"] == before["model"]
-    # No container of it runs on the drained node and no reservation is there. The stopped shadow (and its
-    # sandbox) stays, as kubelet keeps a pod's last ended container, until kubelet on gpu-1 removes that
-    # container (with the pod, below).
+    # No container or sandbox of it runs on the drained node and no reservation is there. The stopped shadow
+    # stays, as kubelet keeps a pod's last ended container, until kubelet on gpu-1 removes that container
+    # (with the pod, below).
     deadline = time.monotonic() + 120
     while (left := c.kubectl("get", "pods", "-A", "-l", "weft.io/role=hosted-stage", "--field-selector",
                              f"spec.nodeName={host}", "-o", "name").stdout.split()
-           + [x["id"] for x in _crictl(c, host, "ps", "--label", "weft.io/origin-node=gpu-1")["containers"]]):
+           + [x["id"] for x in _crictl(c, host, "ps", "--label", "weft.io/origin-node=gpu-1")["containers"]]
+           + [x["id"] for x in _crictl(c, host, "pods", "--state", "ready", "--label",
+                                       "weft.io/origin-node=gpu-1")["items"]]):
         assert time.monotonic() < deadline, f"running or reserved on the drained {host}: {left}"
         time.sleep(1)
     # While it is cordoned its agent admits nothing; uncordoned (and the other cordoned), a new stage goes there.

@@ -39,9 +39,10 @@ from shim.cri.host.group_weight import ShadowGroupWeight
 from shim.cri.host.lifecycle import Lifecycle
 from shim.cri.host.prepare import Preparer
 from shim.cri.host.reservations import Reservations, ReservationStore
-from shim.cri.host.runtime import ShadowRuntime, label
+from shim.cri.host.runtime import RT, ShadowRuntime, label
 from shim.cri.host.watch import Watcher
 from shim.cri.labels import KEY_ANNOTATION, KEY_LABEL
+from shim.errors import UpstreamError
 from shim.kube.access import ApiAccess
 from shim.periodic import Periodic
 
@@ -132,15 +133,34 @@ class ShadowHost:
                 and c.state in (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING)]
 
     def _reservation_lost(self, key: str, v: Verdict) -> None:
-        """Kubernetes took the stage's reservation away: its shadow stops now, with the reason for the origin."""
+        """Kubernetes took the stage's reservation away: its shadow stops now, with the reason for the origin.
+
+        Its sandbox stops too once no other shadow of it is made or running (a drained host keeps nothing of
+        the pod running; the stopped container stays for its origin to read and remove, and a later stage
+        of the pod here gets a new sandbox)."""
+        sandboxes = set()
         for c in self.rt.find({KEY_LABEL: label(key)}, containers=True):
             if c.state not in (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING):
                 continue
             self.rt.reasons[c.id] = (v.reason.value if v.reason else "ReservationLost", v.detail)
             self.rt.stop(c.id)
             self.capacity.forget()
+            sandboxes.add(c.pod_sandbox_id)
             _log.warning("shadow.reservation_lost", key=key, container_id=c.id,
                          reason=v.reason.value if v.reason else "", detail=v.detail)
+        for sandbox_id in sandboxes:
+            with self.lifecycle.lock:  # no RunShadow puts a container in it meanwhile
+                if any(c.pod_sandbox_id == sandbox_id and c.state in (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING)
+                       for c in self.rt.containers()):
+                    continue
+                try:
+                    self.rt.call(RT + "StopPodSandbox", cri.StopPodSandboxRequest(pod_sandbox_id=sandbox_id),
+                                 cri.StopPodSandboxResponse)
+                except UpstreamError as exc:
+                    if exc.code is not grpc.StatusCode.NOT_FOUND:
+                        raise
+                    continue
+            _log.info("shadow.sandbox_stopped", key=key, sandbox_id=sandbox_id, why="reservation lost")
 
     def reservation(self, key: str) -> dict | None:
         """For ``weft status``: the shadow's reservation (name, state), when this host makes them."""
