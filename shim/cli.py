@@ -201,6 +201,10 @@ def _bench(args: argparse.Namespace) -> int:
         from shim.bench import mesh_scale
 
         return mesh_scale.main(as_json=args.json, peers=args.peers, quick=args.quick, output=args.output)
+    if args.what == "host-scale":
+        from shim.bench import host_scale
+
+        return host_scale.main(as_json=args.json, origins=args.origins, quick=args.quick, output=args.output)
     if args.what == "network":
         from shim.bench import network
 
@@ -334,7 +338,7 @@ def parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="benchmarks that compare side by side in one run")
     b.add_argument("what", choices=("proxy", "hook", "broker", "packing", "mesh", "e2e", "network", "mesh-scale",
-                                    "hosted-cpu", "tunnel"))
+                                    "host-scale", "hosted-cpu", "tunnel"))
     b.add_argument("--json", action="store_true", help="print machine-readable figures")
     b.add_argument("--pods", type=int, default=50, help="running pods during the list and load phases")
     b.add_argument("--samples", type=int, default=2000, help="calls per method and path for latency")
@@ -343,9 +347,11 @@ def parser() -> argparse.ArgumentParser:
                    "(e2e: a directory for e2e.json and e2e.md, default bench/results/)")
     b.add_argument("--starts", type=int, default=20, help="mesh, e2e: container and pod starts per side")
     b.add_argument("--churn-seconds", type=float, default=30.0, help="e2e: length of the 50-pod churn")
-    b.add_argument("--quick", action="store_true", help="mesh, e2e, mesh-scale, hosted-cpu, tunnel: a reduced run (few "
-                   "samples, short phases)")
+    b.add_argument("--quick", action="store_true", help="mesh, e2e, mesh-scale, host-scale, hosted-cpu, tunnel: a "
+                   "reduced run (few samples, short phases)")
     b.add_argument("--peers", help="mesh-scale: the fleet sizes to measure, N or N,N,... (default 100,1000,5000)")
+    b.add_argument("--origins", help="host-scale: the numbers of origins watching the host, N or N,N,... "
+                   "(default 10,100,500)")
     b.add_argument("--stream-busy-poll-us", type=int, help="network: the agents' agent.stream_busy_poll_us "
                    "(default: the agents' default)")
     b.set_defaults(fn=_bench)
