@@ -356,7 +356,7 @@ def test_a_host_pulls_with_the_origins_credentials_and_mounts_its_volumes(fabric
 
 def test_a_host_that_filled_up_refuses_at_admit_and_the_next_one_takes_it(tmp_path: Path) -> None:
     # Hellos 5 s apart: the origin's view of a host is old when the second container comes.
-    with Fabric3(tmp_path / "fabric", hello_s=5.0, fence_s=10.0, loss_s=16.0) as f:
+    with Fabric3(tmp_path / "fabric", hello_s=5.0, fence_s=10.0, loss_s=17.0) as f:
         sid, sandbox = run_pod(f)
         first = create(f, sid, sandbox, cpu_container("a", ["sleep", "3600"], memory=5 << 30))
         second = create(f, sid, sandbox, cpu_container("b", ["sleep", "3600"], memory=5 << 30))

@@ -446,7 +446,7 @@ def test_a_hosts_hello_counts_its_own_pods_requests_and_what_it_hosts(host) -> N
     assert "weft_shadows_hosted 1.0" in agent.metrics_text()
 
 
-FAST_FENCE = "fence_timeout = 3\nloss_timeout = 9\nhello_interval = 1\nheartbeat_interval = 0.5\n"
+FAST_FENCE = "fence_timeout = 3\nloss_timeout = 10\nhello_interval = 1\nheartbeat_interval = 0.5\n"
 
 
 def test_an_origin_that_falls_silent_has_its_shadows_killed_and_one_that_talks_keeps_them(

@@ -114,7 +114,11 @@ MESH_ROLES = ("gpu", "cpu", "both")
 # crosses a cut link as in contact, so the origin's loss timeout has to wait that long on top of the fence.
 STREAM_KEEPALIVE_S = 2.0
 STREAM_DEAD_S = 2 * STREAM_KEEPALIVE_S
-LOSS_MARGIN_S = STREAM_DEAD_S + 2.0  # + the host's fence round and its StopContainer
+FENCE_TICK_S = 0.5  # how often a host's fencer looks
+# What the loss timeout must add to the fence timeout, besides one heartbeat interval (the origin's loss clock
+# runs from the host's last heartbeat, up to one interval before the cut): the stream's keepalive, the
+# fencer's round, and time for the kill.
+LOSS_MARGIN_S = STREAM_DEAD_S + FENCE_TICK_S + 1.5
 
 @dataclass(frozen=True)
 class MeshConfig:
@@ -166,9 +170,11 @@ class MeshConfig:
             raise ConfigError(f"mesh.fence_timeout: {self.fence_timeout} s must be at least two Hello intervals "
                               f"({self.hello_interval} s) and two heartbeats ({self.heartbeat_interval} s), "
                               "or a healthy origin's shadows would be fenced")
-        if self.loss_timeout < self.fence_timeout + LOSS_MARGIN_S:
+        margin = LOSS_MARGIN_S + self.heartbeat_interval
+        if self.loss_timeout < self.fence_timeout + margin:
             raise ConfigError(f"mesh.loss_timeout: {self.loss_timeout} s must exceed mesh.fence_timeout "
-                              f"({self.fence_timeout} s) by at least {LOSS_MARGIN_S:g} s: a cut link's mesh "
+                              f"({self.fence_timeout} s) by at least {margin:g} s: the origin's clock runs from the "
+                              f"host's last heartbeat (every {self.heartbeat_interval:g} s), a cut link's mesh "
                               f"stream looks open to the host for up to {STREAM_DEAD_S:g} s (keepalive), and the "
                               "host then needs time to kill a fenced shadow before the origin starts another copy")
         if not self.address:

@@ -40,7 +40,8 @@ def test_flags_override_the_file(tmp_path: Path) -> None:
         pytest.param('[agent]\ncdi_spec_dirs = "/etc/cdi:cdi"\n', ["agent.cdi_spec_dirs", "'cdi'", "absolute"],
                      id="relative-cdi-spec-dir"),
         pytest.param('[mesh]\nfence_timeout = 8\nloss_timeout = 13\n',
-                     ["mesh.loss_timeout", "13.0 s", "at least 6 s", "keepalive"], id="loss-within-keepalive"),
+                     ["mesh.loss_timeout", "13.0 s", "at least 7 s", "heartbeat", "keepalive"],
+                     id="loss-within-keepalive"),
         pytest.param('[agent\n', ["config file"], id="not-toml"),
     ],
 )

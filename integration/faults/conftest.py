@@ -19,7 +19,7 @@ from shim.localfabric.waiting import wait_for
 
 PREPARED_SANDBOX_TTL_S = 5.0
 FENCE_S = 5.0
-LOSS_S = 11.0
+LOSS_S = 12.0
 
 
 class FabricHolder:

@@ -12,10 +12,12 @@ covered by one stage budget at most (the Eviction API refuses a pod that two
 budgets select), that of the strictest workload budget selecting its pod.
 
 Counted in reservations, not pods, it is stricter than the workload budget
-where one pod has several stages on the host, never looser. It follows the
-workload budget at the host's reconciliation, so an allowance that just fell
-to 0 is seen within one round; and each host keeps its own stage budgets, so
-hosts drained at the same moment may together take more than the allowance.
+where one pod has several stages on the host. A reservation being evicted
+stays selected until it is gone, so the disruption just allowed is counted
+before the workload budget sees it. It follows the workload budget at the
+host's reconciliation, so an allowance that just fell to 0 is seen within one
+round; and each host keeps its own stage budgets, so hosts drained at the same
+moment may together take more than the allowance.
 """
 
 from __future__ import annotations

@@ -37,7 +37,7 @@ ROLES = {"gpu-1": "gpu", "cpu-1": "cpu", "cpu-2": "cpu"}
 MESH_PORT = 7443
 HELLO_S = 0.5
 FENCE_S = 3.0
-LOSS_S = 9.0  # fence + mesh.loss_timeout's least margin
+LOSS_S = 10.0  # fence + mesh.loss_timeout's least margin at the fabric's heartbeat
 # Each node advertises this instead of measuring the one machine they all share.
 HOST_CORES = 4
 HOST_MEMORY = "8Gi"

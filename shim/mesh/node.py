@@ -400,6 +400,12 @@ class MeshNode:
             _log.info("mesh.draining" if on else "mesh.undrained", node=self.node)
 
     # -- what placement and status read -----------------------------------------------
+    def unreachable(self, node: str, error: str) -> None:
+        """A call to ``node`` found it silent (unreachable, past its deadline): unhealthy, as a failed Hello
+        would make it, until a Hello reaches it again. In a partition, placements then stop asking the hosts
+        cut off one after another."""
+        self._mark(node, None, error)
+
     def spread(self, pod: str) -> str:
         """What placement draws its two choices with (``reroute.choose_peers``) for ``pod``: this node and the
         pod, so that its preparation and its containers draw alike, and other origins otherwise. A fleet no

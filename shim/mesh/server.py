@@ -67,9 +67,9 @@ class PeerBusy(WeftError):
     code = grpc.StatusCode.RESOURCE_EXHAUSTED
 
 
-# The kinds of call, each with its own caps: Hello and Admit (quick, the liveness and placement path), Watch
-# (one stream per origin), the other unary calls (RunShadow may pull an image for minutes) and the
-# per-container streams (StreamLog, Stitch).
+# The kinds of call, each with its own caps and workers: Hello and Admit (quick, the liveness and placement
+# path), Watch (one stream per origin with shadows here, held open: a host may serve hundreds of origins), the
+# other unary calls (RunShadow may pull an image for minutes) and the per-container streams (StreamLog, Stitch).
 HELLO, WATCH, CALL, STREAM = "hello", "watch", "call", "stream"
 
 
@@ -81,8 +81,9 @@ class MeshLimits:
     streams_per_peer: int = 768
     calls: int = 192
     calls_per_peer: int = 32
-    hellos: int = 128  # Hello, Admit and Watch together
+    hellos: int = 128  # Hello and Admit
     hellos_per_peer: int = 4
+    watches: int = 2048  # origins whose Watch a host serves at once
     watches_per_peer: int = 2
 
     def per_peer(self, kind: str) -> int:
@@ -90,11 +91,11 @@ class MeshLimits:
                 STREAM: self.streams_per_peer}[kind]
 
     def total(self, kind: str) -> int:
-        return {HELLO: self.hellos, WATCH: self.hellos, CALL: self.calls, STREAM: self.streams}[kind]
+        return {HELLO: self.hellos, WATCH: self.watches, CALL: self.calls, STREAM: self.streams}[kind]
 
     @property
     def workers(self) -> int:
-        return self.streams + self.calls + self.hellos
+        return self.streams + self.calls + self.hellos + self.watches
 
 
 class PeerLimits:
@@ -108,7 +109,7 @@ class PeerLimits:
 
     @contextlib.contextmanager
     def hold(self, node: str, kind: str, method: str) -> Iterator[None]:
-        pool = HELLO if kind == WATCH else kind  # Watch shares the quick lane's workers
+        pool = kind
         with self._lock:
             if self._open[(node, kind)] >= self.limits.per_peer(kind):
                 raise PeerBusy(f"{node} has {self._open[(node, kind)]} {kind} calls open here, the most a peer "

@@ -238,24 +238,35 @@ class Fleet:
         return self.s.delays.draw(self.rng) + self.s.delays.draw(self.rng) + host.slow_s
 
     # -- Hello ---------------------------------------------------------------------
-    def _hello(self, o: Origin, nodes: Iterable[str]) -> float:
-        """Hellos to ``nodes`` at once (16 at a time, as the agent's pool): the views they give, and how
-        long the batch took."""
-        took = 0.0
+    def _count(self, what: str) -> None:
+        """A message sent, counted from the scenario's window on (the warm-up's Hellos are not its traffic)."""
+        if self.now >= self.window_start:
+            self.tally.messages[what] += 1
+
+    def _hello(self, o: Origin, nodes: Iterable[str]) -> Process:
+        """Hellos to ``nodes`` at once (16 at a time, as the agent's pool); what they tell is known once the
+        batch is answered (a host that does not answer: at the timeout)."""
+        sent = self.now
+        took, answers, silent = 0.0, [], []
         for n in nodes:
             host = self.hosts[n]
-            self.tally.messages["hello"] += 1
+            self._count("hello")
             rtt = self._rtt(host)
             if rtt is None or rtt > HELLO_TIMEOUT_S:
                 took = max(took, HELLO_TIMEOUT_S)
-                self.tally.timeouts += 1
-                rec = o.records.get(n)
-                if rec is not None:
-                    rec.healthy = False
+                if self.now >= self.window_start:
+                    self.tally.timeouts += 1
+                silent.append(n)
                 continue
             took = max(took, rtt)
-            o.records[n] = Record(host.said_free(), self.now + rtt / 2)
-        return took
+            answers.append((n, host.said_free(), sent + rtt / 2))
+        yield took
+        for n, free, at in answers:
+            o.records[n] = Record(free, at)
+        for n in silent:
+            rec = o.records.get(n)
+            if rec is not None:
+                rec.healthy = False
 
     def hello_loop(self, o: Origin) -> Process:
         every = tracking.candidate_every(self.s.hello_interval)
@@ -266,11 +277,9 @@ class Fleet:
             o.round += 1
             o.cursor = plan.cursor
             o.tracked = dict(plan.hello)
-            took = 0.0
             nodes = list(plan.nodes)
             for i in range(0, len(nodes), REFRESH_BATCH):
-                took += self._hello(o, nodes[i:i + REFRESH_BATCH])
-            yield took
+                yield from self._hello(o, nodes[i:i + REFRESH_BATCH])
             probed = {n for n, why in plan.hello if why is TrackReason.PROBE}
             o.candidates = set(tracking.choose_candidates(o.views(o.candidates | probed, self.now),
                                                           limit=TRACKED_PEERS, max_age_s=MAX_AGE_S))
@@ -288,7 +297,7 @@ class Fleet:
         started, found = self.now, []
         for i in range(0, len(order), REFRESH_BATCH):
             batch = list(order[i:i + REFRESH_BATCH])
-            yield self._hello(o, batch)
+            yield from self._hello(o, batch)
             o.cursor = batch[-1]
             found = [v.node for v in o.views(batch, self.now) if tracking.fits(need, [v], max_age_s=MAX_AGE_S)]
             if found:
@@ -313,7 +322,7 @@ class Fleet:
         for n in ranking.candidates:
             host = self.hosts[n]
             admits += 1
-            self.tally.messages["admit"] += 1
+            self._count("admit")
             if n in self.liars:
                 self.tally.liar_admits += 1
                 self.tally.liar_last_admit_s = self.now - self.window_start
@@ -322,16 +331,19 @@ class Fleet:
             if rtt is None or rtt > HELLO_TIMEOUT_S:
                 self.tally.timeouts += 1
                 yield HELLO_TIMEOUT_S
+                rec = o.records.get(n)
+                if rec is not None:  # the peer did not answer: unhealthy until a Hello reaches it (mesh.unreachable)
+                    rec.healthy = False
                 continue
             yield rtt / 2
             decision = admit(limits, host.free())
             yield rtt / 2
             if not decision.admitted:
                 rec = o.records.get(n)
-                if rec is not None:  # a refusal tells the host's room (a large fleet)
-                    o.records[n] = Record(decision.free_after, self.now)
+                if rec is not None and not tracking.small_fleet(o.known, TRACKED_PEERS):
+                    o.records[n] = Record(decision.free_after, self.now)  # a refusal tells the host's room
                 continue
-            self.tally.messages["run_shadow"] += 1
+            self._count("run_shadow")
             yield rtt / 2
             # RunShadow admits again under the lock every creation holds, and the shadow it makes counts at once.
             if not admit(limits, host.free()).admitted:

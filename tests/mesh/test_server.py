@@ -5,6 +5,7 @@ The same paths over real TLS are in ``integration/test_mesh_tls.py``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 
 import grpc
@@ -150,7 +151,18 @@ def test_each_kind_of_call_is_capped_per_peer_and_in_all() -> None:
 
 def test_the_pool_has_a_worker_for_every_call_the_limits_let_in() -> None:
     limits = MeshLimits()
-    assert limits.workers == limits.streams + limits.calls + limits.hellos
+    assert limits.workers == limits.streams + limits.calls + limits.hellos + limits.watches
+
+
+def test_origins_watching_in_their_hundreds_leave_hellos_their_own_lane() -> None:
+    limits = PeerLimits(MeshLimits(hellos=2, watches=500))
+    with contextlib.ExitStack() as held:
+        for i in range(500):  # a host serving the Watch of 500 origins
+            held.enter_context(limits.hold(f"gpu-{i}", WATCH, "Watch"))
+        with limits.hold("gpu-0", HELLO, "Hello"), limits.hold("gpu-1", HELLO, "Admit"):
+            pass
+        with pytest.raises(PeerBusy, match="this node serves 500 watch calls"), limits.hold("gpu-500", WATCH, "Watch"):
+            pass
 
 
 def test_a_peer_with_a_call_or_stream_open_is_in_contact() -> None:

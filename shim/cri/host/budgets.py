@@ -61,16 +61,21 @@ class StageBudgets:
             self._said = error
 
     def _sync(self, pods: list[Any], node_uid: str) -> None:
-        hosted = []
+        hosted, origins = [], set()
         for p in pods:
             meta = p.metadata
-            if meta is None or meta.deletionTimestamp is not None:
-                continue  # going: no budget holds it back
+            if meta is None:
+                continue
+            # One being evicted stays selected until it is gone: it is the disruption the stage budget has
+            # just allowed, which the workload's budget may not count yet.
             ns, _, rest = (meta.annotations or {}).get("weft.io/origin", "").partition("/")
             pod, key = rest.partition("/")[0], (meta.labels or {}).get(KEY_LABEL, "")
-            if ns and pod and key and (labels := self._origin_labels(ns, pod)) is not None:
+            if not (ns and pod and key):
+                continue
+            origins.add((ns, pod))
+            if (labels := self._origin_labels(ns, pod)) is not None:
                 hosted.append(HostedReservation(key, ns, pod, labels))
-        self._labels = {k: v for k, v in self._labels.items() if k in {(r.namespace, r.pod) for r in hosted}}
+        self._labels = {k: v for k, v in self._labels.items() if k in origins}
         workload = []
         for ns in sorted({r.namespace for r in hosted}):
             for b in self.client().list(PodDisruptionBudget, namespace=ns):
@@ -84,14 +89,8 @@ class StageBudgets:
         have = {b.metadata.name: b.to_dict() for b in self.client().list(
             PodDisruptionBudget, namespace=self.namespace,
             labels={ROLE_LABEL: BUDGET_ROLE, HOST_LABEL: label_value(self.node)})}
-        for name, sb in want.items():
-            if name not in have:
-                self._create(sb, node_uid)
-            elif not _same(have[name].get("spec") or {}, sb):
-                self.client().patch(PodDisruptionBudget, name, {"spec": spec_of(sb)}, namespace=self.namespace,
-                                    patch_type=PatchType.MERGE)
-                _log.info("budget.updated", name=name, of=sb.of, reservations=len(sb.keys),
-                          min_available=sb.min_available)
+        # What lets go of reservations first, then what takes them: a reservation two budgets select even for
+        # a moment is one the Eviction API refuses outright (an error, where a drain retries on a budget).
         for name in have.keys() - want.keys():
             try:
                 self.client().delete(PodDisruptionBudget, name, namespace=self.namespace)
@@ -100,6 +99,21 @@ class StageBudgets:
                     raise
             _log.info("budget.deleted", name=name, of=(have[name]["metadata"].get("annotations") or {}).get(
                 "weft.io/budget-of", ""))
+        changed = [(name, sb) for name, sb in want.items()
+                   if name in have and not _same(have[name], sb, node_uid)]
+        for name, sb in sorted(changed, key=lambda c: not set(c[1].keys) <= _keys(have[c[0]])):
+            patch: dict[str, Any] = {"spec": spec_of(sb)}
+            if node_uid:
+                patch["metadata"] = {"ownerReferences": manifest(sb, host=self.node, host_label="",
+                                                                  namespace="", node_uid=node_uid)
+                                     ["metadata"]["ownerReferences"]}
+            self.client().patch(PodDisruptionBudget, name, patch, namespace=self.namespace,
+                                patch_type=PatchType.MERGE)
+            _log.info("budget.updated", name=name, of=sb.of, reservations=len(sb.keys),
+                      min_available=sb.min_available)
+        for name, sb in want.items():
+            if name not in have:
+                self._create(sb, node_uid)
         self._none = not want
 
     def _create(self, sb: StageBudget, node_uid: str) -> None:
@@ -131,7 +145,13 @@ class StageBudgets:
         return labels
 
 
-def _same(spec: dict[str, Any], sb: StageBudget) -> bool:
-    exprs = (spec.get("selector") or {}).get("matchExpressions") or []
-    values = tuple(sorted(exprs[0].get("values") or [])) if len(exprs) == 1 else None
-    return spec.get("minAvailable") == sb.min_available and values == sb.keys
+def _keys(budget: dict[str, Any]) -> set[str]:
+    exprs = ((budget.get("spec") or {}).get("selector") or {}).get("matchExpressions") or []
+    return set(exprs[0].get("values") or []) if len(exprs) == 1 else set()
+
+
+def _same(budget: dict[str, Any], sb: StageBudget, node_uid: str) -> bool:
+    spec = budget.get("spec") or {}
+    owned = not node_uid or any(o.get("uid") == node_uid for o in budget["metadata"].get("ownerReferences") or [])
+    return (spec.get("minAvailable") == sb.min_available and tuple(sorted(_keys(budget))) == sb.keys
+            and len((spec.get("selector") or {}).get("matchExpressions") or []) == 1 and owned)

@@ -43,6 +43,9 @@ def shares_of(c: cri.Container) -> int:
         return 2
 
 
+# A shadow made and not started holds its room this long at most (the origin starts it at once).
+MADE_HOLDS_S = 60.0
+
 class HostedCapacity:
     def __init__(self, rt: ShadowRuntime, fabric: Fabric) -> None:
         self.rt, self.fabric = rt, fabric
@@ -64,7 +67,8 @@ class HostedCapacity:
         ``weft_shadows_hosted`` (those running).
 
         A made shadow counts before it starts: the origin's StartContainer follows its RunShadow, and a
-        second RunShadow admitted in between must not take the same room (a burst of origins would)."""
+        second RunShadow admitted in between must not take the same room (a burst of origins would). One
+        never started within ``MADE_HOLDS_S`` holds nothing (its origin gone, or its start refused)."""
         return self._cached("hosted", self._hosted_limits)
 
     def _own_requests(self) -> Resources:
@@ -107,8 +111,11 @@ class HostedCapacity:
     def _hosted_limits(self) -> Resources:
         cpu, memory, count = 0.0, 0, 0
         shares: list[int] = []
+        made_since = time.time_ns() - int(MADE_HOLDS_S * 1e9)
         for c in self.rt.containers():
             if ORIGIN_LABEL not in c.labels or c.state not in (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING):
+                continue
+            if c.state == cri.CONTAINER_CREATED and c.created_at < made_since:
                 continue
             if c.state == cri.CONTAINER_RUNNING:
                 count += 1

@@ -21,6 +21,7 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 
 from shim import log
+from shim.config import FENCE_TICK_S
 from shim.cri.fabric import Fabric
 from shim.cri.host.runtime import ShadowRuntime
 from shim.cri.labels import KEY_ANNOTATION, ORIGIN_LABEL
@@ -28,7 +29,6 @@ from shim.errors import UpstreamError, WeftError
 from shim.periodic import Periodic
 
 _log = log.get("weft.shadows")
-FENCE_TICK_S = 0.5
 
 
 class Fencer:

@@ -295,6 +295,9 @@ class Lifecycle:
         """Admission again, under the lock every creation holds: what fits now, limits (or requests) required."""
         if self.admit is None:
             return
+        # Measured afresh: a cached sample (a Hello's, taken while the last RunShadow was making its shadow) would
+        # leave that shadow out; under this lock nothing else is being made.
+        self.capacity.forget()
         answer = self.admit(pb.AdmitRequest(origin_node=origin, key=key,
                                             limits=pb.Resources(cpu_cores=cpu, memory_bytes=memory)))
         if not answer.admitted:
@@ -303,6 +306,10 @@ class Lifecycle:
     def start(self, origin: str, key: str) -> pb.ShadowState:
         c = self.rt.one(origin, key)
         if c.state == cri.CONTAINER_CREATED:
+            held = self.reservations.state(key) if self.reservations is not None else None
+            if held is not None and held["state"] == "lost":  # StopContainer leaves a made shadow as it is
+                raise NotAdmitted(f"StartShadow {key}: its reservation was lost ({held.get('reason', '')}): this "
+                                  "host does not run it")
             self.rt.call(RT + "StartContainer", cri.StartContainerRequest(container_id=c.id),
                        cri.StartContainerResponse)
             self.capacity.reweigh()

@@ -150,15 +150,16 @@ class ShadowHost:
                          reason=v.reason.value if v.reason else "", detail=v.detail)
         for sandbox_id in sandboxes:
             with self.lifecycle.lock:  # no RunShadow puts a container in it meanwhile
+                # Another stage of the pod keeps it; this one's made shadow does not (its start is refused now).
                 if any(c.pod_sandbox_id == sandbox_id and c.state in (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING)
-                       for c in self.rt.containers()):
+                       and c.labels.get(KEY_LABEL) != label(key) for c in self.rt.containers()):
                     continue
                 try:
                     self.rt.call(RT + "StopPodSandbox", cri.StopPodSandboxRequest(pod_sandbox_id=sandbox_id),
                                  cri.StopPodSandboxResponse)
                 except UpstreamError as exc:
                     if exc.code is not grpc.StatusCode.NOT_FOUND:
-                        raise
+                        _log.warning("shadow.sandbox_stop_failed", key=key, sandbox_id=sandbox_id, error=exc.message)
                     continue
             _log.info("shadow.sandbox_stopped", key=key, sandbox_id=sandbox_id, why="reservation lost")
 

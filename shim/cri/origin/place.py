@@ -27,6 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 from cri_api.v1 import api_pb2 as cri
 from google.protobuf.message import DecodeError
 
@@ -46,6 +47,7 @@ from shim.cri import baseline
 from shim.cri.fabric import Fabric
 from shim.cri.remote import REMOTE_PREFIX, Remote, new_id
 from shim.errors import WeftError
+from shim.mesh.client import PeerUnavailable
 from shim.mesh.server import MAX_MESSAGE_BYTES
 from shim.state.agent import PlacementRecord
 
@@ -62,6 +64,8 @@ _REQUEST_SLACK = 64 << 10
 MAX_SHADOW_WAIT_S = 300.0
 MIN_SHADOW_WAIT_S = 5.0
 _CREATED_OR_LATER = (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING, cri.CONTAINER_EXITED)
+# An Admit that found its peer silent, rather than refused or busy.
+_SILENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 @dataclass(frozen=True)
@@ -282,6 +286,8 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
                 limits=pb.Resources(cpu_cores=limits.cpu_cores, memory_bytes=limits.memory_bytes)))
         except WeftError as exc:
             tried.append(f"{node}: {exc.message}")
+            if isinstance(exc, PeerUnavailable) and exc.status in _SILENT:
+                mesh.unreachable(node, exc.message)  # the next placements skip it until a Hello reaches it
             continue
         if not answer.admitted:
             tried.append(f"{node}: {answer.reason} ({answer.detail})")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import httpx2
 import lightkube
 import pytest
@@ -53,7 +55,9 @@ class FakeApi:
 
     def patch(self, kind, name, patch, namespace, patch_type):
         self._up()
-        self.objects[(kind, namespace, name)]["spec"].update(patch["spec"])
+        body = self.objects[(kind, namespace, name)]
+        body["spec"].update(patch["spec"])
+        body["metadata"].update(patch.get("metadata") or {})
         self.writes.append(("patch", name))
 
     def delete(self, kind, name, namespace):
@@ -163,3 +167,27 @@ def test_a_reservation_whose_origin_pod_is_gone_is_not_covered(api: FakeApi) -> 
     del api.objects[(Pod, "default", "web-0")]
     StageBudgets(lambda: api, "cpu-1", "weft-system").sync([_reservation("k1", "web-0")])
     assert _stage_budgets(api) == {}
+
+
+def test_a_reservation_being_evicted_stays_selected_so_the_next_round_allows_no_second_one(api: FakeApi) -> None:
+    _workload(api, "web-0", {"app": "web"}, allowed=1)
+    _workload(api, "web-1", {"app": "web"}, allowed=1)
+    api.objects[(PodDisruptionBudget, "default", "web-1-pdb")]["spec"]["selector"] = {"matchLabels": {"x": "y"}}
+    budgets = StageBudgets(lambda: api, "cpu-1", "weft-system")
+    going = _reservation("k1", "web-0")
+    going.metadata.deletionTimestamp = datetime.datetime.now(datetime.UTC)
+    budgets.sync([going, _reservation("k2", "web-0")], node_uid="u-1")
+    (sb,) = _stage_budgets(api).values()
+    # Two selected, one of them going: one more eviction would be a second disruption.
+    assert sb["spec"]["selector"]["matchExpressions"][0]["values"] == ["k1", "k2"]
+    assert sb["spec"]["minAvailable"] == 1
+
+
+def test_a_budget_made_before_its_node_was_read_gets_its_owner_later(api: FakeApi) -> None:
+    _workload(api, "web-0", {"app": "web"}, allowed=0)
+    budgets = StageBudgets(lambda: api, "cpu-1", "weft-system")
+    budgets.sync([_reservation("k1", "web-0")], node_uid="")
+    (sb,) = _stage_budgets(api).values()
+    assert "ownerReferences" not in sb["metadata"]
+    budgets.sync([_reservation("k1", "web-0")], node_uid="u-1")
+    assert api.writes[-1][0] == "patch"

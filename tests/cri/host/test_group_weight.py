@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 from cri_api.v1 import api_pb2 as cri
@@ -83,7 +84,11 @@ def test_the_running_shadows_weigh_the_group_when_the_hosted_set_changes(tmp_pat
 def test_a_shadow_made_and_not_yet_started_holds_its_room_but_weighs_nothing(tmp_path: Path) -> None:
     group = tmp_path / "cpu" / "weft-shadows"
     group.mkdir(parents=True)
-    rt = _Runtime([_shadow("512"), _shadow("1024", cri.CONTAINER_CREATED), _shadow("256", cri.CONTAINER_EXITED)])
+    made = _shadow("1024", cri.CONTAINER_CREATED)
+    made.created_at = time.time_ns()
+    never_started = _shadow("2048", cri.CONTAINER_CREATED)
+    never_started.created_at = time.time_ns() - 120 * 10**9  # its origin never started it: it holds nothing
+    rt = _Runtime([_shadow("512"), made, never_started, _shadow("256", cri.CONTAINER_EXITED)])
     capacity = HostedCapacity(rt, _Fabric())  # type: ignore[arg-type]
     capacity.group = ShadowGroupWeight("/weft-shadows", root=tmp_path)
     capacity.reweigh()

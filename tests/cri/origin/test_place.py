@@ -72,6 +72,9 @@ class FakeMesh:
     def spread(self, pod: str) -> str:
         return ""  # a small fleet: ranked by room alone
 
+    def unreachable(self, node: str, error: str) -> None:
+        self.__dict__.setdefault("silent", []).append(node)
+
     def views(self) -> list[PeerView]:
         return [PeerView(n, True, True, Resources(4.0 - i * 0.5, 8 * GI), 0.1) for i, n in enumerate(self.peers)]
 
