@@ -44,7 +44,7 @@ def decide_prepare(annotations: Mapping[str, str], peers: Iterable[PeerView], *,
                    host_namespaces: bool, privileged: bool, max_age_s: float = 30.0,
                    spread: str = "") -> PrepareDecision:
     """Prepare on the CPU host with the most room now (with ``spread``, the one placement will try first:
-    the same draw), unless switched off, opted out, unsafe or none fits."""
+    drawn with its salt, among hosts with any room), unless switched off, opted out, unsafe or none fits."""
     if not enabled:
         return PrepareDecision(PrepareReason.DISABLED, "", "mesh.prepare_shadow_sandbox is off")
     if annotations.get(PREPARE_ANNOTATION, "").strip().lower() in ("false", "no", "0"):

@@ -195,8 +195,15 @@ class PeerClient:
                              lambda s: s.RunShadow, request, timeout)
 
     def start_shadow(self, origin: str, key: str) -> pb.ShadowState:
-        return self._call("StartShadow", lambda s: s.StartShadow, pb.ShadowRef(origin_node=origin, key=key),
-                          SHADOW_TIMEOUT_S)
+        """Asked again once when the connection dropped under the call (on a lossy link the keepalive may end
+        it): the host starts a shadow once and answers a started one as it is."""
+        ref = pb.ShadowRef(origin_node=origin, key=key)
+        try:
+            return self._call("StartShadow", lambda s: s.StartShadow, ref, SHADOW_TIMEOUT_S)
+        except PeerUnavailable as exc:
+            if exc.status is not grpc.StatusCode.UNAVAILABLE:
+                raise
+            return self._call("StartShadow", lambda s: s.StartShadow, ref, SHADOW_TIMEOUT_S)
 
     def shadow_status(self, origin: str, key: str) -> pb.ShadowState:
         return self._call("ShadowStatus", lambda s: s.ShadowStatus, pb.ShadowRef(origin_node=origin, key=key),
