@@ -4,7 +4,8 @@
   (so ``keys`` must hold every key the origin owns, a RunShadow in flight
   included); then one ShadowState per remaining shadow (key, ids, status);
   then a heartbeat, which marks the end of that snapshot; then, every
-  interval (``heartbeat_s`` or the host's, within 0.2-5 s), a ShadowState
+  interval (``heartbeat_s`` or the host's, within 0.2-5 s; read from one
+  listing of the host's shadows shared by all Watches, at most 0.5 s old), a ShadowState
   for each shadow that appeared or whose state, exit code or finish time
   changed, ``gone`` (with key and ids, no status) for each that disappeared,
   and a heartbeat. A failure to read containerd ends the stream with its
@@ -33,6 +34,8 @@ from shim.cri.labels import KEY_ANNOTATION, KEY_LABEL, ORIGIN_LABEL
 from shim.errors import UnknownContainer, WeftError
 
 HEARTBEAT_BOUNDS_S = (0.2, 5.0)
+# How old the shared listing of shadows a Watch round reads may be (a change is told at most this much later).
+WATCH_LIST_TTL_S = 0.5
 
 
 class NoLog(WeftError):
@@ -79,10 +82,35 @@ class States:
         return state
 
 
+class Shadows:
+    """Every shadow on the host from one ListContainers, shared by all Watches, at most ``ttl`` old.
+
+    A host watched by hundreds of origins would otherwise ask containerd once per origin per heartbeat."""
+
+    def __init__(self, rt: ShadowRuntime, ttl: float = WATCH_LIST_TTL_S) -> None:
+        self.rt, self.ttl = rt, ttl
+        self._lock = threading.Lock()
+        self._at = float("-inf")
+        self._by_origin: dict[str, list[cri.Container]] = {}
+
+    def of(self, origin: str) -> tuple[list[cri.Container], float]:
+        """The origin's shadows, and when they were listed (monotonic, taken before the call)."""
+        with self._lock:
+            if time.monotonic() - self._at > self.ttl:
+                at = time.monotonic()
+                by_origin: dict[str, list[cri.Container]] = {}
+                for c in self.rt.containers():
+                    if ORIGIN_LABEL in c.labels:
+                        by_origin.setdefault(c.labels[ORIGIN_LABEL], []).append(c)
+                self._by_origin, self._at = by_origin, at
+            return list(self._by_origin.get(origin, ())), self._at
+
+
 class Watcher:
     def __init__(self, rt: ShadowRuntime, lifecycle: Lifecycle, heartbeat_interval: float) -> None:
         self.rt, self.lifecycle, self.heartbeat_interval = rt, lifecycle, heartbeat_interval
         self.states = States(rt)
+        self.shadows = Shadows(rt)
 
     def watch(self, origin: str, req: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.ShadowState]:
         """Orphans removed; one state per shadow; a heartbeat; then changes and a heartbeat every interval.
@@ -94,12 +122,15 @@ class Watcher:
         gone = threading.Event()
         context.add_callback(gone.set)
         with self.lifecycle.lock:
+            listed_at = time.monotonic()
             shadows = self.rt.containers(labels={ORIGIN_LABEL: origin})
             for c in orphans(shadows, req.keys):
                 self.lifecycle.remove_locked(origin, c.annotations.get(KEY_ANNOTATION, ""), c, why="orphan_removed")
         kept = {c.id: c for c in shadows if c.labels.get(KEY_LABEL) in {label(k) for k in req.keys}}
         seen: dict[str, tuple[cri.Container, int, tuple]] = {}
+        known_since: dict[str, float] = {}  # when each was first listed: a listing older than that is no news
         for c in kept.values():
+            known_since[c.id] = listed_at
             message = self._watched(c, seen)
             if message is not None:
                 yield message
@@ -108,12 +139,15 @@ class Watcher:
             gone.wait(interval)
             if not context.is_active():
                 return
-            now = {c.id: c for c in self.rt.containers(labels={ORIGIN_LABEL: origin})}
-            for cid in [cid for cid in seen if cid not in now]:
+            listing, listed_at = self.shadows.of(origin)
+            now = {c.id: c for c in listing}
+            for cid in [cid for cid in seen if cid not in now and known_since.get(cid, 0.0) < listed_at]:
+                known_since.pop(cid, None)
                 c = seen.pop(cid)[0]
                 yield pb.ShadowState(key=c.annotations.get(KEY_ANNOTATION, ""), shadow_sandbox_id=c.pod_sandbox_id,
                                      shadow_container_id=cid, gone=True)
             for cid, c in now.items():
+                known_since.setdefault(cid, listed_at)
                 if cid not in seen or seen[cid][1] != c.state:
                     message = self._watched(c, seen)
                     if message is not None:
