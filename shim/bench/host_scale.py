@@ -32,7 +32,7 @@ import grpc
 
 from shim._pb import mesh_pb2 as pb
 from shim.bench.mesh_scale import _cpu_s, _rss_mb, raise_fd_limit
-from shim.bench.running import guarded, report
+from shim.bench.running import guarded, parse_counts, report
 from shim.config import MeshConfig
 from shim.errors import WeftError
 from shim.localfabric import pods
@@ -239,15 +239,7 @@ def _table(f: dict) -> str:
 
 
 def parse_origins(spec: str | None, quick: bool) -> list[int]:
-    if not spec:
-        return list(QUICK_ORIGINS if quick else DEFAULT_ORIGINS)
-    try:
-        ns = sorted({int(x) for x in spec.split(",") if x.strip()})
-    except ValueError:
-        raise WeftError(f"--origins: {spec!r} is not a number or a comma-separated list of numbers") from None
-    if not ns or ns[0] < 1:
-        raise WeftError("--origins: at least one origin")
-    return ns
+    return parse_counts("--origins", spec, QUICK_ORIGINS if quick else DEFAULT_ORIGINS)
 
 
 def main(*, as_json: bool, origins: str | None, quick: bool, output: Path | None) -> int:

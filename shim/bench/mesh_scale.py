@@ -48,7 +48,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim._pb import mesh_pb2 as pb
 from shim._pb import mesh_pb2_grpc as pb_grpc
-from shim.bench.running import guarded, ms, report
+from shim.bench.running import guarded, ms, parse_counts, report
 from shim.config import MeshConfig
 from shim.errors import WeftError
 from shim.localfabric import pods
@@ -372,15 +372,7 @@ def _table(f: dict) -> str:
 
 
 def parse_peers(spec: str | None, quick: bool) -> list[int]:
-    if not spec:
-        return list(QUICK_PEERS if quick else DEFAULT_PEERS)
-    try:
-        ns = sorted({int(x) for x in spec.split(",") if x.strip()})
-    except ValueError:
-        raise WeftError(f"--peers: {spec!r} is not a number or a comma-separated list of numbers") from None
-    if not ns or ns[0] < 1:
-        raise WeftError("--peers: at least one peer")
-    return ns
+    return parse_counts("--peers", spec, QUICK_PEERS if quick else DEFAULT_PEERS)
 
 
 def main(*, as_json: bool, peers: str | None, quick: bool, output: Path | None) -> int:

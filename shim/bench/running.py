@@ -15,6 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from shim.errors import WeftError
+
 T = TypeVar("T")
 
 
@@ -63,3 +65,16 @@ def report(figures: dict, as_json: bool, output: Path | None, table: Callable[[d
         output.write_text(text + "\n")
     print(text if as_json else table(figures), flush=True)
     return 0
+
+
+def parse_counts(flag: str, spec: str | None, default: tuple[int, ...]) -> list[int]:
+    """``N`` or ``N,N,...`` (sizes to measure, sorted, each at least 1); ``default`` when not given."""
+    if not spec:
+        return list(default)
+    try:
+        ns = sorted({int(x) for x in spec.split(",") if x.strip()})
+    except ValueError:
+        raise WeftError(f"{flag}: {spec!r} is not a number or a comma-separated list of numbers") from None
+    if not ns or ns[0] < 1:
+        raise WeftError(f"{flag}: at least one, each at least 1")
+    return ns
