@@ -139,17 +139,37 @@ def api(pod, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[KubeApi
         yield server, home
 
 
+def _size_seen(term: Terminal, size: bytes, within: float = 10.0) -> bool:
+    """Ask ``stty size`` until it answers ``size``.
+
+    kubectl sends the first size on its resize stream, which containerd applies
+    beside the process's start, not before it (so a plain pod races the same
+    way): a line typed at once can meet a terminal with no size yet.
+    """
+    deadline = time.monotonic() + within
+    for attempt in range(1000, 2000):  # a marker per attempt; the typed line holds it only as a sum
+        start = len(term.out)
+        term.type(b"stty size; echo size-$((%d+1))\r" % (attempt - 1))
+        answer = term.read_until(b"size-%d\r\n" % attempt)[start:]
+        if re.search(rb"%s\r\n(.*\r\n)?size-%d" % (size, attempt), answer):
+            return True
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.2)
+    return False
+
+
 @WHICH
 def test_kubectl_exec_on_a_terminal_with_a_resize(pod, api, which: str) -> None:
     server, home = api
     term = Terminal(server, "exec", "-it", server.pod, "-c", NAMES[which], "--", "sh", home=home, rows=30, cols=100)
     try:
-        term.type(b"stty size; echo hi-$((40+2))\r")
-        assert re.search(rb"30 100\r\n(.*\r\n)?hi-42", term.read_until(b"hi-42\r\n"))
+        assert _size_seen(term, b"30 100"), "the terminal's first size never reached the container"
         term.resize(40, 120)
         time.sleep(0.3)  # kubectl sends the new size on its resize stream, not in band
+        start = len(term.out)
         term.type(b"stty size; echo hi-$((40+3))\r")
-        assert b"40 120" in term.read_until(b"hi-43\r\n").split(b"hi-42\r\n")[-1]
+        assert b"40 120" in term.read_until(b"hi-43\r\n")[start:]
         term.type(b"exit 7\r")
         assert term.wait() == 7
     finally:

@@ -512,6 +512,29 @@ oom_score = 0
             res = _run("ctr", "-a", str(self.socket), "-n", "k8s.io", "images", "import", str(archive), check=False)
             if res.returncode != 0:
                 raise RuntimeError(f"ctr images import {archive} failed: {res.stderr.strip()}")
+        self._await_images_in_cri([spec.name for spec in images.IMAGES])
+
+    def _await_images_in_cri(self, names: list[str], timeout: float = 30.0) -> None:
+        """Wait until the CRI plugin lists what ``ctr`` imported.
+
+        The CRI plugin learns of an import from containerd's event stream, not
+        from the import itself; a RunPodSandbox that comes first finds no pause
+        image and tries to pull it, which these machines cannot.
+        """
+        deadline = time.monotonic() + timeout
+        missing = list(names)
+        with grpc.insecure_channel(self.address) as ch:
+            img = cri_grpc.ImageServiceStub(ch)
+            while True:
+                missing = [n for n in missing
+                           if not img.ImageStatus(cri.ImageStatusRequest(image=cri.ImageSpec(image=n)),
+                                                  timeout=10).HasField("image")]
+                if not missing:
+                    return
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"containerd's CRI plugin did not list the imported images "
+                                       f"{', '.join(missing)} within {timeout:.0f} s")
+                time.sleep(0.05)
 
     # -- teardown ----------------------------------------------------------
     def close(self) -> None:
