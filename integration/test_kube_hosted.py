@@ -13,15 +13,12 @@ afresh (here, locally), never two live copies.
 
 from __future__ import annotations
 
-import json
-import threading
 import time
 from collections.abc import Iterator
 
 import pytest
-from cri_api.v1.api_pb2 import CONTAINER_RUNNING
 
-from integration.kube import fixture
+from integration.kube import fixture, preemption
 from integration.kube.cluster import KubeCluster, NodeSpec
 from integration.kube.workloads import (
     apply,
@@ -49,57 +46,28 @@ def kube(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     # the shadow it preempted): what keeps the two apart must not be the watch's speed.
     for c in fixture.cluster(request, tmp_path_factory, [NodeSpec(ORIGIN, "gpu"), NodeSpec(HOST, "cpu")],
                              agent_api=True, agent_env={"WEFT_FAILPOINT_DELAYS": "reservation.lost_seen=3"}):
-        apply(c,
-              {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "low"},
-               "value": 10},
-              {"apiVersion": "scheduling.k8s.io/v1", "kind": "PriorityClass", "metadata": {"name": "high"},
-               "value": 1000})
+        apply(c, *preemption.PRIORITY_CLASSES)
         yield c
 
 
 def _two_stage(name: str) -> dict:
-    prep = container("prep", "echo prep up; exec sleep 3600",
-                     resources={"requests": {"cpu": "200m", "memory": "32Mi"},
-                                "limits": {"cpu": "500m", "memory": "64Mi"}})
-    model = container("model", "exec sleep 3600", env=[{"name": "NVIDIA_VISIBLE_DEVICES", "value": "all"}])
-    p = pod(name, [model, prep], runtime_class="weft", node_selector={"weft.io/role": "gpu"},
-            annotations={"weft.io/gpu-memory.model": "10Gi"})
-    p["spec"]["priorityClassName"] = "low"
-    return p
+    return preemption.two_stage(name)
 
 
 def _plain(name: str, cpu_millis: int, priority_class: str) -> dict:
-    p = pod(name, [container("c", "exec sleep 3600", resources={"requests": {"cpu": f"{cpu_millis}m"}})],
-            node_selector={"kubernetes.io/hostname": HOST}, grace=0)
-    p["spec"]["priorityClassName"] = priority_class
-    return p
+    return preemption.plain(name, cpu_millis, priority_class, HOST)
 
 
 def _reservations(kube: KubeCluster) -> list[dict]:
-    out = kube.kubectl("get", "pods", "-A", "-l", "weft.io/role=hosted-stage", "-o", "json").stdout
-    return json.loads(out)["items"]
+    return preemption.reservations(kube)
 
 
 def _shadows(kube: KubeCluster, running: bool = True) -> list:
-    return [c for c in kube.containers(HOST) if c.labels.get("weft.io/origin-node") == ORIGIN
-            and (c.state == CONTAINER_RUNNING or not running)]
+    return preemption.shadows(kube, ORIGIN, HOST, running)
 
 
 def _free_cpu_millis(kube: KubeCluster) -> int:
-    """What the host's books leave: allocatable CPU less the requests of the pods bound to it."""
-    node = json.loads(kube.kubectl("get", "node", HOST, "-o", "json").stdout)
-    alloc = node["status"]["allocatable"]["cpu"]
-    total = int(alloc[:-1]) if alloc.endswith("m") else int(alloc) * 1000
-    pods = json.loads(kube.kubectl("get", "pods", "-A", "--field-selector", f"spec.nodeName={HOST}",
-                                   "-o", "json").stdout)["items"]
-    used = 0
-    for p in pods:
-        if p["status"].get("phase") in ("Succeeded", "Failed"):
-            continue
-        for c in p["spec"]["containers"]:
-            cpu = (c.get("resources", {}).get("requests") or {}).get("cpu", "0")
-            used += int(cpu[:-1]) if cpu.endswith("m") else int(float(cpu) * 1000)
-    return total - used
+    return preemption.free_cpu_millis(kube, HOST)
 
 
 @pytest.fixture
@@ -155,40 +123,6 @@ def test_the_scheduler_counts_the_stage_s_cpu(kube, infer) -> None:
     assert not _reservations(kube) and not _shadows(kube, running=False)
 
 
-class Overlap:
-    """Samples the host's containerd every ``every`` s: whether the shadow and the preemptor's container ran at
-    once, and when each was first seen stopped and running."""
-
-    def __init__(self, kube: KubeCluster, every: float = 0.05) -> None:
-        self.kube, self.every = kube, every
-        self.both = 0  # samples with both running
-        self.shadow_stopped: float | None = None
-        self.preemptor_running: float | None = None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def __enter__(self) -> Overlap:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join(10)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.every):
-            cs = self.kube.containers(HOST)
-            now = time.monotonic()
-            shadow = any(c.labels.get("weft.io/origin-node") == ORIGIN and c.state == CONTAINER_RUNNING for c in cs)
-            preemptor = any(c.labels.get("io.kubernetes.pod.name") == "important" and c.state == CONTAINER_RUNNING
-                            for c in cs)
-            self.both += shadow and preemptor
-            if not shadow and self.shadow_stopped is None:
-                self.shadow_stopped = now
-            if preemptor and self.preemptor_running is None:
-                self.preemptor_running = now
-
-
 PREEMPTIONS = 10
 
 
@@ -198,38 +132,16 @@ def test_a_higher_priority_pod_preempts_the_stage_which_is_placed_afresh(kube, r
     afresh, never two live copies."""
     waits: list[float] = []
     for i in range(PREEMPTIONS):
-        apply(kube, _two_stage("infer"))
-        try:
-            wait_ready(kube, "infer")
-            wait_for(lambda: _shadows(kube), timeout=30, what="the shadow running")
-            wait_for(lambda: [r for r in _reservations(kube) if r["status"].get("phase") == "Running"],
-                     timeout=60, what="the reservation running")
-            copies: list[int] = []
-            with Overlap(kube) as overlap:
-                created = time.monotonic()
-                apply(kube, _plain("important", _free_cpu_millis(kube) + 300, "high"))  # needs the stage's CPU
-
-                def settled(copies: list[int] = copies, overlap: Overlap = overlap) -> bool:
-                    live = len(_shadows(kube))
-                    prep = container_status(get_pod(kube, "infer"), "prep")
-                    copies.append(live + (1 if prep.get("state", {}).get("running") and live == 0 else 0))
-                    return (prep.get("restartCount", 0) >= 1 and "running" in prep.get("state", {})
-                            and overlap.preemptor_running is not None)
-
-                wait_for(settled, timeout=120, what=f"preemption {i + 1}: prep restarted and the preemptor running",
-                         every=0.2)
-            assert overlap.both == 0, f"preemption {i + 1}: the preemptor ran beside the shadow"
-            assert overlap.shadow_stopped is not None and overlap.shadow_stopped <= overlap.preemptor_running
-            waits.append(overlap.preemptor_running - created)
-            prep = container_status(get_pod(kube, "infer"), "prep")
-            assert prep["lastState"]["terminated"]["reason"] == "ReservationPreempted", prep
-            assert max(copies) <= 1  # never two live copies
-            assert not _shadows(kube)  # placed afresh: here, on the origin, not back on the host that lost it
-            again = [p for p in kube.agent_status(ORIGIN)["placements"] if p["name"] == "prep" and p["attempt"] == 1]
-            assert again[-1]["placement"] == "local" and "ReservationPreempted" in again[-1]["detail"], again
-            wait_ready(kube, "infer")
-        finally:
-            delete(kube, "infer", "important")
+        seen = preemption.preempt(kube, ORIGIN, HOST, i)
+        assert seen.stop_hook, "the reservation carries no preStop hook"
+        assert seen.overlap_samples == 0, f"preemption {i + 1}: the preemptor ran beside the shadow"
+        assert seen.shadow_stopped_first, f"preemption {i + 1}: the preemptor ran before the shadow stopped"
+        assert seen.reason == "ReservationPreempted", seen
+        assert seen.most_copies <= 1  # never two live copies
+        assert seen.shadows_after == 0  # placed afresh: here, on the origin, not back on the host that lost it
+        again = seen.placed_again
+        assert again.get("placement") == "local" and "ReservationPreempted" in again.get("detail", ""), again
+        waits.append(seen.wait_s)
     waits.sort()
     fixture.report(request.config, f"preemptor created to its container running, {PREEMPTIONS} preemptions with "
                    f"the shadow stopped first: p50 {waits[len(waits) // 2]:.2f} s, max {waits[-1]:.2f} s")

@@ -118,11 +118,11 @@ class Agent:
 
     def _stop_hook(self, cfg: Config, host) -> None:
         """Reservation pods get a preStop hook to this agent's HTTP endpoint, where kubelet (in the host's
-        network) reaches it: an address bound to every interface is reached on loopback. None without an
-        endpoint, or on a port chosen at bind time (not known when a reservation is made)."""
+        network) reaches it: an address bound to every interface is reached on loopback. None when switched off,
+        without an endpoint, or on a port chosen at bind time (not known when a reservation is made)."""
         from shim.core.annotations import parse_host_port
 
-        if not cfg.agent.metrics_address:
+        if not (cfg.kubernetes.reservation_stop_hook and cfg.agent.metrics_address):
             return
         address, port = parse_host_port(cfg.agent.metrics_address, field="agent.metrics_address")
         if port == 0:

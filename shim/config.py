@@ -226,6 +226,9 @@ class KubernetesConfig:
     reservation_image: str = "registry.k8s.io/pause:3.10"  # the node's pause image (kubelet's sandbox image)
     # How long a shadow may run before kubelet admits its reservation; then it stops.
     reservation_grace: float = 10.0
+    # Reservation pods carry a preStop hook to the agent's HTTP endpoint, so that kubelet holds a preempted
+    # stage's CPU until the shadow has stopped. Off where kubelet cannot reach that endpoint.
+    reservation_stop_hook: bool = True
     # Placement reads the pod spec from a cache of the node's Pods (emptyDirs, init containers, requests).
     pod_spec: bool = True
 

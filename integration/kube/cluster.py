@@ -78,6 +78,8 @@ class KubeCluster:
     kubelet_config: dict = field(default_factory=dict)
     # Environment every agent gets over the test's own (e.g. WEFT_FAILPOINT_DELAYS).
     agent_env: dict[str, str] = field(default_factory=dict)
+    # [kubernetes] settings of one node's agent, by node name (with agent_api), e.g. {"reservation_stop_hook": False}.
+    agent_kubernetes: dict[str, dict[str, object]] = field(default_factory=dict)
 
     def __enter__(self) -> KubeCluster:
         try:
@@ -156,7 +158,9 @@ class KubeCluster:
                 f'fixed_capacity = "{HOST_CORES},{HOST_MEMORY}"\n'
                 f'shadow_cgroup_parent = "{node.containerd.cgroup_root}/shadows"\n'
                 # The node's own pause image, imported with the others: reservation pods run it.
-                + (f'[kubernetes]\nreservation_image = "{PAUSE_IMAGE}"\n' if self.agent_api else ""))
+                + (f'[kubernetes]\nreservation_image = "{PAUSE_IMAGE}"\n' + "".join(
+                    f"{k} = {json.dumps(v)}\n" for k, v in self.agent_kubernetes.get(node.name, {}).items())
+                   if self.agent_api else ""))
             extra = ["--config", str(conf), "--node-name", node.name, "--role", role,
                      "--mesh-address", f"{node.mesh_ip}:{MESH_PORT}", "--peers", str(peers), "--tls-dir", str(certs),
                      "--log-level", "debug"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 from collections.abc import Iterator, Sequence
 from typing import Any
@@ -12,14 +13,21 @@ import pytest
 from integration.kube.cluster import KubeCluster, NodeSpec
 
 FIGURES_ENV = "WEFT_TEST_FIGURES"
+# Where a benchmark that runs a scenario's test (``bench/day_two.py``) has its figures written as JSON lines.
+BENCH_FIGURES_ENV = "WEFT_BENCH_FIGURES"
 
 
-def report(config: pytest.Config, line: str) -> None:
+def report(config: pytest.Config, line: str, figures: dict[str, object] | None = None) -> None:
     """A figure on the terminal as the run goes (never asserted: figures measure the machine too).
 
     In a pytest-xdist worker, whose terminal nobody sees, the line goes to the file the controller named
-    (integration/conftest.py), which prints it with the summary.
+    (integration/conftest.py), which prints it with the summary. ``figures``, the same as values, go to the
+    file a benchmark named, if one did.
     """
+    bench = os.environ.get(BENCH_FIGURES_ENV)
+    if bench and figures is not None:
+        with open(bench, "a") as f:
+            f.write(json.dumps({"line": line, "figures": figures}) + "\n")
     figures = os.environ.get(FIGURES_ENV)
     if hasattr(config, "workerinput") and figures:
         with open(figures, "a") as f:

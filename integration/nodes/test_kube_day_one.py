@@ -624,8 +624,10 @@ def _roll(c: Cluster, tag: str, version: str, during: str | None) -> dict[str, f
     spans = sorted((a, b, n) for n, found in intervals.items() for a, b in found)
     assert all(b1 <= a2 for (_, b1, _), (a2, _, _) in itertools.pairwise(spans)), spans
     down = {n: sum(b - a for a, b in found) for n, found in intervals.items()}
+    switched = {n: max(b for _, b in found) - started for n, found in intervals.items() if found}
     return {"rollout": time.monotonic() - t, "rollout status": rolled,
-            **{f"agent down {n}": d for n, d in down.items()}}
+            **{f"agent down {n}": d for n, d in down.items()},
+            **{f"switched {n}": s for n, s in switched.items()}}
 
 
 def _agent_version(c: Cluster, node: str) -> str:
@@ -667,12 +669,18 @@ def test_weft_upgrades_and_rolls_back_through_its_daemonset_while_a_rerouted_sta
                                                             f"weft.io/origin-sandbox={during['id']}")["containers"]]
     c.kubectl("delete", "pod", "steady", "during-upgrade", "--wait=true", timeout=180)
     fixture.report(request.config, f"day two: second image built and pushed in {built:.1f} s; " + "; ".join(
-        f"{what}: all nodes {f['rollout']:.1f} s, agent down " + ", ".join(
+        f"{what}: all nodes {f['rollout']:.1f} s, each node's agent new at " + ", ".join(
+            f"{k.removeprefix('switched ')} {v:.1f} s" for k, v in sorted(f.items()) if k.startswith("switched"))
+        + ", agent down " + ", ".join(
             f"{k.removeprefix('agent down ')} {v:.1f} s" for k, v in sorted(f.items()) if k.startswith("agent down"))
         for what, f in figures.items())
         + f"; containers restarted 0; copies of the rerouted stage sampled {len(counts)} times, always 1; "
         f"its log {lines} lines, none lost or doubled; the pod created during the upgrade: prep on "
-        f"{during_host or ['gpu-1 (local)']}")
+        f"{during_host or ['gpu-1 (local)']}",
+        figures={"image built and pushed s": built, **{what: f for what, f in figures.items()},
+                 "containers restarted": 0, "stage copies sampled": len(counts), "most stage copies": max(counts),
+                 "stage log lines": lines, "stage log lines lost or doubled": len(problems),
+                 "pod created during the upgrade, its stage on": during_host[0] if during_host else "gpu-1"})
 
 
 def _started_order(c: Cluster, node: str, units: tuple[str, ...]) -> list[str]:
@@ -785,7 +793,9 @@ def test_a_rebooted_cpu_host_and_gpu_node_come_back_on_weft_and_the_pod_is_ready
     c.kubectl("delete", "pod", "rebooted", "--wait=true", timeout=180)
     fixture.report(request.config, "day two: reboots, clean poweroff to " + ", ".join(
         f"{k} {v:.1f} s" for k, v in figures.items()) + f"; at most {max(counts)} copy of the rerouted stage "
-        f"in {len(counts)} samples")
+        f"in {len(counts)} samples",
+        figures={"reboot": {"stage host": host, **figures, "most stage copies": max(counts),
+                            "stage copies sampled": len(counts)}})
 
 
 def _daemonset_pods(c: Cluster) -> dict[str, dict]:
@@ -982,4 +992,8 @@ def test_kubectl_drain_of_the_stages_host_moves_the_stage_and_uncordon_takes_sta
         time.sleep(1)
     fixture.report(request.config, f"day two: kubectl drain {host} held back by the workload's budget (its "
                    f"stage budget gone {budget_gone:.1f} s after it); then took {drained:.1f} s (its reservation "
-                   f"evicted), the stage running again on {other} {moved:.1f} s after; nothing of it left on {host}")
+                   f"evicted), the stage running again on {other} {moved:.1f} s after; nothing of it left on {host}",
+                   figures={"drain": {"drained host": host, "kubectl drain s": drained,
+                                      "stage budget gone after the workload's s": budget_gone,
+                                      "stage running elsewhere after the drain s": moved,
+                                      "stage moved to": other}})
