@@ -23,8 +23,8 @@ from integration.kube import preemption
 from integration.kube.cluster import KubeCluster, NodeSpec
 from integration.kube.workloads import apply
 from shim.bench.running import guarded, report
+from shim.core.stats import percentile
 from shim.localfabric.waiting import wait_for
-from shim.sim.metrics import percentile
 
 ORIGIN = "gpu-1"
 SIDES = {"hook": "cpu-1", "no hook": "cpu-2"}

@@ -31,6 +31,7 @@ from integration.kube.workloads import (
     wait_ready,
 )
 from shim.core.reservation import cpu_shares, weight_of_shares
+from shim.core.stats import percentile
 from shim.cri.host.group_weight import group_dirs
 from shim.localfabric.waiting import wait_for
 
@@ -144,7 +145,7 @@ def test_a_higher_priority_pod_preempts_the_stage_which_is_placed_afresh(kube, r
         waits.append(seen.wait_s)
     waits.sort()
     fixture.report(request.config, f"preemptor created to its container running, {PREEMPTIONS} preemptions with "
-                   f"the shadow stopped first: p50 {waits[len(waits) // 2]:.2f} s, max {waits[-1]:.2f} s")
+                   f"the shadow stopped first: p50 {percentile(waits, 50):.2f} s, max {waits[-1]:.2f} s")
 
 
 def test_deleting_the_pod_leaves_no_reservation(kube, infer) -> None:

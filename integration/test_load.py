@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import statistics
 import time
 
 import grpc
@@ -19,6 +18,7 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
+from shim.core.stats import percentile
 from shim.localfabric import pods
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd
@@ -76,7 +76,7 @@ async def _load(address: str, containers: list[str]) -> tuple[dict[str, list[flo
 
 
 def _pct(values: list[float], q: float) -> float:
-    return statistics.quantiles(values, n=1000, method="inclusive")[int(q * 10) - 1] if len(values) > 1 else values[0]
+    return percentile(values, q) or 0.0
 
 
 def test_200_concurrent_clients_for_a_minute_without_an_error(containerd: Containerd, agent: AgentProcess,

@@ -25,6 +25,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from integration.fuzz.mesh_fixture import MESH, MeshHost
 from shim._pb import mesh_pb2 as pb
+from shim.core.stats import percentile
 from shim.localfabric import pods
 from shim.mesh.client import HELLO_TIMEOUT_S
 
@@ -84,7 +85,7 @@ def _drain(call) -> None:
 
 
 def _p(values: list[float], q: float) -> float:
-    return sorted(values)[min(len(values) - 1, int(q * len(values)))]
+    return percentile(values, q * 100) or 0.0
 
 
 def test_hundreds_of_hosted_streams_starve_no_hello_and_fence_nothing(mesh: MeshHost,

@@ -31,6 +31,7 @@ from pathlib import Path
 
 from shim.bench.running import guarded, report
 from shim.core.reservation import cpu_shares, group_shares, weight_of_shares
+from shim.core.stats import percentile
 
 ROOT = Path("/sys/fs/cgroup")
 BURN = "while :; do :; done"
@@ -132,7 +133,7 @@ def measure(seconds: float = 4.0, rounds: int = 2, stage_millis: int = 500) -> d
                 rates[mode].append((tree.usage_ns(where) - used) / 1e9 / (time.monotonic() - began))
                 tree.stop(where)
         v2 = tree.v2
-    cores = {mode: round(sorted(v)[len(v) // 2], 3) for mode, v in rates.items()}
+    cores = {mode: round(percentile(v, 50) or 0.0, 3) for mode, v in rates.items()}
     return {
         "cpus": cpus, "stage_millis": stage_millis, "host_pod_millis": pod_millis, "seconds": seconds,
         "rounds": rounds, "cgroup": "v2" if v2 else "v1", "cores": cores,

@@ -35,7 +35,6 @@ import gc
 import os
 import platform
 import shutil
-import statistics
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim.bench.running import guarded, ms, report, summary
 from shim.config import MeshConfig
+from shim.core.stats import percentile
 from shim.errors import WeftError
 from shim.localfabric import pods
 from shim.localfabric.fabric import HELLO_S, Fabric3
@@ -180,9 +180,9 @@ def interleaved(calls: dict[str, Callable[[], object]], samples: int, warmup: in
 
 def p50_p95(ns: list[int]) -> dict[str, float | int]:
     """Median and 95th percentile in ms (``summary``'s p99 and max too, for many samples)."""
-    out: dict[str, float | int] = {"p50_ms": ms(statistics.median(ns), 2), "n": len(ns)}
+    out: dict[str, float | int] = {"p50_ms": ms(percentile(ns, 50) or 0, 2), "n": len(ns)}
     if len(ns) >= 2:
-        out["p95_ms"] = ms(statistics.quantiles(ns, n=20, method="inclusive")[18], 2)
+        out["p95_ms"] = ms(percentile(ns, 95) or 0, 2)
         out.update({k: v for k, v in summary(ns, 2).items() if k in ("p99_ms", "max_ms")})
     else:
         out["p95_ms"] = out["max_ms"] = out["p99_ms"] = out["p50_ms"]

@@ -33,7 +33,6 @@ import os
 import platform
 import resource
 import shutil
-import statistics
 import sys
 import tempfile
 import threading
@@ -50,6 +49,7 @@ from shim._pb import mesh_pb2 as pb
 from shim._pb import mesh_pb2_grpc as pb_grpc
 from shim.bench.running import guarded, ms, parse_counts, report
 from shim.config import MeshConfig
+from shim.core.stats import percentile
 from shim.errors import WeftError
 from shim.localfabric import pods
 from shim.localfabric.agent import AgentProcess, free_port
@@ -272,8 +272,7 @@ def placements(agent: AgentProcess, containerd: Containerd, samples: int) -> dic
 
 
 def _latency(ns: list[int]) -> dict:
-    out = {"p50_ms": ms(statistics.median(ns), 2), "n": len(ns)}
-    out["p95_ms"] = ms(statistics.quantiles(ns, n=20, method="inclusive")[18], 2) if len(ns) >= 2 else out["p50_ms"]
+    out = {"p50_ms": ms(percentile(ns, 50) or 0, 2), "n": len(ns), "p95_ms": ms(percentile(ns, 95) or 0, 2)}
     return out
 
 

@@ -50,6 +50,7 @@ from pathlib import Path
 from cri_api.v1 import api_pb2 as cri
 
 from shim.config import AgentConfig
+from shim.core.stats import percentile
 from shim.cri.netns import Netns, sandbox_netns
 from shim.localfabric import pods
 from shim.localfabric.fabric import Fabric3
@@ -129,8 +130,7 @@ def _paths_chosen(f: Fabric3) -> dict[str, str] | None:
 
 
 def _pct(values: list[float], q: float) -> float:
-    v = sorted(values)
-    return v[min(len(v) - 1, int(q * len(v)))]
+    return percentile(values, q * 100) or 0.0
 
 
 def _p50_p99(values: list[float], digits: int = 4) -> dict[str, float]:

@@ -42,6 +42,7 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim.bench.running import guarded, ms, report
+from shim.core.stats import percentile
 from shim.errors import WeftError
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd
@@ -65,8 +66,7 @@ def _say(msg: str) -> None:
 
 
 def _p50_p99(ns: list[int]) -> tuple[float, float]:
-    q = statistics.quantiles(ns, n=100, method="inclusive")
-    return ms(q[49]), ms(q[98])
+    return ms(percentile(ns, 50) or 0), ms(percentile(ns, 99) or 0)
 
 
 # -- pods --------------------------------------------------------------------

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import json
 import signal
-import statistics
 import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
+from shim.core.stats import percentile
 from shim.errors import WeftError
 
 T = TypeVar("T")
@@ -53,8 +53,8 @@ def ms(ns: float, digits: int = 4) -> float:
 
 
 def summary(ns: list[int], digits: int = 4) -> dict[str, float | int]:
-    q = statistics.quantiles(ns, n=100, method="inclusive")
-    return {"p50_ms": ms(q[49], digits), "p99_ms": ms(q[98], digits), "max_ms": ms(max(ns), digits), "n": len(ns)}
+    return {"p50_ms": ms(percentile(ns, 50) or 0, digits), "p99_ms": ms(percentile(ns, 99) or 0, digits),
+            "max_ms": ms(max(ns), digits), "n": len(ns)}
 
 
 def report(figures: dict, as_json: bool, output: Path | None, table: Callable[[dict], str]) -> int:

@@ -27,6 +27,7 @@ from typing import Any
 
 from shim.core import tracking
 from shim.core.reroute import PeerView, Resources, admit, choose_peers
+from shim.core.stats import percentile
 from shim.core.tracking import (
     ANY_ROOM,
     BUSINESS_S,
@@ -416,7 +417,7 @@ class Fleet:
             "placements": len(t.admits), "remote": t.remote, "local": t.local,
             "local_while_room": t.local_with_room,
             "admits_per_placement_mean": round(sum(t.admits) / len(t.admits), 3) if t.admits else 0.0,
-            "admits_per_placement_p99": _percentile(t.admits, 99),
+            "admits_per_placement_p99": percentile(t.admits, 99, observed=True) or 0.0,
             "hosts_used": len(hosted),
             "hosted_max_over_mean": round(max(hosted) / mean, 2) if hosted else 0.0,
             "fullest_host_share": round(max(hosted) / total, 4) if hosted else 0.0,
@@ -425,8 +426,8 @@ class Fleet:
             "messages_per_node_s": round(msgs / nodes / seconds, 3),
             "bytes_per_node_s": round(wire / nodes / seconds, 1),
             "timeouts": t.timeouts,
-            "placement_p50_ms": round(_percentile(t.latency_s, 50) * 1e3, 1),
-            "placement_p99_ms": round(_percentile(t.latency_s, 99) * 1e3, 1),
+            "placement_p50_ms": round((percentile(t.latency_s, 50, observed=True) or 0.0) * 1e3, 1),
+            "placement_p99_ms": round((percentile(t.latency_s, 99, observed=True) or 0.0) * 1e3, 1),
             "liar_admits": t.liar_admits,
             "liar_last_admit_s": round(t.liar_last_admit_s, 1),
         }
@@ -437,13 +438,6 @@ def _poisson(rng: random.Random, rate: float, start: float, end: float) -> list[
     while (t := t + rng.expovariate(rate)) < end:
         out.append(t)
     return out
-
-
-def _percentile(values: list, q: float) -> float:
-    if not values:
-        return 0.0
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, max(0, math.ceil(q / 100 * len(ordered)) - 1))]
 
 
 def simulate(names: Iterable[str], *, hosts: int | None = None, origins: int | None = None,

@@ -14,6 +14,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from shim.core.stats import percentile
 from shim.sim.engine import Run
 
 HOUR = 3600.0
@@ -21,17 +22,6 @@ SERIES_BINS = 120
 # Instants at which co-located duty cycles are added up; evenly spaced so
 # that two runs of the same workload sample the same instants.
 OVERSUBSCRIPTION_SAMPLES = 400
-
-
-def percentile(values: Sequence[float], q: float) -> float | None:
-    """The q-th percentile (0..100) with linear interpolation between ranks, as numpy's default; None if empty."""
-    if not values:
-        return None
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(ordered) - 1)
-    return ordered[lo] + (ordered[hi] - ordered[lo]) * (pos - lo)
 
 
 @dataclass(frozen=True)

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+from shim.core.stats import percentile
 from shim.sim import assumptions
-from shim.sim.metrics import percentile
 from shim.sim.model import GIB
 from shim.sim.study import MODES, Study
 from shim.sim.validate import NOT_APPLICABLE

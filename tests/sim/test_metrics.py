@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from shim.core.stats import percentile
 from shim.sim.engine import simulate
-from shim.sim.metrics import percentile, series, summarise
+from shim.sim.metrics import series, summarise
 from shim.sim.model import GpuProfile, Mode
 from tests.sim.builders import cluster, cpu_pod, gpu_pod
 
