@@ -47,7 +47,7 @@ class Fabric:
         # Opted-in pods' shadow sandboxes made ahead on a host (shim.cri.origin.prepare), when the mesh is on.
         self.prepare_shadow_sandbox = False
         self.prepared = None
-        # The stitched network's kernel path (shim.cri.origin.kernel_path): on or off, and what carries each
+        # The stitched network's kernel path (shim.cri.kernel_path): on or off, and what carries each
         # port of a remote container (container ID -> port -> path), for weft explain.
         self.stitch_kernel_path = False
         self.stitch_paths = None

@@ -52,9 +52,9 @@ from cri_api.v1 import api_pb2 as cri
 from shim import log
 from shim.core.stitch import PORTS_ANNOTATION, Collision, HeldBy, attribute, declared_ports, plan
 from shim.cri.fabric import Fabric
+from shim.cri.kernel_path import KernelForwards
+from shim.cri.kernel_path import sweep as sweep_kernel_rules
 from shim.cri.netns import Netns, owner_of, sandbox_netns
-from shim.cri.origin.kernel_path import KernelForwards
-from shim.cri.origin.kernel_path import sweep as sweep_kernel_rules
 from shim.cri.remote import Remote, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipe, SocketEnd, dial, tune

@@ -1,6 +1,6 @@
 """The stitched pod network through the kernel: nftables rules in a pod's network namespace.
 
-Written for the origin's side below (127.0.0.1 of the origin pod to the
+Both sides use it: written here for the origin's side (127.0.0.1 of the origin pod to the
 shadow's pod IP); the host uses the same class the other way round, in the
 shadow sandbox's namespace, to the origin pod's IP (``shim.cri.host.tunnel``).
 
