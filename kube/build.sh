@@ -28,25 +28,7 @@ CACHE="${WEFT_KUBE_CACHE:-/var/cache/weft/kube}"
 DIR="$CACHE/k8s-$KUBERNETES_VERSION-$hash"
 BINARIES=(kubelet kube-apiserver kube-scheduler kubectl etcd crictl critest)
 
-if [ "${1:-}" = "--bin-dir" ]; then
-  echo "$DIR/bin"
-  exit 0
-fi
-complete() { [ -f "$DIR/bin/.complete" ]; }
-if [ "${1:-}" = "--cached" ]; then  # exit 0 when built already, 1 when not; builds nothing
-  complete
-  exit
-fi
-if complete; then
-  echo "$DIR/bin"
-  exit 0
-fi
-
-cache_lock "$CACHE"
-if complete; then
-  echo "$DIR/bin"
-  exit 0
-fi
+serve_cached "$DIR" "$CACHE" "${1:-}"  # answers --bin-dir and --cached; exits if built
 need_go "the Kubernetes components (apt-get install golang-go, or Go >= 1.24 on PATH)"
 
 # The modules must say what versions.env says (gen.sh makes them so).

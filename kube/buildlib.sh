@@ -1,5 +1,6 @@
-# What kube/build.sh, kube/containerd/build.sh and kube/dra/build.sh share: a cache directory per set of
-# pins, built under a lock by one checkout at a time, into a temporary directory moved into place whole.
+# What the build scripts (kube/build.sh, kube/containerd/build.sh, kube/dra/build.sh, kube/next/build.sh,
+# kube/helm/build.sh) share: a cache directory per set of pins, built under a lock by one checkout at a time,
+# into a temporary directory moved into place whole.
 # Sourced, not run. Each script names itself in SCRIPT (for its messages) before using these.
 
 # The cache's lock: another checkout may be building the same pins right now (held until the script exits).
@@ -7,6 +8,31 @@ cache_lock() {
   mkdir -p "$1"
   exec 9>"$1/.build.lock"
   flock 9
+}
+
+# serve_cached DIR CACHE ARG: what every build script does before it builds. --bin-dir prints DIR's bin
+# directory (built or not); --cached exits 0 if DIR is built, 1 if not; otherwise a DIR built already has its bin
+# directory printed and the script ends, and one that is not has CACHE's lock taken (and is looked at again under
+# it: another checkout may have finished it meanwhile) before the caller builds.
+serve_cached() {
+  local dir=$1 cache=$2 arg=${3:-}
+  if [ "$arg" = "--bin-dir" ]; then
+    echo "$dir/bin"
+    exit 0
+  fi
+  if [ "$arg" = "--cached" ]; then
+    [ -f "$dir/bin/.complete" ]
+    exit
+  fi
+  if [ -f "$dir/bin/.complete" ]; then
+    echo "$dir/bin"
+    exit 0
+  fi
+  cache_lock "$cache"
+  if [ -f "$dir/bin/.complete" ]; then
+    echo "$dir/bin"
+    exit 0
+  fi
 }
 
 # Go on PATH, or a clear error naming what it is needed for; then the settings every build uses.

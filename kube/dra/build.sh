@@ -29,25 +29,7 @@ CACHE="${WEFT_DRA_CACHE:-/var/cache/weft/dra}"
 DIR="$CACHE/dra-$KUBERNETES_VERSION-$hash"
 BINARIES=(kube-controller-manager weft-test-dra-driver)
 
-if [ "${1:-}" = "--bin-dir" ]; then
-  echo "$DIR/bin"
-  exit 0
-fi
-complete() { [ -f "$DIR/bin/.complete" ]; }
-if [ "${1:-}" = "--cached" ]; then
-  complete
-  exit
-fi
-if complete; then
-  echo "$DIR/bin"
-  exit 0
-fi
-
-cache_lock "$CACHE"
-if complete; then
-  echo "$DIR/bin"
-  exit 0
-fi
+serve_cached "$DIR" "$CACHE" "${1:-}"  # answers --bin-dir and --cached; exits if built
 need_go "kube-controller-manager and the test DRA driver"
 
 # The module must build the release ../versions.env pins, with its staging modules at theirs.

@@ -24,25 +24,7 @@ hash="$( { cat "${key_files[@]}"; echo "HELM_BUILD_REVISION=$HELM_BUILD_REVISION
 CACHE="${WEFT_HELM_CACHE:-/var/cache/weft/helm}"
 DIR="$CACHE/helm-$HELM_VERSION-$hash"
 
-if [ "${1:-}" = "--bin-dir" ]; then
-  echo "$DIR/bin"
-  exit 0
-fi
-complete() { [ -f "$DIR/bin/.complete" ]; }
-if [ "${1:-}" = "--cached" ]; then
-  complete
-  exit
-fi
-if complete; then
-  echo "$DIR/bin"
-  exit 0
-fi
-
-cache_lock "$CACHE"
-if complete; then
-  echo "$DIR/bin"
-  exit 0
-fi
+serve_cached "$DIR" "$CACHE" "${1:-}"  # answers --bin-dir and --cached; exits if built
 need_go "helm"
 
 started=$(date +%s)

@@ -20,25 +20,7 @@ CACHE="${WEFT_KUBE_CACHE:-/var/cache/weft/kube}"
 DIR="$CACHE/k8s-$KUBERNETES_VERSION-$hash"
 BINARIES=(kubelet kube-apiserver kube-scheduler kubectl)
 
-if [ "${1:-}" = "--bin-dir" ]; then
-  echo "$DIR/bin"
-  exit 0
-fi
-complete() { [ -f "$DIR/bin/.complete" ]; }
-if [ "${1:-}" = "--cached" ]; then
-  complete
-  exit
-fi
-if complete; then
-  echo "$DIR/bin"
-  exit 0
-fi
-
-cache_lock "$CACHE"
-if complete; then
-  echo "$DIR/bin"
-  exit 0
-fi
+serve_cached "$DIR" "$CACHE" "${1:-}"  # answers --bin-dir and --cached; exits if built
 need_go "the newest Kubernetes components (apt-get install golang-go, or Go >= 1.24 on PATH)"
 
 # The module must say what versions.env says (gen.sh makes it so).
