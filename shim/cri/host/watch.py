@@ -34,8 +34,8 @@ from shim.cri.labels import KEY_ANNOTATION, KEY_LABEL, ORIGIN_LABEL
 from shim.errors import UnknownContainer, WeftError
 
 HEARTBEAT_BOUNDS_S = (0.2, 5.0)
-# How old the shared listing of shadows a Watch round reads may be (a change is told at most this much later).
-WATCH_LIST_TTL_S = 0.5
+# How old the shared listing a Watch round or a log stream reads may be (a change is told at most this much later).
+LISTING_TTL_S = STATE_EVERY_S
 
 
 class NoLog(WeftError):
@@ -56,61 +56,55 @@ def heartbeat_s(asked: float, default: float) -> float:
     return min(high, max(low, asked if asked > 0 else default))
 
 
-class States:
-    """Every container's state from one ListContainers, shared by all log streams, at most ``ttl`` old.
+class Listing:
+    """Every container on the host from one ListContainers, at most ``ttl`` old, shared by every reader.
 
-    A host follows one log per hosted container: asking containerd for each
-    one's status twice a second would cost it more than the containers do.
+    A host follows one log per hosted container and is watched by every origin
+    it hosts for: asking containerd for each one's status twice a second, or
+    listing once per origin per heartbeat, would cost it more than the
+    containers do.
     """
 
-    def __init__(self, rt: ShadowRuntime, ttl: float = STATE_EVERY_S) -> None:
+    def __init__(self, rt: ShadowRuntime, ttl: float = LISTING_TTL_S) -> None:
         self.rt, self.ttl = rt, ttl
         self._lock = threading.Lock()
         self._at = float("-inf")
         self._states: dict[str, int] = {}
+        self._by_origin: dict[str, list[cri.Container]] = {}
 
-    def of(self, container_id: str) -> int | None:
+    def _fresh_locked(self) -> None:
+        if time.monotonic() - self._at <= self.ttl:
+            return
+        at = time.monotonic()
+        states: dict[str, int] = {}
+        by_origin: dict[str, list[cri.Container]] = {}
+        for c in self.rt.containers():
+            states[c.id] = c.state
+            if ORIGIN_LABEL in c.labels:
+                by_origin.setdefault(c.labels[ORIGIN_LABEL], []).append(c)
+        self._states, self._by_origin, self._at = states, by_origin, at
+
+    def state_of(self, container_id: str) -> int | None:
         """The container's CRI state; None once containerd no longer has it."""
         with self._lock:
-            if time.monotonic() - self._at > self.ttl:
-                self._states = {c.id: c.state for c in self.rt.containers()}
-                self._at = time.monotonic()
+            self._fresh_locked()
             state = self._states.get(container_id)
         if state is None:  # created after the listing, or gone: ask for it alone
             s = self.rt.status(container_id)
             return None if s is None else s.state
         return state
 
-
-class Shadows:
-    """Every shadow on the host from one ListContainers, shared by all Watches, at most ``ttl`` old.
-
-    A host watched by hundreds of origins would otherwise ask containerd once per origin per heartbeat."""
-
-    def __init__(self, rt: ShadowRuntime, ttl: float = WATCH_LIST_TTL_S) -> None:
-        self.rt, self.ttl = rt, ttl
-        self._lock = threading.Lock()
-        self._at = float("-inf")
-        self._by_origin: dict[str, list[cri.Container]] = {}
-
-    def of(self, origin: str) -> tuple[list[cri.Container], float]:
+    def shadows_of(self, origin: str) -> tuple[list[cri.Container], float]:
         """The origin's shadows, and when they were listed (monotonic, taken before the call)."""
         with self._lock:
-            if time.monotonic() - self._at > self.ttl:
-                at = time.monotonic()
-                by_origin: dict[str, list[cri.Container]] = {}
-                for c in self.rt.containers():
-                    if ORIGIN_LABEL in c.labels:
-                        by_origin.setdefault(c.labels[ORIGIN_LABEL], []).append(c)
-                self._by_origin, self._at = by_origin, at
+            self._fresh_locked()
             return list(self._by_origin.get(origin, ())), self._at
 
 
 class Watcher:
     def __init__(self, rt: ShadowRuntime, lifecycle: Lifecycle, heartbeat_interval: float) -> None:
         self.rt, self.lifecycle, self.heartbeat_interval = rt, lifecycle, heartbeat_interval
-        self.states = States(rt)
-        self.shadows = Shadows(rt)
+        self.listing = Listing(rt)
 
     def watch(self, origin: str, req: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.ShadowState]:
         """Orphans removed; one state per shadow; a heartbeat; then changes and a heartbeat every interval.
@@ -139,7 +133,7 @@ class Watcher:
             gone.wait(interval)
             if not context.is_active():
                 return
-            listing, listed_at = self.shadows.of(origin)
+            listing, listed_at = self.listing.shadows_of(origin)
             now = {c.id: c for c in listing}
             for cid in [cid for cid in seen if cid not in now and known_since.get(cid, 0.0) < listed_at]:
                 known_since.pop(cid, None)
@@ -179,7 +173,7 @@ class Watcher:
         context.add_callback(gone.set)
 
         def life() -> Life:
-            state = self.states.of(c.id)
+            state = self.listing.state_of(c.id)
             if state is None:
                 return Life.GONE
             return {cri.CONTAINER_CREATED: Life.CREATED, cri.CONTAINER_RUNNING: Life.RUNNING}.get(
