@@ -129,6 +129,11 @@ def spec_of(sb: StageBudget) -> dict[str, Any]:
             "selector": {"matchExpressions": [{"key": KEY_LABEL, "operator": "In", "values": list(sb.keys)}]}}
 
 
+def owned_by_node(host: str, node_uid: str) -> list[dict[str, Any]]:
+    """The ownerReferences that make a stage budget go with the host's Node."""
+    return [{"apiVersion": "v1", "kind": "Node", "name": host, "uid": node_uid}]
+
+
 def manifest(sb: StageBudget, *, host: str, host_label: str, namespace: str, node_uid: str = "") -> dict[str, Any]:
     """The stage budget as JSON for the API; owned by the host's Node where its UID is known (it goes with
     the Node)."""
@@ -138,5 +143,5 @@ def manifest(sb: StageBudget, *, host: str, host_label: str, namespace: str, nod
         "annotations": {BUDGET_OF_ANNOTATION: sb.of},
     }
     if node_uid:
-        metadata["ownerReferences"] = [{"apiVersion": "v1", "kind": "Node", "name": host, "uid": node_uid}]
+        metadata["ownerReferences"] = owned_by_node(host, node_uid)
     return {"apiVersion": "policy/v1", "kind": "PodDisruptionBudget", "metadata": metadata, "spec": spec_of(sb)}

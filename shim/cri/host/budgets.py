@@ -28,6 +28,7 @@ from shim.core.budget import (
     StageBudget,
     WorkloadBudget,
     manifest,
+    owned_by_node,
     plan,
     spec_of,
 )
@@ -104,9 +105,7 @@ class StageBudgets:
         for name, sb in sorted(changed, key=lambda c: not set(c[1].keys) <= _keys(have[c[0]])):
             patch: dict[str, Any] = {"spec": spec_of(sb)}
             if node_uid:
-                patch["metadata"] = {"ownerReferences": manifest(sb, host=self.node, host_label="",
-                                                                  namespace="", node_uid=node_uid)
-                                     ["metadata"]["ownerReferences"]}
+                patch["metadata"] = {"ownerReferences": owned_by_node(self.node, node_uid)}
             self.client().patch(PodDisruptionBudget, name, patch, namespace=self.namespace,
                                 patch_type=PatchType.MERGE)
             _log.info("budget.updated", name=name, of=sb.of, reservations=len(sb.keys),
