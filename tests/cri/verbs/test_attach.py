@@ -15,7 +15,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim.cri.verbs import attach
 from shim.errors import CannotStart, NoStreamServer
 from shim.mesh.client import PeerUnavailable
-from tests.cri.verbs.fakes import ORIGIN, add_remote, ctx
+from tests.cri.verbs.fakes import ORIGIN, ctx
 
 LOCAL_ID = "1c" * 32
 HOST_URL = "http://10.0.0.2:10010/attach/shadow-token"
@@ -28,17 +28,6 @@ def body(container_id: str) -> bytes:
 @pytest.fixture
 def route(fabric):
     return attach.route(fabric)
-
-
-def test_not_intercepted_while_this_node_has_no_remote_containers(fabric, mesh, route) -> None:
-    assert not route.applies()
-    add_remote(fabric)
-    assert route.applies()
-
-
-def test_only_a_remote_containers_request_is_wefts(route, remote) -> None:
-    assert route.pick(body(remote.id))
-    assert not route.pick(body(LOCAL_ID))
 
 
 def test_a_local_containers_session_is_containerds_unchanged(fabric, containerd, host, route, remote) -> None:

@@ -12,7 +12,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim.cri.labels import ORIGIN_LABEL
 from shim.cri.remote import LOST_EXIT_CODE, LOST_REASON
 from shim.cri.verbs import container_status
-from tests.cri.verbs.fakes import add_remote, ctx
+from tests.cri.verbs.fakes import ctx
 
 LOCAL_ID = "1c" * 32
 
@@ -24,12 +24,6 @@ def body(container_id: str) -> bytes:
 @pytest.fixture
 def route(fabric):
     return container_status.route(fabric)
-
-
-def test_not_intercepted_while_this_node_has_no_remote_containers(fabric, mesh, route) -> None:
-    assert not route.applies()
-    add_remote(fabric)
-    assert route.applies()
 
 
 def test_only_a_remote_containers_request_is_wefts_by_full_id_or_unique_prefix(route, remote) -> None:

@@ -10,7 +10,7 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.verbs import reopen_container_log
-from tests.cri.verbs.fakes import add_remote, ctx
+from tests.cri.verbs.fakes import ctx
 
 LOCAL_ID = "1c" * 32
 
@@ -22,17 +22,6 @@ def body(container_id: str) -> bytes:
 @pytest.fixture
 def route(fabric):
     return reopen_container_log.route(fabric)
-
-
-def test_not_intercepted_while_this_node_has_no_remote_containers(fabric, mesh, route) -> None:
-    assert not route.applies()
-    add_remote(fabric)
-    assert route.applies()
-
-
-def test_only_a_remote_containers_request_is_wefts(route, remote) -> None:
-    assert route.pick(body(remote.id))
-    assert not route.pick(body(LOCAL_ID))
 
 
 def test_a_local_containers_log_is_reopened_by_containerd_unchanged(fabric, containerd, route, remote) -> None:

@@ -33,17 +33,6 @@ def status_of(fabric, container_id: str) -> cri.ContainerStatus:
     return cri.ContainerStatusResponse.FromString(container_status.route(fabric).handle(request, ctx())).status
 
 
-def test_not_intercepted_while_this_node_has_no_remote_containers(fabric, mesh, route) -> None:
-    assert not route.applies()
-    add_remote(fabric)
-    assert route.applies()
-
-
-def test_only_a_remote_containers_request_is_wefts(route, remote) -> None:
-    assert route.pick(body(remote.id))
-    assert not route.pick(body(LOCAL_ID))
-
-
 def test_a_local_container_starts_in_containerd_unchanged(containerd, host, route, remote) -> None:
     route.handle(body(LOCAL_ID), ctx())
     assert containerd.only_request("StartContainer") == body(LOCAL_ID)

@@ -27,17 +27,6 @@ def route(fabric):
     return stop_container.route(fabric)
 
 
-def test_not_intercepted_while_this_node_has_no_remote_containers(fabric, mesh, route) -> None:
-    assert not route.applies()
-    add_remote(fabric)
-    assert route.applies()
-
-
-def test_only_a_remote_containers_request_is_wefts(route, remote) -> None:
-    assert route.pick(body(remote.id))
-    assert not route.pick(body(LOCAL_ID))
-
-
 def test_a_local_or_unknown_container_is_stopped_by_containerd_unchanged(containerd, host, route, remote) -> None:
     answer = route.handle(body(LOCAL_ID), ctx())
     assert containerd.only_request("StopContainer") == body(LOCAL_ID)

@@ -29,17 +29,6 @@ def route(fabric):
     return stop_pod_sandbox.route(fabric)
 
 
-def test_not_intercepted_while_this_node_has_no_remote_containers(fabric, mesh, route) -> None:
-    assert not route.applies()
-    add_remote(fabric)
-    assert route.applies()
-
-
-def test_only_a_sandbox_with_remote_containers_is_wefts(route, remote) -> None:
-    assert route.pick(body(SANDBOX))
-    assert not route.pick(body(OTHER))
-
-
 def test_a_sandbox_without_remote_containers_is_stopped_by_containerd_unchanged(containerd, host, route,
                                                                                remote) -> None:
     route.handle(body(OTHER), ctx())
