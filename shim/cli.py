@@ -215,7 +215,7 @@ def _bench(args: argparse.Namespace) -> int:
         from shim.bench import e2e
 
         return e2e.main(as_json=args.json, quick=args.quick, starts=args.starts, samples=args.samples,
-                        pods=args.pods, churn_seconds=args.churn_seconds, output=args.output)
+                        pods=args.pods, churn_seconds=args.churn_seconds, output=args.output, cpusets=args.cpusets)
     if args.what == "tunnel":
         from shim.bench import tunnel
 
@@ -352,6 +352,9 @@ def parser() -> argparse.ArgumentParser:
     b.add_argument("--peers", help="mesh-scale: the fleet sizes to measure, N or N,N,... (default 100,1000,5000)")
     b.add_argument("--origins", help="host-scale: the numbers of origins watching the host, N or N,N,... "
                    "(default 10,100,500)")
+    b.add_argument("--cpusets", action="store_true", help="e2e: each node confined to CPUs of its own (the origin "
+                   "on half of this machine's, the hosts on the other half), as on separate machines; writes "
+                   "e2e-cpusets.json and e2e-cpusets.md")
     b.add_argument("--stream-busy-poll-us", type=int, help="network: the agents' agent.stream_busy_poll_us "
                    "(default: the agents' default)")
     b.set_defaults(fn=_bench)

@@ -85,12 +85,15 @@ class Plan:
     churn_pods: int
     churn_s: float
     quick: bool
+    cpusets: bool = False  # the origin and the hosts on CPUs of their own, as on separate machines
 
     @classmethod
-    def of(cls, *, quick: bool, starts: int, samples: int, pods: int, churn_seconds: float) -> Plan:
+    def of(cls, *, quick: bool, starts: int, samples: int, pods: int, churn_seconds: float,
+           cpusets: bool = False) -> Plan:
         if quick:
-            return cls(starts=3, samples=50, idle_s=2.0, churn_pods=5, churn_s=4.0, quick=True)
-        return cls(starts=starts, samples=samples, idle_s=10.0, churn_pods=pods, churn_s=churn_seconds, quick=False)
+            return cls(starts=3, samples=50, idle_s=2.0, churn_pods=5, churn_s=4.0, quick=True, cpusets=cpusets)
+        return cls(starts=starts, samples=samples, idle_s=10.0, churn_pods=pods, churn_s=churn_seconds, quick=False,
+                   cpusets=cpusets)
 
 
 # -- 1. pod start ------------------------------------------------------------------
@@ -327,8 +330,9 @@ def churn(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, pods: int, seconds: 
 # -- 5. stitched network ---------------------------------------------------------------
 def network_figures(plan: Plan, workdir: Path) -> dict:
     """``shim.bench.network`` (its own fabric, after this one closed)."""
-    if plan.quick:
-        return {"available": False, "note": "skipped with --quick (a fabric of its own: weft bench network)"}
+    if plan.quick or plan.cpusets:
+        return {"available": False, "note": f"skipped with --{'quick' if plan.quick else 'cpusets'} (a fabric of its "
+                "own: weft bench network)"}
     out = workdir / "network.json"
     gib, samples = 0.5, 3000
     _say(f"network: shim.bench.network, {gib:g} GiB per throughput round, {samples} round trips per path")
@@ -354,7 +358,10 @@ def network_figures(plan: Plan, workdir: Path) -> dict:
 
 # -- the run ---------------------------------------------------------------------------
 def _measure(plan: Plan, workdir: Path) -> dict:
-    fabric = mesh.open_fabric(workdir / "fabric")
+    fabric = mesh.open_fabric(workdir / "fabric", cpusets=plan.cpusets)
+    affinity = os.sched_getaffinity(0)
+    if plan.cpusets:  # this process plays the origin's kubelet: on the origin's CPUs
+        os.sched_setaffinity(0, {int(c) for c in fabric.agents[mesh.ORIGIN].cpus.split(",")})
     try:
         _say(f"fabric up (fence {fabric.fence_s:g} s, loss {fabric.loss_s:g} s)")
         ch, rt = mesh.origin(fabric)
@@ -391,6 +398,7 @@ def _measure(plan: Plan, workdir: Path) -> dict:
                 "containerd": version.runtime_version,
                 "fabric": mesh.fabric_facts(fabric)}
     finally:
+        os.sched_setaffinity(0, affinity)
         fabric.close()
 
 
@@ -405,7 +413,8 @@ def _figures(raw: dict, plan: Plan, argv: str, load_before: tuple[float, float, 
                                                    "pod_start_ratio": POD_START_RATIO,
                                                    "first_start_ratio": FIRST_START_RATIO},
             "plan": {"starts": plan.starts, "samples": plan.samples, "idle_s": plan.idle_s,
-                     "churn_pods": plan.churn_pods, "churn_s": plan.churn_s, "quick": plan.quick},
+                     "churn_pods": plan.churn_pods, "churn_s": plan.churn_s, "quick": plan.quick,
+                     "cpusets": plan.cpusets},
             "command": argv, "machine": machine, "fabric": raw["fabric"]}
 
 
@@ -471,7 +480,8 @@ def markdown(f: dict) -> str:
              "fabric (`shim/localfabric/fabric.py`: `gpu-1` origin with a broker on simulated GPUs, `cpu-1` and "
              "`cpu-2` "
              f"hosts, fence {f['fabric']['fence_timeout_s']:g} s, loss {f['fabric']['loss_timeout_s']:g} s). "
-             "Raw figures: [e2e.json](e2e.json); the mesh figures: [mesh.json](mesh.json).", "",
+             + _cpus_note(f) + f"Raw figures: [{_stem(f)}.json]({_stem(f)}.json); the mesh figures: "
+             "[mesh.json](mesh.json).", "",
              "| figure | weft | baseline | ratio | target |", "| --- | --- | --- | --- | --- |"]
     lines += [f"| {' | '.join(r)} |" for r in rows]
     lines += ["", f"Daemons' CPU (% of one core) and RSS: idle for {f['idle_seconds']:g} s (remote containers "
@@ -493,13 +503,29 @@ def markdown(f: dict) -> str:
     return "\n".join(lines)
 
 
+def _stem(f: dict) -> str:
+    """The results' file name: e2e, or e2e-cpusets for a run with the nodes on CPUs of their own."""
+    return "e2e-cpusets" if f["plan"].get("cpusets") else "e2e"
+
+
+def _cpus_note(f: dict) -> str:
+    cpus = f["fabric"].get("cpus", {})
+    if not any(c != "all" for c in cpus.values()):
+        return "Every node's processes share every CPU. "
+    return ("Each node confined to CPUs of its own, as on separate machines (its containerd, shims, pods and "
+            "agent; the broker and this benchmark, as kubelet, on the origin's): "
+            + ", ".join(f"`{n}` on CPU {c}" for n, c in cpus.items()) + ". ")
+
+
 def main(*, as_json: bool, quick: bool, starts: int, samples: int, pods: int, churn_seconds: float,
-         output: Path | None) -> int:
+         output: Path | None, cpusets: bool = False) -> int:
     if starts < 1 or samples < 10 or pods < 1 or churn_seconds <= 0:
         raise WeftError("need --starts >= 1, --samples >= 10, --pods >= 1 and --churn-seconds > 0")
-    plan = Plan.of(quick=quick, starts=starts, samples=samples, pods=pods, churn_seconds=churn_seconds)
+    plan = Plan.of(quick=quick, starts=starts, samples=samples, pods=pods, churn_seconds=churn_seconds,
+                   cpusets=cpusets)
     argv = "weft bench e2e" + (" --quick" if quick else f" --starts {starts} --samples {samples} --pods {pods} "
-                                                         f"--churn-seconds {churn_seconds:g}")
+                                                         f"--churn-seconds {churn_seconds:g}") + (
+        " --cpusets" if cpusets else "")
     load_before = os.getloadavg()
     workdir = Path(tempfile.mkdtemp(prefix="weft-bench-e2e-"))
     try:
@@ -513,9 +539,10 @@ def main(*, as_json: bool, quick: bool, starts: int, samples: int, pods: int, ch
     out = output if output is not None else RESULTS
     out.mkdir(parents=True, exist_ok=True)
     text = json.dumps(figures, indent=2)
-    (out / "e2e.json").write_text(text + "\n")
+    stem = _stem(figures)
+    (out / f"{stem}.json").write_text(text + "\n")
     table = markdown(figures)
-    (out / "e2e.md").write_text(table)
-    _say(f"wrote {out / 'e2e.json'} and {out / 'e2e.md'}")
+    (out / f"{stem}.md").write_text(table)
+    _say(f"wrote {out / f'{stem}.json'} and {out / f'{stem}.md'}")
     print(text if as_json else table, flush=True)
     return 0

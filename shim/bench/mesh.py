@@ -69,10 +69,11 @@ def _say(msg: str) -> None:
 
 
 # -- the fabric and its pods (shared with shim.bench.e2e) ---------------------------
-def open_fabric(workdir: Path) -> Fabric3:
-    """The three-node fabric with the fence and loss timeouts a user gets by default, open."""
+def open_fabric(workdir: Path, *, cpusets: bool = False) -> Fabric3:
+    """The three-node fabric with the fence and loss timeouts a user gets by default, open (with ``cpusets``, the
+    origin and the hosts on CPUs of their own)."""
     defaults = MeshConfig()
-    fabric = Fabric3(workdir, fence_s=defaults.fence_timeout, loss_s=defaults.loss_timeout)
+    fabric = Fabric3(workdir, fence_s=defaults.fence_timeout, loss_s=defaults.loss_timeout, cpusets=cpusets)
     fabric.__enter__()
     return fabric
 
@@ -93,7 +94,8 @@ def origin(fabric: Fabric3, name: str = ORIGIN) -> tuple[grpc.Channel, cri_grpc.
 
 def fabric_facts(fabric: Fabric3) -> dict:
     return {"fence_timeout_s": fabric.fence_s, "loss_timeout_s": fabric.loss_s, "hello_interval_s": HELLO_S,
-            "default_hello_interval_s": MeshConfig().hello_interval}
+            "default_hello_interval_s": MeshConfig().hello_interval,
+            "cpus": {name: agent.cpus or "all" for name, agent in fabric.agents.items()}}
 
 
 # Ends on SIGTERM as a well-behaved app does (a bare ``sleep`` as PID 1 ignores it and waits out the grace period).

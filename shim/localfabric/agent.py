@@ -24,6 +24,7 @@ from pathlib import Path
 import grpc
 
 from shim.cri.host.volumes import unmount_under
+from shim.localfabric import cpuset
 from shim.localfabric.containerd import Containerd
 
 # Ports handed out by free_port, each held (a lock on a file named for it) for as long as this process lives:
@@ -83,6 +84,7 @@ class AgentProcess:
     # for an agent run by systemd; ``ip netns exec`` would mount a sysfs of its own.
     netns: str = ""
     metrics_host: str = "127.0.0.1"
+    cpus: str = ""  # the CPUs it runs on, as its node's (``shim.localfabric.cpuset``); "": all
 
     @property
     def socket(self) -> Path:
@@ -105,7 +107,7 @@ class AgentProcess:
         return f"http://{self.metrics_host}:{self.metrics_port}"
 
     def argv(self) -> list[str]:
-        return [
+        return cpuset.pinned([
             *(["nsenter", f"--net=/run/netns/{self.netns}"] if self.netns else []),
             sys.executable, "-m", "shim", "agent",
             "--socket", str(self.socket),
@@ -115,7 +117,7 @@ class AgentProcess:
             *(["--cdi-spec-dirs", str(cdi)] if (cdi := getattr(self.containerd, "cdi_spec_dir", None)) else []),
             "--metrics-address", f"{self.metrics_host}:{self.metrics_port}",
             *self.extra_args,
-        ]
+        ], self.cpus)
 
     def start(self, timeout: float = 20.0) -> AgentProcess:
         if not self.metrics_port:

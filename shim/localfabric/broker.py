@@ -18,6 +18,7 @@ from hooks import weft_oci_hook
 from shim._pb import broker_pb2 as pb
 from shim._pb import broker_pb2_grpc as pb_grpc
 from shim.hookspec import with_hooks
+from shim.localfabric import cpuset
 from shim.localfabric.agent import free_port
 from shim.localfabric.containerd import Containerd, RuntimeHandler
 
@@ -43,6 +44,7 @@ class BrokerProcess:
     enforce: str = "log"
     extra_env: dict[str, str] = field(default_factory=dict)
     metrics_port: int = 0
+    cpus: str = ""  # the CPUs it runs on, as its node's (``shim.localfabric.cpuset``); "": all
     proc: subprocess.Popen[bytes] | None = None
 
     @property
@@ -62,11 +64,11 @@ class BrokerProcess:
             self.metrics_port = free_port()
         self.workdir.mkdir(parents=True, exist_ok=True)
         with open(self.log_path, "ab") as log:
-            self.proc = subprocess.Popen(
+            self.proc = subprocess.Popen(cpuset.pinned(
                 [sys.executable, "-m", "shim", "broker", "--socket", str(self.socket), "--state-dir",
                  str(self.state_dir), "--backend", "simulated", "--simulated-devices", self.devices,
                  "--enforce", self.enforce, "--watchdog-interval", "0.2",
-                 "--metrics-address", f"127.0.0.1:{self.metrics_port}"],
+                 "--metrics-address", f"127.0.0.1:{self.metrics_port}"], self.cpus),
                 stdout=log, stderr=log, start_new_session=True, env={**os.environ, **self.extra_env})
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

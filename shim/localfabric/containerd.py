@@ -51,7 +51,7 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim.cri.host.volumes import unmount_under
-from shim.localfabric import images
+from shim.localfabric import cpuset, images
 
 SLOT_DIR = Path("/run/weft-harness")
 CGROUP_FS = Path("/sys/fs/cgroup")
@@ -177,6 +177,8 @@ class Containerd:
     handlers: list[RuntimeHandler] = field(default_factory=list)
     slot: int = 0
     line: str = field(default_factory=selected_line)
+    # CPUs this node's containerd, shims and pods run on (``0``, ``1-3``), as a machine of its own; "": all.
+    cpus: str = ""
     _lock_fd: int | None = None
     _proc: subprocess.Popen[bytes] | None = None
     _owns_workdir: bool = False
@@ -273,6 +275,8 @@ class Containerd:
             d.mkdir(parents=True, exist_ok=True)
         self._make_netns()
         self._write_config()
+        if self.cpus:
+            cpuset.confine_cgroup(self.cgroup_root, self.cpus)
         self.start()
         self._import_images()
 
@@ -451,7 +455,8 @@ oom_score = 0
             env["PATH"] = f"{binaries}{os.pathsep}{env.get('PATH', os.defpath)}"
         self._log = open(self.log_path, "ab")  # noqa: SIM115 - lives as long as the process
         self._proc = subprocess.Popen(
-            ["nsenter", f"--net={self.netns_path}", "containerd", "--config", str(self.workdir / "config.toml")],
+            cpuset.pinned(["nsenter", f"--net={self.netns_path}", "containerd", "--config",
+                           str(self.workdir / "config.toml")], self.cpus),
             stdout=self._log,
             stderr=subprocess.STDOUT,
             start_new_session=True,

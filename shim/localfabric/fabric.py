@@ -26,6 +26,7 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim.cri.host.volumes import unmount_under
+from shim.localfabric import cpuset
 from shim.localfabric.agent import AgentProcess, free_port
 from shim.localfabric.broker import BrokerProcess, weft_handler
 from shim.localfabric.containerd import Containerd
@@ -51,6 +52,9 @@ class Fabric3:
     hello_s: float = HELLO_S
     stream_busy_poll_us: int | None = None  # agent.stream_busy_poll_us on every node; None: the default
     mesh_config: str = ""  # more [mesh] lines for every node ("key = value" TOML lines)
+    # The origin (with its broker) on half of this machine's CPUs and the hosts on the other half, as on
+    # separate machines (``shim.localfabric.cpuset``); False: every process on every CPU.
+    cpusets: bool = False
     cluster: Cluster | None = None
     broker: BrokerProcess | None = None
     agents: dict[str, AgentProcess] = field(default_factory=dict)
@@ -78,9 +82,12 @@ class Fabric3:
     def open(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pods_dir.mkdir(parents=True, exist_ok=True)
-        self.broker = BrokerProcess(self.workdir / "broker").start()
+        origin_cpus, host_cpus = cpuset.split(1, 2) if self.cpusets else ("", "")
+        cpus = {name: origin_cpus if ROLES[name] == "gpu" else host_cpus for name in NAMES}
+        self.broker = BrokerProcess(self.workdir / "broker", cpus=origin_cpus).start()
         self.cluster = Cluster(n=3, names=list(NAMES),
-                               handlers_for=lambda i, d: [weft_handler(d, self.broker.socket)] if i == 0 else None)
+                               handlers_for=lambda i, d: [weft_handler(d, self.broker.socket)] if i == 0 else None,
+                               cpus_for=lambda i: cpus[NAMES[i]])
         self.cluster.open()
         certs = self.workdir / "certs"
         subprocess.run([sys.executable, "-m", "shim", "mesh-certs", "--out", str(certs), "--nodes",
@@ -105,7 +112,7 @@ class Fabric3:
                 extra += ["--broker-socket", str(self.broker.socket)]
             self.agents[node.name] = AgentProcess(node.containerd, self.workdir / node.name, name=node.name,
                                                   extra_args=extra, netns=node.netns, metrics_host=node.mesh_ip,
-                                                  metrics_port=free_port())
+                                                  metrics_port=free_port(), cpus=cpus[node.name])
         for agent in self.agents.values():
             agent.start()
         self.wait_meshed()

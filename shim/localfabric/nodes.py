@@ -133,6 +133,8 @@ class Cluster:
     mesh: int = 0  # the mesh slot K; 0 picks the lowest free one
     # The containerd release line every node runs (containerd.LINES); None: what WEFT_CONTAINERD asks for.
     containerd_line: str | None = None
+    # The CPUs node ``i`` runs on (``shim.localfabric.cpuset``); None: every node on all of them.
+    cpus_for: Callable[[int], str] | None = None
     workdir: Path | None = None
     _lock_fd: int | None = None
 
@@ -184,7 +186,8 @@ class Cluster:
             node_dir = self.workdir / name
             node_dir.mkdir()
             handlers = (self.handlers_for(i, node_dir) if self.handlers_for else None) or []
-            ctrd = Containerd(handlers=handlers, **({"line": self.containerd_line} if self.containerd_line else {}))
+            ctrd = Containerd(handlers=handlers, cpus=self.cpus_for(i) if self.cpus_for else "",
+                              **({"line": self.containerd_line} if self.containerd_line else {}))
             # Listed before it opens: close() must clean up a node that failed half-way.
             node = Node(name, i, f"10.250.{self.mesh}.{i + 1}", node_dir, ctrd)
             self.nodes.append(node)
