@@ -66,7 +66,8 @@ def _table(f: dict) -> str:
     rows = ["| figure | value |", "| --- | --- |"]
     for what in ("upgrade", "rollback"):
         roll = f[what]
-        nodes = sorted(k.removeprefix("switched ") for k in roll if k.startswith("switched "))
+        nodes = sorted((k.removeprefix("switched ") for k in roll if k.startswith("switched ")),
+                       key=lambda n: roll[f"switched {n}"])  # in the order the DaemonSet took them
         rows.append(f"| {what}: the DaemonSet's rollout, all nodes | {roll['rollout']:.1f} s |")
         rows += [f"| {what}: {n}'s agent new, after the rollout began / its downtime | "
                  f"{roll[f'switched {n}']:.1f} s / {roll[f'agent down {n}']:.1f} s |" for n in nodes]
@@ -76,6 +77,8 @@ def _table(f: dict) -> str:
         f"{f['most stage copies']} |",
         f"| the stage's log lines lost or doubled (of {f['stage log lines']}) | "
         f"{f['stage log lines lost or doubled']} |",
+        f"| a two-stage pod created during the upgrade: its CPU stage ran on | "
+        f"{f['pod created during the upgrade, its stage on']} |",
     ]
     d = f["drain"]
     budget = d["stage budget gone after the workload's s"]
