@@ -6,7 +6,7 @@ container, the host's containerd gives the URL, on its own node; the origin
 answers kubelet with a URL of this server instead (``url``), on an address
 kubelet reaches as it reaches containerd's (``agent.stream_address``, by
 default on 127.0.0.1 as containerd's is), holding a one-time token
-(``shim.core.stitch.StreamTokens``) that names the host and the host's URL.
+(``shim.core.streams.StreamTokens``) that names the host and the host's URL.
 
 A connection here sends its HTTP request head; the token is taken, the host
 grants a TLS tunnel to its containerd's streaming server (``OpenTunnel``),
@@ -28,7 +28,7 @@ from urllib.parse import urlsplit
 
 from shim import log
 from shim.core.annotations import parse_host_port
-from shim.core.stitch import BadRequest, StreamTokens, head_end, parse_head
+from shim.core.streams import BadRequest, StreamTokens, head_end, parse_head
 from shim.cri.fabric import Fabric
 from shim.cri.remote import Remote, host_client
 from shim.errors import WeftError
