@@ -44,9 +44,10 @@ gRPC status, so the mapping lives here and nowhere else::
     │   └── VolumesChanged         changed while being copied (shim.cri.host.volumes; FAILED_PRECONDITION)
     ├── VolumesUnwritable          no tmpfs can be made for a copied volume (shim.cri.host.volumes; UNAVAILABLE)
     ├── NetnsError                 a pod's network namespace cannot be entered (shim.cri.netns; UNKNOWN)
-    ├── DiscoveryError             peers cannot be found through Kubernetes (shim.mesh.discovery;
+    ├── DiscoveryError             peers cannot be found through Kubernetes (shim.mesh.discovery.base;
     │   │                          FAILED_PRECONDITION)
-    │   └── DiscoveryUnavailable   the API server cannot be reached now (shim.mesh.discovery; UNAVAILABLE)
+    │   └── DiscoveryUnavailable   the API server cannot be reached now (shim.mesh.discovery.base;
+    │                              UNAVAILABLE)
     ├── ReportError                weft report cannot give a verdict (shim.report.errors; UNKNOWN)
     │   ├── UsageError             a flag's value cannot be used (shim.report.errors; UNKNOWN)
     │   ├── UnknownWorkload        no such workload in Prometheus (shim.report.errors; UNKNOWN)

@@ -1,199 +1,27 @@
-"""Peer discovery: which other weft agents this node's mesh can dial.
-
-Peers come from one of two places, and both give the same value, a list of
-``Peer``, so the mesh never knows which one was used:
-
-- **static**: ``[[mesh.peers]]`` tables in the config file, for tests and the
-  local demo (``parse_static_peers``, ``StaticDiscovery``);
-- **kubernetes**: the EndpointSlices of the weft DaemonSet's headless Service.
-  The EndpointSlice controller already tracks which weft pod runs on which node
-  and whether it is ready, so weft reads that instead of keeping a registry.
-
-The Kubernetes side is split in two. ``peers_from_endpointslices`` is a pure
-function over EndpointSlice objects as the API returns them (JSON dicts, or
-lightkube's model objects), tested on recorded responses. ``EndpointSliceDiscovery``
-is the I/O: it lists and watches through a lightkube client that is injected,
-so tests hand it a fake, and is built lazily, so an agent configured for static
-peers never needs a kubeconfig.
-
-A peer that is not ready is still reported (``ready=False``): whether to dial
-it is the mesh's decision, and running locally is always the fallback.
-"""
+"""Peers from the EndpointSlices of the weft DaemonSet's headless Service: the parsing (pure) and the I/O."""
 
 from __future__ import annotations
 
-import ipaddress
-import re
 import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Protocol
 
-import grpc
 import httpx2
 import lightkube
 from lightkube.resources.discovery_v1 import EndpointSlice
 
 from shim import log
-from shim.errors import ConfigError, WeftError
+from shim.errors import WeftError
 from shim.kube.access import KubeconfigNotYet
+from shim.mesh.discovery.base import DEFAULT_PORT_NAME, SERVICE_NAME_LABEL, DiscoveryError, DiscoveryUnavailable, Peer
 
-_log = log.get("weft.mesh.discovery")
-
-DEFAULT_PORT = 7443
-DEFAULT_PORT_NAME = "mesh"
-# Set by the EndpointSlice controller on every slice it makes for a Service.
-SERVICE_NAME_LABEL = "kubernetes.io/service-name"
-
-# Node names end up in certificate SANs (shim.mesh.certs), so they must be what
-# Kubernetes allows for a node: a lowercase DNS name.
-_NODE_NAME = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
-_HOST_NAME = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?(\.[A-Za-z0-9]([-A-Za-z0-9]*[A-Za-z0-9])?)*")
-_STATIC_KEYS = ("node", "address", "port")
 # Any fixed order would do when a node shows up in two slices (dual-stack); it
 # only has to be the same on every re-list, so an unchanged cluster is never
 # reported as a change.
 _ADDRESS_TYPES = ("IPv4", "IPv6")
 
-
-class DiscoveryError(WeftError):
-    """Peers cannot be discovered until someone fixes something: the message says what.
-
-    No Kubernetes configuration, no RBAC to read EndpointSlices, or a Service
-    without the mesh port.
-    """
-
-    code = grpc.StatusCode.FAILED_PRECONDITION
-
-
-class DiscoveryUnavailable(DiscoveryError):
-    """The Kubernetes API did not answer, or answered with an error that may pass."""
-
-    code = grpc.StatusCode.UNAVAILABLE
-
-
-@dataclass(frozen=True)
-class Peer:
-    """Another weft agent: the node it runs on and where its mesh listens."""
-
-    node: str
-    address: str
-    port: int
-    ready: bool = True
-
-    @property
-    def target(self) -> str:
-        """``host:port`` as gRPC dials it (IPv6 addresses bracketed)."""
-        host = f"[{self.address}]" if ":" in self.address else self.address
-        return f"{host}:{self.port}"
-
-
-class Discovery(Protocol):
-    """What the mesh needs from a source of peers."""
-
-    def list(self) -> list[Peer]: ...
-
-    def watch(self, on_change: Callable[[list[Peer]], None], stop: threading.Event) -> None: ...
-
-
-# --- static ---------------------------------------------------------------
-
-
-def parse_static_peers(
-    entries: Sequence[Mapping[str, Any]], *, field: str = "mesh.peers", self_node: str | None = None
-) -> list[Peer]:
-    """Peers from config tables such as ``{node = "cpu-1", address = "10.0.0.5", port = 7443}``.
-
-    ``port`` defaults to 7443. Errors are ``ConfigError`` (the config loader
-    already reports those) and name the entry and key: ``mesh.peers[2].address: missing``.
-    ``self_node`` is validated like the others and then left out, so one list
-    can be shared by every node.
-    """
-    if isinstance(entries, (str, bytes)) or not isinstance(entries, Sequence):
-        raise ConfigError(f"{field}: expected a list of tables, got {entries!r}")
-    peers: list[Peer] = []
-    seen_nodes: dict[str, int] = {}
-    seen_targets: dict[tuple[str, int], int] = {}
-    for i, entry in enumerate(entries):
-        where = f"{field}[{i}]"
-        if not isinstance(entry, Mapping):
-            raise ConfigError(f"{where}: expected a table like {{node = ..., address = ...}}, got {entry!r}")
-        for key in entry:
-            if key not in _STATIC_KEYS:
-                raise ConfigError(f"{where}.{key}: unknown setting (known: {', '.join(_STATIC_KEYS)})")
-        node = _static_node(entry, where)
-        address = _static_address(entry, where)
-        port = _static_port(entry, where)
-        if node in seen_nodes:
-            raise ConfigError(f"{where}.node: {node!r} is already listed at {field}[{seen_nodes[node]}]")
-        if (address, port) in seen_targets:
-            raise ConfigError(
-                f"{where}: {address} port {port} is already listed at {field}[{seen_targets[address, port]}]"
-            )
-        seen_nodes[node] = i
-        seen_targets[address, port] = i
-        if node != self_node:
-            peers.append(Peer(node=node, address=address, port=port))
-    return peers
-
-
-def _static_node(entry: Mapping[str, Any], where: str) -> str:
-    if "node" not in entry:
-        raise ConfigError(f"{where}.node: missing")
-    node = entry["node"]
-    if not isinstance(node, str):
-        raise ConfigError(f"{where}.node: expected a string, got {node!r}")
-    if not node:
-        raise ConfigError(f"{where}.node: empty")
-    if len(node) > 253 or not _NODE_NAME.fullmatch(node):
-        raise ConfigError(f"{where}.node: {node!r} is not a lowercase DNS name (a Kubernetes node name)")
-    return node
-
-
-def _static_address(entry: Mapping[str, Any], where: str) -> str:
-    if "address" not in entry:
-        raise ConfigError(f"{where}.address: missing")
-    address = entry["address"]
-    if not isinstance(address, str):
-        raise ConfigError(f"{where}.address: expected a string, got {address!r}")
-    if not address:
-        raise ConfigError(f"{where}.address: empty")
-    try:
-        return str(ipaddress.ip_address(address.strip("[]")))
-    except ValueError:
-        pass
-    if ":" in address:
-        raise ConfigError(f"{where}.address: {address!r} is not an IP address or host name (give the port as port)")
-    if len(address) > 253 or not _HOST_NAME.fullmatch(address):
-        raise ConfigError(f"{where}.address: {address!r} is not an IP address or host name")
-    return address
-
-
-def _static_port(entry: Mapping[str, Any], where: str) -> int:
-    port = entry.get("port", DEFAULT_PORT)
-    if not isinstance(port, int) or isinstance(port, bool):
-        raise ConfigError(f"{where}.port: expected an integer, got {port!r}")
-    if not 1 <= port <= 65535:
-        raise ConfigError(f"{where}.port: {port} is out of range (1-65535)")
-    return port
-
-
-class StaticDiscovery:
-    """The configured list, behind the same interface as the Kubernetes source."""
-
-    def __init__(self, peers: Iterable[Peer]) -> None:
-        self._peers = list(peers)
-
-    def list(self) -> list[Peer]:
-        return list(self._peers)
-
-    def watch(self, on_change: Callable[[list[Peer]], None], stop: threading.Event) -> None:
-        """Report the list once; it only changes when the agent restarts with a new file."""
-        on_change(self.list())
-        stop.wait()
-
+_log = log.get("weft.mesh.discovery")
 
 # --- kubernetes: parsing ----------------------------------------------------
 
@@ -483,44 +311,3 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-PEER_ROLES = {"gpu": "gpu", "cpu": "cpu", "both": "gpu,cpu", "gpu,cpu": "gpu,cpu"}
-
-
-def load_peers_file(path: Path, *, self_node: str | None = None) -> tuple[list[Peer], dict[str, str]]:
-    """A static peers file (``--peers FILE``): TOML, one ``[[peer]]`` table per node.
-
-    Each table has ``name``, ``address`` (``HOST:PORT`` of its mesh) and
-    ``role`` (gpu, cpu or both). Returns the peers (this node left out) and
-    each peer's declared role. Errors name the file, the entry and the key.
-    """
-    import tomllib
-
-    try:
-        doc = tomllib.loads(Path(path).read_text())
-    except OSError as exc:
-        raise ConfigError(f"peers file {path}: {exc.strerror or exc}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ConfigError(f"peers file {path}: {exc}") from exc
-    unknown = set(doc) - {"peer"}
-    if unknown:
-        raise ConfigError(f"peers file {path}: unknown top-level keys {sorted(unknown)} (expected [[peer]] tables)")
-    tables = doc.get("peer", [])
-    entries, roles = [], {}
-    for i, table in enumerate(tables):
-        where = f"{path}: peer[{i}]"
-        if not isinstance(table, Mapping):
-            raise ConfigError(f"{where}: expected a table")
-        extra = set(table) - {"name", "address", "role"}
-        if extra:
-            raise ConfigError(f"{where}: unknown keys {sorted(extra)} (name, address, role)")
-        address = str(table.get("address", ""))
-        host, sep, port = address.rpartition(":")
-        if not sep or not host or not port.isdigit():
-            raise ConfigError(f"{where}.address: {address!r} is not HOST:PORT")
-        role = str(table.get("role", "both"))
-        if role not in PEER_ROLES:
-            raise ConfigError(f"{where}.role: {role!r} is not gpu, cpu or both")
-        entries.append({"node": table.get("name", ""), "address": host.strip("[]"), "port": int(port)})
-        roles[str(table.get("name", ""))] = PEER_ROLES[role]
-    peers = parse_static_peers(entries, field=f"{path}: peer", self_node=self_node)
-    return peers, {p.node: roles[p.node] for p in peers}
