@@ -29,9 +29,9 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── PeerUnavailable            a peer cannot be reached (shim.mesh.client; UNAVAILABLE)
     ├── PeerTooOld                 a peer's weft predates what a call needs, and it cannot be sent the old way
     │                              (shim.mesh.client; FAILED_PRECONDITION)
-    ├── PeerBusy                   a peer has as many calls of a kind open as it may (shim.mesh.server;
+    ├── PeerBusy                   a peer has as many calls of a kind open as it may (shim.mesh.quotas;
     │                              RESOURCE_EXHAUSTED)
-    ├── MessageTooLarge            a mesh request over its method's limit (shim.mesh.server; RESOURCE_EXHAUSTED)
+    ├── MessageTooLarge            a mesh request over its method's limit (shim.mesh.wire; RESOURCE_EXHAUSTED)
     ├── UploadRefused              a stream of copied volumes out of order (shim.mesh.upload; INVALID_ARGUMENT)
     │   └── UploadTooLarge         past a cap as it arrives (shim.mesh.upload; RESOURCE_EXHAUSTED)
     ├── TunnelError                a tunnel cannot be opened or broke (shim.mesh.tunnel.ends; UNAVAILABLE)

@@ -22,7 +22,7 @@ from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
 from shim._pb import mesh_pb2 as pb
 from shim._pb import mesh_pb2_grpc as pb_grpc
 from shim.mesh import upload
-from shim.mesh.server import MAX_MESSAGE_BYTES
+from shim.mesh.wire import MAX_MESSAGE_BYTES
 
 MIB = 1 << 20
 ATTACK = 16 * MIB

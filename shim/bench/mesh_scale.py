@@ -55,7 +55,7 @@ from shim.localfabric import pods
 from shim.localfabric.agent import AgentProcess, free_port
 from shim.localfabric.containerd import Containerd, RuntimeHandler
 from shim.mesh.certs import generate_ca, issue_node_cert
-from shim.mesh.server import KEEPALIVE_OPTIONS
+from shim.mesh.wire import KEEPALIVE_OPTIONS
 from shim.status import from_agent
 
 DEFAULT_PEERS = (100, 1000, 5000)

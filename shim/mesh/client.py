@@ -32,8 +32,8 @@ from shim.errors import WeftError
 from shim.mesh import upload
 from shim.mesh.certs import MeshTls
 from shim.mesh.identity import PeerRefused
-from shim.mesh.server import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES, MAX_RESPONSE_BYTES
 from shim.mesh.tlsreload import generation_of
+from shim.mesh.wire import KEEPALIVE_OPTIONS, MAX_MESSAGE_BYTES, MAX_RESPONSE_BYTES
 
 HELLO_TIMEOUT_S = 2.0
 ADMIT_TIMEOUT_S = 2.0

@@ -7,34 +7,15 @@ names. Only then is a Hello recorded (the last ``PeerState`` per node, which
 placement reads) or an Admit answered. weft's typed errors become gRPC
 statuses here, as in the broker's server.
 
-Workers: a server stream holds a worker thread for its life (a host keeps a
-log stream and a stitch stream per hosted container, and a Watch per
-origin). ``MeshLimits`` caps each kind of call, per peer and in all, and the
-pool has a worker for every call the caps let in: streams, however many,
-never take the workers Hello, Admit and Watch need, and one peer cannot take
-another's. A call over its cap is RESOURCE_EXHAUSTED at once (``PeerBusy``).
-A host counts an origin as heard from while any call or stream of it is open
-here (the connection's keepalive ends them within seconds of a cut), not only
-when one of its calls starts.
-
-Message sizes: gRPC reads a request message whole before a handler runs, so
-whatever a unary request may hold is read before the peer-list check. The
-transport refuses a message over ``MAX_MESSAGE_BYTES`` from its length
-prefix, without reading it (and with BDP probing off, its flow-control window
-does not grow for one); each method then has a limit of its own
-(``REQUEST_LIMITS``), checked before the request is parsed. Copied volumes,
-the one thing that may be large, come in client streams of small parts
-(``shim.mesh.upload``), whose handler checks the peer before reading any.
+Workers and the caps on each kind of call: ``shim.mesh.quotas``. Message sizes, each method's
+request limit and the connection's keepalive, which the client shares: ``shim.mesh.wire``.
 """
 
 from __future__ import annotations
 
-import contextlib
 import threading
-from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -42,115 +23,25 @@ import grpc
 from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim._pb import mesh_pb2_grpc as pb_grpc
-from shim.config import STREAM_KEEPALIVE_S
 from shim.errors import ConfigError, WeftError
 from shim.mesh import upload
 from shim.mesh.capacity import CapacityProbe
 from shim.mesh.certs import MeshTls, cert_nodes
 from shim.mesh.identity import PeerPolicy, PeerRefused
+from shim.mesh.quotas import CALL, HELLO, STREAM, WATCH, MeshLimits, PeerLimits
 from shim.mesh.tlsreload import NodeTls, server_credentials
+from shim.mesh.wire import (
+    KEEPALIVE_OPTIONS,
+    MAX_MESSAGE_BYTES,
+    MAX_RESPONSE_BYTES,
+    REQUEST_LIMITS,
+    Oversized,
+    deserializer,
+)
 
 _log = log.get("weft.mesh")
 
 Admit = Callable[[pb.AdmitRequest], pb.AdmitResponse]
-
-
-class MessageTooLarge(WeftError):
-    """A request larger than its method takes (``REQUEST_LIMITS``)."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class PeerBusy(WeftError):
-    """A peer has as many calls of a kind open here as it may, or this node serves all it can."""
-
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-# The kinds of call, each with its own caps and workers: Hello and Admit (quick, the liveness and placement
-# path), Watch (one stream per origin with shadows here, held open: a host may serve hundreds of origins), the
-# other unary calls (RunShadow may pull an image for minutes) and the per-container streams (StreamLog, Stitch).
-HELLO, WATCH, CALL, STREAM = "hello", "watch", "call", "stream"
-
-
-@dataclass(frozen=True)
-class MeshLimits:
-    """Concurrent calls of each kind: per peer, and in all (the pool has a worker for each)."""
-
-    streams: int = 1024
-    streams_per_peer: int = 768
-    calls: int = 192
-    calls_per_peer: int = 32
-    hellos: int = 128  # Hello and Admit
-    hellos_per_peer: int = 4
-    watches: int = 2048  # origins whose Watch a host serves at once
-    watches_per_peer: int = 2
-
-    def per_peer(self, kind: str) -> int:
-        return {HELLO: self.hellos_per_peer, WATCH: self.watches_per_peer, CALL: self.calls_per_peer,
-                STREAM: self.streams_per_peer}[kind]
-
-    def total(self, kind: str) -> int:
-        return {HELLO: self.hellos, WATCH: self.watches, CALL: self.calls, STREAM: self.streams}[kind]
-
-    @property
-    def workers(self) -> int:
-        return self.streams + self.calls + self.hellos + self.watches
-
-
-class PeerLimits:
-    """What each peer has open now, held against ``MeshLimits``; which peers have anything open."""
-
-    def __init__(self, limits: MeshLimits) -> None:
-        self.limits = limits
-        self._lock = threading.Lock()
-        self._open: Counter[tuple[str, str]] = Counter()  # (node or "", kind) -> open now; "" counts all
-        self._active: Counter[str] = Counter()  # node -> its calls and streams open now
-
-    @contextlib.contextmanager
-    def hold(self, node: str, kind: str, method: str) -> Iterator[None]:
-        pool = kind
-        with self._lock:
-            if self._open[(node, kind)] >= self.limits.per_peer(kind):
-                raise PeerBusy(f"{node} has {self._open[(node, kind)]} {kind} calls open here, the most a peer "
-                               f"may; {method} refused")
-            if self._open[("", pool)] >= self.limits.total(kind):
-                raise PeerBusy(f"this node serves {self._open[('', pool)]} {pool} calls, the most it may; "
-                               f"{method} from {node} refused")
-            self._open[(node, kind)] += 1
-            self._open[("", pool)] += 1
-            self._active[node] += 1
-        try:
-            yield
-        finally:
-            with self._lock:
-                self._open[(node, kind)] -= 1
-                self._open[("", pool)] -= 1
-                self._active[node] -= 1
-
-    def active(self, node: str) -> bool:
-        """Whether ``node`` has a call or stream open here: its connection is alive (keepalive ends them
-        otherwise)."""
-        with self._lock:
-            return self._active[node] > 0
-
-    def open_now(self) -> dict[str, int]:
-        with self._lock:
-            return {kind: n for (node, kind), n in self._open.items() if not node}
-
-
-@dataclass(frozen=True)
-class Oversized:
-    """What a request over its method's limit is handed to the handler as, unparsed: refused after the peer's
-    checks, so a stranger is told it is a stranger."""
-
-    method: str
-    size: int
-    limit: int
-
-    def refuse(self) -> MessageTooLarge:
-        return MessageTooLarge(f"{self.method}: a message of {self.size} bytes, over the {self.limit} this host "
-                               f"takes for it")
 
 
 def _checked(request: Any) -> Any:
@@ -402,42 +293,6 @@ class MeshServer:
         self.stop()
 
 
-# The largest request the mesh reads. The largest unary request is a RunShadow without volumes: kubelet's
-# sandbox and container configs, whose environment and arguments must fit the kernel's ARG_MAX (2 MiB with the
-# default stack) for the container to start at all, and whose annotations the API server holds to 256 KiB.
-# Copied volumes, which may be larger, come in parts (shim.mesh.upload).
-MAX_MESSAGE_BYTES = 4 << 20
-# The largest answer: a ShadowCall carries the host's containerd's response, which containerd sends up to
-# 16 MiB (its default max_send_message_size, and kubelet's CRI client reads no more), in a small wrapper.
-MAX_RESPONSE_BYTES = (16 << 20) + (64 << 10)
-# Requests that are small by nature are held to less than MAX_MESSAGE_BYTES: a Watch lists the keys of an
-# origin's shadows here, a Stitch a pod's ports.
-SMALL_REQUEST_BYTES = 256 << 10
-REQUEST_LIMITS = {
-    "Hello": SMALL_REQUEST_BYTES,
-    "Admit": SMALL_REQUEST_BYTES,
-    "RunShadow": MAX_MESSAGE_BYTES,
-    "RunShadowChunked": MAX_MESSAGE_BYTES,  # the first part is a RunShadow; the rest hold 1 MiB of data each
-    "StartShadow": SMALL_REQUEST_BYTES,
-    "ShadowStatus": SMALL_REQUEST_BYTES,
-    "RemoveShadow": SMALL_REQUEST_BYTES,
-    "Watch": 1 << 20,
-    "ShadowCall": MAX_MESSAGE_BYTES,  # kubelet's request: an ExecSync's command, an update's resources
-    "StreamLog": SMALL_REQUEST_BYTES,
-    "SyncVolumes": MAX_MESSAGE_BYTES,  # with volumes from an older origin only
-    "SyncVolumesChunked": (1 << 20) + SMALL_REQUEST_BYTES,
-    "OpenTunnel": SMALL_REQUEST_BYTES,
-    "Stitch": 1 << 20,
-}
-
-
-def _deserializer(method: str, message: Any, limit: int) -> Callable[[bytes], Any]:
-    def parse(data: bytes) -> Any:
-        return Oversized(method, len(data), limit) if len(data) > limit else message.FromString(data)
-
-    return parse
-
-
 def handlers(servicer: MeshServicer) -> grpc.GenericRpcHandler:
     """The Mesh service's methods (as the generated ``add_MeshServicer_to_server`` makes them), each request
     held to its method's limit in ``REQUEST_LIMITS``."""
@@ -448,22 +303,10 @@ def handlers(servicer: MeshServicer) -> grpc.GenericRpcHandler:
     for m in service.methods:
         make = kinds[(m.client_streaming, m.server_streaming)]
         table[m.name] = make(getattr(servicer, m.name),
-                             request_deserializer=_deserializer(m.name, getattr(pb, m.input_type.name),
+                             request_deserializer=deserializer(m.name, getattr(pb, m.input_type.name),
                                                                 REQUEST_LIMITS[m.name]),
                              response_serializer=lambda answer: answer.SerializeToString())
     return grpc.method_handlers_generic_handler(service.full_name, table)
-
-# A cut link must end the streams on both sides within seconds, not after TCP's own timeouts. Pings go only
-# while a call or stream is open: an idle connection (a candidate host between Hellos, of thousands) costs
-# nothing, and a call on one that died fails by its deadline.
-KEEPALIVE_OPTIONS = (
-    ("grpc.keepalive_time_ms", int(STREAM_KEEPALIVE_S * 1000)),
-    ("grpc.keepalive_timeout_ms", int(STREAM_KEEPALIVE_S * 1000)),
-    ("grpc.keepalive_permit_without_calls", 0),
-    ("grpc.http2.min_ping_interval_without_data_ms", 1000),
-    ("grpc.http2.max_pings_without_data", 0),
-)
-
 
 def _copy(state: pb.PeerState) -> pb.PeerState:
     out = pb.PeerState()

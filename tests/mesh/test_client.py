@@ -11,8 +11,8 @@ import pytest
 from shim._pb import mesh_pb2 as pb
 from shim.mesh import certs
 from shim.mesh.client import PeerClient, PeerTooOld
-from shim.mesh.server import MAX_MESSAGE_BYTES
 from shim.mesh.tlsreload import server_credentials
+from shim.mesh.wire import MAX_MESSAGE_BYTES
 
 
 class OldHost:

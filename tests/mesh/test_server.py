@@ -19,19 +19,9 @@ from shim.mesh import certs, upload
 from shim.mesh.capacity import CapacityProbe, FixedHost
 from shim.mesh.client import PeerClient
 from shim.mesh.identity import PeerPolicy
-from shim.mesh.server import (
-    CALL,
-    HELLO,
-    MAX_MESSAGE_BYTES,
-    REQUEST_LIMITS,
-    STREAM,
-    WATCH,
-    MeshLimits,
-    MeshServer,
-    MeshServicer,
-    PeerBusy,
-    PeerLimits,
-)
+from shim.mesh.quotas import CALL, HELLO, STREAM, WATCH, MeshLimits, PeerBusy, PeerLimits
+from shim.mesh.server import MeshServer, MeshServicer
+from shim.mesh.wire import MAX_MESSAGE_BYTES, REQUEST_LIMITS
 
 GI = 2**30
 

@@ -48,7 +48,7 @@ from shim.cri.fabric import Fabric
 from shim.cri.remote import REMOTE_PREFIX, Remote, new_id
 from shim.errors import WeftError
 from shim.mesh.client import PeerUnavailable
-from shim.mesh.server import MAX_MESSAGE_BYTES
+from shim.mesh.wire import MAX_MESSAGE_BYTES
 from shim.state.agent import PlacementRecord
 
 _log = log.get("weft.cri")
