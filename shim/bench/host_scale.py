@@ -32,7 +32,7 @@ import grpc
 
 from shim._pb import mesh_pb2 as pb
 from shim.bench.mesh_scale import _cpu_s, _rss_mb, raise_fd_limit
-from shim.bench.running import guarded, parse_counts, report
+from shim.bench.running import guarded, parse_counts, report, right_aligned
 from shim.config import MeshConfig
 from shim.errors import WeftError
 from shim.localfabric import pods
@@ -225,11 +225,10 @@ def _table(f: dict) -> str:
     rows = [("origins", "shadows", "host CPU %", "host RSS MB", "connections")]
     rows += [(str(r["origins"]), str(r["shadows"]), f"{r['host_cpu_pct']:.2f}", f"{r['host_rss_mb']:.0f}",
               str(r["connections"])) for r in f["runs"]]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     env = f["environment"]
     lines = [f"weft bench host-scale: one CPU host watched by N origins (Hello every {env['hello_interval_s']:g} s, "
              f"Watch heartbeat {env['heartbeat_interval_s']:g} s), {env['cpu_count']} CPUs", ""]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines += right_aligned(rows)
     top, lim, t, ra = f["runs"][-1], f["limits"], f["targets"], f["ratios"]
     lines += ["", f"at {top['origins']} origins: host CPU {top['host_cpu_pct']:.2f} % of a core "
               f"(≤ {lim['host_cpu_pct']:g} %: {met[t['host_cpu_pct']]}), RSS {top['host_rss_mb']:.0f} MB "

@@ -47,7 +47,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim._pb import mesh_pb2 as pb
 from shim._pb import mesh_pb2_grpc as pb_grpc
-from shim.bench.running import guarded, ms, parse_counts, report
+from shim.bench.running import guarded, ms, parse_counts, report, right_aligned
 from shim.config import MeshConfig
 from shim.core.stats import percentile
 from shim.errors import WeftError
@@ -352,10 +352,9 @@ def _table(f: dict) -> str:
         rows.append((str(r["peers"]), f"{r['agent_cpu_pct']:.2f}", f"{r['agent_rss_mb']:.0f}",
                      f"{r['control_bytes_per_s']:.0f}", f"{sum(r['calls_per_s'].values()):.1f}", str(r["connections"]),
                      f"{r['placement']['p50_ms']:.2f}", f"{r['placement']['p95_ms']:.2f}"))
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = [f"weft bench mesh-scale: one agent among N peers, Hello every {f['environment']['hello_interval_s']:g} s, "
              f"{f['environment']['cpu_count']} CPUs", ""]
-    lines += ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+    lines += right_aligned(rows)
     ra, t, lim = f["ratios"], f["targets"], f["limits"]
     top = f["runs"][-1]
     lines += ["", f"at {top['peers']} peers: agent CPU {top['agent_cpu_pct']:.2f} % of a core "

@@ -67,6 +67,12 @@ def report(figures: dict, as_json: bool, output: Path | None, table: Callable[[d
     return 0
 
 
+def right_aligned(rows: list[tuple[str, ...]]) -> list[str]:
+    """The rows as lines, every column right-aligned to its widest cell."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+
+
 def parse_counts(flag: str, spec: str | None, default: tuple[int, ...]) -> list[int]:
     """``N`` or ``N,N,...`` (sizes to measure, sorted, each at least 1); ``default`` when not given."""
     if not spec:

@@ -44,14 +44,14 @@ def confine_cgroup(cgroup: str, cpus: str) -> Path:
     return d
 
 
-def split(origins: int, hosts: int, cpus: Sequence[int] | None = None) -> tuple[str, str]:
+def split(cpus: Sequence[int] | None = None) -> tuple[str, str]:
     """(the origins' CPUs, the hosts' CPUs): this machine's usable CPUs cut in two, the origins' half first.
 
     Every origin shares the first half and every host the second, so that the node a pod starts on and the
     node its CPU stage runs on never take each other's CPU, as on separate machines.
     """
     usable = sorted(cpus if cpus is not None else os.sched_getaffinity(0))
-    if len(usable) < 2 or not origins or not hosts:
+    if len(usable) < 2:
         raise ValueError(f"confining origins and hosts apart needs at least 2 CPUs, this process has {len(usable)}")
     half = len(usable) // 2
     return ",".join(map(str, usable[:half])), ",".join(map(str, usable[half:]))

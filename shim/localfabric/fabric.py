@@ -82,7 +82,7 @@ class Fabric3:
     def open(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.pods_dir.mkdir(parents=True, exist_ok=True)
-        origin_cpus, host_cpus = cpuset.split(1, 2) if self.cpusets else ("", "")
+        origin_cpus, host_cpus = cpuset.split() if self.cpusets else ("", "")
         cpus = {name: origin_cpus if ROLES[name] == "gpu" else host_cpus for name in NAMES}
         self.broker = BrokerProcess(self.workdir / "broker", cpus=origin_cpus).start()
         self.cluster = Cluster(n=3, names=list(NAMES),

@@ -26,12 +26,12 @@ from shim.core.reroute.admission import AdmitDecision, AdmitReason, admit, free_
 from shim.core.reroute.decision import RerouteDecision, RerouteReason, decide
 from shim.core.reroute.mounts import KUBELET_PODS_DIR, MountSort, classify_mounts
 from shim.core.reroute.ranking import PeerRanking, PeerRejection, PeerView, choose_peers, draw
-from shim.core.reroute.resources import CPU_SLACK, ZERO, Resources, cores_text
-from shim.core.reroute.safety import ContainerFacts, SafetyDecision, SafetyReason, check_safety, missing_limits
+from shim.core.reroute.resources import ZERO, Resources
+from shim.core.reroute.safety import ContainerFacts, SafetyDecision, SafetyReason, check_safety
 
 __all__ = [
-    "CPU_SLACK", "KUBELET_PODS_DIR", "ZERO", "AdmitDecision", "AdmitReason", "ContainerFacts", "MountSort",
+    "KUBELET_PODS_DIR", "ZERO", "AdmitDecision", "AdmitReason", "ContainerFacts", "MountSort",
     "PeerRanking", "PeerRejection", "PeerView", "RerouteDecision", "RerouteReason", "Resources",
     "SafetyDecision", "SafetyReason", "admit", "check_safety", "choose_peers", "classify_mounts",
-    "cores_text", "decide", "draw", "free_capacity", "missing_limits",
+    "decide", "draw", "free_capacity",
 ]

@@ -145,6 +145,7 @@ class StageBudgets:
 
 
 def _keys(budget: dict[str, Any]) -> set[str]:
+    """The reservation keys the budget selects; none unless it is one ``In`` expression, as weft makes them."""
     exprs = ((budget.get("spec") or {}).get("selector") or {}).get("matchExpressions") or []
     return set(exprs[0].get("values") or []) if len(exprs) == 1 else set()
 
@@ -152,5 +153,4 @@ def _keys(budget: dict[str, Any]) -> set[str]:
 def _same(budget: dict[str, Any], sb: StageBudget, node_uid: str) -> bool:
     spec = budget.get("spec") or {}
     owned = not node_uid or any(o.get("uid") == node_uid for o in budget["metadata"].get("ownerReferences") or [])
-    return (spec.get("minAvailable") == sb.min_available and tuple(sorted(_keys(budget))) == sb.keys
-            and len((spec.get("selector") or {}).get("matchExpressions") or []) == 1 and owned)
+    return spec.get("minAvailable") == sb.min_available and tuple(sorted(_keys(budget))) == sb.keys and owned
