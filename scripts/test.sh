@@ -50,7 +50,10 @@ mkdir -p "$VENV/log"
 smoke=()
 for line in ${WEFT_TEST_CONTAINERDS-1.7 2}; do
   echo "weft: smoke run on containerd $line (log: $VENV/log/smoke-containerd-$line.log)"
-  WEFT_CONTAINERD="$line" "$VENV/bin/pytest" -n 2 --dist loadfile -p no:cacheprovider "${SMOKE[@]}" \
+  # Each run its own --basetemp: side by side in pytest's shared /tmp/pytest-of-<user>, one run's exit
+  # prunes the numbered directories the other is still writing, and fails on "Directory not empty".
+  WEFT_CONTAINERD="$line" "$VENV/bin/pytest" -n 2 --dist loadfile -p no:cacheprovider \
+    --basetemp="/tmp/weft-smoke-containerd-$line" "${SMOKE[@]}" \
     >"$VENV/log/smoke-containerd-$line.log" 2>&1 &
   smoke+=("$line:$!")
 done
