@@ -13,7 +13,10 @@ import os
 import signal
 import socket as socketlib
 import threading
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from cri_api.v1 import api_pb2
@@ -23,8 +26,10 @@ from shim.broker.client import BrokerClient
 from shim.config import Config
 from shim.cri.cdi import CdiSpecs
 from shim.cri.fabric import Fabric
+from shim.cri.host.context import HostContext
 from shim.cri.instrument import Instrument
-from shim.cri.mark import ShadowMark
+from shim.cri.mark import ShadowMark, ShadowsSeen
+from shim.cri.origin.context import Origin, OriginSettings
 from shim.cri.origin.prepare import Prepared
 from shim.cri.origin.supervisor import RemoteSupervisor
 from shim.cri.passthrough import Upstream
@@ -36,6 +41,11 @@ from shim.kube import access
 from shim.kube.pods import PodCache
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore
+
+if TYPE_CHECKING:
+    from shim.cri.host.shadows import ShadowHost
+    from shim.mesh.node import MeshNode
+    from shim.mesh.tunnel import TunnelServer
 
 _log = log.get("weft.agent")
 _VERSION = "/runtime.v1.RuntimeService/Version"
@@ -57,6 +67,16 @@ def _probe(upstream: Upstream):
     return probe
 
 
+@dataclass(frozen=True)
+class Meshed:
+    """What runs where the node is on the mesh, besides the fabric's origin side."""
+
+    host: ShadowHost
+    mesh: MeshNode
+    tunnel: TunnelServer
+    pods: PodCache | None
+
+
 class Agent:
     def __init__(self, cfg: Config) -> None:
         self.cfg = cfg
@@ -65,64 +85,73 @@ class Agent:
         self.store = AgentStore(cfg.agent.state_dir)
         self.broker = BrokerClient(cfg.agent.broker_socket) if cfg.agent.broker_socket else None
         self.api = access.resolve(Path(cfg.kubernetes.kubeconfig) if cfg.kubernetes.kubeconfig else None)
-        self.fabric = Fabric(self.upstream, self.store, self.broker, self.metrics)
-        self.fabric.cdi_specs = CdiSpecs(cfg.agent.cdi_spec_path_list)
         # Every node knows its own mark, hosting or not (a node that hosted before keeps its key): the list verbs
         # hide only what bears it, never a pod that merely carries a shadow's labels.
-        self.fabric.shadow_mark = ShadowMark.load(Path(cfg.agent.state_dir))
+        self.shadows = ShadowsSeen(ShadowMark.load(Path(cfg.agent.state_dir)))
+        # Where this node is on the mesh: its host side, the mesh, the tunnels (_mesh), and the origin side.
+        self.meshed: Meshed | None = None
+        origin = self._mesh(cfg) if cfg.mesh.address else None
+        host = self.meshed.host if self.meshed is not None else None
+        self.fabric = Fabric(self.upstream, self.store, self.broker, self.metrics,
+                             cdi_specs=CdiSpecs(cfg.agent.cdi_spec_path_list), shadows=self.shadows,
+                             reservation_of=host.reservation if host is not None else None, origin=origin)
         self.server = RelayServer(cfg.agent.socket, str(cfg.agent.containerd_socket), routes.table(self.fabric),
                                   Instrument(self.metrics, self.fabric.pod_of), cfg.agent.workers)
         self.reconciler = Reconciler(self.fabric)
-        self.pods: PodCache | None = None
-        self.host = None  # a ShadowHost, where this node hosts (_mesh)
-        self.mesh = self._mesh(cfg)
+        self.supervisor: RemoteSupervisor | None = None
+        if self.fabric.origin is not None:
+            m = cfg.mesh
+            self.supervisor = RemoteSupervisor(self.fabric, self.fabric.origin, loss_timeout=m.loss_timeout,
+                                               heartbeat=m.heartbeat_interval, volume_interval=m.volume_sync_interval)
         self.http: HttpEndpoint | None = None
         self._stop = threading.Event()
 
-    def _mesh(self, cfg: Config):
-        if not cfg.mesh.address:
-            return None
+    def _mesh(self, cfg: Config) -> Callable[[Fabric], Origin]:
+        """This node's mesh, its host side and its tunnels; what makes the fabric's origin side from them."""
         from shim.cri.host.shadows import ShadowHost
+        from shim.cri.origin.stitch import OriginNet
+        from shim.cri.origin.stream_relay import StreamRelay
         from shim.mesh.node import MeshNode
+        from shim.mesh.tunnel import contexts
 
         m = cfg.mesh
-        host = ShadowHost(self.fabric, cfg.agent.state_dir, fence_timeout=m.fence_timeout,
-                          heartbeat_interval=m.heartbeat_interval, cgroup_parent=m.shadow_cgroup_parent,
-                          prepared_sandbox_ttl=m.prepared_sandbox_ttl)
-        self.host = host
+        host = ShadowHost(HostContext(self.upstream, self.metrics, self.shadows), cfg.agent.state_dir,
+                          fence_timeout=m.fence_timeout, heartbeat_interval=m.heartbeat_interval,
+                          cgroup_parent=m.shadow_cgroup_parent, prepared_sandbox_ttl=m.prepared_sandbox_ttl)
         mesh = MeshNode(node=m.node_name or socketlib.gethostname(), role={"both": "gpu,cpu"}.get(m.role, m.role),
                         address=m.address, peers=m.peers, tls_dir=m.tls_dir, hello_interval=m.hello_interval,
                         namespace=m.namespace, service=m.service, metrics=self.metrics, host=host,
                         fixed_capacity=m.fixed_capacity, drain_file=Path(cfg.agent.state_dir) / "draining",
                         api=self.api)
         k = cfg.kubernetes
-        if self.api.available and k.pod_spec and "gpu" in mesh.role.split(","):
-            self.pods = PodCache(self.api, mesh.node)
-            self.fabric.pod_spec = self.pods.spec_of
+        pods = PodCache(self.api, mesh.node) if self.api.available and k.pod_spec and "gpu" in mesh.role.split(",") \
+            else None
         if self.api.available and k.reservations and "cpu" in mesh.role.split(","):
             host.reserve_with(self.api, mesh.node, k.namespace, k.reservation_image, grace=k.reservation_grace,
                               metrics=self.metrics, store=self.store)
             host.reservations.on_cordon = lambda on: setattr(mesh.probe, "cordoned", on)  # no new stages then
             self._stop_hook(cfg, host)
-            self.fabric.reservation_of = host.reservation
-        self.fabric.mesh = mesh
-        self.fabric.pods_dir = m.kubelet_pods_dir
-        self.fabric.peer_max_age_s = max(30.0, 3 * m.hello_interval)
-        self.fabric.prepare_shadow_sandbox = m.prepare_shadow_sandbox
-        self.fabric.stitch_kernel_path = m.stitch_kernel_path
-        self.fabric.prepared = Prepared(self.fabric)
-        self.supervisor = RemoteSupervisor(self.fabric, loss_timeout=m.loss_timeout,
-                                           heartbeat=m.heartbeat_interval, volume_interval=m.volume_sync_interval)
-        self._tunnels(cfg, mesh, host)
-        return mesh
+        self.meshed = Meshed(host, mesh, self._tunnels(cfg, mesh, host), pods)
+        settings = OriginSettings(pods_dir=m.kubelet_pods_dir, peer_max_age_s=max(30.0, 3 * m.hello_interval),
+                                  prepare_shadow_sandbox=m.prepare_shadow_sandbox,
+                                  stitch_kernel_path=m.stitch_kernel_path, encrypt_pod_tunnels=m.tunnel_tls)
+        tunnel_tls = contexts(m.tls_dir, mesh.node)[1]
+        streams = StreamRelay(mesh, tunnel_tls, cfg.agent.stream_address, busy_poll_us=cfg.agent.stream_busy_poll_us)
+        pod_spec = pods.spec_of if pods is not None else None
 
-    def _stop_hook(self, cfg: Config, host) -> None:
+        def origin(fabric: Fabric) -> Origin:
+            return Origin(mesh, settings, tunnel_tls, pod_spec, prepared=Prepared(mesh, settings), streams=streams,
+                          stitch=OriginNet(fabric, mesh, settings, tunnel_tls))
+
+        return origin
+
+    def _stop_hook(self, cfg: Config, host: ShadowHost) -> None:
         """Reservation pods get a preStop hook to this agent's HTTP endpoint, where kubelet (in the host's
         network) reaches it: an address bound to every interface is reached on loopback. None when switched off,
         without an endpoint, or on a port chosen at bind time (not known when a reservation is made)."""
         from shim.core.annotations import parse_host_port
 
-        if not (cfg.kubernetes.reservation_stop_hook and cfg.agent.metrics_address):
+        if not (cfg.kubernetes.reservation_stop_hook and cfg.agent.metrics_address) or host.reservations is None:
             return
         address, port = parse_host_port(cfg.agent.metrics_address, field="agent.metrics_address")
         if port == 0:
@@ -131,50 +160,46 @@ class Agent:
         host.reservations.stop_endpoint = (reachable, port)
         host.reservations.stop_token = host.lifecycle.mark.reservation_stop
 
-    def _tunnels(self, cfg: Config, mesh, host) -> None:
-        """Exec/attach relay and the stitched pod network (shim.mesh.tunnel, shim.cri.origin.stitch)."""
+    def _tunnels(self, cfg: Config, mesh: MeshNode, host: ShadowHost) -> TunnelServer:
+        """The host's end of exec/attach and of the stitched pod network (shim.mesh.tunnel, shim.cri.host.tunnel);
+        the origin's ends are its side's (shim.cri.origin.stream_relay, shim.cri.origin.stitch)."""
         from shim.core.annotations import parse_host_port
         from shim.cri.host.tunnel import ShadowNet
-        from shim.cri.origin.stitch import OriginNet
-        from shim.cri.origin.stream_relay import StreamRelay
-        from shim.mesh.tunnel import TunnelServer, contexts
+        from shim.mesh.tunnel import TunnelServer
 
-        self.tunnel = TunnelServer(parse_host_port(cfg.mesh.address, field="mesh.address")[0], cfg.mesh.tls_dir,
-                                   mesh.node, busy_poll_us=cfg.agent.stream_busy_poll_us,
-                                   trusted=lambda: mesh.peer_addresses)
-        host.net = ShadowNet(host, self.tunnel)
+        tunnel = TunnelServer(parse_host_port(cfg.mesh.address, field="mesh.address")[0], cfg.mesh.tls_dir,
+                              mesh.node, busy_poll_us=cfg.agent.stream_busy_poll_us,
+                              trusted=lambda: mesh.peer_addresses)
+        host.net = ShadowNet(host, tunnel)
         host.net.kernel_path = cfg.mesh.stitch_kernel_path
         host.net.tunnel_tls = cfg.mesh.tunnel_tls
-        self.fabric.tunnel_tls = contexts(cfg.mesh.tls_dir, mesh.node)[1]
-        self.fabric.encrypt_pod_tunnels = cfg.mesh.tunnel_tls
-        self.fabric.streams = StreamRelay(self.fabric, cfg.agent.stream_address,
-                                          busy_poll_us=cfg.agent.stream_busy_poll_us)
-        self.stitch = OriginNet(self.fabric)
-        self.fabric.stitch_paths = self.stitch.paths_of
+        return tunnel
 
     def _dead_loops(self) -> list[str]:
         """The accept loops that died (for /healthz): the tunnel port and the stream relay."""
-        if self.mesh is None:
+        if self.meshed is None or self.fabric.origin is None:
             return []
-        loops = {"tunnel": self.tunnel, "stream-relay": self.fabric.streams}
+        loops = {"tunnel": self.meshed.tunnel, "stream-relay": self.fabric.origin.streams}
         return [name for name, server in loops.items() if not server.alive]
 
     def start(self) -> None:
         access.announce(self.api)
         self.server.start()
         self.reconciler.start()
-        if self.mesh is not None:
-            self.host.open()
-            self.mesh.start()
-            self.supervisor.start()
-            if self.pods is not None:
-                self.pods.start()
-            self.tunnel.start()
-            self.fabric.streams.start()
-            self.stitch.start()
+        meshed, origin = self.meshed, self.fabric.origin
+        if meshed is not None:
+            meshed.host.open()
+            meshed.mesh.start()
+            if meshed.pods is not None:
+                meshed.pods.start()
+            meshed.tunnel.start()
+        if origin is not None:
+            for part in (self.supervisor, origin.streams, origin.stitch):
+                if part is not None:
+                    part.start()
         if self.cfg.agent.metrics_address:
             try:
-                reservations = self.host.reservations if self.host is not None else None
+                reservations = meshed.host.reservations if meshed is not None else None
                 self.http = HttpEndpoint(self.cfg.agent.metrics_address, self.metrics, _probe(self.upstream),
                                          self._dead_loops,
                                          reservations.stop_for_kubelet if reservations is not None else None)
@@ -194,16 +219,21 @@ class Agent:
         if self.http is not None:
             self.http.stop()
         self.server.stop(grace)
-        if self.mesh is not None:
-            self.stitch.stop()
-            self.fabric.streams.stop()
-            self.tunnel.stop()
-            self.host.net.close()
+        meshed, origin = self.meshed, self.fabric.origin
+        if origin is not None:
+            for part in (origin.stitch, origin.streams):
+                if part is not None:
+                    part.stop()
+        if meshed is not None:
+            meshed.tunnel.stop()
+            meshed.host.net.close()
+        if self.supervisor is not None:
             self.supervisor.stop()
-            if self.pods is not None:
-                self.pods.stop()
-            self.mesh.stop()
-            self.host.close()
+        if meshed is not None:
+            if meshed.pods is not None:
+                meshed.pods.stop()
+            meshed.mesh.stop()
+            meshed.host.close()
         self.reconciler.stop()
         self.upstream.close()
         if self.broker is not None:

@@ -1,4 +1,4 @@
-"""What the intercepted verbs share: upstream, state, broker, metrics, and the opted-in set.
+"""What the intercepted verbs share: upstream, state, broker, metrics, the opted-in set, and the origin side.
 
 The opted-in sandboxes are kept in memory (loaded from the state store at
 start) so that a CreateContainer of a pod that did not opt in costs a dict
@@ -10,24 +10,37 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from shim import log
 from shim._pb import broker_pb2 as pb
 from shim.broker.client import BrokerClient
 from shim.cri.cdi import CdiSpecs
-from shim.cri.mark import ShadowMark
+from shim.cri.mark import ShadowsSeen
 from shim.cri.passthrough import Upstream
-from shim.cri.remote import PulledImages, RemoteContainers
+from shim.cri.remote import RemoteContainers
 from shim.errors import BrokerUnavailable, WeftError
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore, SandboxRecord
 
+if TYPE_CHECKING:
+    from shim.cri.origin.context import Origin
+    from shim.mesh.node import MeshNode
+
 WEFT_HANDLER = "weft"
+ReservationOf = Callable[[str], "dict | None"]
 _log = log.get("weft.cri")
 
 
 class Fabric:
-    def __init__(self, upstream: Upstream, store: AgentStore, broker: BrokerClient | None, metrics: Metrics) -> None:
+    """What every intercepted verb has, complete once made: the agent builds it once, with its origin side when
+    the node is on the mesh (``origin`` makes it from the fabric: the stitched network's loop reads the opted-in
+    pods and remote containers kept here)."""
+
+    def __init__(self, upstream: Upstream, store: AgentStore, broker: BrokerClient | None, metrics: Metrics, *,
+                 cdi_specs: CdiSpecs | None = None, shadows: ShadowsSeen | None = None,
+                 reservation_of: ReservationOf | None = None,
+                 origin: Callable[[Fabric], Origin] | None = None) -> None:
         self.upstream = upstream
         self.store = store
         self.broker = broker
@@ -36,41 +49,13 @@ class Fabric:
         metrics.opted_in.set(len(self.opted_in))
         self._inventory: pb.DevicesResponse | None = None
         # The node's CDI specs (agent.cdi_spec_dirs): what names the GPUs of a DRA claim's CDI devices.
-        self.cdi_specs = CdiSpecs([])
-        # The peer mesh (shim.mesh.node.MeshNode) when this node has one.
-        self.mesh = None
+        self.cdi_specs = cdi_specs if cdi_specs is not None else CdiSpecs([])
         # Containers this node rerouted to peers (virtual IDs), and what they need for it.
         self.remotes = RemoteContainers(store)
-        self.images = PulledImages()
-        self.pods_dir = "/var/lib/kubelet/pods"
-        self.peer_max_age_s = 30.0
-        # Opted-in pods' shadow sandboxes made ahead on a host (shim.cri.origin.prepare), when the mesh is on.
-        self.prepare_shadow_sandbox = False
-        self.prepared = None
-        # The stitched network's kernel path (shim.cri.kernel_path): on or off, and what carries each
-        # port of a remote container (container ID -> port -> path), for weft explain.
-        self.stitch_kernel_path = False
-        self.stitch_paths = None
-        # Told when a remote container starts (the supervisor copies its log) and when kubelet rotates its log.
-        self.on_remote: list = []
-        self.on_reopen: list = []
-        self.on_remote_removed: list = []
-        # The origin's streaming relay (shim.cri.origin.stream_relay) and the TLS context its tunnels dial with.
-        self.streams = None
-        self.tunnel_tls = None
-        # Whether this origin dials the pod network's tunnels in TLS even where the host does not ask
-        # (mesh.tunnel_tls).
-        self.encrypt_pod_tunnels = True
-        # Whether containerd holds shadows (labelled weft.io/origin-node) that
-        # kubelet must not see; set by the reconciler, read on every List call.
-        self.shadows_present = False
-        # This host's mark on the shadows it made (shim.cri.mark), set when it hosts: what the list verbs hide.
-        self.shadow_mark: ShadowMark | None = None
-        # The pod spec of a pod on this node, by namespace and name (shim.kube.pods.PodCache), where the agent
-        # has the API: placement reads emptyDirs, init containers and requests from it.
-        self.pod_spec: Callable[[str, str], dict | None] | None = None
-        # A shadow's reservation pod (name, state) by its key, on a host that makes them (weft status).
-        self.reservation_of: Callable[[str], dict | None] | None = None
+        # This node's mark on the shadows it hosts, and whether containerd holds any: what the list verbs hide.
+        self.shadows = shadows if shadows is not None else ShadowsSeen()
+        # A shadow's reservation pod (name, state) by its key, on a host (weft status).
+        self.reservation_of = reservation_of
         # CreateContainer calls between their lease and their answer: recovery must not
         # take their pending rows (or their leases) for leftovers of a crash.
         self._inflight: set[str] = set()
@@ -78,6 +63,13 @@ class Fabric:
         # which keys are live: no lease can be granted between the list and the release.
         self.lease_gate = threading.Lock()
         self._lock = threading.Lock()
+        # Last: the origin side's parts hold this fabric.
+        self.origin: Origin | None = origin(self) if origin is not None else None
+
+    @property
+    def mesh(self) -> MeshNode | None:
+        """This node's peer mesh (its origin side's); None on a node without one."""
+        return self.origin.mesh if self.origin is not None else None
 
     def begin(self, key: str) -> bool:
         """Mark a CreateContainer in flight; False if one for the same key already is."""

@@ -69,3 +69,14 @@ class ShadowMark:
         origin = labels.get(ORIGIN_LABEL)
         return origin is not None and hmac.compare_digest(
             labels.get(MARK_LABEL, ""), self.container(origin, labels.get(KEY_LABEL, "")))
+
+
+class ShadowsSeen:
+    """This node's mark, and whether its containerd holds shadows now: the host side sets ``present`` when it
+    makes one (the reconciler when it finds one), and the list verbs, on every call, hide what bears the mark
+    only while it is set. One object, shared by both, made with the agent; ``mark`` None (a fabric made
+    without one, as unit tests make it): the origin label alone says shadow."""
+
+    def __init__(self, mark: ShadowMark | None = None, present: bool = False) -> None:
+        self.mark = mark
+        self.present = present

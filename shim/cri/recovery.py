@@ -32,12 +32,12 @@ def find_shadows(fabric: Fabric) -> None:
         "/runtime.v1.RuntimeService/ListPodSandbox", request_serializer=cri.ListPodSandboxRequest.SerializeToString,
         response_deserializer=cri.ListPodSandboxResponse.FromString)
     items = list_sandboxes(cri.ListPodSandboxRequest(), timeout=10).items
-    mark = fabric.shadow_mark  # a tenant's pod may carry the label: only what this node marked counts
+    mark = fabric.shadows.mark  # a tenant's pod may carry the label: only what this node marked counts
     present = any(ORIGIN_LABEL in sb.labels and (mark is None or mark.is_sandbox(sb.labels, sb.metadata.uid))
                   for sb in items)
-    if present != fabric.shadows_present:
+    if present != fabric.shadows.present:
         _log.info("shadows.present" if present else "shadows.none")
-    fabric.shadows_present = present
+    fabric.shadows.present = present
 
 
 def settle(fabric: Fabric) -> None:

@@ -50,9 +50,11 @@ from shim.mesh.discovery import (
     StaticDiscovery,
     load_peers_file,
 )
+from shim.mesh.hosting import ShadowHosting
 from shim.mesh.identity import PeerPolicy
 from shim.mesh.server import MeshServer
 from shim.mesh.tlsreload import NodeTls
+from shim.metrics import Metrics
 from shim.periodic import Periodic
 
 _log = log.get("weft.mesh")
@@ -75,8 +77,8 @@ class PeerRecord:
 
 class MeshNode:
     def __init__(self, *, node: str, role: str, address: str, peers: str, tls_dir: str, hello_interval: float,
-                 namespace: str, service: str, metrics: Any, host: Any = None, fixed_capacity: str = "",
-                 drain_file: Path | None = None, api: ApiAccess | None = None) -> None:
+                 namespace: str, service: str, metrics: Metrics, host: ShadowHosting | None = None,
+                 fixed_capacity: str = "", drain_file: Path | None = None, api: ApiAccess | None = None) -> None:
         self.node, self.role, self.hello_interval, self.metrics = node, role, hello_interval, metrics
         self.tls = NodeTls(tls_dir, node)  # reloaded when the keeper renews the certificate
         metrics.mesh_cert_expiry.set_function(self.tls.not_after)

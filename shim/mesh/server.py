@@ -27,6 +27,7 @@ from shim.errors import ConfigError, WeftError
 from shim.mesh import upload
 from shim.mesh.capacity import CapacityProbe
 from shim.mesh.certs import MeshTls, cert_nodes
+from shim.mesh.hosting import ShadowHosting
 from shim.mesh.identity import PeerPolicy, PeerRefused
 from shim.mesh.quotas import CALL, HELLO, STREAM, WATCH, MeshLimits, PeerLimits
 from shim.mesh.tlsreload import NodeTls, server_credentials
@@ -116,8 +117,8 @@ def _mapped_stream(kind: str) -> Callable[[Callable[..., Any]], Callable[..., An
 
 class MeshServicer(pb_grpc.MeshServicer):
     def __init__(self, node: str, policy: PeerPolicy, probe: CapacityProbe, admit: Admit | None = None,
-                 host: Any = None, limits: MeshLimits | None = None) -> None:
-        # ``host`` runs shadows (``shim.cri.host.shadows.ShadowHost``); None on a node that hosts nothing.
+                 host: ShadowHosting | None = None, limits: MeshLimits | None = None) -> None:
+        # ``host`` runs shadows; None on a node that hosts nothing.
         self.host = host
         self.node = node
         self.policy = policy
@@ -245,7 +246,7 @@ class MeshServer:
         admit: Admit | None = None,
         *,
         limits: MeshLimits | None = None,
-        host: Any = None,
+        host: ShadowHosting | None = None,
     ) -> None:
         _key, cert_pem, _ca = tls
         # Peers dial us by node name and check that our certificate names it;

@@ -18,11 +18,11 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.core.reroute import ZERO, Resources
-from shim.cri.fabric import Fabric
 from shim.cri.host.group_weight import ShadowGroupWeight
 from shim.cri.host.runtime import RT, ShadowRuntime
 from shim.cri.labels import CPU_LIMIT_ANNOTATION, CPU_SHARES_ANNOTATION, MEMORY_LIMIT_ANNOTATION, ORIGIN_LABEL
 from shim.errors import UpstreamError, WeftError
+from shim.metrics import Metrics
 
 _log = log.get("weft.shadows")
 CAPACITY_TTL_S = 2.0
@@ -47,8 +47,8 @@ def shares_of(c: cri.Container) -> int:
 MADE_HOLDS_S = 60.0
 
 class HostedCapacity:
-    def __init__(self, rt: ShadowRuntime, fabric: Fabric) -> None:
-        self.rt, self.fabric = rt, fabric
+    def __init__(self, rt: ShadowRuntime, metrics: Metrics) -> None:
+        self.rt, self.metrics = rt, metrics
         # Limits set by UpdateContainerResources since this agent started (the annotations hold the first ones).
         self.updated: dict[str, tuple[float, int]] = {}
         self._cache: dict[str, tuple[float, Resources]] = {}
@@ -127,7 +127,7 @@ class HostedCapacity:
                 c_cpu, c_mem = 0.0, 0
             cpu += c_cpu
             memory += c_mem
-        self.fabric.metrics.shadows_hosted.set(count)
+        self.metrics.shadows_hosted.set(count)
         self.running_shares = shares
         return Resources(cpu, memory)
 

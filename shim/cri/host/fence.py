@@ -22,7 +22,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.config import FENCE_TICK_S
-from shim.cri.fabric import Fabric
+from shim.cri.host.context import HostContext
 from shim.cri.host.runtime import ShadowRuntime
 from shim.cri.labels import KEY_ANNOTATION, ORIGIN_LABEL
 from shim.errors import UpstreamError, WeftError
@@ -32,8 +32,8 @@ _log = log.get("weft.shadows")
 
 
 class Fencer:
-    def __init__(self, rt: ShadowRuntime, fabric: Fabric, fence_timeout: float) -> None:
-        self.rt, self.fabric, self.fence_timeout = rt, fabric, fence_timeout
+    def __init__(self, rt: ShadowRuntime, ctx: HostContext, fence_timeout: float) -> None:
+        self.rt, self.ctx, self.fence_timeout = rt, ctx, fence_timeout
         self._contact_lock = threading.Lock()
         self._contact: dict[str, float] = {}  # origin -> monotonic time it was last heard from
         self._seeded = False
@@ -72,7 +72,7 @@ class Fencer:
                 self._contact.setdefault(c.labels[ORIGIN_LABEL], now)
             self._seeded = True
         if shadows:
-            self.fabric.shadows_present = True
+            self.ctx.shadows.present = True
 
     def fence(self) -> None:
         """One round: kill the running shadows of every origin silent for longer than the fence timeout."""
@@ -102,7 +102,7 @@ class Fencer:
             except UpstreamError as exc:
                 if exc.code is not grpc.StatusCode.NOT_FOUND:
                     raise
-            self.fabric.metrics.shadows_fenced.labels(origin).inc()
+            self.ctx.metrics.shadows_fenced.labels(origin).inc()
             _log.warning("shadow.fenced", origin=origin, key=c.annotations.get(KEY_ANNOTATION, ""),
                          container_id=c.id, silent_s=round(silent, 1))
         with self._contact_lock:  # an origin with nothing left running needs no watching until it runs more

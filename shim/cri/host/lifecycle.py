@@ -35,10 +35,10 @@ from shim import failpoint, log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reservation import Stage
 from shim.cri import baseline
-from shim.cri.fabric import Fabric
 from shim.cri.host import volumes as shadow_volumes
 from shim.cri.host.capacity import HostedCapacity, limits
 from shim.cri.host.cgroup_driver import HostCgroupDriver
+from shim.cri.host.context import HostContext
 from shim.cri.host.reservations import ApiUnreachable, ReservationRefused, Reservations
 from shim.cri.host.runtime import IMG, RT, ShadowRuntime, label
 from shim.cri.labels import (
@@ -51,7 +51,7 @@ from shim.cri.labels import (
     POD_LABEL,
     SANDBOX_LABEL,
 )
-from shim.cri.mark import MARK_LABEL, ShadowMark
+from shim.cri.mark import MARK_LABEL
 from shim.errors import BadAnnotation, UpstreamError, WeftError
 from shim.mesh import upload
 
@@ -141,9 +141,9 @@ def _empty_dir(volumes: Path, i: int, e: pb.EmptyDir) -> Path:
 
 
 class Lifecycle:
-    def __init__(self, rt: ShadowRuntime, fabric: Fabric, capacity: HostedCapacity, state_dir: Path,
+    def __init__(self, rt: ShadowRuntime, ctx: HostContext, capacity: HostedCapacity, state_dir: Path,
                  cgroup_parent: str) -> None:
-        self.rt, self.fabric, self.capacity = rt, fabric, capacity
+        self.rt, self.ctx, self.capacity = rt, ctx, capacity
         # Shadows live under a cgroup of this host's choosing: the origin's pod cgroup path means
         # nothing here, and one under kubelet's own tree would be cleaned up by it as an orphaned pod.
         self.cgroup_parent = cgroup_parent
@@ -151,8 +151,7 @@ class Lifecycle:
         self.cgroup_driver = HostCgroupDriver(rt.call)
         self.log_root = state_dir / "shadow-logs"
         # What marks a sandbox or container as one this host made (the list verbs hide only those).
-        self.mark = ShadowMark.load(state_dir)
-        fabric.shadow_mark = self.mark
+        self.mark = ctx.mark
         self.volume_root = state_dir / "shadow-volumes"
         # Creating and removing shadows (and their sandboxes) one at a time: sandbox reuse stays simple.
         self.lock = threading.Lock()
@@ -243,7 +242,7 @@ class Lifecycle:
                 created = self.rt.call(RT + "CreateContainer", cri.CreateContainerRequest(
                     pod_sandbox_id=sandbox_id, config=config, sandbox_config=shadow_sandbox),
                     cri.CreateContainerResponse)
-                self.fabric.shadows_present = True
+                self.ctx.shadows.present = True
                 failpoint.hit("run_shadow.created")
                 if self.reservations is not None:
                     self._reserve(origin, req.key, sandbox, config, cpu, memory, priority_class,

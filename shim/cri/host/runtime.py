@@ -10,7 +10,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim._pb import mesh_pb2 as pb
-from shim.cri.fabric import Fabric
+from shim.cri.host.context import HostContext
 from shim.cri.labels import KEY_LABEL, ORIGIN_LABEL
 from shim.errors import UnknownContainer, UpstreamError
 
@@ -28,8 +28,8 @@ def label(value: str) -> str:
 
 
 class ShadowRuntime:
-    def __init__(self, fabric: Fabric) -> None:
-        self.fabric = fabric
+    def __init__(self, ctx: HostContext) -> None:
+        self.ctx = ctx
         # Why the host stopped a shadow itself (its reservation lost): container id -> (reason, message), put
         # on its ContainerStatus once it has exited, so the origin's kubelet shows weft's reason, not "Error".
         self.reasons: dict[str, tuple[str, str]] = {}
@@ -39,9 +39,9 @@ class ShadowRuntime:
 
     def raw(self, path: str, request: bytes, timeout: float | None) -> bytes:
         try:
-            return self.fabric.upstream.channel.unary_unary(path)(request, timeout=timeout)
+            return self.ctx.upstream.channel.unary_unary(path)(request, timeout=timeout)
         except grpc.RpcError as exc:
-            raise self.fabric.upstream.translate(exc) from None
+            raise self.ctx.upstream.translate(exc) from None
 
     def stop(self, container_id: str, retry_s: tuple[float, ...] = STOP_RETRY_S) -> None:
         """StopContainer at once (no grace: the origin's kubelet gave it), tried again after an UNKNOWN."""

@@ -29,11 +29,11 @@ from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import Resources
 from shim.core.reservation import Verdict
-from shim.cri.fabric import Fabric
 from shim.cri.host import logs as shadow_logs
 from shim.cri.host import volumes as shadow_volumes
 from shim.cri.host.calls import Calls
 from shim.cri.host.capacity import HostedCapacity
+from shim.cri.host.context import HostContext
 from shim.cri.host.fence import Fencer
 from shim.cri.host.group_weight import ShadowGroupWeight
 from shim.cri.host.lifecycle import Lifecycle
@@ -51,14 +51,13 @@ LOG_CAP_S = 5.0
 
 
 class ShadowHost:
-    def __init__(self, fabric: Fabric, state_dir: Path, *, fence_timeout: float = 8.0,
+    def __init__(self, ctx: HostContext, state_dir: Path, *, fence_timeout: float = 8.0,
                  heartbeat_interval: float = 1.0, cgroup_parent: str = "/weft-shadows",
                  prepared_sandbox_ttl: float = 60.0) -> None:
-        self.fabric = fabric
-        self.rt = ShadowRuntime(fabric)
-        self.fencer = Fencer(self.rt, fabric, fence_timeout)
-        self.capacity = HostedCapacity(self.rt, fabric)
-        self.lifecycle = Lifecycle(self.rt, fabric, self.capacity, state_dir, cgroup_parent)
+        self.rt = ShadowRuntime(ctx)
+        self.fencer = Fencer(self.rt, ctx, fence_timeout)
+        self.capacity = HostedCapacity(self.rt, ctx.metrics)
+        self.lifecycle = Lifecycle(self.rt, ctx, self.capacity, state_dir, cgroup_parent)
         self.preparer = Preparer(self.lifecycle, prepared_sandbox_ttl)
         self.watcher = Watcher(self.rt, self.lifecycle, heartbeat_interval)
         self.calls = Calls(self.rt, self.capacity)

@@ -24,8 +24,9 @@ import contextlib
 import os
 import stat
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
@@ -33,7 +34,6 @@ from google.protobuf.message import DecodeError
 
 from shim import failpoint, log
 from shim._pb import mesh_pb2 as pb
-from shim.core.classify import Classification
 from shim.core.placement import PLACEMENT_ANNOTATION, PLACEMENT_REASON_ANNOTATION, PlacementReason, PlacementState
 from shim.core.podspec import SpecFacts, spec_facts
 from shim.core.reroute import (
@@ -44,12 +44,17 @@ from shim.core.reroute import (
     decide,
 )
 from shim.cri import baseline
+from shim.cri.attempt import CreateAttempt
 from shim.cri.fabric import Fabric
+from shim.cri.origin.context import Origin
 from shim.cri.remote import REMOTE_PREFIX, Remote, new_id
 from shim.errors import WeftError
 from shim.mesh.client import PeerUnavailable
 from shim.mesh.wire import MAX_MESSAGE_BYTES
 from shim.state.agent import PlacementRecord
+
+if TYPE_CHECKING:
+    from shim.mesh.node import MeshNode
 
 _log = log.get("weft.cri")
 
@@ -176,11 +181,11 @@ def read_volumes(config: cri.ContainerConfig, copyable: tuple[str, ...]) -> list
     return volumes
 
 
-def pullable(fabric: Fabric, image: cri.ImageSpec) -> tuple[cri.ImageSpec, cri.AuthConfig | None]:
+def pullable(fabric: Fabric, origin: Origin, image: cri.ImageSpec) -> tuple[cri.ImageSpec, cri.AuthConfig | None]:
     """An ImageSpec a host can pull (kubelet names the image by its local ID) and the credentials for it."""
     ref = image.image
-    known = fabric.images.lookup(ref) or (fabric.images.lookup(image.user_specified_image)
-                                         if image.user_specified_image else None)
+    known = origin.images.lookup(ref) or (origin.images.lookup(image.user_specified_image)
+                                          if image.user_specified_image else None)
     name = known[0] if known else (image.user_specified_image or ref)
     if not known and ref.startswith("sha256:"):
         status = fabric.upstream.channel.unary_unary(
@@ -190,18 +195,18 @@ def pullable(fabric: Fabric, image: cri.ImageSpec) -> tuple[cri.ImageSpec, cri.A
         names = [*status.repo_digests, *status.repo_tags]
         if names:
             name = names[0]
-            known = fabric.images.lookup(name)
+            known = origin.images.lookup(name)
     spec = cri.ImageSpec()
     spec.CopyFrom(image)
     spec.image = name
     return spec, (known[1] if known else None)
 
 
-def pod_spec_of(fabric: Fabric, sandbox: cri.PodSandboxConfig, name: str) -> tuple[SpecFacts | None, str]:
+def pod_spec_of(origin: Origin, sandbox: cri.PodSandboxConfig, name: str) -> tuple[SpecFacts | None, str]:
     """What the pod spec says of the container, from the node's pod cache, and which rules placement follows."""
-    if fabric.pod_spec is None:
+    if origin.pod_spec is None:
         return None, "no pod spec: no Kubernetes API, so every emptyDir counts as shared and limits are required"
-    pod = fabric.pod_spec(sandbox.metadata.namespace, sandbox.metadata.name)
+    pod = origin.pod_spec(sandbox.metadata.namespace, sandbox.metadata.name)
     if pod is None:
         return None, "pod spec not found: every emptyDir counts as shared and limits are required"
     facts = spec_facts(pod, name)
@@ -229,22 +234,22 @@ def reservation_lost_on(fabric: Fabric, sandbox_id: str, name: str, attempt: int
     return None
 
 
-def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: str,
-                 classification: Classification, budget_s: float | None = None) -> tuple[
+def place_remote(fabric: Fabric, origin: Origin, a: CreateAttempt, budget_s: float | None = None) -> tuple[
                      Remote | None, LocalBecause | None]:
     """Run the container on a peer: the Remote kubelet now knows, or why it stays here.
 
     ``budget_s`` is what is left of kubelet's deadline for the call (None: no deadline).
     """
     started = time.monotonic()
-    mesh = fabric.mesh
+    mesh, settings = origin.mesh, origin.settings
+    req = a.req
     config, sandbox_config = req.config, req.sandbox_config
-    spec, rules = pod_spec_of(fabric, sandbox_config, config.metadata.name)
+    spec, rules = pod_spec_of(origin, sandbox_config, config.metadata.name)
     if spec is not None and spec.init:
         return None, LocalBecause(PlacementReason.INIT_CONTAINER, f"an init container runs on the pod's node ({rules})")
-    facts = facts_of(config, sandbox_config, fabric.pods_dir, spec)
+    facts = facts_of(config, sandbox_config, settings.pods_dir, spec)
     pod = f"{sandbox_config.metadata.uid}/{sandbox_config.metadata.attempt}"
-    decision = decide(facts, facts.limits or Resources(0.0, 0), mesh.views(), max_age_s=fabric.peer_max_age_s,
+    decision = decide(facts, facts.limits or Resources(0.0, 0), mesh.views(), max_age_s=settings.peer_max_age_s,
                       spread=mesh.spread(pod))
     if decision.reason is not RerouteReason.REROUTED:
         return None, LocalBecause(PlacementReason(decision.reason.value), f"{decision.detail} ({rules})")
@@ -255,7 +260,7 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
                                   f"{MAX_VOLUME_BYTES >> 20} MiB; it is not copied to a peer")
     except OSError as exc:
         return None, LocalBecause(PlacementReason.VOLUMES_TOO_LARGE, f"cannot read a read-only volume to copy: {exc}")
-    image, auth = pullable(fabric, config.image)
+    image, auth = pullable(fabric, origin, config.image)
     shadow_config = cri.ContainerConfig()
     shadow_config.CopyFrom(config)
     del shadow_config.mounts[:]
@@ -269,7 +274,7 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
                                   f"{configs} bytes, more than a mesh message carries ({MAX_MESSAGE_BYTES} bytes)")
     limits = facts.limits
     tried: list[str] = []
-    candidates = (fabric.prepared.order(decision.candidates, sandbox_config) if fabric.prepared is not None
+    candidates = (origin.prepared.order(decision.candidates, sandbox_config) if origin.prepared is not None
                   else decision.candidates)
     lost = reservation_lost_on(fabric, req.pod_sandbox_id, config.metadata.name, config.metadata.attempt)
     if lost is not None:  # Kubernetes took the last attempt's CPU away there: placed afresh, elsewhere or here
@@ -282,7 +287,7 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
             continue
         try:
             answer = client.admit(pb.AdmitRequest(
-                origin_node=mesh.node, key=key, image=image.image,
+                origin_node=mesh.node, key=a.key, image=image.image,
                 limits=pb.Resources(cpu_cores=limits.cpu_cores, memory_bytes=limits.memory_bytes)))
         except WeftError as exc:
             tried.append(f"{node}: {exc.message}")
@@ -297,20 +302,40 @@ def place_remote(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, key: 
         if left < MIN_SHADOW_WAIT_S:
             tried.append(f"{node}: not asked, too little of kubelet's deadline left ({left:.1f} s)")
             break
-        remote = _create_on(fabric, node, req, sandbox, key, classification, f"{detail} ({rules})", shadow_config,
-                            auth, volumes, tried, min(left, MAX_SHADOW_WAIT_S),
-                            admitted=limits if limits_of(config) is None else None,  # by requests
-                            empty_dirs=_empty_dirs(config, spec))
-        if remote is not None:
-            return remote, None
+        created = _create_on(fabric, mesh, ShadowCreate(
+            a, node, f"{detail} ({rules})", shadow_config, auth, volumes, min(left, MAX_SHADOW_WAIT_S),
+            admitted=limits if limits_of(config) is None else None,  # by requests
+            empty_dirs=_empty_dirs(config, spec)))
+        if isinstance(created, Remote):
+            return created, None
+        tried.append(created)
     return None, LocalBecause(PlacementReason.PEERS_REFUSED, "; ".join(tried))
 
 
-def _create_on(fabric: Fabric, node: str, req: cri.CreateContainerRequest, sandbox, key: str,
-               classification: Classification, detail: str, shadow_config: cri.ContainerConfig,
-               auth: cri.AuthConfig | None, volumes: list[pb.Volume], tried: list[str],
-               timeout: float, *, admitted: Resources | None = None,
-               empty_dirs: list[pb.EmptyDir] | None = None) -> Remote | None:
+@dataclass(frozen=True)
+class ShadowCreate:
+    """One try at running the container on a host: what its RunShadow carries besides the attempt itself."""
+
+    attempt: CreateAttempt
+    node: str
+    # The placement's reason, as crictl and weft explain show it.
+    detail: str
+    # The container's config as the host gets it: mounts left out, the image named so a host can pull it.
+    shadow_config: cri.ContainerConfig
+    auth: cri.AuthConfig | None
+    # Read-only volumes copied to the host.
+    volumes: list[pb.Volume]
+    timeout: float
+    # What the host admitted by the container's requests (None: by its limits).
+    admitted: Resources | None = None
+    # The emptyDirs only this container mounts, made fresh on the host.
+    empty_dirs: list[pb.EmptyDir] = field(default_factory=list)
+
+
+def _create_on(fabric: Fabric, mesh: MeshNode, c: ShadowCreate) -> Remote | str:
+    """The Remote now running on ``c.node``, or what that host said (for the placement's detail)."""
+    a, node, shadow_config, auth, admitted = c.attempt, c.node, c.shadow_config, c.auth, c.admitted
+    req, sandbox, key, classification, detail = a.req, a.sandbox, a.key, a.classification, c.detail
     config = cri.ContainerConfig()
     config.CopyFrom(req.config)
     config.annotations[PLACEMENT_ANNOTATION] = REMOTE_PREFIX + node
@@ -327,7 +352,6 @@ def _create_on(fabric: Fabric, node: str, req: cri.CreateContainerRequest, sandb
         placement=REMOTE_PREFIX + node, reason=RerouteReason.REROUTED.value, detail=detail, lease_id="",
         state=PlacementState.PENDING, created_at=time.time(), remote_node=node, config=config.SerializeToString(),
         log_path=log_path)
-    mesh = fabric.mesh
     client = mesh.client(node)
     fabric.store.add_pending(record)
     try:
@@ -336,11 +360,11 @@ def _create_on(fabric: Fabric, node: str, req: cri.CreateContainerRequest, sandb
             origin_node=mesh.node, origin_sandbox_id=record.sandbox_id, key=key,
             sandbox_config=req.sandbox_config.SerializeToString(),
             container_config=shadow_config.SerializeToString(),
-            auth=auth.SerializeToString() if auth is not None else b"", start=False, volumes=volumes,
+            auth=auth.SerializeToString() if auth is not None else b"", start=False, volumes=c.volumes,
             admitted=(pb.Resources(cpu_cores=admitted.cpu_cores, memory_bytes=admitted.memory_bytes)
                       if admitted is not None else None),
-            empty_dirs=empty_dirs or []),
-            timeout=timeout)
+            empty_dirs=c.empty_dirs),
+            timeout=c.timeout)
         failpoint.hit("place_remote.created")
         status = cri.ContainerStatus.FromString(state.status) if state.status else None
         if not state.shadow_container_id or (status is not None and status.state not in _CREATED_OR_LATER):
@@ -348,13 +372,12 @@ def _create_on(fabric: Fabric, node: str, req: cri.CreateContainerRequest, sandb
     except (WeftError, DecodeError) as exc:
         fabric.store.drop_placement(key)
         error = exc.message if isinstance(exc, WeftError) else f"answered RunShadow with garbage ({exc})"
-        tried.append(f"{node}: {error}")
         # The shadow may exist though the answer was lost or unreadable: ask for its removal now; the
         # host's Watch also removes it as an orphan, since this origin no longer lists its key.
         with contextlib.suppress(WeftError):
             client.remove_shadow(mesh.node, key)
         _log.warning("remote.create_failed", node=node, key=key, error=error)
-        return None
+        return f"{node}: {error}"
     fabric.store.mark_created(key, record.container_id, sandbox_id_remote=state.shadow_sandbox_id,
                               status=state.status or None, note=f"{node}: {state.note}" if state.note else "")
     remote = Remote(id=record.container_id or "", key=key, node=node, sandbox_id=record.sandbox_id, config=config,

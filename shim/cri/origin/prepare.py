@@ -17,14 +17,18 @@ from __future__ import annotations
 
 import threading
 import time
+from typing import TYPE_CHECKING
 
 from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core.prepare import PrepareDecision, PrepareReason, decide_prepare, prefer
-from shim.cri.fabric import Fabric
+from shim.cri.origin.context import OriginSettings
 from shim.errors import WeftError
+
+if TYPE_CHECKING:
+    from shim.mesh.node import MeshNode
 
 _log = log.get("weft.cri")
 
@@ -39,19 +43,19 @@ def _pod(config: cri.PodSandboxConfig) -> tuple[str, int]:
 
 
 class Prepared:
-    def __init__(self, fabric: Fabric) -> None:
-        self.fabric = fabric
+    def __init__(self, mesh: MeshNode, settings: OriginSettings) -> None:
+        self.mesh, self.settings = mesh, settings
         self._lock = threading.Lock()
         self._hosts: dict[tuple[str, int], tuple[str, float]] = {}  # pod -> (host, monotonic time asked)
 
     def decide(self, config: cri.PodSandboxConfig) -> PrepareDecision:
         sc = config.linux.security_context
         o = sc.namespace_options
-        return decide_prepare(dict(config.annotations), self.fabric.mesh.views(),
-                              enabled=self.fabric.prepare_shadow_sandbox,
+        return decide_prepare(dict(config.annotations), self.mesh.views(),
+                              enabled=self.settings.prepare_shadow_sandbox,
                               host_namespaces=cri.NODE in (o.network, o.pid, o.ipc), privileged=sc.privileged,
-                              max_age_s=self.fabric.peer_max_age_s,
-                              spread=self.fabric.mesh.spread(f"{config.metadata.uid}/{config.metadata.attempt}"))
+                              max_age_s=self.settings.peer_max_age_s,
+                              spread=self.mesh.spread(f"{config.metadata.uid}/{config.metadata.attempt}"))
 
     def begin(self, config: cri.PodSandboxConfig) -> PrepareDecision:
         """Decide, and when a host is chosen ask it in the background; the decision, for the log."""
@@ -70,7 +74,7 @@ class Prepared:
         return decision
 
     def _ask(self, node: str, config: cri.PodSandboxConfig) -> None:
-        mesh = self.fabric.mesh
+        mesh = self.mesh
         meta = config.metadata
         client = mesh.client(node)
         t0 = time.monotonic()

@@ -41,10 +41,11 @@ import contextlib
 import errno
 import os
 import socket
+import ssl
 import threading
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
@@ -55,6 +56,7 @@ from shim.cri.fabric import Fabric
 from shim.cri.kernel_path import KernelForwards
 from shim.cri.kernel_path import sweep as sweep_kernel_rules
 from shim.cri.netns import Netns, owner_of, sandbox_netns
+from shim.cri.origin.context import OriginSettings
 from shim.cri.remote import Remote, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipe, SocketEnd, dial, tune
@@ -64,6 +66,9 @@ from shim.periodic import Periodic
 # is up): more are closed at once, so a pod cannot take every thread of the agent.
 MAX_OPENING = 256
 _OPENING = threading.BoundedSemaphore(MAX_OPENING)
+
+if TYPE_CHECKING:
+    from shim.mesh.node import MeshNode
 
 _log = log.get("weft.stitch")
 
@@ -113,13 +118,13 @@ class Link:
             call.cancel()
 
     def _run(self) -> None:
-        fabric = self.pod.net.fabric
+        mesh = self.pod.net.mesh
         while not self._stop.is_set():
             try:
-                client = host_client(fabric.mesh, self.r)
+                client = host_client(mesh, self.r)
                 with self._lock:
                     want = self.want or frozenset()
-                    self._call = call = client.stitch(fabric.mesh.node, self.r.key, want, self.declared,
+                    self._call = call = client.stitch(mesh.node, self.r.key, want, self.declared,
                                                       origin_pod_ip=self.pod.pod_ip)
                 for ev in call:
                     if ev.ports:
@@ -160,7 +165,7 @@ class PodNet:
         self.pod_ip = ""  # this sandbox's: where a host's kernel path sends the shadow's localhost (set by OriginNet)
         self.links: dict[str, Link] = {}
         self.mirrors: dict[int, Mirror] = {}  # by port
-        self.kernel = KernelForwards(ns, sandbox_id, enabled=net.fabric.stitch_kernel_path)
+        self.kernel = KernelForwards(ns, sandbox_id, enabled=net.settings.stitch_kernel_path)
         self._reported: set[tuple[int, str]] = set()
         self._lock = threading.Lock()
 
@@ -217,7 +222,7 @@ class PodNet:
             link.set_want(p.into_shadow.get(name, frozenset()))
         # Only a port mirrored here (no local listener holds it) may be forwarded by the kernel; connections to
         # a shadow whose host does not answer the mesh are reset, as a tunnel's are.
-        healthy = {v.node for v in self.net.fabric.mesh.views() if v.healthy}
+        healthy = {v.node for v in self.net.mesh.views() if v.healthy}
         self.kernel.update({port: (links[m.name].pod_ip, m.name) for port, m in self.mirrors.items()
                             if m.name in links},
                            frozenset(link.pod_ip for link in links.values() if link.r.node not in healthy))
@@ -266,11 +271,11 @@ class PodNet:
 
     def _forward(self, conn: socket.socket, port: int, link: Link) -> None:
         """A connection to a shadow's port here: a tunnel to that port in the shadow."""
-        fabric = self.net.fabric
+        mesh = self.net.mesh
         tune(conn, tunnel=False)
         try:
-            client = host_client(fabric.mesh, link.r)
-            grant = client.open_tunnel(fabric.mesh.node, link.r.key, port=port)
+            client = host_client(mesh, link.r)
+            grant = client.open_tunnel(mesh.node, link.r.key, port=port)
             end = dial(grant.address, grant.token, tls=self._tls(grant.tls), node=link.r.node,
                        known=client.address)
         except WeftError as exc:
@@ -284,14 +289,14 @@ class PodNet:
 
     def _tls(self, asked: bool):
         """The client context for a pod-network tunnel where the host asked for TLS or this origin wants it."""
-        fabric = self.net.fabric
-        return fabric.tunnel_tls if asked or fabric.encrypt_pod_tunnels else None
+        net = self.net
+        return net.tunnel_tls if asked or net.settings.encrypt_pod_tunnels else None
 
     def reverse(self, link: Link, ev) -> None:
         """A connection in a shadow to a port of the pod: dial the host's token, join it to the port here."""
         try:
             end = dial(ev.address, ev.token, tls=self._tls(ev.tls), node=link.r.node,
-                       known=host_client(self.net.fabric.mesh, link.r).address)
+                       known=host_client(self.net.mesh, link.r).address)
         except WeftError as exc:
             _log.warning("stitch.connect_failed", container=link.name, node=link.r.node, port=ev.accepted_port,
                          error=exc.message, direction="to-origin")
@@ -326,8 +331,9 @@ def _close_listener(sock: socket.socket) -> None:
 class OriginNet:
     """Keeps a PodNet per origin sandbox with running remote containers; one thread."""
 
-    def __init__(self, fabric: Fabric) -> None:
-        self.fabric = fabric
+    def __init__(self, fabric: Fabric, mesh: MeshNode, settings: OriginSettings,
+                 tunnel_tls: ssl.SSLContext | None) -> None:
+        self.fabric, self.mesh, self.settings, self.tunnel_tls = fabric, mesh, settings, tunnel_tls
         self.pods: dict[str, PodNet] = {}
         self.pipes: set[Pipe] = set()
         self._lock = threading.Lock()

@@ -24,15 +24,19 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
+from typing import TYPE_CHECKING
 from urllib.parse import urlsplit
 
 from shim import log
 from shim.core.annotations import parse_host_port
 from shim.core.streams import BadRequest, StreamTokens, head_end, parse_head
-from shim.cri.fabric import Fabric
 from shim.cri.remote import Remote, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import Deadline, PipeServer, SocketEnd, dial, tune
+
+if TYPE_CHECKING:
+    from shim.mesh.node import MeshNode
 
 _log = log.get("weft.stream")
 
@@ -42,8 +46,9 @@ HEAD_TIMEOUT_S = 10.0
 class StreamRelay(PipeServer):
     thread_name = "weft-stream"
 
-    def __init__(self, fabric: Fabric, address: str, *, busy_poll_us: int = 0) -> None:
-        self.fabric = fabric
+    def __init__(self, mesh: MeshNode, tunnel_tls: ssl.SSLContext | None, address: str, *,
+                 busy_poll_us: int = 0) -> None:
+        self.mesh, self.tunnel_tls = mesh, tunnel_tls
         host, port = parse_host_port(address, field="agent.stream_address")
         super().__init__(socket.create_server((host, port), backlog=128), busy_poll_us=busy_poll_us)
         bound = self._sock.getsockname()[1]
@@ -82,9 +87,9 @@ class StreamRelay(PipeServer):
             return
         r, host_url = found.target
         try:
-            client = host_client(self.fabric.mesh, r)
-            grant = client.open_tunnel(self.fabric.mesh.node, r.key, stream_url=host_url)
-            tunnel = dial(grant.address, grant.token, tls=self.fabric.tunnel_tls if grant.tls else None, node=r.node,
+            client = host_client(self.mesh, r)
+            grant = client.open_tunnel(self.mesh.node, r.key, stream_url=host_url)
+            tunnel = dial(grant.address, grant.token, tls=self.tunnel_tls if grant.tls else None, node=r.node,
                           known=client.address)
             parts = urlsplit(host_url)
             tunnel.sendall(head.rewritten(parts.path + (f"?{parts.query}" if parts.query else ""), parts.netloc)

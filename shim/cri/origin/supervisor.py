@@ -36,6 +36,7 @@ from google.protobuf.message import DecodeError
 from shim import log
 from shim.core.reroute import classify_mounts
 from shim.cri.fabric import Fabric
+from shim.cri.origin.context import Origin
 from shim.cri.origin.place import read_volumes
 from shim.cri.remote import Remote
 from shim.errors import WeftError
@@ -112,7 +113,7 @@ class LogCopy:
             self.sup.fabric.store.set_log_progress(self.r.id, self.offset, self.size)
 
     def _run(self) -> None:
-        fabric, r = self.sup.fabric, self.r
+        r = self.r
         _log.debug("remote.log_copy", container_id=r.id, node=r.node, path=r.log_path, offset=self.offset)
         try:
             with self._lock:
@@ -122,12 +123,12 @@ class LogCopy:
             return
         try:
             while not self._stop.is_set() and not r.lost:
-                client = fabric.mesh.client(r.node)
+                client = self.sup.mesh.client(r.node)
                 if client is None:
                     self._stop.wait(1.0)
                     continue
                 try:
-                    self._call = client.stream_log(fabric.mesh.node, r.key, self.offset)
+                    self._call = client.stream_log(self.sup.mesh.node, r.key, self.offset)
                     for chunk in self._call:
                         self._write(chunk)
                 except grpc.RpcError as exc:
@@ -151,9 +152,9 @@ class LogCopy:
 
 
 class RemoteSupervisor:
-    def __init__(self, fabric: Fabric, *, loss_timeout: float, heartbeat: float,
+    def __init__(self, fabric: Fabric, origin: Origin, *, loss_timeout: float, heartbeat: float,
                  volume_interval: float = 5.0, tick: float = 0.5) -> None:
-        self.fabric = fabric
+        self.fabric, self.origin, self.mesh = fabric, origin, origin.mesh
         self.loss_timeout = loss_timeout
         self.heartbeat = heartbeat
         self.volume_interval = volume_interval
@@ -170,9 +171,9 @@ class RemoteSupervisor:
         self._lock = threading.Lock()
         self._loops = [Periodic("weft-remote", tick, self._round, failed="remote.supervisor_failed"),
                        Periodic("weft-remote-volumes", volume_interval, self._volumes, failed="remote.volumes_failed")]
-        fabric.on_remote.append(self.started)
-        fabric.on_reopen.append(self.reopen)
-        fabric.on_remote_removed.append(self.removed)
+        origin.events.started.append(self.started)
+        origin.events.reopened.append(self.reopen)
+        origin.events.removed.append(self.removed)
 
     # -- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
@@ -219,7 +220,7 @@ class RemoteSupervisor:
         self.fabric.metrics.remote_containers.set(len(self.fabric.remotes.all()))
 
     def _ensure_watches(self) -> None:
-        mesh = self.fabric.mesh
+        mesh = self.mesh
         # The hosts this node deals with (every one in a small fleet), and wherever it has or had a shadow.
         nodes = set(mesh.hosts()) | {r.node for r in self.fabric.remotes.all()} | self._placed_on()
         self._wanted = nodes
@@ -253,7 +254,7 @@ class RemoteSupervisor:
         return sorted(keys | fabric.inflight())
 
     def _watch(self, node: str) -> None:
-        mesh = self.fabric.mesh
+        mesh = self.mesh
         while not self._stop.is_set():
             if node not in self._wanted:
                 return  # no longer a host of ours: _ensure_watches starts another if it becomes one again
@@ -282,7 +283,7 @@ class RemoteSupervisor:
         if r is None:
             return
         if state.gone:
-            if remotes.mark_lost(r, self.fabric.mesh.silent_for(node), f"its shadow on {node} is gone"):
+            if remotes.mark_lost(r, self.mesh.silent_for(node), f"its shadow on {node} is gone"):
                 _log.warning("remote.gone", container_id=r.id, node=node, key=r.key)
                 self.fabric.metrics.remote_lost.inc()
             return
@@ -295,7 +296,7 @@ class RemoteSupervisor:
             # Declared lost here, yet running there: the fence did not happen; make it so now.
             _log.warning("remote.kill_lost_copy", container_id=r.id, node=node, key=r.key)
             try:
-                self.fabric.mesh.client(node).call(self.fabric.mesh.node, r.key, "StopContainer",
+                self.mesh.client(node).call(self.mesh.node, r.key, "StopContainer",
                                                    cri.StopContainerRequest(container_id=r.id).SerializeToString(),
                                                    10.0)
             except (WeftError, AttributeError) as exc:
@@ -304,7 +305,7 @@ class RemoteSupervisor:
             self.started(r)
 
     def _check_losses(self) -> None:
-        mesh = self.fabric.mesh
+        mesh = self.mesh
         for r in self.fabric.remotes.all():
             if r.lost or r.exited:
                 continue
@@ -329,15 +330,15 @@ class RemoteSupervisor:
 
     def _sync_volumes(self, r: Remote) -> None:
         mounts = classify_mounts(((m.host_path, m.container_path, m.readonly) for m in r.config.mounts),
-                                 self.fabric.pods_dir)
+                                 self.origin.settings.pods_dir)
         volumes = read_volumes(r.config, mounts.readonly_copyable)
         digest = hashlib.sha256(b"".join(v.SerializeToString(deterministic=True) for v in volumes)).hexdigest()
         if self._volume_digest.get(r.id) == digest:
             return
-        client = self.fabric.mesh.client(r.node)
+        client = self.mesh.client(r.node)
         if client is None:
             return
-        changed = client.sync_volumes(self.fabric.mesh.node, r.key, volumes)
+        changed = client.sync_volumes(self.mesh.node, r.key, volumes)
         self._volume_digest[r.id] = digest
         if changed:
             _log.info("remote.volumes_synced", container_id=r.id, node=r.node, files=changed)

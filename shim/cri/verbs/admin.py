@@ -96,7 +96,7 @@ def explain(fabric: Fabric) -> Route:
         doc = report.explain(fabric.store, container_id, _leases(fabric))
         if doc is None:
             raise UnknownContainer(f"weft placed no container {container_id!r} on this node")
-        paths = fabric.stitch_paths(container_id) if fabric.stitch_paths is not None else {}
+        paths = fabric.origin.stitch_paths(container_id) if fabric.origin is not None else {}
         if paths:  # a remote container's ports on the origin pod's localhost: through the kernel or a tunnel
             doc["stitched_ports"] = {str(port): p for port, p in paths.items()}
             doc["why"] = [*doc.get("why", []), *(f"port {port} on localhost: {p['path']} ({p['reason']}: {p['detail']})"

@@ -44,6 +44,7 @@ from shim.core.placement import (
     place,
 )
 from shim.core.quantity import AnnotationError
+from shim.cri.attempt import CreateAttempt
 from shim.cri.fabric import Fabric
 from shim.cri.instrument import note_pod
 from shim.cri.origin.place import place_remote
@@ -52,7 +53,7 @@ from shim.cri.remote import REMOTE_PREFIX as PLACEMENT_REMOTE
 from shim.cri.route import Route
 from shim.cri.wire import string_field
 from shim.errors import BadAnnotation, CreateInProgress, MalformedRequest
-from shim.state.agent import PlacementRecord
+from shim.state.agent import PlacementRecord, SandboxRecord
 from shim.state.db import StateError
 
 PATH = "/runtime.v1.RuntimeService/CreateContainer"
@@ -120,7 +121,7 @@ def route(fabric: Fabric) -> Route:
     return Route(create_container)
 
 
-def _create_opted_in(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, context) -> bytes:
+def _create_opted_in(fabric: Fabric, req: cri.CreateContainerRequest, sandbox: SandboxRecord, context) -> bytes:
     config = req.config
     name, attempt = config.metadata.name, config.metadata.attempt
     pod_annotations = dict(req.sandbox_config.annotations) or sandbox.annotations
@@ -151,17 +152,17 @@ def _create_opted_in(fabric: Fabric, req: cri.CreateContainerRequest, sandbox, c
         raise CreateInProgress(f"a CreateContainer for {sandbox.namespace}/{sandbox.name}/{name} "
                                f"(attempt {attempt}) is already in progress")
     try:
-        return _lease_and_create(fabric, req, sandbox, key, ask, pod_annotations, classification, placement, context)
+        return _lease_and_create(fabric, CreateAttempt(req, sandbox, key, ask, pod_annotations, classification),
+                                 placement, context)
     finally:
         fabric.end(key)
 
 
-def _lease_and_create(fabric: Fabric, req, sandbox, key: str, ask: ContainerAsk, pod_annotations, classification,
-                      placement, context) -> bytes:
-    config = req.config
-    name, attempt = config.metadata.name, config.metadata.attempt
-    if classification.stage is Stage.CPU and fabric.mesh is not None:
-        remote, local = place_remote(fabric, req, sandbox, key, classification, timeout_of(context))
+def _lease_and_create(fabric: Fabric, a: CreateAttempt, placement: Placement, context) -> bytes:
+    req, sandbox, key, classification = a.req, a.sandbox, a.key, a.classification
+    config, name, attempt = a.config, a.name, a.attempt
+    if classification.stage is Stage.CPU and fabric.origin is not None:
+        remote, local = place_remote(fabric, fabric.origin, a, timeout_of(context))
         if remote is not None:
             fabric.metrics.placements.labels(classification.stage.value, "remote",
                                              PlacementReason.REROUTED.value).inc()
@@ -174,9 +175,9 @@ def _lease_and_create(fabric: Fabric, req, sandbox, key: str, ask: ContainerAsk,
     lease: pb.Lease | None = None
     if classification.stage is Stage.GPU:
         with fabric.lease_gate:
-            lease = _acquire(fabric, key, sandbox, name, ask, pod_annotations)
+            lease = _acquire(fabric, a)
         by_index = {d.index: d.uuid for d in fabric.inventory().devices}
-        rewrite_for_lease(config, lease, {n: resolve(g, by_index) for n, g in ask.claim_gpus.items()})
+        rewrite_for_lease(config, lease, {n: resolve(g, by_index) for n, g in a.ask.claim_gpus.items()})
     config.annotations[PLACEMENT_ANNOTATION] = placement.target
     config.annotations[PLACEMENT_REASON_ANNOTATION] = placement.reason.value
     record = PlacementRecord(
@@ -206,17 +207,18 @@ def _lease_and_create(fabric: Fabric, req, sandbox, key: str, ask: ContainerAsk,
     return response
 
 
-def _acquire(fabric: Fabric, key: str, sandbox, name: str, ask: ContainerAsk, pod_annotations) -> pb.Lease:
+def _acquire(fabric: Fabric, a: CreateAttempt) -> pb.Lease:
+    sandbox, ask, name = a.sandbox, a.ask, a.name
     inventory = fabric.inventory()
     devices = list(inventory.devices)
     largest = max((d.memory_total for d in devices), default=None)
     try:
-        gask = gpu_ask(name, pod_annotations, largest)
+        gask = gpu_ask(name, a.pod_annotations, largest)
     except AnnotationError as exc:
         raise BadAnnotation(str(exc)) from None
     count, allowed = requested_gpus(ask, [d.uuid for d in devices], {d.index: d.uuid for d in devices})
     lease = fabric.require_broker().acquire(pb.AcquireRequest(
-        key=key, namespace=sandbox.namespace, pod=sandbox.name, pod_uid=sandbox.uid, container=name,
+        key=a.key, namespace=sandbox.namespace, pod=sandbox.name, pod_uid=sandbox.uid, container=name,
         sandbox_id=sandbox.id, memory_bytes=gask.memory_bytes or 0, compute_percent=gask.compute_percent,
         count=count, allowed_uuids=sorted(allowed) if allowed else []))
     failpoint.hit("create_container.leased")

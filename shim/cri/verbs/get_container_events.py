@@ -132,7 +132,7 @@ def is_shadow(fabric: Fabric, sandbox: cri.PodSandboxStatus) -> bool:
     """Whether this host made the sandbox as a shadow (as the list verbs hide them)."""
     if ORIGIN_LABEL not in sandbox.labels:
         return False
-    mark = fabric.shadow_mark
+    mark = fabric.shadows.mark
     return mark is None or mark.is_sandbox(sandbox.labels, sandbox.metadata.uid)
 
 
@@ -144,7 +144,7 @@ def passed_on(fabric: Fabric, message: bytes, stamps: Rising) -> bytes | None:
     except DecodeError:
         return message
     sandbox = event.pod_sandbox_status
-    if fabric.shadows_present and is_shadow(fabric, sandbox):
+    if fabric.shadows.present and is_shadow(fabric, sandbox):
         return None
     added = fabric.remotes.present and with_remote_statuses(fabric, sandbox.id, event.containers_statuses)
     restamped = stamps.keep(event)

@@ -7,7 +7,7 @@ that carries the label itself stays in kubelet's view. kubelet would take it for
 kill it, so the agent leaves shadows out of what the four list verbs
 (``list_pod_sandbox``, ``list_containers``, ``list_container_stats``,
 ``list_pod_sandbox_stats``) return. They are intercepted only while this node hosts shadows at all (``Fabric.
-shadows_present``): on every other node they stay plain pass-through, at no
+shadows.present``): on every other node they stay plain pass-through, at no
 cost, which keeps kubelet's hottest polling path untouched.
 
 The other way round, an origin's remote containers (ones it rerouted to a
@@ -105,8 +105,8 @@ def with_remotes(fabric: Fabric, path: str, request: bytes, response: bytes) -> 
 def route_for(fabric: Fabric, path: str) -> Route:
     def hide(request: bytes, context: grpc.ServicerContext) -> bytes:
         response = fabric.upstream.unary(path, request, context)
-        if fabric.shadows_present:
-            response = without_shadows(response, path, fabric.shadow_mark)
+        if fabric.shadows.present:
+            response = without_shadows(response, path, fabric.shadows.mark)
         return with_remotes(fabric, path, request, response)
 
-    return Route(hide, when=lambda: fabric.shadows_present or fabric.remotes.present)
+    return Route(hide, when=lambda: fabric.shadows.present or fabric.remotes.present)

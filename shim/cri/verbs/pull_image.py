@@ -27,7 +27,8 @@ def route(fabric: Fabric) -> Route:
         except DecodeError:
             return response
         auth = req.auth if req.HasField("auth") else None
-        fabric.images.remember(req.image.image, ref, auth)
+        if fabric.origin is not None:
+            fabric.origin.images.remember(req.image.image, ref, auth)
         return response
 
-    return Route(pull_image, when=lambda: fabric.mesh is not None)
+    return Route(pull_image, when=lambda: fabric.origin is not None)

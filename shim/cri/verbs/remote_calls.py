@@ -96,11 +96,12 @@ def stats_of(fabric: Fabric, r: Remote) -> cri.ContainerStats:
 def remote_url(fabric: Fabric, kind: str, r, req, response_type) -> bytes:
     if r.lost:
         raise CannotStart(f"weft: container {r.id[:13]} was lost with its host {r.node}; nothing runs in it")
-    if fabric.streams is None:
+    streams = fabric.origin.streams if fabric.origin is not None else None
+    if streams is None:
         raise NoStreamServer(f"weft: container {r.id[:13]} runs on {r.node} and this agent relays no streams")
     method = "Exec" if kind == "exec" else "Attach"
     host = response_type.FromString(call_host(fabric, r, method, req, timeout=CALL_TIMEOUT_S))
-    return response_type(url=fabric.streams.url(kind, r, host.url)).SerializeToString()
+    return response_type(url=streams.url(kind, r, host.url)).SerializeToString()
 
 
 def remove_remote(fabric: Fabric, r: Remote, why: str) -> None:
@@ -111,14 +112,15 @@ def remove_remote(fabric: Fabric, r: Remote, why: str) -> None:
     removed as an orphan by the host's next Watch from this origin, which no
     longer lists its key.
     """
-    client = fabric.mesh.client(r.node) if fabric.mesh is not None else None
+    mesh = fabric.mesh
+    client = mesh.client(r.node) if mesh is not None else None
     removed = False
     if client is not None:
         try:
-            removed = client.remove_shadow(fabric.mesh.node, r.key)
+            removed = client.remove_shadow(mesh.node, r.key)
         except WeftError as exc:
             _log.warning("remote.remove_deferred", container_id=r.id, node=r.node, key=r.key, error=exc.message)
-    for fn in fabric.on_remote_removed:
+    for fn in fabric.origin.events.removed if fabric.origin is not None else ():
         fn(r)
     fabric.remotes.drop(r.id)
     fabric.store.remove_container(r.id)

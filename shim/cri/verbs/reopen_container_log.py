@@ -18,8 +18,9 @@ PATH = "/runtime.v1.RuntimeService/ReopenContainerLog"
 
 def route(fabric: Fabric) -> Route:
     def remote(r, req: cri.ReopenContainerLogRequest, context) -> bytes:
-        for fn in fabric.on_reopen:
-            fn(r)
+        if fabric.origin is not None:
+            for fn in fabric.origin.events.reopened:
+                fn(r)
         return cri.ReopenContainerLogResponse().SerializeToString()
 
     return route_for(fabric, PATH, cri.ReopenContainerLogRequest, remote)

@@ -37,11 +37,12 @@ def route(fabric: Fabric) -> Route:
         note_pod(req.config.metadata.name, req.config.metadata.namespace)
         if req.runtime_handler != WEFT_HANDLER:
             return fabric.upstream.unary(PATH, request, context)
-        if fabric.prepared is not None:
+        prepared = fabric.origin.prepared if fabric.origin is not None else None
+        if prepared is not None:
             # The likeliest host makes the pod's shadow sandbox while containerd makes this one; in the
             # background, and never a reason for this call to fail.
             try:
-                fabric.prepared.begin(req.config)
+                prepared.begin(req.config)
             except Exception as exc:  # noqa: BLE001 - a hint only; the container's RunShadow makes it anyway
                 _log.warning("remote.prepare_failed", pod=req.config.metadata.name, error=str(exc))
         response = fabric.upstream.unary(PATH, request, context)

@@ -23,8 +23,9 @@ def route(fabric: Fabric) -> Route:
         state = client_for(fabric, r).start_shadow(fabric.mesh.node, r.key)
         if state.status:
             fabric.remotes.update(r, cri.ContainerStatus.FromString(state.status))
-        for fn in fabric.on_remote:
-            fn(r)
+        if fabric.origin is not None:
+            for fn in fabric.origin.events.started:
+                fn(r)
         return cri.StartContainerResponse().SerializeToString()
 
     return route_for(fabric, PATH, cri.StartContainerRequest, remote)

@@ -56,10 +56,6 @@ class _Metrics:
             pass
 
 
-class _Fabric:
-    metrics = _Metrics()
-
-
 def _shadow(shares: str | None, state: int = cri.CONTAINER_RUNNING) -> cri.Container:
     annotations = {"weft.io/hosted-cpu-limit": "1"} | ({"weft.io/hosted-cpu-shares": shares} if shares else {})
     return cri.Container(labels={"weft.io/origin-node": "gpu-1"}, annotations=annotations, state=state)
@@ -70,7 +66,7 @@ def test_the_running_shadows_weigh_the_group_when_the_hosted_set_changes(tmp_pat
     group.mkdir(parents=True)
     rt = _Runtime([_shadow("512"), _shadow("1024"), _shadow(None), _shadow("4096", cri.CONTAINER_EXITED),
                    cri.Container(state=cri.CONTAINER_RUNNING, annotations={"weft.io/hosted-cpu-shares": "9999"})])
-    capacity = HostedCapacity(rt, _Fabric())  # type: ignore[arg-type]
+    capacity = HostedCapacity(rt, _Metrics())  # type: ignore[arg-type]
     capacity.group = ShadowGroupWeight("/weft-shadows", root=tmp_path)
     capacity.reweigh()
     # running shadows only (an exited one and the host's own container left out); one made before the
@@ -89,7 +85,7 @@ def test_a_shadow_made_and_not_yet_started_holds_its_room_but_weighs_nothing(tmp
     never_started = _shadow("2048", cri.CONTAINER_CREATED)
     never_started.created_at = time.time_ns() - 120 * 10**9  # its origin never started it: it holds nothing
     rt = _Runtime([_shadow("512"), made, never_started, _shadow("256", cri.CONTAINER_EXITED)])
-    capacity = HostedCapacity(rt, _Fabric())  # type: ignore[arg-type]
+    capacity = HostedCapacity(rt, _Metrics())  # type: ignore[arg-type]
     capacity.group = ShadowGroupWeight("/weft-shadows", root=tmp_path)
     capacity.reweigh()
     # Room: the running one and the one made (a second RunShadow before its start must not take it again).

@@ -91,7 +91,7 @@ class _Containerd(ShadowRuntime):
     """StopContainer answered from a script of errors (None: done)."""
 
     def __init__(self, answers: list[UpstreamError | None]) -> None:
-        super().__init__(fabric=None)
+        super().__init__(ctx=None)
         self.answers, self.asked = answers, []
 
     def call(self, path, request, response_type, timeout=120.0):

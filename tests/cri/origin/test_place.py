@@ -15,10 +15,12 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim._pb import mesh_pb2 as pb
-from shim.core.classify import Classification, Stage, StageReason
+from shim.core.classify import Classification, ContainerAsk, Stage, StageReason
 from shim.core.placement import PlacementReason, PlacementState
 from shim.core.reroute import PeerView, Resources
+from shim.cri.attempt import CreateAttempt
 from shim.cri.fabric import Fabric
+from shim.cri.origin.context import Origin, OriginSettings
 from shim.cri.origin.place import place_remote, read_volumes
 from shim.errors import WeftError
 from shim.mesh.client import PeerUnavailable
@@ -27,6 +29,10 @@ from shim.state.agent import AgentStore, SandboxRecord
 
 GI = 1 << 30
 CPU = Classification(Stage.CPU, StageReason.NO_GPU_REQUEST, "no GPU")
+
+
+def attempt(fabric: Fabric, req: cri.CreateContainerRequest, key: str) -> CreateAttempt:
+    return CreateAttempt(req, fabric.opted_in["sb"], key, ContainerAsk(req.config.metadata.name), {}, CPU)
 
 
 @dataclass
@@ -85,8 +91,9 @@ class FakeMesh:
 @pytest.fixture
 def fabric(tmp_path: Path):
     store = AgentStore(tmp_path / "state")
-    fabric = Fabric(upstream=None, store=store, broker=None, metrics=Metrics())  # type: ignore[arg-type]
-    fabric.pods_dir = str(tmp_path / "pods")
+    settings = OriginSettings(pods_dir=str(tmp_path / "pods"))
+    fabric = Fabric(upstream=None, store=store, broker=None, metrics=Metrics(),  # type: ignore[arg-type]
+                    origin=lambda f: Origin(FakeMesh({}), settings))
     fabric.remember(SandboxRecord("sb", "infer", "default", "uid-1", "weft", True, {}, 0.0))
     yield fabric
     store.close()
@@ -108,9 +115,9 @@ def request(tmp_path: Path, **security) -> cri.CreateContainerRequest:
 
 
 def place(fabric: Fabric, tmp_path: Path, peers: dict[str, Peer], budget: float | None = None, **security):
-    fabric.mesh = FakeMesh(peers)
+    fabric.origin.mesh = FakeMesh(peers)
     req = request(tmp_path, **security)
-    return place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/0", CPU, budget)
+    return place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"), budget)
 
 
 def test_a_vanished_peer_is_skipped_for_the_next(fabric, tmp_path) -> None:
@@ -175,10 +182,10 @@ def test_a_container_beyond_the_baseline_never_reaches_a_peer(fabric, tmp_path) 
 
 def test_configs_larger_than_a_mesh_message_stay_here_saying_so(fabric, tmp_path) -> None:
     peers = {"cpu-1": Peer()}
-    fabric.mesh = FakeMesh(peers)
+    fabric.origin.mesh = FakeMesh(peers)
     req = request(tmp_path)
     req.config.envs.add(key="BIG", value="x" * (4 << 20))
-    remote, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/0", CPU, None)
+    remote, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"), None)
     assert remote is None and local.reason is PlacementReason.CONFIG_TOO_LARGE
     assert f"more than a mesh message carries ({4 << 20} bytes)" in local.detail
     assert peers["cpu-1"].calls == []
@@ -216,7 +223,7 @@ def test_weft_errors_are_what_the_peer_said(fabric, tmp_path) -> None:
 
 
 def _with_spec(fabric: Fabric, spec: dict | None) -> None:
-    fabric.pod_spec = lambda namespace, name: spec
+    fabric.origin.pod_spec = lambda namespace, name: spec
 
 
 def _mounted(req: cri.CreateContainerRequest, tmp_path: Path, volume: str, path: str) -> None:
@@ -241,10 +248,10 @@ def test_with_the_pod_spec_an_empty_dir_only_it_mounts_goes_with_it(fabric, tmp_
     peer = Peer()
     run = peer.run_shadow
     peer.run_shadow = lambda request, timeout=300.0: sent.append(request) or run(request, timeout)
-    fabric.mesh = FakeMesh({"cpu-1": peer})
+    fabric.origin.mesh = FakeMesh({"cpu-1": peer})
     req = request(tmp_path)
     _mounted(req, tmp_path, "scratch", "/scratch")
-    remote, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/0", CPU)
+    remote, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"))
     assert local is None and remote.node == "cpu-1"
     (shadow,) = sent
     assert [(e.container_path, e.size_limit) for e in shadow.empty_dirs] == [("/scratch", 64 << 20)]
@@ -253,10 +260,10 @@ def test_with_the_pod_spec_an_empty_dir_only_it_mounts_goes_with_it(fabric, tmp_
 
 def test_with_the_pod_spec_a_shared_empty_dir_keeps_it_here_and_says_which_rules(fabric, tmp_path) -> None:
     _with_spec(fabric, SPEC)
-    fabric.mesh = FakeMesh({"cpu-1": Peer()})
+    fabric.origin.mesh = FakeMesh({"cpu-1": Peer()})
     req = request(tmp_path)
     _mounted(req, tmp_path, "handoff", "/out")
-    remote, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/0", CPU)
+    remote, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"))
     assert remote is None and local.reason is PlacementReason.UNSAFE
     assert "pod spec read" in local.detail
 
@@ -267,28 +274,28 @@ def test_without_limits_it_is_admitted_by_its_requests_from_the_spec(fabric, tmp
     peer = Peer()
     run = peer.run_shadow
     peer.run_shadow = lambda request, timeout=300.0: sent.append(request) or run(request, timeout)
-    fabric.mesh = FakeMesh({"cpu-1": peer})
+    fabric.origin.mesh = FakeMesh({"cpu-1": peer})
     req = request(tmp_path)
     req.config.linux.resources.Clear()
-    remote, _ = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/0", CPU)
+    remote, _ = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"))
     assert remote is not None
     assert (sent[0].admitted.cpu_cores, sent[0].admitted.memory_bytes) == (0.25, 128 << 20)
 
 
 def test_without_the_pod_spec_limits_are_required_and_the_detail_says_why(fabric, tmp_path) -> None:
-    fabric.mesh = FakeMesh({"cpu-1": Peer()})
+    fabric.origin.mesh = FakeMesh({"cpu-1": Peer()})
     req = request(tmp_path)
     req.config.linux.resources.Clear()
-    remote, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/0", CPU)
+    remote, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"))
     assert remote is None and local.reason is PlacementReason.UNSAFE and "no Kubernetes API" in local.detail
 
 
 def test_an_init_container_stays_on_the_pod_s_node(fabric, tmp_path) -> None:
     _with_spec(fabric, SPEC)
-    fabric.mesh = FakeMesh({"cpu-1": Peer()})
+    fabric.origin.mesh = FakeMesh({"cpu-1": Peer()})
     req = request(tmp_path)
     req.config.metadata.name = "fetch"
-    remote, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/fetch/0", CPU)
+    remote, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/fetch/0"))
     assert remote is None and local.reason is PlacementReason.INIT_CONTAINER
 
 
@@ -299,6 +306,6 @@ def test_a_restart_is_not_sent_back_to_the_host_that_lost_its_reservation(fabric
     fabric.remotes.update(remote, cri.ContainerStatus(state=cri.CONTAINER_EXITED, reason="ReservationPreempted"))
     req = request(tmp_path)
     req.config.metadata.attempt = 1
-    again, local = place_remote(fabric, req, fabric.opted_in["sb"], "sb/tokenize/1", CPU)
+    again, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/1"))
     assert local is None and again.node == "cpu-2" and "ReservationPreempted" in again.config.annotations.get(
         "weft.io/placement-reason", "") + fabric.store.placement_by_key("sb/tokenize/1").detail

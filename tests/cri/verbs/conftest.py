@@ -23,6 +23,7 @@ from shim.broker.server import BrokerServicer
 from shim.broker.service import LeaseService
 from shim.broker.simulated import SimulatedBackend
 from shim.cri.fabric import Fabric
+from shim.cri.origin.context import Origin
 from shim.cri.passthrough import Upstream
 from shim.cri.remote import Remote
 from shim.metrics import Metrics
@@ -52,9 +53,8 @@ def fabric(tmp_path: Path, containerd: RecordingContainerd) -> Iterator[Fabric]:
 @pytest.fixture
 def mesh(fabric: Fabric) -> FakeMesh:
     """This node (gpu-1) in a mesh with one CPU host (cpu-1), and a streaming relay for remote sessions."""
-    fabric.mesh = FakeMesh()
-    fabric.streams = FakeStreams()
-    return fabric.mesh
+    fabric.origin = Origin(FakeMesh(), streams=FakeStreams())
+    return fabric.origin.mesh
 
 
 @pytest.fixture

@@ -16,6 +16,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim.cri import methods
 from shim.cri.labels import ORIGIN_LABEL
+from shim.cri.origin.context import Origin
 from shim.cri.verbs import admin, routes
 from shim.errors import ConfigError, MalformedRequest, UnknownContainer
 from tests.cri.verbs.fakes import HOST, SANDBOX, FakeMesh, ctx, lease_for, opt_in, placed_local
@@ -143,7 +144,7 @@ def test_drain_refuses_a_body_that_is_not_drain_true_or_false(fabric, mesh, body
 @pytest.mark.parametrize("role", [None, "gpu"], ids=["no-mesh", "gpu-only-node"])
 def test_drain_on_a_node_that_hosts_nothing_is_refused(fabric, role) -> None:
     if role is not None:
-        fabric.mesh = FakeMesh(role=role)
+        fabric.origin = Origin(FakeMesh(role=role))
     with pytest.raises(ConfigError) as err:
         drain(fabric, b'{"drain": true}')
     assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT and "nothing to drain" in err.value.message

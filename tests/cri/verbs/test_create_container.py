@@ -21,6 +21,7 @@ from shim.core.placement import (
     PlacementReason,
     PlacementState,
 )
+from shim.cri.origin.context import OriginSettings
 from shim.cri.verbs import create_container
 from shim.cri.verbs.create_container import rewrite_for_lease
 from shim.errors import BadAnnotation, BrokerUnavailable, CreateInProgress, MalformedRequest, UpstreamError
@@ -312,7 +313,7 @@ def test_an_unreadable_request_in_any_other_pod_is_containerds_to_answer(contain
 # -- on a node with a mesh ----------------------------------------------------------------------------
 @pytest.fixture
 def meshed(fabric, mesh, tmp_path):
-    fabric.pods_dir = str(tmp_path / "pods")
+    fabric.origin.settings = OriginSettings(pods_dir=str(tmp_path / "pods"))
     return mesh
 
 

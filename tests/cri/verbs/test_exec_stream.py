@@ -35,7 +35,7 @@ def test_a_local_containers_session_is_containerds_unchanged(fabric, containerd,
     answer = route.handle(body(LOCAL_ID), ctx())
     assert containerd.only_request("Exec") == body(LOCAL_ID)
     assert cri.ExecResponse.FromString(answer).url == "http://127.0.0.1:10010/exec/local"
-    assert host.calls == [] and fabric.streams.sessions == []
+    assert host.calls == [] and fabric.origin.streams.sessions == []
 
 
 def test_a_remote_containers_session_is_made_on_its_host_and_kubelet_gets_the_relays_url(
@@ -44,7 +44,7 @@ def test_a_remote_containers_session_is_made_on_its_host_and_kubelet_gets_the_re
     url = cri.ExecResponse.FromString(route.handle(body(remote.id), ctx())).url
     assert host.calls == [("Exec", ORIGIN, remote.key)]
     assert host.requests["Exec"] == [body(remote.id)]
-    assert fabric.streams.sessions == [("exec", remote.id, HOST_URL)], "the relay leads to the host's session"
+    assert fabric.origin.streams.sessions == [("exec", remote.id, HOST_URL)], "the relay leads to the host's session"
     assert url == "http://10.0.0.1:10010/exec/token1" and url != HOST_URL
     assert containerd.calls == []
 
@@ -58,7 +58,7 @@ def test_a_container_lost_with_its_host_has_no_session(fabric, host, route, remo
 
 
 def test_an_agent_without_a_streaming_relay_refuses_the_session(fabric, host, route, remote) -> None:
-    fabric.streams = None
+    fabric.origin.streams = None
     with pytest.raises(NoStreamServer) as err:
         route.handle(body(remote.id), ctx())
     assert err.value.code is grpc.StatusCode.UNKNOWN and "relays no streams" in err.value.message
@@ -70,4 +70,4 @@ def test_a_host_that_does_not_answer_is_unavailable(fabric, host, route, remote)
     with pytest.raises(PeerUnavailable) as err:
         route.handle(body(remote.id), ctx())
     assert err.value.code is grpc.StatusCode.UNAVAILABLE
-    assert fabric.streams.sessions == []
+    assert fabric.origin.streams.sessions == []

@@ -18,9 +18,10 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.labels import ORIGIN_LABEL
 from shim.cri.mark import MARK_LABEL, ShadowMark
+from shim.cri.origin.context import Origin
 from shim.cri.verbs import get_container_events
 from shim.errors import UpstreamError
-from tests.cri.verbs.fakes import SANDBOX, Refusal, StreamEnd, add_remote, ctx
+from tests.cri.verbs.fakes import SANDBOX, FakeMesh, Refusal, StreamEnd, add_remote, ctx
 
 LOCAL_ID = "1c" * 32
 EVENTS = "GetContainerEvents"
@@ -87,7 +88,7 @@ def stream(fabric, mesh, containerd):
 def test_weft_answers_the_stream_only_on_a_node_with_a_mesh(fabric) -> None:
     route = get_container_events.route(fabric)
     assert not route.applies()  # no mesh: kubelet's stream goes to containerd frame by frame
-    fabric.mesh = object()
+    fabric.origin = Origin(FakeMesh())
     assert route.applies()
 
 
@@ -112,7 +113,7 @@ def test_an_event_of_a_pod_with_a_remote_container_lists_it_beside_containerds_o
 def test_a_hosts_own_shadows_never_reach_kubelet_but_a_pod_with_their_label_does(fabric, containerd,
                                                                                  tmp_path, stream) -> None:
     mark = ShadowMark.load(tmp_path / "mark")
-    fabric.shadow_mark, fabric.shadows_present = mark, True
+    fabric.shadows.mark, fabric.shadows.present = mark, True
     uid = "uid-x-shadow"
     shadow = sandbox_status("5a" * 32, {ORIGIN_LABEL: "gpu-1", MARK_LABEL: mark.sandbox("gpu-1", uid)}, uid)
     pretender = sandbox_status("5c" * 32, {ORIGIN_LABEL: "gpu-1"}, "uid-tenant")

@@ -43,15 +43,15 @@ def route(fabric, containerd):
 
 def test_not_intercepted_on_a_node_without_shadows_or_remote_containers(fabric, mesh, route) -> None:
     assert not route.applies()
-    fabric.shadows_present = True
+    fabric.shadows.present = True
     assert route.applies()
-    fabric.shadows_present = False
+    fabric.shadows.present = False
     add_remote(fabric)
     assert route.applies()
 
 
 def test_a_hosts_shadows_are_left_out(fabric, containerd, route) -> None:
-    fabric.shadows_present = True
+    fabric.shadows.present = True
     answer = route.handle(body(), ctx())
     assert containerd.only_request("ListContainerStats") == body()
     assert [s.attributes.id for s in listed(answer)] == ["local-1"]

@@ -34,22 +34,22 @@ def route(fabric, containerd):
 
 def test_not_intercepted_on_a_node_without_shadows_or_remote_containers(fabric, mesh, route) -> None:
     assert not route.applies()
-    fabric.shadows_present = True
+    fabric.shadows.present = True
     assert route.applies()
-    fabric.shadows_present = False
+    fabric.shadows.present = False
     add_remote(fabric)
     assert route.applies()
 
 
 def test_a_hosts_shadows_are_left_out(fabric, containerd, route) -> None:
-    fabric.shadows_present = True
+    fabric.shadows.present = True
     answer = route.handle(body(), ctx())
     assert containerd.only_request("ListContainers") == body()
     assert ids(answer) == ["local-1"]
 
 
 def test_a_list_without_shadows_or_remote_containers_comes_back_byte_for_byte(fabric, containerd, route) -> None:
-    fabric.shadows_present = True
+    fabric.shadows.present = True
     plain = cri.ListContainersResponse(containers=[LOCAL]).SerializeToString()
     containerd.answer("ListContainers", plain)
     assert route.handle(body(label_selector={"app": "web"}), ctx()) == plain
@@ -99,5 +99,5 @@ def test_a_remote_container_is_found_by_a_unique_prefix_of_its_id(fabric, contai
 
 
 def test_shadows_hidden_and_remote_containers_added_together(fabric, route, remote) -> None:
-    fabric.shadows_present = True  # a node both hosts for its peers and reroutes its own
+    fabric.shadows.present = True  # a node both hosts for its peers and reroutes its own
     assert ids(route.handle(body(), ctx())) == ["local-1", remote.id]

@@ -36,15 +36,15 @@ def ids(answer: bytes) -> list[str]:
 
 def test_not_intercepted_on_a_node_without_shadows_or_remote_containers(fabric, mesh, route) -> None:
     assert not route.applies()
-    fabric.shadows_present = True
+    fabric.shadows.present = True
     assert route.applies()
-    fabric.shadows_present = False
+    fabric.shadows.present = False
     add_remote(fabric)
     assert route.applies()
 
 
 def test_a_hosts_shadow_sandboxes_are_left_out_and_the_rest_kept_in_order(fabric, containerd, route) -> None:
-    fabric.shadows_present = True
+    fabric.shadows.present = True
     answer = route.handle(REQUEST, ctx(("x-request-id", "3")))
     assert containerd.only_request("ListPodSandbox") == REQUEST, "kubelet's filter reaches containerd unchanged"
     assert containerd.calls[0].metadata["x-request-id"] == "3"
@@ -54,7 +54,7 @@ def test_a_hosts_shadow_sandboxes_are_left_out_and_the_rest_kept_in_order(fabric
 
 
 def test_a_list_without_shadows_comes_back_byte_for_byte(fabric, containerd, route) -> None:
-    fabric.shadows_present = True
+    fabric.shadows.present = True
     plain = listed(("own-1", {"app": "web"}))
     containerd.answer("ListPodSandbox", plain)
     assert route.handle(REQUEST, ctx()) == plain.SerializeToString()

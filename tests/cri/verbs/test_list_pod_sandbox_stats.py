@@ -33,15 +33,15 @@ def ids(answer: bytes) -> list[str]:
 
 def test_not_intercepted_on_a_node_without_shadows_or_remote_containers(fabric, mesh, route) -> None:
     assert not route.applies()
-    fabric.shadows_present = True
+    fabric.shadows.present = True
     assert route.applies()
-    fabric.shadows_present = False
+    fabric.shadows.present = False
     add_remote(fabric)
     assert route.applies()
 
 
 def test_a_hosts_shadow_sandboxes_are_left_out_and_the_rest_kept_whole(fabric, containerd, route) -> None:
-    fabric.shadows_present = True
+    fabric.shadows.present = True
     answer = route.handle(REQUEST, ctx())
     assert containerd.only_request("ListPodSandboxStats") == REQUEST
     assert ids(answer) == ["own-1", "own-2"]
@@ -49,7 +49,7 @@ def test_a_hosts_shadow_sandboxes_are_left_out_and_the_rest_kept_whole(fabric, c
 
 
 def test_a_list_without_shadows_comes_back_byte_for_byte(fabric, containerd, route) -> None:
-    fabric.shadows_present = True
+    fabric.shadows.present = True
     plain = stats(("own-1", {}))
     containerd.answer("ListPodSandboxStats", plain)
     assert route.handle(REQUEST, ctx()) == plain.SerializeToString()

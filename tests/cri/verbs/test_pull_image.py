@@ -10,6 +10,7 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
+from shim.cri.origin.context import Origin
 from shim.cri.verbs import pull_image
 from shim.errors import UpstreamError
 from tests.cri.verbs.fakes import FakeMesh, ctx
@@ -34,7 +35,7 @@ def route(fabric, containerd):
 
 def test_intercepted_only_on_a_node_with_a_mesh(fabric, route) -> None:
     assert not route.applies()
-    fabric.mesh = FakeMesh()
+    fabric.origin = Origin(FakeMesh())
     assert route.applies()
 
 
@@ -43,13 +44,13 @@ def test_the_pull_is_containerds_unchanged_and_the_image_remembered_with_its_cre
     answer = route.handle(body(), ctx())
     assert containerd.only_request("PullImage") == body()
     assert cri.PullImageResponse.FromString(answer).image_ref == REF
-    assert fabric.images.lookup(REF) == (IMAGE, AUTH), "CreateContainer names the image by containerd's ID"
-    assert fabric.images.lookup(IMAGE) == (IMAGE, AUTH)
+    assert fabric.origin.images.lookup(REF) == (IMAGE, AUTH), "CreateContainer names the image by containerd's ID"
+    assert fabric.origin.images.lookup(IMAGE) == (IMAGE, AUTH)
 
 
 def test_a_pull_without_credentials_is_remembered_without_them(fabric, mesh, route) -> None:
     route.handle(body(auth=None), ctx())
-    assert fabric.images.lookup(REF) == (IMAGE, None)
+    assert fabric.origin.images.lookup(REF) == (IMAGE, None)
 
 
 def test_a_failed_pull_is_handed_on_and_nothing_remembered(fabric, containerd, mesh, route) -> None:
@@ -57,7 +58,7 @@ def test_a_failed_pull_is_handed_on_and_nothing_remembered(fabric, containerd, m
     with pytest.raises(UpstreamError) as err:
         route.handle(body(), ctx())
     assert (err.value.code, err.value.message) == (grpc.StatusCode.NOT_FOUND, "manifest unknown")
-    assert fabric.images.lookup(IMAGE) is None and fabric.images.lookup(REF) is None
+    assert fabric.origin.images.lookup(IMAGE) is None and fabric.origin.images.lookup(REF) is None
 
 
 def test_a_request_that_does_not_parse_is_containerds_and_nothing_is_remembered(fabric, containerd, mesh,
@@ -65,4 +66,4 @@ def test_a_request_that_does_not_parse_is_containerds_and_nothing_is_remembered(
     garbage = b"\x0a\x04\x0a\x02\xff\xfe"
     route.handle(garbage, ctx())
     assert containerd.only_request("PullImage") == garbage
-    assert fabric.images.lookup(REF) is None
+    assert fabric.origin.images.lookup(REF) is None

@@ -29,7 +29,7 @@ def test_the_hosts_client_is_the_meshs_client_for_its_node(fabric, mesh, remote)
 @pytest.mark.parametrize("why", ["no-mesh", "not-a-peer"])
 def test_a_host_that_is_not_a_peer_now_is_unavailable(fabric, mesh, remote, why) -> None:
     if why == "no-mesh":
-        fabric.mesh = None
+        fabric.origin = None
     else:
         mesh.hosts.clear()
     with pytest.raises(HostUnavailable) as err:

@@ -93,7 +93,7 @@ def test_a_broker_that_is_away_does_not_fail_the_removal(fabric, containerd, rou
 # -- remote containers ---------------------------------------------------------------------------
 def test_a_remote_container_is_removed_on_its_host_and_here(fabric, containerd, host, route, remote) -> None:
     removed = []
-    fabric.on_remote_removed.append(removed.append)
+    fabric.origin.events.removed.append(removed.append)
     answer = route.handle(body(remote.id), ctx())
     assert cri.RemoveContainerResponse.FromString(answer) == cri.RemoveContainerResponse()
     assert host.calls == [("RemoveShadow", ORIGIN, remote.key)]

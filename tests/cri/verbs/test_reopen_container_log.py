@@ -26,7 +26,7 @@ def route(fabric):
 
 def test_a_local_containers_log_is_reopened_by_containerd_unchanged(fabric, containerd, route, remote) -> None:
     reopened = []
-    fabric.on_reopen.append(reopened.append)
+    fabric.origin.events.reopened.append(reopened.append)
     route.handle(body(LOCAL_ID), ctx())
     assert containerd.only_request("ReopenContainerLog") == body(LOCAL_ID)
     assert reopened == []
@@ -35,7 +35,7 @@ def test_a_local_containers_log_is_reopened_by_containerd_unchanged(fabric, cont
 def test_a_remote_containers_log_copy_moves_to_a_new_file_without_asking_anyone(fabric, containerd, host, route,
                                                                                 remote) -> None:
     reopened = []
-    fabric.on_reopen.append(reopened.append)
+    fabric.origin.events.reopened.append(reopened.append)
     answer = route.handle(body(remote.id), ctx())
     assert cri.ReopenContainerLogResponse.FromString(answer) == cri.ReopenContainerLogResponse()
     assert reopened == [remote]

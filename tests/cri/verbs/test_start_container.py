@@ -55,7 +55,7 @@ def test_a_remote_container_is_started_on_its_host_and_shown_running(fabric, con
 
 def test_starting_a_remote_container_starts_copying_its_log(fabric, route, remote) -> None:
     started = []
-    fabric.on_remote.append(started.append)
+    fabric.origin.events.started.append(started.append)
     route.handle(body(remote.id), ctx())
     assert started == [remote]
 
@@ -78,7 +78,7 @@ def test_a_host_that_is_no_peer_now_is_unavailable(mesh, route, remote) -> None:
 
 def test_a_host_that_does_not_answer_is_unavailable_and_no_log_copy_starts(fabric, host, route, remote) -> None:
     started = []
-    fabric.on_remote.append(started.append)
+    fabric.origin.events.started.append(started.append)
     host.answers["StartShadow"] = PeerUnavailable("peer cpu-1 did not answer StartShadow (UNAVAILABLE)", node="cpu-1")
     with pytest.raises(PeerUnavailable) as err:
         route.handle(body(remote.id), ctx())
