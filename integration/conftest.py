@@ -25,7 +25,7 @@ from integration.leaks import leaked_node_namespaces, netns
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd
 
-# Modules that run real Kubernetes components (kube/build.sh's binaries). They go last, so that the build
+# Modules that run real Kubernetes components (components/build.sh's binaries). They go last, so that the build
 # scripts/test.sh starts in the background has the whole run before them to finish in. The nodes booted with
 # systemd go with them (the cluster's are kube modules anyway): each runs a whole node's services, which beside
 # the throughput-bound tests of the rest (a fast writer's log against its cap) starve them of the two cores.

@@ -2,7 +2,7 @@
 
 The API server serves ``resource.k8s.io/v1``; kube-controller-manager's resourceclaim controller
 makes each pod's ResourceClaim from a ResourceClaimTemplate; the scheduler allocates it from the
-ResourceSlice the test DRA driver (``kube/dra/gpudriver``) publishes for the node's GPUs, which are
+ResourceSlice the test DRA driver (``components/dra/gpudriver``) publishes for the node's GPUs, which are
 the broker's simulated GPUs by their UUIDs (passed to the driver from the broker's own inventory);
 kubelet has the driver prepare the claim, and hands the container the claim's CDI device, named by
 the claim's UID, whose spec names the GPU by UUID.

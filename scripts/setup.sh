@@ -64,26 +64,26 @@ if [ ! -x "$KUBECTL_DIR/usr/bin/kubectl" ]; then
 fi
 
 # The Kubernetes components the integration tests run (kubelet, kube-apiserver, kube-scheduler, kubectl,
-# etcd, crictl, critest), built from Go modules once per set of pins (kube/versions.env) into
+# etcd, crictl, critest), built from Go modules once per set of pins (components/versions.env) into
 # /var/cache/weft/kube, outside the checkout, and reused by every later run and clone on this machine; then
-# containerd 1.7 and 2.x (kube/containerd/versions.env) into /var/cache/weft/containerd the same way, for
+# containerd 1.7 and 2.x (components/containerd/versions.env) into /var/cache/weft/containerd the same way, for
 # the smoke runs against them (Debian's 1.6 runs the rest); then kube-controller-manager and the test DRA
-# driver (kube/dra/build.sh, a cache key of its own in /var/cache/weft/dra, so it never rebuilds the kube set)
-# for the DRA test; Helm (kube/helm/build.sh, /var/cache/weft/helm) for the chart's tests; last, the newest
-# Kubernetes release (kube/next/build.sh) for its smoke run. Only the tests
+# driver (components/dra/build.sh, a cache key of its own in /var/cache/weft/dra, so it never rebuilds the kube set)
+# for the DRA test; Helm (components/helm/build.sh, /var/cache/weft/helm) for the chart's tests; last, the newest
+# Kubernetes release (components/next/build.sh) for its smoke run. Only the tests
 # need them: scripts/test.sh starts the builds (WEFT_SETUP_KUBE=background:
 # one after the other, kube first since its tests come sooner, at the lowest CPU priority, beside the tests
 # that do not need them, which run first); WEFT_SETUP_KUBE=1 builds before going on.
 if [ "${WEFT_SETUP_KUBE:-0}" = 1 ]; then
-  bash "$ROOT/kube/build.sh" >&2
-  bash "$ROOT/kube/containerd/build.sh" >&2
-  bash "$ROOT/kube/dra/build.sh" >&2
-  bash "$ROOT/kube/helm/build.sh" >&2
-  bash "$ROOT/kube/next/build.sh" >&2
+  bash "$ROOT/components/build.sh" >&2
+  bash "$ROOT/components/containerd/build.sh" >&2
+  bash "$ROOT/components/dra/build.sh" >&2
+  bash "$ROOT/components/helm/build.sh" >&2
+  bash "$ROOT/components/next/build.sh" >&2
 elif [ "${WEFT_SETUP_KUBE:-0}" = background ] &&
-     ! { bash "$ROOT/kube/build.sh" --cached && bash "$ROOT/kube/containerd/build.sh" --cached &&
-         bash "$ROOT/kube/dra/build.sh" --cached && bash "$ROOT/kube/helm/build.sh" --cached &&
-         bash "$ROOT/kube/next/build.sh" --cached; } >/dev/null; then
+     ! { bash "$ROOT/components/build.sh" --cached && bash "$ROOT/components/containerd/build.sh" --cached &&
+         bash "$ROOT/components/dra/build.sh" --cached && bash "$ROOT/components/helm/build.sh" --cached &&
+         bash "$ROOT/components/next/build.sh" --cached; } >/dev/null; then
   mkdir -p "$VENV/log"
   echo "weft: building the Kubernetes components, containerd 1.7/2.x, the DRA test binaries, Helm and the" \
     "newest Kubernetes release in the background (logs: $VENV/log/kube-build.log," \

@@ -10,7 +10,7 @@ cd "$ROOT"
 "$VENV/bin/ruff" check .
 "$VENV/bin/lint-imports"
 # The tests that run real Kubernetes components go last (integration/conftest.py); by then the build has had
-# the time the others left idle, and kube/build.sh waits for it (a lock) if it has not finished.
+# the time the others left idle, and components/build.sh waits for it (a lock) if it has not finished.
 # On WEFT_TEST_WORKERS workers (pytest-xdist; 0: one process), a module to a worker, since a module's tests share
 # its fabric or cluster: most of the time an integration test waits on daemons, not on the CPU.
 # With no arguments, the nodes booted with systemd (integration/nodes: the day-one cluster runs three whole nodes'
@@ -33,7 +33,7 @@ else
 fi
 
 # The whole suite ran on Debian's containerd 1.6; a smoke subset runs on each release WEFT_TEST_CONTAINERDS names
-# (default "1.7 2", both lines built by kube/containerd/build.sh in any case; side by side they add about half a
+# (default "1.7 2", both lines built by components/containerd/build.sh in any case; side by side they add about half a
 # minute to 2.x alone): the harness and its config, the pass-through differential,
 # a pod's lifecycle through the agent, an opted-in GPU pod and a plain one through the weft handler, one rerouted
 # pod under real kubelets, and critest direct vs through the agent. Only for the whole suite (no arguments);
@@ -72,7 +72,7 @@ for run in "${smoke[@]}"; do
 done
 
 # Likewise kubelet: the one-node module and one rerouted pod under the newest Kubernetes release the module proxy
-# serves (kube/next; WEFT_KUBE=next), its kubelet, API server, scheduler and kubectl on Debian's containerd, after
+# serves (components/next; WEFT_KUBE=next), its kubelet, API server, scheduler and kubectl on Debian's containerd, after
 # the containerd runs (beside them on two cores the rerouted stage's timings would be the machine's).
 echo "weft: smoke run on the newest Kubernetes release (log: $VENV/log/smoke-kube-next.log)"
 if WEFT_KUBE=next "$VENV/bin/pytest" -n 2 --dist loadfile -p no:cacheprovider "${KUBE_SMOKE[@]}" \

@@ -1,9 +1,9 @@
-"""Where the Kubernetes binaries are: ``kube/build.sh`` builds them once per set of pins into a cache.
+"""Where the Kubernetes binaries are: ``components/build.sh`` builds them once per set of pins into a cache.
 
 What only the DRA tests run (kube-controller-manager, the test DRA driver) is built by
-``kube/dra/build.sh`` into a cache key of its own. With ``WEFT_KUBE=next`` (the smoke run on the newest
-release, ``scripts/test.sh``), kubelet, kube-apiserver, kube-scheduler and kubectl are ``kube/next/build.sh``'s
-instead; etcd, crictl and critest stay the pinned set's. Helm, for the chart's tests, is ``kube/helm/build.sh``'s.
+``components/dra/build.sh`` into a cache key of its own. With ``WEFT_KUBE=next`` (the smoke run on the newest
+release, ``scripts/test.sh``), kubelet, kube-apiserver, kube-scheduler and kubectl are ``components/next/build.sh``'s
+instead; etcd, crictl and critest stay the pinned set's. Helm, for the chart's tests, is ``components/helm/build.sh``'s.
 """
 
 from __future__ import annotations
@@ -14,11 +14,11 @@ import subprocess
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
-BUILD = REPO / "kube" / "build.sh"
-DRA_BUILD = REPO / "kube" / "dra" / "build.sh"
-VERSIONS = REPO / "kube" / "versions.env"
-NEXT_BUILD = REPO / "kube" / "next" / "build.sh"
-HELM_BUILD = REPO / "kube" / "helm" / "build.sh"
+BUILD = REPO / "components" / "build.sh"
+DRA_BUILD = REPO / "components" / "dra" / "build.sh"
+VERSIONS = REPO / "components" / "versions.env"
+NEXT_BUILD = REPO / "components" / "next" / "build.sh"
+HELM_BUILD = REPO / "components" / "helm" / "build.sh"
 NEXT_BINARIES = ("kubelet", "kube-apiserver", "kube-scheduler", "kubectl")
 
 
@@ -51,10 +51,10 @@ def next_bin_dir() -> Path:
 
 @functools.cache
 def helm() -> str:
-    """The helm command (kube/helm/build.sh), built first if it is not there."""
+    """The helm command (components/helm/build.sh), built first if it is not there."""
     path = _built(HELM_BUILD) / "helm"
     if not path.is_file():
-        raise RuntimeError(f"{path} is missing: kube/helm/build.sh did not build helm")
+        raise RuntimeError(f"{path} is missing: components/helm/build.sh did not build helm")
     return str(path)
 
 
@@ -69,19 +69,19 @@ def next_release() -> bool:
 def binary(name: str) -> str:
     path = (next_bin_dir() if name in NEXT_BINARIES and next_release() else bin_dir()) / name
     if not path.is_file():
-        raise RuntimeError(f"{path} is missing: kube/build.sh did not build {name}")
+        raise RuntimeError(f"{path} is missing: components/build.sh did not build {name}")
     return str(path)
 
 
 def dra_binary(name: str) -> str:
     path = dra_bin_dir() / name
     if not path.is_file():
-        raise RuntimeError(f"{path} is missing: kube/dra/build.sh did not build {name}")
+        raise RuntimeError(f"{path} is missing: components/dra/build.sh did not build {name}")
     return str(path)
 
 
 def versions() -> dict[str, str]:
-    """The pins from kube/versions.env."""
+    """The pins from components/versions.env."""
     out = {}
     for line in VERSIONS.read_text().splitlines():
         if "=" in line and not line.lstrip().startswith("#"):

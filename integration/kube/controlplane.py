@@ -106,7 +106,7 @@ class ControlPlane:
 
     def start_controller_manager(self, controllers: list[str], timeout: float = 120.0) -> None:
         """kube-controller-manager with only ``controllers`` (the DRA tests' resourceclaim controller, a real
-        cluster's workload controllers), as the admin; built by kube/dra/build.sh, since most tests need
+        cluster's workload controllers), as the admin; built by components/dra/build.sh, since most tests need
         none."""
         assert self.pki is not None
         self.controller_manager = Daemon("kube-controller-manager", [

@@ -1,6 +1,6 @@
 """The test DRA driver on a test node, and the objects a DRA GPU pod needs: a DeviceClass and a claim template.
 
-``weft-test-dra-driver`` (``kube/dra/gpudriver``) runs in the root namespace, where the API server
+``weft-test-dra-driver`` (``components/dra/gpudriver``) runs in the root namespace, where the API server
 and the node's kubelet root directory both are: it registers with kubelet through
 ``<root>/plugins_registry`` and serves the DRA API from ``<root>/plugins/<driver>``, publishes the
 GPUs it is given (the node's broker's UUIDs) as the node's ResourceSlice, and writes each prepared

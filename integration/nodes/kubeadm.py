@@ -78,7 +78,7 @@ WantedBy=multi-user.target
 class NodeSpec:
     name: str
     role: str  # the weft.io/role label: gpu or cpu
-    containerd: str  # "1.6" (Debian's, in the root) or a line kube/containerd/build.sh builds ("2")
+    containerd: str  # "1.6" (Debian's, in the root) or a line components/containerd/build.sh builds ("2")
     pod_subnet: str
 
 

@@ -17,7 +17,7 @@ caller names one) and from it:
 
 Which containerd runs is ``WEFT_CONTAINERD``: ``1.6`` (the default: the
 ``containerd`` on PATH, Debian 12's), or ``1.7`` or ``2``, the releases the
-checkout's ``kube/containerd/build.sh`` builds from Go modules (its bin
+checkout's ``components/containerd/build.sh`` builds from Go modules (its bin
 directory goes first on containerd's PATH, so containerd finds its own runc
 shim; runc stays the machine's). Tests that depend on one release's behaviour
 ask ``Containerd.line``.
@@ -66,7 +66,7 @@ LINES = ("1.6", "1.7", "2")
 RELEASE_LINES = ("2.0", "2.1", "2.2", "2.3")
 DEFAULT_LINE = "1.6"
 # Only a checkout has the build script; an installed weft runs the containerd on PATH.
-CONTAINERD_BUILD = Path(__file__).resolve().parents[2] / "kube" / "containerd" / "build.sh"
+CONTAINERD_BUILD = Path(__file__).resolve().parents[2] / "components" / "containerd" / "build.sh"
 
 
 def _run(*argv: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -85,7 +85,7 @@ def selected_line() -> str:
 def bin_dir(line: str) -> Path | None:
     """Where ``line``'s containerd and runc shim are; None for the default, the ones on PATH.
 
-    Runs kube/containerd/build.sh, which answers at once from its cache and builds (minutes) when the
+    Runs components/containerd/build.sh, which answers at once from its cache and builds (minutes) when the
     pins are not built yet; scripts/test.sh starts that build in the background first.
     """
     if line == DEFAULT_LINE:
@@ -93,14 +93,14 @@ def bin_dir(line: str) -> Path | None:
     if line not in (*LINES, *RELEASE_LINES):
         raise ValueError(f"containerd line {line!r}: want one of {', '.join((*LINES, *RELEASE_LINES))}")
     if not CONTAINERD_BUILD.is_file():
-        raise RuntimeError(f"containerd {line} is built by kube/containerd/build.sh, which only a checkout has")
+        raise RuntimeError(f"containerd {line} is built by components/containerd/build.sh, which only a checkout has")
     res = subprocess.run(["bash", str(CONTAINERD_BUILD), line], capture_output=True, text=True, timeout=3600)
     if res.returncode != 0:
-        raise RuntimeError(f"kube/containerd/build.sh {line} failed ({res.returncode}):\n"
+        raise RuntimeError(f"components/containerd/build.sh {line} failed ({res.returncode}):\n"
                            f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
     found = Path(res.stdout.strip().splitlines()[-1])
     if not (found / "containerd").is_file():
-        raise RuntimeError(f"{found} has no containerd: kube/containerd/build.sh did not build it")
+        raise RuntimeError(f"{found} has no containerd: components/containerd/build.sh did not build it")
     return found
 
 

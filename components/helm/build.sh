@@ -5,14 +5,14 @@
 #
 # Static (CGO_ENABLED=0), symbols stripped, `helm version` set through -ldflags -X as Helm's Makefile does.
 #
-# Usage: kube/helm/build.sh             build if not cached; prints the bin directory last
-#        kube/helm/build.sh --bin-dir   print the bin directory only (built or not)
-#        kube/helm/build.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
+# Usage: components/helm/build.sh             build if not cached; prints the bin directory last
+#        components/helm/build.sh --bin-dir   print the bin directory only (built or not)
+#        components/helm/build.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=../buildlib.sh
 source "$HERE/../buildlib.sh"
-SCRIPT=kube/helm/build.sh
+SCRIPT=components/helm/build.sh
 # Bumped when this script builds differently (flags, binaries): part of the cache key.
 HELM_BUILD_REVISION=1
 

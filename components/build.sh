@@ -11,16 +11,16 @@
 # All static (CGO_ENABLED=0), cloud providers left out (-tags providerless), symbols stripped
 # (-s -w: a quicker link), and each binary's --version set through -ldflags -X.
 #
-# Usage: kube/build.sh             build if not cached; prints the bin directory last
-#        kube/build.sh --bin-dir   print the bin directory only (built or not)
-#        kube/build.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
+# Usage: components/build.sh             build if not cached; prints the bin directory last
+#        components/build.sh --bin-dir   print the bin directory only (built or not)
+#        components/build.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=/dev/null
 source "$HERE/versions.env"
 # shellcheck source=buildlib.sh
 source "$HERE/buildlib.sh"
-SCRIPT=kube/build.sh
+SCRIPT=components/build.sh
 
 key_files=("$HERE/versions.env" "$HERE/go.mod" "$HERE/go.sum" "$HERE/critools/go.mod" "$HERE/critools/go.sum")
 hash="$(cat "${key_files[@]}" | sha256sum | cut -c1-12)"
@@ -44,7 +44,7 @@ for r in edit.get("Replace") or []:
     if staging and r["Old"]["Path"].startswith("k8s.io/") and r["New"].get("Version") != staging:
         bad.append(f"{r['Old']['Path']} is replaced by {r['New']}, versions.env says {staging}")
 if bad:
-    sys.exit(f"kube/build.sh: {mod} disagrees with versions.env (run kube/gen.sh):\n  " + "\n  ".join(bad))
+    sys.exit(f"components/build.sh: {mod} disagrees with versions.env (run components/gen.sh):\n  " + "\n  ".join(bad))
 PY
 }
 check_pins "$HERE/go.mod" "k8s.io/kubernetes=$KUBERNETES_VERSION" "go.etcd.io/etcd/server/v3=$ETCD_VERSION" \
@@ -56,7 +56,7 @@ TMP="$DIR.tmp.$$"
 rm -rf "$TMP"
 mkdir -p "$TMP/bin"
 trap 'rm -rf "$TMP"' EXIT
-echo "kube/build.sh: building ${BINARIES[*]} into $DIR (a cold build takes several minutes)"
+echo "components/build.sh: building ${BINARIES[*]} into $DIR (a cold build takes several minutes)"
 
 cd "$HERE"
 go build -tags providerless -ldflags "$(kube_ldflags "$KUBERNETES_VERSION")" -o "$TMP/bin/" \
@@ -72,5 +72,5 @@ go test -c -ldflags "$cri_ldflags" -o "$TMP/bin/critest" sigs.k8s.io/cri-tools/c
 
 grep -E '^[A-Z_]+=' "$HERE/versions.env" | publish "$TMP" "$DIR" "$started" "${BINARIES[@]}"
 trap - EXIT
-echo "kube/build.sh: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
+echo "components/build.sh: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
 echo "$DIR/bin"

@@ -1,25 +1,25 @@
 #!/usr/bin/env bash
-# Builds what weft's DRA tests run beside the Kubernetes components of kube/build.sh, once per set of
+# Builds what weft's DRA tests run beside the Kubernetes components of components/build.sh, once per set of
 # pins, into a cache of its own: ${WEFT_DRA_CACHE:-/var/cache/weft/dra}/<key>/bin, where <key> is the
 # Kubernetes version and a hash of ../versions.env and this directory's go.mod, go.sum and sources.
-# A key of its own, so that a change here never rebuilds kube/build.sh's set (nor the reverse).
+# A key of its own, so that a change here never rebuilds components/build.sh's set (nor the reverse).
 #
 #   kube-controller-manager   k8s.io/kubernetes at ../versions.env's release (its resourceclaim controller)
 #   weft-test-dra-driver      gpudriver/: simulated GPUs as a ResourceSlice, a CDI spec per prepared claim
 #
 # Static (CGO_ENABLED=0), -tags providerless, symbols stripped, --version set through -ldflags -X, as
-# kube/build.sh builds; Go's build cache is shared with it, so most packages are compiled already.
+# components/build.sh builds; Go's build cache is shared with it, so most packages are compiled already.
 #
-# Usage: kube/dra/build.sh             build if not cached; prints the bin directory last
-#        kube/dra/build.sh --bin-dir   print the bin directory only (built or not)
-#        kube/dra/build.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
+# Usage: components/dra/build.sh             build if not cached; prints the bin directory last
+#        components/dra/build.sh --bin-dir   print the bin directory only (built or not)
+#        components/dra/build.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=/dev/null
 source "$HERE/../versions.env"
 # shellcheck source=../buildlib.sh
 source "$HERE/../buildlib.sh"
-SCRIPT=kube/dra/build.sh
+SCRIPT=components/dra/build.sh
 # Bumped when this script builds differently (flags, binaries): part of the cache key.
 DRA_BUILD_REVISION=1
 
@@ -42,7 +42,7 @@ bad = [] if req.get("k8s.io/kubernetes") == kube else [f"k8s.io/kubernetes is {r
 bad += [f"{r['Old']['Path']} is replaced by {r['New']}, versions.env says {staging}" for r in edit.get("Replace") or []
         if r["Old"]["Path"].startswith("k8s.io/") and r["New"].get("Version") != staging]
 if bad:
-    sys.exit(f"kube/dra/build.sh: {mod} disagrees with kube/versions.env (copy kube/go.mod's requires and replaces, "
+    sys.exit(f"components/dra/build.sh: {mod} disagrees with components/versions.env (copy components/go.mod's requires and replaces, "
              "then go mod tidy):\n  " + "\n  ".join(bad))
 PY
 
@@ -51,7 +51,7 @@ TMP="$DIR.tmp.$$"
 rm -rf "$TMP"
 mkdir -p "$TMP/bin"
 trap 'rm -rf "$TMP"' EXIT
-echo "kube/dra/build.sh: building ${BINARIES[*]} into $DIR"
+echo "components/dra/build.sh: building ${BINARIES[*]} into $DIR"
 
 ldflags="$(kube_ldflags "$KUBERNETES_VERSION")"
 cd "$HERE"
@@ -61,5 +61,5 @@ go build -ldflags "$ldflags" -o "$TMP/bin/weft-test-dra-driver" ./gpudriver
 printf 'KUBERNETES_VERSION=%s\nDRA_BUILD_REVISION=%s\n' "$KUBERNETES_VERSION" "$DRA_BUILD_REVISION" |
   publish "$TMP" "$DIR" "$started" "${BINARIES[@]}"
 trap - EXIT
-echo "kube/dra/build.sh: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
+echo "components/dra/build.sh: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
 echo "$DIR/bin"

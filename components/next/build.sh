@@ -4,16 +4,16 @@
 # release (same flags: static, providerless, stripped, --version set). The smoke subset runs them with the
 # pinned set's etcd, crictl and critest (integration/kube/binaries.py, WEFT_KUBE=next).
 #
-# Usage: kube/next/build.sh             build if not cached; prints the bin directory last
-#        kube/next/build.sh --bin-dir   print the bin directory only (built or not)
-#        kube/next/build.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
+# Usage: components/next/build.sh             build if not cached; prints the bin directory last
+#        components/next/build.sh --bin-dir   print the bin directory only (built or not)
+#        components/next/build.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # shellcheck source=/dev/null
 source "$HERE/versions.env"
 # shellcheck source=../buildlib.sh
 source "$HERE/../buildlib.sh"
-SCRIPT=kube/next/build.sh
+SCRIPT=components/next/build.sh
 
 hash="$(cat "$HERE/versions.env" "$HERE/go.mod" "$HERE/go.sum" | sha256sum | cut -c1-12)"
 CACHE="${WEFT_KUBE_CACHE:-/var/cache/weft/kube}"
@@ -33,7 +33,7 @@ bad = [] if req.get("k8s.io/kubernetes") == version else [f"k8s.io/kubernetes is
 bad += [f"{r['Old']['Path']} is replaced by {r['New']}, versions.env says {staging}" for r in edit.get("Replace") or []
         if r["Old"]["Path"].startswith("k8s.io/") and r["New"].get("Version") != staging]
 if bad:
-    sys.exit(f"kube/next/build.sh: {mod} disagrees with versions.env (run kube/next/gen.sh):\n  " + "\n  ".join(bad))
+    sys.exit(f"components/next/build.sh: {mod} disagrees with versions.env (run components/next/gen.sh):\n  " + "\n  ".join(bad))
 PY
 
 started=$(date +%s)
@@ -41,12 +41,12 @@ TMP="$DIR.tmp.$$"
 rm -rf "$TMP"
 mkdir -p "$TMP/bin"
 trap 'rm -rf "$TMP"' EXIT
-echo "kube/next/build.sh: building ${BINARIES[*]} $KUBERNETES_VERSION into $DIR (a cold build takes several minutes)"
+echo "components/next/build.sh: building ${BINARIES[*]} $KUBERNETES_VERSION into $DIR (a cold build takes several minutes)"
 cd "$HERE"
 go build -tags providerless -ldflags "$(kube_ldflags "$KUBERNETES_VERSION")" -o "$TMP/bin/" \
   k8s.io/kubernetes/cmd/kubelet k8s.io/kubernetes/cmd/kube-apiserver k8s.io/kubernetes/cmd/kube-scheduler \
   k8s.io/kubernetes/cmd/kubectl
 grep -E '^[A-Z_]+=' "$HERE/versions.env" | publish "$TMP" "$DIR" "$started" "${BINARIES[@]}"
 trap - EXIT
-echo "kube/next/build.sh: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
+echo "components/next/build.sh: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
 echo "$DIR/bin"

@@ -1,5 +1,5 @@
-# What the build scripts (kube/build.sh, kube/containerd/build.sh, kube/dra/build.sh, kube/next/build.sh,
-# kube/helm/build.sh) share: a cache directory per set of pins, built under a lock by one checkout at a time,
+# What the build scripts (components/build.sh, components/containerd/build.sh, components/dra/build.sh, components/next/build.sh,
+# components/helm/build.sh) share: a cache directory per set of pins, built under a lock by one checkout at a time,
 # into a temporary directory moved into place whole.
 # Sourced, not run. Each script names itself in SCRIPT (for its messages) before using these.
 

@@ -25,7 +25,7 @@ HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 source "$HERE/versions.env"
 # shellcheck source=../buildlib.sh
 source "$HERE/../buildlib.sh"
-SCRIPT=kube/containerd/build.sh
+SCRIPT=components/containerd/build.sh
 CACHE="${WEFT_CONTAINERD_CACHE:-/var/cache/weft/containerd}"
 LINES=(2 1.7 2.0 2.1 2.2 2.3)
 BINARIES=(containerd containerd-shim-runc-v2)
@@ -85,7 +85,7 @@ build_line() {
   # The module must say what versions.env says (gen.sh makes it so).
   have="$(cd "$HERE/$line" && go list -m -f '{{.Version}}' "$mod")"
   if [ "$have" != "$version" ]; then
-    echo "kube/containerd/build.sh: $line/go.mod has $mod $have, versions.env says $version (run kube/containerd/gen.sh)" >&2
+    echo "components/containerd/build.sh: $line/go.mod has $mod $have, versions.env says $version (run components/containerd/gen.sh)" >&2
     exit 1
   fi
   started=$(date +%s)
@@ -93,14 +93,14 @@ build_line() {
   rm -rf "$TMP"
   mkdir -p "$TMP/bin"
   trap 'rm -rf "$TMP"' EXIT
-  echo "kube/containerd/build.sh: building containerd $version into $DIR"
+  echo "components/containerd/build.sh: building containerd $version into $DIR"
   ldflags="-s -w -X $mod/version.Version=$version -X $mod/version.Revision=$version -X $mod/version.Package=$mod"
   cd "$HERE/$line"
   go build -tags "$TAGS" -ldflags "$ldflags" -o "$TMP/bin/" "$mod/cmd/containerd" "$mod/cmd/containerd-shim-runc-v2"
   { echo "CONTAINERD_VERSION=$version"; grep '^BUILD_REVISION=' "$HERE/versions.env"; } |
     publish "$TMP" "$DIR" "$started" "${BINARIES[@]}"
   trap - EXIT
-  echo "kube/containerd/build.sh: containerd $version built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
+  echo "components/containerd/build.sh: containerd $version built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
 }
 for line in "${WANT[@]}"; do
   complete "$line" || build_line "$line"
