@@ -14,6 +14,10 @@ Left out, on purpose: TLS and connection set-up (the agents keep connections
 open), measured CPU use on hosts (a host's room is its allocatable less its
 own pods' requests, as ``free_capacity`` computes when use is below them), and
 everything after a shadow runs.
+
+A scenario may also give its fleet exactly, as a real one is set up: each
+host's fill, and each placement's moment and origin. ``bench/sim_validation.py``
+runs the same bursts on the local fabric's real agents and here, side by side.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from typing import Any
 
 from shim.core import tracking
 from shim.core.reroute import PeerView, Resources, admit, choose_peers
+from shim.core.reroute.resources import CPU_SLACK
 from shim.core.stats import percentile
 from shim.core.tracking import (
     ANY_ROOM,
@@ -91,6 +96,24 @@ class Scenario:
     hello_interval: float = 2.0
     create_s: float = 0.3  # RunShadow: a container made on the host (it holds its room from the start)
     delays: Delays = field(default_factory=Delays)
+    # A fleet given exactly, as a real one is set up (``bench/sim_validation.py``): each host's fill in host
+    # order (instead of fill +- fill_spread drawn), and each placement's (seconds into the window, origin's
+    # index) (instead of ``placements`` at random times from random origins).
+    fills: tuple[float, ...] = ()
+    arrivals: tuple[tuple[float, int], ...] = ()
+    # The key a placement's two choices are drawn by (``choose_peers(spread=...)``) names the seed too, as a real
+    # pod's is new every run (its UID): each seed draws its own pairs. False: the origin and the placement's
+    # number alone, the same pairs in every seed.
+    keys_by_seed: bool = False
+
+    def __post_init__(self) -> None:
+        if self.fills and len(self.fills) != self.hosts:
+            raise ValueError(f"scenario {self.name}: {len(self.fills)} fills for {self.hosts} hosts")
+        if any(not 0.0 <= f <= 1.0 for f in self.fills):
+            raise ValueError(f"scenario {self.name}: a fill outside 0..1 in {self.fills}")
+        if any(at < 0 or not 0 <= i < self.origins for at, i in self.arrivals):
+            raise ValueError(f"scenario {self.name}: an arrival before the window or from no origin of "
+                             f"{self.origins}")
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in (
@@ -192,14 +215,15 @@ class Tally:
 
 class Fleet:
     def __init__(self, s: Scenario, seed: int = 1) -> None:
-        self.s, self.rng = s, random.Random(seed)
+        self.s, self.seed, self.rng = s, seed, random.Random(seed)
         self.now = 0.0
         self._queue: list[tuple[float, int, Process]] = []
         self._seq = 0
         width = len(str(s.hosts))
         self.hosts = {}
         for i in range(s.hosts):
-            fill = min(1.0, max(0.0, s.fill + self.rng.uniform(-s.fill_spread, s.fill_spread)))
+            fill = s.fills[i] if s.fills else min(1.0, max(0.0, s.fill + self.rng.uniform(-s.fill_spread,
+                                                                                            s.fill_spread)))
             cap = Resources(s.host_cpu - RESERVE.cpu_cores, s.host_memory - RESERVE.memory_bytes)
             own = Resources(s.host_cpu * fill, int(s.host_memory * fill))
             name = f"cpu-{i:0{width}d}"
@@ -317,7 +341,8 @@ class Fleet:
             yield from self._refresh(o, want)
             views = o.views(o.candidates | set(o.tracked), self.now)
         self._placed += 1
-        spread = "" if tracking.small_fleet(o.known, TRACKED_PEERS) else f"{o.name}/{self._placed}"
+        key = f"{self.seed}/{self._placed}" if self.s.keys_by_seed else str(self._placed)
+        spread = "" if tracking.small_fleet(o.known, TRACKED_PEERS) else f"{o.name}/{key}"
         ranking = choose_peers(limits, views, max_age_s=MAX_AGE_S, spread=spread)
         admits = 0
         for n in ranking.candidates:
@@ -389,10 +414,14 @@ class Fleet:
             if churn:
                 self.spawn(self._ender(host, limits, self.rng.expovariate(1 / s.lifetime_s)), self.now)
 
-        arrivals = ([start + self.rng.uniform(0, s.window_s) for _ in range(s.placements)] if not churn else
-                    _poisson(self.rng, s.rate_per_s, start, start + s.window_s))
-        for at in arrivals:
-            self.spawn(self.place(self.rng.choice(self.origins), s.stage, placed), at)
+        if s.arrivals:
+            for at, i in s.arrivals:
+                self.spawn(self.place(self.origins[i], s.stage, placed), start + at)
+        else:
+            arrivals = ([start + self.rng.uniform(0, s.window_s) for _ in range(s.placements)] if not churn else
+                        _poisson(self.rng, s.rate_per_s, start, start + s.window_s))
+            for at in arrivals:
+                self.spawn(self.place(self.rng.choice(self.origins), s.stage, placed), at)
         names = list(self.hosts)
         if s.partition:
             cut = [self.hosts[n] for n in self.rng.sample(names, int(len(names) * s.partition))]
@@ -400,9 +429,24 @@ class Fleet:
         if s.leave:
             gone = [self.hosts[n] for n in self.rng.sample(names, int(len(names) * s.leave))]
             self.spawn(self._outage(gone, start + s.leave_at_s, start + s.join_at_s), 0.0)
-        end = start + s.window_s + 30.0  # the last arrivals' placements finish
+        last = max((at for at, _ in s.arrivals), default=0.0)
+        end = start + max(s.window_s, last) + 30.0  # the last arrivals' placements finish
         self.run_until(end)
         return self.figures(end - start)
+
+    def hosted(self) -> dict[str, int]:
+        """The stages each host took in the window, by host name (hosts that took none left out)."""
+        return {name: h.hosted for name, h in self.hosts.items() if h.hosted}
+
+    def slots_left(self) -> int:
+        """How many more stages of the scenario's size the hosts that are up have room for now."""
+        stage, slots = self.s.stage, 0
+        for h in self.hosts.values():
+            free = h.free()
+            if h.up and stage.cpu_cores > 0 and stage.memory_bytes > 0:
+                slots += max(0, min(int((free.cpu_cores + CPU_SLACK) // stage.cpu_cores),
+                                    free.memory_bytes // stage.memory_bytes))
+        return slots
 
     def figures(self, seconds: float) -> dict[str, Any]:
         t = self.tally

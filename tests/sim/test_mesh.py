@@ -12,8 +12,9 @@ from dataclasses import replace
 
 import pytest
 
+from shim.core.reroute import Resources
 from shim.sim import cli
-from shim.sim.mesh import SCENARIOS, Fleet, simulate, table
+from shim.sim.mesh import GIB, RESERVE, SCENARIOS, Fleet, Scenario, simulate, table
 
 SMALL = {"hosts": 300, "origins": 60}
 
@@ -66,3 +67,62 @@ def test_the_table_has_a_row_per_scenario() -> None:
 def test_a_bad_size_is_named(flags: list[str], said: str, capsys: pytest.CaptureFixture[str]) -> None:
     assert cli.main(["mesh", *flags]) == 2
     assert said in capsys.readouterr().err
+
+
+# -- a fleet given exactly, as a real one is set up (bench/sim_validation.py) -----------------------------------
+STAGE = Resources(0.5, 64 << 20)
+
+
+def _fill(room: int) -> float:
+    """A 4-CPU host's fill that leaves room for ``room`` stages of 0.5 CPU and a quarter CPU over."""
+    return (4.0 - RESERVE.cpu_cores - STAGE.cpu_cores * (room + 0.5)) / 4.0
+
+
+def _given(rooms: tuple[int, ...], arrivals: list[tuple[float, int]], **change) -> Scenario:
+    return Scenario("given", hosts=len(rooms), origins=2, host_cpu=4.0, host_memory=8 * GIB, stage=STAGE,
+                    fills=tuple(_fill(r) for r in rooms), arrivals=tuple(arrivals), warmup_s=10.0, **change)
+
+
+def test_each_host_takes_the_fill_it_is_given() -> None:
+    fleet = Fleet(_given((2, 3, 1), []), seed=1)
+    assert [h.free().cpu_cores for h in fleet.hosts.values()] == [1.25, 1.75, 0.75]
+    assert fleet.slots_left() == 6
+
+
+def test_a_small_fleet_placing_at_once_fills_the_roomiest_host_then_the_next_one_admit_more_each() -> None:
+    fleet = Fleet(_given((2, 3, 1), [(0.0, i % 2) for i in range(7)]), seed=1)
+    f = fleet.run()
+    # Ranked by room alone, every placement asks cpu-1 first, then cpu-0, then cpu-2; the seventh finds none.
+    assert fleet.hosted() == {"cpu-1": 3, "cpu-0": 2, "cpu-2": 1}
+    assert sorted(fleet.tally.admits) == [1, 1, 1, 2, 2, 3, 3]
+    assert (f["placements"], f["local"], f["local_while_room"]) == (7, 1, 0)
+    assert fleet.slots_left() == 0 and f["hosts_overcommitted"] == 0
+
+
+def test_the_arrivals_given_are_the_placements_whatever_the_burst_size_says() -> None:
+    fleet = Fleet(_given((4, 4), [(0.5, 1), (7.0, 0)], placements=2000), seed=1)
+    f = fleet.run()
+    assert f["placements"] == f["remote"] == 2
+    assert sum(fleet.hosted().values()) == 2
+
+
+@pytest.mark.parametrize(("change", "said"), [
+    ({"fills": (0.5,)}, "1 fills for 2 hosts"),
+    ({"fills": (0.5, 1.5)}, "fill outside"),
+    ({"arrivals": ((0.0, 2),)}, "no origin"),
+    ({"arrivals": ((-1.0, 0),)}, "before the window"),
+])
+def test_a_fleet_given_wrongly_is_refused(change: dict, said: str) -> None:
+    with pytest.raises(ValueError, match=said):
+        Scenario("bad", hosts=2, origins=2, **change)
+
+
+def _large_burst(seed: int, by_seed: bool) -> tuple[tuple[str, int], ...]:
+    fleet = Fleet(_given((3,) * 40, [(0.0, i % 2) for i in range(10)], keys_by_seed=by_seed), seed=seed)
+    fleet.run()
+    return tuple(sorted(fleet.hosted().items()))
+
+
+def test_with_keys_by_seed_each_seed_draws_its_own_two_choices_as_new_pods_would() -> None:
+    assert len({_large_burst(seed, by_seed=False) for seed in range(1, 6)}) == 1
+    assert len({_large_burst(seed, by_seed=True) for seed in range(1, 6)}) > 1
