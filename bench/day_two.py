@@ -5,7 +5,7 @@ cluster's components built (``WEFT_SETUP_KUBE=1 scripts/setup.sh``), as root. It
 ``integration/nodes/test_kube_day_one.py`` that do these things (the nodes booted under systemd-nspawn, weft
 installed from its image and manifests, a two-stage pod with its CPU stage rerouted), so every figure comes
 with the checks that the operation did what it must: no container restarted, one copy of the stage, its log
-whole. The scenarios write their figures as values (``integration.kube.fixture.report``); this gathers them.
+whole. The scenarios write their figures as values (``integration.harness.fixture.report``); this gathers them.
 There is no other side to take turns with: each figure is a duration of one operation on this machine.
 Exit codes as ``weft bench``: 0 measured, 1 a scenario failed (its output is printed), 130/143 stopped.
 """
@@ -21,7 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from integration.kube.fixture import BENCH_FIGURES_ENV
+from integration.harness.fixture import BENCH_FIGURES_ENV
 from shim.bench.running import report
 
 REPO = Path(__file__).resolve().parents[1]

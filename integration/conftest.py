@@ -19,9 +19,9 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration.kube import binaries
-from integration.kube.fixture import FIGURES_ENV
-from integration.leaks import leaked_node_namespaces, netns
+from integration.harness import binaries
+from integration.harness.fixture import FIGURES_ENV
+from integration.harness.leaks import leaked_node_namespaces, netns
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd
 
@@ -34,7 +34,7 @@ _FIGURES = pytest.StashKey[str]()
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    # The file the workers of a parallel run (pytest-xdist) write their figures to (kube/fixture.report);
+    # The file the workers of a parallel run (pytest-xdist) write their figures to (harness/fixture.report);
     # named here, in the controller, before the workers start, so they inherit it.
     if not hasattr(config, "workerinput") and FIGURES_ENV not in os.environ:
         fd, path = tempfile.mkstemp(prefix="weft-figures-", suffix=".txt")

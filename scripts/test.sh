@@ -39,13 +39,13 @@ fi
 # pod under real kubelets, and critest direct vs through the agent. Only for the whole suite (no arguments);
 # the releases run side by side, each on two workers: critest is the long pole and mostly waits on daemons.
 [ "$#" -eq 0 ] || exit 0
-SMOKE=(integration/test_harness.py integration/test_differential.py integration/test_lifecycle.py
-       integration/test_gpu_fabric.py::test_opted_in_pod_is_classified_leased_and_explained
-       integration/test_gpu_fabric.py::test_plain_pod_is_passed_through_untouched
-       integration/test_kube_reroute.py::test_the_rerouted_stage_is_ready_through_its_http_probe
-       integration/test_critest.py)
-KUBE_SMOKE=(integration/test_kube_node.py
-            integration/test_kube_reroute.py::test_the_rerouted_stage_is_ready_through_its_http_probe)
+SMOKE=(integration/localfabric/test_harness.py integration/cri/test_differential.py integration/cri/test_lifecycle.py
+       integration/broker/test_gpu_fabric.py::test_opted_in_pod_is_classified_leased_and_explained
+       integration/broker/test_gpu_fabric.py::test_plain_pod_is_passed_through_untouched
+       integration/kube/test_kube_reroute.py::test_the_rerouted_stage_is_ready_through_its_http_probe
+       integration/cri/test_critest.py)
+KUBE_SMOKE=(integration/kube/test_kube_node.py
+            integration/kube/test_kube_reroute.py::test_the_rerouted_stage_is_ready_through_its_http_probe)
 mkdir -p "$VENV/log"
 smoke=()
 for line in ${WEFT_TEST_CONTAINERDS-1.7 2}; do

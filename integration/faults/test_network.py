@@ -4,7 +4,7 @@
   origin reports them ``WeftPeerLost`` after ``loss_s``, in that order, never
   two live copies; once the link is back kubelet's restarts are placed afresh
   and the fenced copies are not started again. (A host's link cut is
-  ``integration/test_remote.py``.)
+  ``integration/mesh/test_remote.py``.)
 * **30 % loss** each way on a host's link (tc netem, or iptables' random drop
   where the kernel has no ``sch_netem``): the mesh keeps working, slower. TCP
   retransmits what is lost, with a timeout that starts at 200 ms and doubles

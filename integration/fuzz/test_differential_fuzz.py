@@ -7,7 +7,7 @@ or any more). The sequence runs against containerd directly, everything is
 removed, then it runs again through a real agent in front of the same
 containerd. Every answer, errors included (code and words), must be the same
 once IDs, timestamps and addresses are set aside
-(``integration.test_differential``'s normaliser).
+(``integration.cri.test_differential``'s normaliser).
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from google.protobuf.json_format import MessageToDict
 from hypothesis import given
 from hypothesis import strategies as st
 
+from integration.cri.test_differential import _HEX_ID, _normalize
 from integration.fuzz import wire
-from integration.test_differential import _HEX_ID, _normalize
 from shim.localfabric import images, pods
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd

@@ -17,9 +17,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from integration.kube import binaries
-from integration.kube.controlplane import ControlPlane
-from integration.kube.kubelet import KernelSettings
+from integration.harness import binaries
+from integration.harness.controlplane import ControlPlane
+from integration.harness.kubelet import KernelSettings
 from integration.nodes import kubeadm, nspawn
 from integration.nodes.kubeadm import NodeSpec
 from shim.localfabric import images

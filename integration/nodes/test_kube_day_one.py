@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.kube import binaries, fixture
+from integration.harness import binaries, fixture
 from integration.nodes import nspawn
 from integration.nodes.cluster import Cluster
 from integration.nodes.kubeadm import NodeSpec
@@ -110,7 +110,7 @@ def _containers(c: Cluster, names: list[str], timeout: float = 120) -> dict[str,
         time.sleep(1)
 
 
-# The two-stage pod (integration/test_kube_reroute.py has the whole of it): ``model`` holds a GPU lease on the
+# The two-stage pod (integration/kube/test_kube_reroute.py has the whole of it): ``model`` holds a GPU lease on the
 # GPU node, ``prep`` is a CPU stage weft reroutes to a CPU node; the pod is Ready through prep's HTTP probe.
 MODEL = ('echo "model up on GPU ${NVIDIA_VISIBLE_DEVICES:-none}"; mkdir -p /www; echo model-says-hi > /www/index.html; '
          "exec httpd -f -p 9090 -h /www")

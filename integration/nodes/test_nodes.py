@@ -23,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.kube import fixture
+from integration.harness import fixture
 from integration.nodes.nspawn import REGISTRY, Bridge, Node, NodeError, Root, boot, build_root, sweep_stale
 from shim.localfabric import images
 from shim.localfabric.waiting import wait_for

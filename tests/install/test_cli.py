@@ -21,7 +21,7 @@ CRI_RUNTIME = "io.containerd.cri.v1.runtime"
 DROPIN = "etc/containerd/weft/runtime.toml"
 
 # Where each containerd 2.x shape's default runtime is defined: (file, plugin section, runtime name). The
-# real containerd 2.4.2 agrees (integration/test_install.py reads its `config dump` of these roots).
+# real containerd 2.4.2 agrees (integration/install/test_install.py reads its `config dump` of these roots).
 DEFAULT_RUNTIME_2X = {
     "ctrd2-default": ("etc/containerd/config.toml", CRI_RUNTIME, "runc"),
     "ctrd2-kubeadm": ("etc/containerd/config.toml", CRI_RUNTIME, "runc"),

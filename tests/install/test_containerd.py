@@ -1,7 +1,7 @@
 """The containerd drop-in planned from a host's files, for each containerd line (pure: no root, no processes).
 
 The merges emulated here are checked against the real containerd's ``config dump`` in
-integration/test_install.py, with the same files.
+integration/install/test_install.py, with the same files.
 """
 
 from __future__ import annotations

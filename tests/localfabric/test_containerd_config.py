@@ -1,7 +1,7 @@
 """The harness's choice of containerd and the config it writes for each release line, without running one.
 
 The integration suite checks against real daemons that every setting takes effect
-(``integration/test_harness.py``); these pin what is written: version 2 with the one CRI plugin for
+(``integration/localfabric/test_harness.py``); these pin what is written: version 2 with the one CRI plugin for
 1.6 and 1.7, version 3 with the runtime, image and streaming plugins apart for 2.x, and the same
 settings in both.
 """

@@ -9,7 +9,7 @@ from shim.mesh.identity import PeerPolicy, PeerRefused, node_of_peer
 
 # What grpcio 1.85 gives a server for a client certificate with SANs
 # DNS gpu-1, URI weft://node/gpu-1, IP 10.0.0.1, DNS gpu-1.example (checked
-# against a real connection in integration/test_mesh_tls.py).
+# against a real connection in integration/mesh/test_mesh_tls.py).
 GRPC_CONTEXT = {
     "transport_security_type": [b"ssl"],
     "x509_common_name": [b"gpu-1"],

@@ -1,6 +1,6 @@
 """The mesh servicer without sockets: who is answered, what is recorded, and what a refusal looks like.
 
-The same paths over real TLS are in ``integration/test_mesh_tls.py``.
+The same paths over real TLS are in ``integration/mesh/test_mesh_tls.py``.
 """
 
 from __future__ import annotations
