@@ -44,8 +44,8 @@ from shim import log
 from shim._pb import broker_pb2 as pb
 from shim._pb import broker_pb2_grpc as pb_grpc
 from shim.broker.mps import control, memory_matches, parse_memory, parse_percent
-from shim.broker.watchdog import CGROUP_ROOT
-from shim.gpucheck import cuda_client
+from shim.gpucheck import cgroups, cuda_client
+from shim.gpucheck.brokerlink import BrokerLink, NoBroker
 from shim.gpucheck.clientproc import Client, ClientError
 from shim.gpucheck.report import Check, fail, ok, warn
 
@@ -106,10 +106,7 @@ class LiveTest:
     def __init__(self, settings: LiveSettings) -> None:
         self.s = settings
         self.work: Path | None = None
-        self.private_broker: Any = None  # shim.brokerd.Broker when none answered
-        self.socket: Path | None = None
-        self.channel: grpc.Channel | None = None
-        self.stub: pb_grpc.BrokerStub | None = None
+        self.broker = BrokerLink()
         self.leases: dict[str, _Lease] = {}
         self.clients: list[Client] = []
         self.cgroup_parent: Path | None = None
@@ -168,7 +165,7 @@ class LiveTest:
         self.work = Path(tempfile.mkdtemp(prefix="wgc-", dir=self.s.work_parent))
         candidates = [self.s.broker_socket] if self.s.broker_socket else [self.s.default_socket]
         for socket in candidates:
-            backend = self._connect(socket)
+            backend = self.broker.connect(socket)
             if backend is not None:
                 if backend != "nvml":
                     raise _Stop(fail(name, f"the broker at {socket} runs {backend} devices: nothing real to test. "
@@ -179,41 +176,24 @@ class LiveTest:
                                        "--broker-socket to test with a private broker"))
         return ok(name, self._start_private())
 
-    def _connect(self, socket: Path) -> str | None:
-        if not socket.exists():
-            return None
-        channel = grpc.insecure_channel(f"unix://{socket}")
-        stub = pb_grpc.BrokerStub(channel)
-        try:
-            backend = stub.Devices(pb.DevicesRequest(), timeout=5).backend
-        except grpc.RpcError:
-            channel.close()
-            return None
-        self.socket, self.channel, self.stub = socket, channel, stub
-        return backend
-
     def _start_private(self) -> str:
-        from shim.broker.mps import MpsSupervisor
-        from shim.broker.nvml import NvmlBackend, NvmlError
-        from shim.brokerd import Broker, BrokerConfig
-
         assert self.work is not None
-        cfg = BrokerConfig(socket=self.work / "broker.sock", state_dir=self.work / "state", backend="nvml",
-                           enforce="kill", watchdog_interval=0.5, mps_dir=self.work / "mps")
         try:
-            backend = NvmlBackend(library=self.s.nvml_library)
-        except NvmlError as exc:
-            raise _Stop(fail("live.broker", f"a private broker cannot read NVML: {exc}")) from None
-        mps = MpsSupervisor(cfg.mps_dir, self.s.mps_binary, ready_timeout=self.s.step_timeout, private_shm=True)
-        try:
-            self.private_broker = Broker(cfg, backend=backend, mps=mps).start()
-        except BaseException:
-            backend.close()
-            raise
-        if self._connect(cfg.socket) is None:
-            raise _Stop(fail("live.broker", f"the private broker at {cfg.socket} does not answer"))
+            socket = self.broker.start_private(self.work, mps_binary=self.s.mps_binary,
+                                               ready_timeout=self.s.step_timeout, nvml_library=self.s.nvml_library)
+        except NoBroker as exc:
+            raise _Stop(fail("live.broker", str(exc))) from None
         return (f"no broker answers at {self.s.default_socket}: a private one for this test (backend nvml, "
-                f"--enforce kill) at {cfg.socket}")
+                f"--enforce kill) at {socket}")
+
+    @property
+    def private_broker(self) -> Any:
+        """The private broker (shim.brokerd.Broker) when none answered, else None."""
+        return self.broker.private
+
+    @property
+    def stub(self) -> pb_grpc.BrokerStub | None:
+        return self.broker.stub
 
     def _leases(self) -> Check:
         name = "live.leases"
@@ -229,7 +209,10 @@ class LiveTest:
                                    "Change: run the test when a GPU is idle"))
         self.device = fit[0].uuid
         self.device_sms, self.device_sms_why = self._read_device_sms()
-        self.cgroup_parent = self._cgroup_parent()
+        try:
+            self.cgroup_parent = cgroups.make_parent(self.tag)
+        except cgroups.NoCgroup as exc:
+            raise _Stop(fail(name, str(exc))) from None
         for n, share in zip(("a", "b"), self.s.shares, strict=True):
             req = pb.AcquireRequest(key=f"{self.tag}/{n}/0", namespace="weft-gpu-check", pod=self.tag, container=n,
                                     sandbox_id=self.tag, memory_bytes=self.s.lease_bytes, compute_percent=share,
@@ -243,7 +226,7 @@ class LiveTest:
             cg_dir.mkdir()
             holder = subprocess.Popen(["sh", "-c", _JOIN, "weft-gpu-check", str(cg_dir / "cgroup.procs"), "3600"],
                                       start_new_session=True, stdin=subprocess.DEVNULL)
-            rec = _Lease(n, share, lease, self._cgroup_path(cg_dir), cg_dir, holder)
+            rec = _Lease(n, share, lease, cgroups.as_seen(cg_dir), cg_dir, holder)
             self.leases[n] = rec
             self._wait(lambda h=holder, c=cg_dir: str(h.pid) in (c / "cgroup.procs").read_text().split(),
                        f"lease {n}'s holder to join its cgroup", name)
@@ -478,27 +461,6 @@ class LiveTest:
         return [sys.executable, "-I", "-S", str(CLIENT), "--libcuda", self.s.libcuda,
                 "--max-seconds", str(int(max_seconds))]
 
-    def _cgroup_parent(self) -> Path:
-        """A cgroup for the test's leases under the hierarchy the watchdog reads (memory on v1, unified on v2)."""
-        v1 = any("memory" in line.split(":")[1].split(",")
-                 for line in Path("/proc/self/cgroup").read_text().splitlines() if line.count(":") >= 2)
-        mounts = [CGROUP_ROOT / "memory"] if v1 else [CGROUP_ROOT / "unified", CGROUP_ROOT]
-        for mount in mounts:
-            if (mount / "cgroup.procs").exists():
-                parent = mount / self.tag
-                try:
-                    parent.mkdir()
-                except OSError as exc:
-                    raise _Stop(fail("live.leases", f"cannot make a cgroup at {parent}: {exc}")) from None
-                return parent
-        raise _Stop(fail("live.leases", f"no cgroup hierarchy to use under {CGROUP_ROOT} (memory or unified)"))
-
-    def _cgroup_path(self, cg_dir: Path) -> str:
-        for mount in (CGROUP_ROOT / "memory", CGROUP_ROOT / "unified", CGROUP_ROOT):
-            with contextlib.suppress(ValueError):
-                return "/" + str(cg_dir.relative_to(mount))
-        return str(cg_dir)
-
     def _wait(self, condition: Callable[[], bool], what: str, name: str, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
         while True:
@@ -538,20 +500,14 @@ class LiveTest:
                 answer = control(binary, Path(rec.pipe_dir), "get_default_active_thread_percentage", 5)
                 if answer is not None and answer.returncode == 0:
                     problems.append(f"lease {rec.name}'s MPS daemon still answers at {rec.pipe_dir}")
-        if self.private_broker is not None:
-            try:
-                self.private_broker.stop()
-            except Exception as exc:  # noqa: BLE001 - report it and go on cleaning up
-                problems.append(f"the private broker did not stop cleanly: {exc}")
-        if self.channel is not None:
-            self.channel.close()
+        problems += self.broker.close()
         for c in self.clients:
             if c.alive():
                 problems.append(f"client {c.name} (pid {c.proc.pid}) still runs")
         if self.cgroup_parent is not None:
             for rec in self.leases.values():
-                self._rmdir(rec.cgroup_dir, problems)
-            self._rmdir(self.cgroup_parent, problems)
+                cgroups.remove(rec.cgroup_dir, problems)
+            cgroups.remove(self.cgroup_parent, problems)
         if self.made_default_pipe:
             with contextlib.suppress(OSError):
                 MPS_DEFAULT_PIPE.rmdir()
@@ -561,21 +517,6 @@ class LiveTest:
             return fail("live.released", "; ".join(problems))
         what = f"leases {', '.join(released)} released" if released else "no lease was taken"
         return ok("live.released", f"{what}; no client, MPS daemon or cgroup of the test left")
-
-    @staticmethod
-    def _rmdir(path: Path, problems: list[str]) -> None:
-        deadline = time.monotonic() + 5
-        while True:
-            try:
-                path.rmdir()
-                return
-            except FileNotFoundError:
-                return
-            except OSError as exc:
-                if time.monotonic() >= deadline:
-                    problems.append(f"cgroup {path} not removed: {exc}")
-                    return
-                time.sleep(0.05)
 
 
 def _said(answer: subprocess.CompletedProcess[str] | None) -> str:
