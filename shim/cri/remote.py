@@ -23,12 +23,17 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from cri_api.v1 import api_pb2 as cri
 
 from shim.core.placement import PlacementState
 from shim.errors import HostUnavailable
 from shim.state.agent import AgentStore, PlacementRecord
+
+if TYPE_CHECKING:
+    from shim.mesh.client import PeerClient
+    from shim.mesh.node import MeshNode
 
 LOST_REASON = "WeftPeerLost"
 # What a lost container's exit code is: the host's SIGKILL (by its fence), as far as the origin can tell.
@@ -290,7 +295,7 @@ class PulledImages:
             return self._by_ref.get(ref)
 
 
-def host_client(mesh, r: Remote):
+def host_client(mesh: MeshNode | None, r: Remote) -> PeerClient:
     """The mesh client of the node that runs ``r``; HostUnavailable when that node is not a peer now."""
     client = mesh.client(r.node) if mesh is not None else None
     if client is None:
