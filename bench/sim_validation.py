@@ -464,8 +464,8 @@ def run_round(fleet: LocalFleet, name: str, rooms: dict[str, int], placements: i
     _say(f"{len(fleet.hosts)} hosts, {name}: real {real['admits_mean']} Admits/placement, {real['local']} local, "
          f"{real['hosts_used']} hosts used, burst {burst_s:.1f} s; simulated "
          f"{sum(r['admits_mean'] for r in runs) / len(runs):.3f} Admits/placement")
-    return {"warmup_s": warmup, "burst_s": round(burst_s, 2), "arrivals": [[round(at, 4), i] for at, i in sent],
-            "real": real, "sim_runs": runs}
+    # What the simulation was given is in ``each``: every placement's send time and origin.
+    return {"warmup_s": warmup, "burst_s": round(burst_s, 2), "real": real, "sim_runs": runs}
 
 
 def run_scenario(fleet: LocalFleet, name: str, placements: int, seeds: int, rounds: int) -> dict:
@@ -476,8 +476,19 @@ def run_scenario(fleet: LocalFleet, name: str, placements: int, seeds: int, roun
     # Seeds of their own for each round: its burst is sent much as the last, and the same seeds would draw the same.
     done = [run_round(fleet, name, rooms, placements, range(1 + k * seeds, 1 + (k + 1) * seeds))
             for k in range(rounds)]
-    return {"rooms": list(rooms.values()), "rounds": done,
-            "figures": judge([r["real"] for r in done], [run for r in done for run in r["sim_runs"]])}
+    figures = judge([r["real"] for r in done], [run for r in done for run in r["sim_runs"]])
+    for r in done:
+        r["sim"] = simulated(r.pop("sim_runs"))
+    return {"rooms": list(rooms.values()), "rounds": done, "figures": figures}
+
+
+def simulated(runs: list[dict]) -> dict:
+    """A round's simulated runs in short: each figure's mean, least and most over the seeds."""
+    out = {}
+    for key, _ in FIGURES:
+        values = [r[key] for r in runs]
+        out[key] = {"mean": round(sum(values) / len(values), 3), "min": min(values), "max": max(values)}
+    return out
 
 
 def measure_fleet(origins: int, hosts: int, placements: int, seeds: int, rounds: int, workdir: Path,
