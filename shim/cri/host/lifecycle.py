@@ -24,6 +24,7 @@ import json
 import re
 import shutil
 import threading
+import time
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path, PurePosixPath
 
@@ -303,7 +304,9 @@ class Lifecycle:
             raise NotAdmitted(f"RunShadow {key}: this host does not admit it now ({answer.reason}: {answer.detail})")
 
     def start(self, origin: str, key: str) -> pb.ShadowState:
+        t0 = time.perf_counter()
         c = self.rt.one(origin, key)
+        t1 = time.perf_counter()
         if c.state == cri.CONTAINER_CREATED:
             held = self.reservations.state(key) if self.reservations is not None else None
             if held is not None and held["state"] == "lost":  # StopContainer leaves a made shadow as it is
@@ -311,8 +314,15 @@ class Lifecycle:
                                   "host does not run it")
             self.rt.call(RT + "StartContainer", cri.StartContainerRequest(container_id=c.id),
                        cri.StartContainerResponse)
+            t2 = time.perf_counter()
             self.capacity.reweigh()
-            _log.info("shadow.started", origin=origin, key=key, container_id=c.id)
+            t3 = time.perf_counter()
+            state = self.rt.state(key, c.pod_sandbox_id, c.id)
+            t4 = time.perf_counter()
+            _log.info("shadow.started", origin=origin, key=key, container_id=c.id, find_ms=round((t1 - t0) * 1e3, 2),
+                      start_ms=round((t2 - t1) * 1e3, 2), reweigh_ms=round((t3 - t2) * 1e3, 2),
+                      status_ms=round((t4 - t3) * 1e3, 2))
+            return state
         return self.rt.state(key, c.pod_sandbox_id, c.id)
 
     def _shadow_sandbox(self, origin: str, req: pb.RunShadowRequest, sandbox: cri.PodSandboxConfig,
