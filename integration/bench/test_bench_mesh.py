@@ -100,6 +100,12 @@ def test_bench_e2e_quick_has_every_figure(tmp_path: Path) -> None:
     _latency(pod_start["opted_in_unprepared"], "pod start opted in, unprepared")
     for ratio in ("ratio_p95", "unprepared_ratio_p50", "unprepared_ratio_p95"):
         _positive(pod_start[ratio], ratio)
+    # And both sides under the runtime's default seccomp profile, which a host gives a rerouted container anyway.
+    _latency(pod_start["opted_in_runtime_default"], "pod start opted in, RuntimeDefault")
+    _latency(pod_start["plain_runtime_default"], "pod start plain, RuntimeDefault")
+    for ratio in ("runtime_default_ratio_p50", "runtime_default_ratio_p95"):
+        _positive(pod_start[ratio], ratio)
+    assert "both under the runtime's default seccomp profile" in table
     assert figures["targets"]["pod_start_ratio"] == 1.2 and figures["targets"]["first_start_ratio"] == 1.3
 
     start = figures["container_start"]

@@ -97,9 +97,16 @@ class Plan:
 
 
 # -- 1. pod start ------------------------------------------------------------------
-def _pod_containers() -> list[cri.ContainerConfig]:
+def _pod_containers(runtime_default: bool = False) -> list[cri.ContainerConfig]:
+    """The two-stage pod's containers; ``runtime_default``: each asks for the runtime's default seccomp profile,
+    as a pod under Pod Security "restricted" or a kubelet with seccompDefault does (a host always runs a
+    rerouted container under it)."""
     gpu = podspec.container_config("model", mesh.SLEEPER, envs={"NVIDIA_VISIBLE_DEVICES": "all"})
-    return [mesh.cpu_container("prep", cpu=0.1, memory=32 << 20), gpu]
+    configs = [mesh.cpu_container("prep", cpu=0.1, memory=32 << 20), gpu]
+    if runtime_default:
+        for config in configs:
+            config.linux.security_context.seccomp.profile_type = cri.SecurityProfile.RuntimeDefault
+    return configs
 
 
 @dataclass(frozen=True)
@@ -110,12 +117,12 @@ class Started:
 
 
 def start_pod(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, name: str, handler: str,
-              annotations: dict[str, str] | None = None) -> Started:
+              annotations: dict[str, str] | None = None, runtime_default: bool = False) -> Started:
     """RunPodSandbox, then create and start both containers, until both run."""
     pod = mesh.run_pod(fabric, rt, name, handler=handler,
                        annotations={"weft.io/gpu-memory.model": GPU_SHARE, **(annotations or {})})
     ids = []
-    for config in _pod_containers():
+    for config in _pod_containers(runtime_default):
         cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=pod.id, config=config,
                                                             sandbox_config=pod.config),
                                  timeout=mesh.RPC_TIMEOUT).container_id
@@ -137,9 +144,12 @@ def stop_pod(rt: cri_grpc.RuntimeServiceStub, pod: Started) -> None:
 
 
 # The pod start's sides: opted in (with its shadow sandbox prepared as RunPodSandbox arrives), opted in with
-# that switched off by the pod's annotation (how it started before), and plain.
-POD_SIDES = {"opted_in": ("weft", {}), "opted_in_unprepared": ("weft", {PREPARE_ANNOTATION: "false"}),
-             "plain": ("", {})}
+# that switched off by the pod's annotation (how it started before), and plain; then opted in and plain again
+# with every container under the runtime's default seccomp profile, which a host applies to a rerouted container
+# whatever it asked (runc compiling the filter is most of what a rerouted start adds to an unconfined one).
+POD_SIDES = {"opted_in": ("weft", {}, False), "opted_in_unprepared": ("weft", {PREPARE_ANNOTATION: "false"}, False),
+             "plain": ("", {}, False), "opted_in_runtime_default": ("weft", {}, True),
+             "plain_runtime_default": ("", {}, True)}
 
 
 def pod_starts(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, n: int, warmup: int = 1) -> dict:
@@ -149,9 +159,10 @@ def pod_starts(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, n: int, warmup:
     for i in range(warmup + n):
         k = i % len(order)
         for side in order[k:] + order[:k]:
-            handler, annotations = POD_SIDES[side]
+            handler, annotations, runtime_default = POD_SIDES[side]
             t0 = time.perf_counter_ns()
-            started = start_pod(fabric, rt, f"start-{side.replace('_', '-')}-{i}", handler, annotations)
+            started = start_pod(fabric, rt, f"start-{side.replace('_', '-')}-{i}", handler, annotations,
+                                runtime_default)
             dt = time.perf_counter_ns() - t0
             stop_pod(rt, started)  # untimed; every start then sees the same pods running
             if i >= warmup:
@@ -160,11 +171,15 @@ def pod_starts(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, n: int, warmup:
                     placements.append(started.placements)
     opted, plain = mesh.p50_p95(out["opted_in"]), mesh.p50_p95(out["plain"])
     unprepared = mesh.p50_p95(out["opted_in_unprepared"])
+    opted_rd, plain_rd = mesh.p50_p95(out["opted_in_runtime_default"]), mesh.p50_p95(out["plain_runtime_default"])
     return {"opted_in": opted, "plain": plain, "ratio_p50": round(opted["p50_ms"] / plain["p50_ms"], 3),
             "opted_in_placements": sorted({" + ".join(p) for p in placements}),
             "ratio_p95": round(opted["p95_ms"] / plain["p95_ms"], 3), "opted_in_unprepared": unprepared,
             "unprepared_ratio_p50": round(unprepared["p50_ms"] / plain["p50_ms"], 3),
-            "unprepared_ratio_p95": round(unprepared["p95_ms"] / plain["p95_ms"], 3)}
+            "unprepared_ratio_p95": round(unprepared["p95_ms"] / plain["p95_ms"], 3),
+            "opted_in_runtime_default": opted_rd, "plain_runtime_default": plain_rd,
+            "runtime_default_ratio_p50": round(opted_rd["p50_ms"] / plain_rd["p50_ms"], 3),
+            "runtime_default_ratio_p95": round(opted_rd["p95_ms"] / plain_rd["p95_ms"], 3)}
 
 
 def first_starts(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, n: int, warmup: int = 1) -> dict:
@@ -436,6 +451,12 @@ def _new_start_rows(f: dict) -> list[tuple[str, ...]]:
                   f"{ps['opted_in_unprepared']['p50_ms']:.1f} / {ps['opted_in_unprepared']['p95_ms']:.1f} ms",
                   f"{ps['plain']['p50_ms']:.1f} / {ps['plain']['p95_ms']:.1f} ms",
                   f"{ps['unprepared_ratio_p50']:.2f}x / {ps['unprepared_ratio_p95']:.2f}x", "before")]
+    if "runtime_default_ratio_p50" in ps:
+        o, p = ps["opted_in_runtime_default"], ps["plain_runtime_default"]
+        rows += [("pod start p50 / p95, both under the runtime's default seccomp profile, opted in vs plain",
+                  f"{o['p50_ms']:.1f} / {o['p95_ms']:.1f} ms", f"{p['p50_ms']:.1f} / {p['p95_ms']:.1f} ms",
+                  f"{ps['runtime_default_ratio_p50']:.2f}x / {ps['runtime_default_ratio_p95']:.2f}x",
+                  "like for like")]
     if first:
         limit = f["targets"].get("first_start_ratio", FIRST_START_RATIO)
         rows += [("first container start p50 / p95 in a fresh pod, remote vs local",

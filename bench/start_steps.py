@@ -1,0 +1,179 @@
+"""Where an opted-in pod's start goes: each CRI call of it against a plain pod's, and the rerouted start's parts.
+
+``python -m bench.start_steps [--starts 10] [--json] [--output FILE]``, from a checkout, as root. The local
+three-node fabric of ``weft bench e2e --cpusets`` (``gpu-1`` origin with the broker and this benchmark on half
+the CPUs, hosts ``cpu-1`` and ``cpu-2`` on the other half). Three parts, each taking turns between its sides:
+
+1. The two-stage pod of ``weft bench e2e`` started opted in and plain (RunPodSandbox, then Create and Start of
+   its CPU container ``prep`` and its GPU container ``model``), each call timed as kubelet sees it; once with
+   the containers asking for no seccomp profile, once with both under the runtime's default.
+2. The rerouted ``prep``'s start split, from the host's ``shadow.started`` log (finding the shadow,
+   containerd's StartContainer, reweighing the shadows' group, reading its status): what is left of the time
+   the origin's kubelet saw is the mesh round trip and the origin's own work.
+3. On a host's containerd directly, no weft in the way: the same container started unconfined and under the
+   runtime's default seccomp profile (which a host gives every rerouted container).
+
+Exit codes as ``weft bench``: 0 measured, 1 failed, 130/143 stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from cri_api.v1 import api_pb2 as cri
+
+from shim.bench import e2e, mesh
+from shim.bench.running import guarded, report, right_aligned
+from shim.core.stats import percentile
+from shim.localfabric import pods
+
+SIDES = {"opted in": "weft", "plain": ""}
+PARTS = ("find_ms", "start_ms", "reweigh_ms", "status_ms")
+
+
+def _median(xs: list[float]) -> float:
+    return round(percentile(xs, 50), 1)
+
+
+def pod_steps(fabric, rt, starts: int, runtime_default: bool) -> dict[str, dict[str, float]]:
+    """Median ms of each CRI call of the pod's start, per side (one unmeasured warm-up start each)."""
+    seen: dict[str, dict[str, list[float]]] = {side: {} for side in SIDES}
+    for i in range(starts + 1):
+        for side in (list(SIDES) if i % 2 == 0 else list(reversed(SIDES))):
+            name = f"steps-{'rd' if runtime_default else 'un'}-{side.replace(' ', '-')}-{i}"
+            t = time.perf_counter()
+            pod = mesh.run_pod(fabric, rt, name, handler=SIDES[side],
+                               annotations={"weft.io/gpu-memory.model": e2e.GPU_SHARE})
+            steps = {"RunPodSandbox": time.perf_counter() - t}
+            ids = []
+            for config in e2e._pod_containers(runtime_default):
+                n = config.metadata.name
+                t = time.perf_counter()
+                cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=pod.id, config=config,
+                                                                    sandbox_config=pod.config),
+                                         timeout=mesh.RPC_TIMEOUT).container_id
+                steps[f"Create {n}"] = time.perf_counter() - t
+                t = time.perf_counter()
+                rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=mesh.RPC_TIMEOUT)
+                steps[f"Start {n}"] = time.perf_counter() - t
+                ids.append(cid)
+            for cid in ids:
+                mesh.wait_running(rt, cid)
+            e2e.stop_pod(rt, e2e.Started(pod.id, ids, []))
+            if i:
+                for step, s in steps.items():
+                    seen[side].setdefault(step, []).append(s * 1e3)
+    return {side: {step: _median(v) for step, v in steps.items()} for side, steps in seen.items()}
+
+
+def host_parts(fabric, since: dict[str, int]) -> dict[str, float]:
+    """Medians of the hosts' ``shadow.started`` parts, from the lines their logs gained after ``since``."""
+    parts: dict[str, list[float]] = {p: [] for p in PARTS}
+    for host in mesh.HOSTS:
+        for line in fabric.agents[host].log_text()[since[host]:].splitlines():
+            if '"shadow.started"' not in line:
+                continue
+            event = json.loads(line)
+            for p in PARTS:
+                parts[p].append(float(event[p]))
+    return {p: _median(v) for p, v in parts.items() if v}
+
+
+def direct_starts(fabric, starts: int) -> dict[str, float]:
+    """Median ms of StartContainer on a host's containerd: the same container unconfined and under RuntimeDefault."""
+    node = fabric.node(mesh.HOSTS[0])
+    ch, rt = fabric.direct(mesh.HOSTS[0])
+    seen: dict[str, list[float]] = {"unconfined": [], "RuntimeDefault": []}
+    with ch:
+        for i in range(starts + 1):
+            for kind in (list(seen) if i % 2 == 0 else list(reversed(seen))):
+                config = mesh.cpu_container("prep", cpu=0.1, memory=32 << 20)
+                if kind == "RuntimeDefault":
+                    config.linux.security_context.seccomp.profile_type = cri.SecurityProfile.RuntimeDefault
+                sandbox = pods.sandbox_config(f"direct-{kind.lower()}-{i}", node.containerd.pod_log_dir,
+                                              cgroup_parent=node.containerd.cgroup_root)
+                sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox),
+                                       timeout=mesh.RPC_TIMEOUT).pod_sandbox_id
+                cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sid, config=config,
+                                                                    sandbox_config=sandbox),
+                                         timeout=mesh.RPC_TIMEOUT).container_id
+                t = time.perf_counter()
+                rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=mesh.RPC_TIMEOUT)
+                took = (time.perf_counter() - t) * 1e3
+                mesh.remove_pod(rt, sid)
+                if i:
+                    seen[kind].append(took)
+    return {kind: _median(v) for kind, v in seen.items()}
+
+
+def measure(starts: int, say) -> dict:
+    with tempfile.TemporaryDirectory(prefix="weft-bench-start-steps-") as tmp:
+        fabric = mesh.open_fabric(Path(tmp) / "fabric", cpusets=True)
+        affinity = os.sched_getaffinity(0)
+        os.sched_setaffinity(0, {int(c) for c in fabric.agents[mesh.ORIGIN].cpus.split(",")})
+        try:
+            ch, rt = mesh.origin(fabric)
+            with ch:
+                out: dict = {"starts": starts, "cpus": {n: a.cpus for n, a in fabric.agents.items()}}
+                for runtime_default in (False, True):
+                    key = "runtime_default" if runtime_default else "unconfined"
+                    say(f"pod start, {starts} opted in and {starts} plain, containers {key}")
+                    since = {h: len(fabric.agents[h].log_text()) for h in mesh.HOSTS}
+                    out[key] = {"steps": pod_steps(fabric, rt, starts, runtime_default),
+                                "host_start_parts": host_parts(fabric, since)}
+            say(f"StartContainer on {mesh.HOSTS[0]}'s containerd directly, {starts} each unconfined and "
+                "under RuntimeDefault")
+            out["host_direct_start"] = direct_starts(fabric, starts)
+            return out
+        finally:
+            os.sched_setaffinity(0, affinity)
+            fabric.close()
+
+
+def _table(f: dict) -> str:
+    lines = []
+    for key, title in (("unconfined", "containers asking for no seccomp profile"),
+                       ("runtime_default", "containers under the runtime's default seccomp profile")):
+        steps = f[key]["steps"]
+        rows = [("step", "opted in", "plain", "added")]
+        for step, ms in steps["opted in"].items():
+            plain = steps["plain"][step]
+            rows.append((step, f"{ms:.1f} ms", f"{plain:.1f} ms", f"{ms - plain:+.1f} ms"))
+        lines += [f"pod start, medians of {f['starts']}, {title}:", *right_aligned(rows)]
+        parts = f[key]["host_start_parts"]
+        if parts:
+            lines.append("  the rerouted prep's start on its host: " +
+                         ", ".join(f"{p.removesuffix('_ms')} {ms:.1f} ms" for p, ms in parts.items()))
+        lines.append("")
+    d = f["host_direct_start"]
+    lines.append(f"StartContainer on a host's containerd directly: unconfined {d['unconfined']:.1f} ms, "
+                 f"RuntimeDefault {d['RuntimeDefault']:.1f} ms")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.start_steps", description=__doc__.splitlines()[0])
+    ap.add_argument("--starts", type=int, default=10, help="measured starts per side and part (default 10)")
+    ap.add_argument("--json", action="store_true", help="print one JSON object")
+    ap.add_argument("--output", type=Path, help="also write the JSON here")
+    args = ap.parse_args(argv)
+    if args.starts < 1:
+        ap.error("--starts: at least 1")
+
+    def say(line: str) -> None:
+        print(f"[start-steps] {line}", file=sys.stderr, flush=True)
+
+    code, figures = guarded(say, lambda: measure(args.starts, say))
+    if figures is None:
+        return code
+    return report(figures, args.json, args.output, _table)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
