@@ -60,7 +60,7 @@ from shim.core.stats import percentile
 from shim.core.tracking import TRACKED_PEERS
 from shim.errors import WeftError
 from shim.localfabric import pods
-from shim.localfabric.agent import AgentProcess, free_port
+from shim.localfabric.agent import AgentProcess, free_port, stop_all
 from shim.localfabric.broker import BrokerProcess, weft_handler
 from shim.localfabric.nodes import Cluster, Node
 from shim.localfabric.waiting import wait_for
@@ -268,10 +268,7 @@ class LocalFleet:
             self.agents[h].start(timeout=120)
 
     def close(self) -> None:
-        for agent in self.agents.values():
-            with contextlib.suppress(Exception):
-                agent.stop()
-                agent.release_mounts()
+        stop_all(self.agents.values())
         if self.cluster is not None:
             self.cluster.close()
         for broker in self.brokers.values():

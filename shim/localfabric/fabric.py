@@ -27,7 +27,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim.cri.host.volumes import unmount_under
 from shim.localfabric import cpuset
-from shim.localfabric.agent import AgentProcess, free_port
+from shim.localfabric.agent import AgentProcess, free_port, stop_all
 from shim.localfabric.broker import BrokerProcess, weft_handler
 from shim.localfabric.containerd import Containerd
 from shim.localfabric.nodes import Cluster, Node
@@ -205,10 +205,7 @@ class Fabric3:
         return left
 
     def close(self) -> None:
-        for agent in self.agents.values():
-            with contextlib.suppress(Exception):
-                agent.stop()
-                agent.release_mounts()
+        stop_all(self.agents.values())
         if self.cluster is not None:
             self.cluster.close()
         if self.broker is not None:
