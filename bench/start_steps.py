@@ -7,9 +7,11 @@ the CPUs, hosts ``cpu-1`` and ``cpu-2`` on the other half). Three parts, each ta
 1. The two-stage pod of ``weft bench e2e`` started opted in and plain (RunPodSandbox, then Create and Start of
    its CPU container ``prep`` and its GPU container ``model``), each call timed as kubelet sees it; once with
    the containers asking for no seccomp profile, once with both under the runtime's default.
-2. The rerouted ``prep``'s start split, from the host's ``shadow.started`` log (finding the shadow,
-   containerd's StartContainer, reweighing the shadows' group, reading its status): what is left of the time
-   the origin's kubelet saw is the mesh round trip and the origin's own work.
+2. The rerouted ``prep``'s create and start split, from the host's ``shadow.created`` log (the image check,
+   the checks and volumes, the shadow sandbox found or made, containerd's CreateContainer, the whole RunShadow)
+   and ``shadow.started`` log (finding the shadow, containerd's StartContainer, reweighing the shadows' group,
+   reading its status): what is left of the time the origin's kubelet saw is the mesh (Admit and the round
+   trips) and the origin's own work.
 3. On a host's containerd directly, no weft in the way: the same container started unconfined and under the
    runtime's default seccomp profile (which a host gives every rerouted container).
 
@@ -34,7 +36,9 @@ from shim.core.stats import percentile
 from shim.localfabric import pods
 
 SIDES = {"opted in": "weft", "plain": ""}
-PARTS = ("find_ms", "start_ms", "reweigh_ms", "status_ms")
+# The host's log events of a rerouted container, and the parts each says its work took.
+PARTS = {"shadow.created": ("pull_ms", "check_ms", "sandbox_ms", "create_ms", "total_ms"),
+         "shadow.started": ("find_ms", "start_ms", "reweigh_ms", "status_ms")}
 
 
 def _median(xs: list[float]) -> float:
@@ -72,17 +76,16 @@ def pod_steps(fabric, rt, starts: int, runtime_default: bool) -> dict[str, dict[
     return {side: {step: _median(v) for step, v in steps.items()} for side, steps in seen.items()}
 
 
-def host_parts(fabric, since: dict[str, int]) -> dict[str, float]:
-    """Medians of the hosts' ``shadow.started`` parts, from the lines their logs gained after ``since``."""
-    parts: dict[str, list[float]] = {p: [] for p in PARTS}
+def host_parts(fabric, since: dict[str, int]) -> dict[str, dict[str, float]]:
+    """Medians of the parts the hosts' ``shadow.created`` and ``shadow.started`` events give, from the lines their
+    logs gained after ``since``."""
+    parts: dict[str, dict[str, list[float]]] = {e: {p: [] for p in ps} for e, ps in PARTS.items()}
     for host in mesh.HOSTS:
         for line in fabric.agents[host].log_text()[since[host]:].splitlines():
-            if '"shadow.started"' not in line:
-                continue
-            event = json.loads(line)
-            for p in PARTS:
-                parts[p].append(float(event[p]))
-    return {p: _median(v) for p, v in parts.items() if v}
+            event = json.loads(line) if line.startswith("{") and '"shadow.' in line else {}
+            for p in PARTS.get(event.get("event", ""), ()):
+                parts[event["event"]][p].append(float(event[p]))
+    return {e: {p: _median(v) for p, v in ps.items() if v} for e, ps in parts.items()}
 
 
 def direct_starts(fabric, starts: int) -> dict[str, float]:
@@ -126,7 +129,7 @@ def measure(starts: int, say) -> dict:
                     say(f"pod start, {starts} opted in and {starts} plain, containers {key}")
                     since = {h: len(fabric.agents[h].log_text()) for h in mesh.HOSTS}
                     out[key] = {"steps": pod_steps(fabric, rt, starts, runtime_default),
-                                "host_start_parts": host_parts(fabric, since)}
+                                "host_parts": host_parts(fabric, since)}
             say(f"StartContainer on {mesh.HOSTS[0]}'s containerd directly, {starts} each unconfined and "
                 "under RuntimeDefault")
             out["host_direct_start"] = direct_starts(fabric, starts)
@@ -146,10 +149,11 @@ def _table(f: dict) -> str:
             plain = steps["plain"][step]
             rows.append((step, f"{ms:.1f} ms", f"{plain:.1f} ms", f"{ms - plain:+.1f} ms"))
         lines += [f"pod start, medians of {f['starts']}, {title}:", *right_aligned(rows)]
-        parts = f[key]["host_start_parts"]
-        if parts:
-            lines.append("  the rerouted prep's start on its host: " +
-                         ", ".join(f"{p.removesuffix('_ms')} {ms:.1f} ms" for p, ms in parts.items()))
+        for event, what in (("shadow.created", "create"), ("shadow.started", "start")):
+            parts = f[key]["host_parts"].get(event)
+            if parts:
+                lines.append(f"  the rerouted prep's {what} on its host: " +
+                             ", ".join(f"{p.removesuffix('_ms')} {ms:.1f} ms" for p, ms in parts.items()))
         lines.append("")
     d = f["host_direct_start"]
     lines.append(f"StartContainer on a host's containerd directly: unconfined {d['unconfined']:.1f} ms, "

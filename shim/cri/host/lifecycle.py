@@ -179,6 +179,7 @@ class Lifecycle:
         return self.volume_root / _safe_component(origin, "origin node") / label(key)
 
     def run(self, origin: str, req: pb.RunShadowRequest) -> pb.ShadowState:
+        began = time.perf_counter()
         try:
             sandbox = cri.PodSandboxConfig.FromString(req.sandbox_config)
             config = cri.ContainerConfig.FromString(req.container_config)
@@ -206,6 +207,7 @@ class Lifecycle:
         reserved = self.reservations is not None and unreachable is None
         # The pull may take minutes: outside the lock, so Watch, RemoveShadow and other RunShadows go on.
         self._pull(config.image, auth)
+        pulled = time.perf_counter()
         with self.lock:
             existing = self.rt.find({ORIGIN_LABEL: origin, KEY_LABEL: label(req.key)}, containers=True)
             if existing:  # idempotent: the origin retried
@@ -228,7 +230,9 @@ class Lifecycle:
                     config.mounts.append(cri.Mount(container_path=e.container_path, readonly=False,
                                                    host_path=str(_empty_dir(volumes, i, e))))
                 shadow_sandbox = self._shadow_sandbox(origin, req, sandbox, origin_labels)
+                checked = time.perf_counter()
                 sandbox_id = self._sandbox(shadow_sandbox, origin_labels)
+                sandboxed = time.perf_counter()
                 # A prepared sandbox was made before the origin's sandbox ID, and so this directory, was known.
                 Path(shadow_sandbox.log_directory).mkdir(parents=True, exist_ok=True)
                 config.labels.update({**origin_labels, KEY_LABEL: label(req.key),
@@ -243,6 +247,7 @@ class Lifecycle:
                 created = self.rt.call(RT + "CreateContainer", cri.CreateContainerRequest(
                     pod_sandbox_id=sandbox_id, config=config, sandbox_config=shadow_sandbox),
                     cri.CreateContainerResponse)
+                made = time.perf_counter()
                 self.ctx.shadows.present = True
                 failpoint.hit("run_shadow.created")
                 if self.reservations is not None:
@@ -259,9 +264,12 @@ class Lifecycle:
                         shadow_volumes.remove(volumes)
                 raise
         self.capacity.reweigh()
+        done = time.perf_counter()
         _log.info("shadow.created", origin=origin, key=req.key, sandbox_id=sandbox_id,
                   container_id=created.container_id, image=config.image.image, started=req.start,
-                  volumes=len(plans), unreserved=unreachable is not None)
+                  volumes=len(plans), unreserved=unreachable is not None,
+                  **_ms(pull_ms=(began, pulled), check_ms=(pulled, checked), sandbox_ms=(checked, sandboxed),
+                        create_ms=(sandboxed, made), total_ms=(began, done)))
         state = self.rt.state(req.key, sandbox_id, created.container_id)
         if unreachable is not None:
             state.note = ("made without its reservation, the Kubernetes API did not answer: by the rules from before "
@@ -319,9 +327,8 @@ class Lifecycle:
             t3 = time.perf_counter()
             state = self.rt.state(key, c.pod_sandbox_id, c.id)
             t4 = time.perf_counter()
-            _log.info("shadow.started", origin=origin, key=key, container_id=c.id, find_ms=round((t1 - t0) * 1e3, 2),
-                      start_ms=round((t2 - t1) * 1e3, 2), reweigh_ms=round((t3 - t2) * 1e3, 2),
-                      status_ms=round((t4 - t3) * 1e3, 2))
+            _log.info("shadow.started", origin=origin, key=key, container_id=c.id,
+                      **_ms(find_ms=(t0, t1), start_ms=(t1, t2), reweigh_ms=(t2, t3), status_ms=(t3, t4)))
             return state
         return self.rt.state(key, c.pod_sandbox_id, c.id)
 
@@ -447,6 +454,11 @@ def _rmdir_up(path: Path, stop: Path) -> None:
 
 def _rmtree_quietly(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _ms(**spans: tuple[float, float]) -> dict[str, float]:
+    """Each span (start, end of ``time.perf_counter``) in milliseconds, for a log event."""
+    return {name: round((end - start) * 1e3, 2) for name, (start, end) in spans.items()}
 
 
 def shadow_cgroup(parent: str, uid: str, *, systemd: bool) -> str:
