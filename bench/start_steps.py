@@ -51,25 +51,9 @@ def pod_steps(fabric, rt, starts: int, runtime_default: bool) -> dict[str, dict[
     for i in range(starts + 1):
         for side in (list(SIDES) if i % 2 == 0 else list(reversed(SIDES))):
             name = f"steps-{'rd' if runtime_default else 'un'}-{side.replace(' ', '-')}-{i}"
-            t = time.perf_counter()
-            pod = mesh.run_pod(fabric, rt, name, handler=SIDES[side],
-                               annotations={"weft.io/gpu-memory.model": e2e.GPU_SHARE})
-            steps = {"RunPodSandbox": time.perf_counter() - t}
-            ids = []
-            for config in e2e._pod_containers(runtime_default):
-                n = config.metadata.name
-                t = time.perf_counter()
-                cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=pod.id, config=config,
-                                                                    sandbox_config=pod.config),
-                                         timeout=mesh.RPC_TIMEOUT).container_id
-                steps[f"Create {n}"] = time.perf_counter() - t
-                t = time.perf_counter()
-                rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=mesh.RPC_TIMEOUT)
-                steps[f"Start {n}"] = time.perf_counter() - t
-                ids.append(cid)
-            for cid in ids:
-                mesh.wait_running(rt, cid)
-            e2e.stop_pod(rt, e2e.Started(pod.id, ids, []))
+            steps: dict[str, float] = {}
+            e2e.stop_pod(rt, e2e.start_pod(fabric, rt, name, SIDES[side], runtime_default=runtime_default,
+                                           steps=steps))
             if i:
                 for step, s in steps.items():
                     seen[side].setdefault(step, []).append(s * 1e3)

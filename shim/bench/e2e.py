@@ -117,16 +117,26 @@ class Started:
 
 
 def start_pod(fabric: Fabric3, rt: cri_grpc.RuntimeServiceStub, name: str, handler: str,
-              annotations: dict[str, str] | None = None, runtime_default: bool = False) -> Started:
-    """RunPodSandbox, then create and start both containers, until both run."""
+              annotations: dict[str, str] | None = None, runtime_default: bool = False,
+              steps: dict[str, float] | None = None) -> Started:
+    """RunPodSandbox, then create and start both containers, until both run; ``steps`` gets each call's
+    seconds ("RunPodSandbox", "Create <name>", "Start <name>")."""
+    steps = {} if steps is None else steps
+    t = time.perf_counter()
     pod = mesh.run_pod(fabric, rt, name, handler=handler,
                        annotations={"weft.io/gpu-memory.model": GPU_SHARE, **(annotations or {})})
+    steps["RunPodSandbox"] = time.perf_counter() - t
     ids = []
     for config in _pod_containers(runtime_default):
+        n = config.metadata.name
+        t = time.perf_counter()
         cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=pod.id, config=config,
                                                             sandbox_config=pod.config),
                                  timeout=mesh.RPC_TIMEOUT).container_id
+        steps[f"Create {n}"] = time.perf_counter() - t
+        t = time.perf_counter()
         rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=mesh.RPC_TIMEOUT)
+        steps[f"Start {n}"] = time.perf_counter() - t
         ids.append(cid)
     return Started(pod.id, ids, [mesh.wait_running(rt, cid).annotations.get(mesh.PLACEMENT, "") for cid in ids])
 
