@@ -14,7 +14,12 @@ stdout, so ``weft gpu-check`` can hold two clients in step::
     busy MS [SMS]   run a kernel for about MS ms with enough blocks for SMS SMs (default: the count it sees);
                     answers how many SMs ran its blocks, which MPS holds to the client's share
     free            free what alloc kept
+    sleep MS        wait MS ms (a pause in a scripted run, while something outside changes)
+    devices         the GPU device nodes under /dev and the visible-devices variables this process has
     exit            (or end of input) release the context and exit 0
+
+``--commands "init; alloc 512; exit"`` reads the commands from its argument instead, for a container
+whose output is its log and that nobody talks to.
 
 Exit codes: 0 done, 2 bad arguments, 3 libcuda cannot be loaded, 4 ran past
 ``--max-seconds`` (the kill of last resort for a client that hangs).
@@ -226,12 +231,13 @@ def answer(client: Client, line: str) -> dict | None:
     """One command's answer; None for exit."""
     words = line.split()
     if not words:
-        return {"ok": False, "error": "empty command (init, alloc MIB, busy MS [SMS], free, exit)"}
+        return {"ok": False, "error": "empty command (init, alloc MIB, busy MS [SMS], free, sleep MS, devices, exit)"}
     op, args = words[0], words[1:]
-    want = {"init": (0, 0), "alloc": (1, 1), "busy": (1, 2), "free": (0, 0), "exit": (0, 0)}
+    want = {"init": (0, 0), "alloc": (1, 1), "busy": (1, 2), "free": (0, 0), "sleep": (1, 1), "devices": (0, 0),
+            "exit": (0, 0)}
     if op not in want:
         return {"op": op, "ok": False,
-                "error": f"unknown command {op!r} (init, alloc MIB, busy MS [SMS], free, exit)"}
+                "error": f"unknown command {op!r} (init, alloc MIB, busy MS [SMS], free, sleep MS, devices, exit)"}
     low, high = want[op]
     if not low <= len(args) <= high:
         takes = f"{low}" if low == high else f"{low} to {high}"
@@ -243,6 +249,11 @@ def answer(client: Client, line: str) -> dict | None:
             out = client.init()
         elif op == "alloc":
             out = client.alloc(_number(args[0], "alloc MIB", 1, MAX_ALLOC_MIB))
+        elif op == "sleep":
+            time.sleep(_number(args[0], "sleep MS", 1, 600_000) / 1000)
+            out = {}
+        elif op == "devices":
+            out = _devices()
         elif op == "busy":
             out = client.busy(_number(args[0], "busy MS", 1, 60_000),
                               _number(args[1], "busy SMS", 1, MAX_SMS) if len(args) > 1 else None)
@@ -255,6 +266,15 @@ def answer(client: Client, line: str) -> dict | None:
     return {"op": op, "ok": True, **out}
 
 
+def _devices() -> dict:
+    try:
+        nodes = sorted(f"/dev/{n}" for n in os.listdir("/dev") if n.startswith("nvidia"))
+    except OSError:
+        nodes = []
+    env = {k: v for k, v in os.environ.items() if k in ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")}
+    return {"nodes": nodes, "env": env}
+
+
 def _say(doc: dict) -> None:
     sys.stdout.write(json.dumps(doc) + "\n")
     sys.stdout.flush()
@@ -264,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="cuda_client", description="weft gpu-check's CUDA client (commands on stdin)")
     p.add_argument("--libcuda", default="libcuda.so.1", help="the CUDA driver library (default libcuda.so.1)")
     p.add_argument("--max-seconds", type=float, default=120.0, help="exit 4 after this long, whatever happens")
+    p.add_argument("--commands", help="the commands, separated by ';', instead of stdin's lines")
     args = p.parse_args(argv)
     if not 0 < args.max_seconds <= 3600:
         p.error(f"--max-seconds must be within 0..3600, got {args.max_seconds}")
@@ -285,7 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     client = Client(driver)
     _say({"op": "load", "ok": True, "pid": os.getpid()})
     try:
-        for line in sys.stdin:
+        lines = sys.stdin if args.commands is None else [c for c in args.commands.split(";") if c.strip()]
+        for line in lines:
             doc = answer(client, line)
             if doc is None:
                 break

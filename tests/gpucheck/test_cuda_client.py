@@ -80,8 +80,8 @@ def test_a_clients_own_limit_only_lowers_its_servers(fake_libcuda: str, tmp_path
         pytest.param("busy 600000", "busy MS must be within 1..60000, got 600000", id="busy-too-long"),
         pytest.param("busy 10 0", "busy SMS must be within 1..4096, got 0", id="busy-no-sms"),
         pytest.param("busy 10 20 30", "busy takes 1 to 2 argument(s), got 3", id="busy-extra-argument"),
-        pytest.param("launch", "unknown command 'launch' (init, alloc MIB, busy MS [SMS], free, exit)", id="unknown"),
-        pytest.param("   ", "empty command (init, alloc MIB, busy MS [SMS], free, exit)", id="empty"),
+        pytest.param("launch", "unknown command 'launch' (init, alloc MIB, busy MS [SMS], free, sleep MS, devices, exit)", id="unknown"),
+        pytest.param("   ", "empty command (init, alloc MIB, busy MS [SMS], free, sleep MS, devices, exit)", id="empty"),
     ],
 )
 def test_a_bad_command_is_answered_and_the_client_goes_on(fake_libcuda: str, command: str, error: str) -> None:
@@ -150,3 +150,24 @@ def test_bad_arguments_exit_2(fake_libcuda: str, args: list[str]) -> None:
 def test_end_of_input_is_exit(fake_libcuda: str) -> None:
     code, lines, _ = run(fake_libcuda, ["init", "alloc 8"])
     assert code == 0 and [line["op"] for line in lines] == ["load", "init", "alloc"]
+
+
+def test_commands_from_the_argument_as_a_container_runs_it(fake_libcuda: str, tmp_path: Path) -> None:
+    # A container's client has no one on its stdin: its script is its argument, its answers its log.
+    code, lines, _ = run(fake_libcuda, [], {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path), "NVIDIA_VISIBLE_DEVICES": "GPU-1",
+                                            "CUDA_VISIBLE_DEVICES": "GPU-1", "OTHER": "x"},
+                         "--commands", "devices; init ;sleep 20; alloc 64;", "--max-seconds", "20")
+    assert code == 0
+    load, devices, init, slept, alloc = lines
+    assert load["ok"] and init["ok"] and alloc["bytes"] == 64 << 20
+    assert slept == {"op": "sleep", "ok": True}
+    assert devices["env"] == {"NVIDIA_VISIBLE_DEVICES": "GPU-1", "CUDA_VISIBLE_DEVICES": "GPU-1"}
+    assert all(node.startswith("/dev/nvidia") for node in devices["nodes"])
+
+
+def test_a_bad_scripted_command_is_answered_and_the_rest_still_run(fake_libcuda: str, tmp_path: Path) -> None:
+    code, lines, _ = run(fake_libcuda, [], {"CUDA_MPS_PIPE_DIRECTORY": str(tmp_path)},
+                         "--commands", "sleep soon; init")
+    assert code == 0
+    assert lines[1] == {"op": "sleep", "ok": False, "error": "sleep MS must be a whole number, got 'soon'"}
+    assert lines[2]["op"] == "init" and lines[2]["ok"] is True
