@@ -7,6 +7,10 @@ concurrent Acquires never see the same free memory. Each fact is in the
 store before the call returns; the service keeps a copy of the live leases in
 memory (loaded at start, changed only together with the store) so an Acquire
 does not re-read and re-decode every lease from SQLite.
+
+A MIG-enabled GPU is never leased, whole or shared: CUDA runs only on its MIG
+instances, which the backend lists as devices of their own and which are
+leased by their UUIDs like any GPU.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from shim import failpoint, log
-from shim.broker.backend import Backend, GpuDevice
+from shim.broker.backend import Backend, DeviceNodesUnknown, GpuDevice
 from shim.broker.mps import MpsError, MpsLimits
 from shim.core import packing
 from shim.core.leases import LeaseConflict, LeaseState, check_bind
@@ -55,6 +59,7 @@ class LeaseService:
         self._lock = threading.Lock()
         self._devices = backend.devices()
         self._by_uuid = {d.uuid: d for d in self._devices}
+        self._leasable = [d for d in self._devices if d.leasable]
         self._live: dict[str, LeaseRecord] = {r.lease_id: r for r in store.all()}
         self._dead_since: dict[str, float] = {}  # lease -> when its container was first seen gone
 
@@ -70,20 +75,21 @@ class LeaseService:
         compute = compute_percent or 100
         if not 1 <= compute <= 100:
             raise BadAnnotation(f"Acquire: compute_percent {compute_percent} is outside 1..100")
-        largest = max((d.memory_total for d in self._devices), default=0)
-        if memory_bytes > largest:
-            raise BadAnnotation(f"Acquire: {memory_bytes} bytes is larger than any device ({largest} bytes)")
         allowed_set = frozenset(allowed) or None
         unknown = sorted((allowed_set or frozenset()) - self._by_uuid.keys())
         if unknown:
             raise BadAnnotation(f"Acquire: allowed devices {', '.join(unknown)} are not on this node")
+        allowed_set = self._without_mig_gpus(allowed_set, key, namespace, pod, container)
+        largest = max((d.memory_total for d in self._leasable), default=0)
+        if memory_bytes > largest:
+            raise BadAnnotation(f"Acquire: {memory_bytes} bytes is larger than any device ({largest} bytes)")
         ask = packing.Ask(memory_bytes=memory_bytes or None, compute_percent=compute,
                           count=1 if memory_bytes else max(count, 1), allowed=allowed_set)
         with self._lock:
             existing = next((r for r in self._live.values() if r.key == key), None)
             if existing is not None:  # a retried CreateContainer: the same lease, never a second one
                 return existing
-            capacities = [packing.DeviceCapacity(d.uuid, d.index, d.memory_total) for d in self._devices]
+            capacities = [packing.DeviceCapacity(d.uuid, d.index, d.memory_total) for d in self._leasable]
             decision = packing.pack(ask, capacities, self._held())
             if not decision.ok:
                 _log.info("lease.refused", key=key, pod=pod, namespace=namespace, container=container,
@@ -97,6 +103,25 @@ class LeaseService:
                   devices=list(record.device_uuids), memory_bytes=record.memory_bytes,
                   compute_percent=record.compute_percent, shared=record.shared, reason=decision.reason.value)
         return record
+
+    def _without_mig_gpus(self, allowed: frozenset[str] | None, key: str, namespace: str, pod: str,
+                          container: str) -> frozenset[str] | None:
+        """The packing domain less MIG-enabled GPUs; LeaseRefused where that leaves nothing, saying why."""
+        mig_gpus = [d for d in self._devices if d.mig_enabled and (allowed is None or d.uuid in allowed)]
+        if not mig_gpus:
+            return allowed
+        left = None if allowed is None else frozenset(u for u in allowed if self._by_uuid[u].leasable)
+        if (left is None and self._leasable) or left:
+            return left
+        parts = []
+        for gpu in mig_gpus:
+            instances = [d.uuid for d in self._devices if d.parent_uuid == gpu.uuid]
+            parts.append(f"GPU {gpu.uuid} has MIG on: " + (
+                f"the broker leases its MIG instances ({', '.join(instances)}) by their own UUIDs, not the GPU"
+                if instances else "it has no MIG instances, so there is nothing on it to lease"))
+        _log.info("lease.refused", key=key, pod=pod, namespace=namespace, container=container, reason="mig-gpu",
+                  detail="; ".join(parts))
+        raise LeaseRefused(f"no GPU for {namespace}/{pod}/{container}: {'; '.join(parts)}")
 
     def _held(self) -> list[packing.Held]:
         held = []
@@ -117,6 +142,13 @@ class LeaseService:
         env = {"NVIDIA_VISIBLE_DEVICES": uuids, "CUDA_VISIBLE_DEVICES": uuids}
         mounts: list[tuple[str, str, bool]] = []
         memory = ask.memory_bytes or 0
+        # Before the MPS daemon starts: a device whose nodes cannot be named must not leave a daemon behind.
+        try:
+            nodes = [n for d in devices for n in self.backend.device_nodes(d.uuid)]
+        except DeviceNodesUnknown as exc:
+            raise LeaseRefused(f"no GPU for {namespace}/{pod}/{container}: {exc}") from exc
+        if nodes:
+            nodes += self.backend.control_nodes()
         if decision.shared:
             device = devices[0]
             env["CUDA_MPS_PIPE_DIRECTORY"] = MPS_PIPE_IN_CONTAINER
@@ -131,9 +163,6 @@ class LeaseService:
                 mounts.append((str(daemon.pipe_dir), MPS_DEFAULT_PIPE, False))
                 if self.mps.private_shm:
                     mounts.append((str(daemon.shm_dir), "/dev/shm", False))
-        nodes = [n for d in devices for n in self.backend.device_nodes(d.uuid)]
-        if nodes:
-            nodes += self.backend.control_nodes()
         return LeaseRecord(
             lease_id=lease_id, key=key, namespace=namespace, pod=pod, pod_uid=pod_uid,
             container=container, sandbox_id=sandbox_id, device_uuids=tuple(d.uuid for d in devices),

@@ -3,6 +3,9 @@
 ``FakeNvml`` answers like pynvml over two devices (an A100 with MIG off, a T4
 without MIG support). Its process list is what tests set, or, given a
 ``world`` directory, what the fake libcuda's live processes wrote there.
+``enable_mig`` turns the A100's MIG on with the instances a test gives it (by
+slot, so slots in between are empty), and ``write_mig_caps`` writes the
+driver's capability files for them into a stand-in ``/proc``.
 
 ``FAKE_MPS`` is a stand-in ``nvidia-cuda-mps-control``: with ``-f`` it is the
 daemon, listening on ``$CUDA_MPS_PIPE_DIRECTORY/control``; without it, it is
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import os
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -29,14 +33,45 @@ import pynvml
 GI = 1 << 30
 A100 = "GPU-0c4a3b1e-8a61-4d0e-9a0e-1f6e2b7c9d01"
 T4 = "GPU-7f2d9c44-51b3-4e8a-b1a2-6c0d3e9f8a02"
+MIG_A = "MIG-3b1c0a52-7f0e-5d6b-9c41-2a8e6f1d0b11"
+MIG_B = "MIG-9e07d2c4-1a35-5b8f-a6d2-7c4e0f3b9a22"
+NO_INSTANCE = 0xFFFFFFFF  # NVML's instance ids of a process outside MIG
 
 
 def nvml_error(code: int) -> pynvml.NVMLError:
     return pynvml.NVMLError(code)
 
 
-def proc(pid: int, used: int | None) -> SimpleNamespace:
-    return SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=0xFFFFFFFF, computeInstanceId=0xFFFFFFFF)
+def proc(pid: int, used: int | None, gi: int = NO_INSTANCE, ci: int = NO_INSTANCE) -> SimpleNamespace:
+    return SimpleNamespace(pid=pid, usedGpuMemory=used, gpuInstanceId=gi, computeInstanceId=ci)
+
+
+@dataclass
+class FakeMig:
+    """One MIG instance of the fake A100."""
+
+    uuid: str
+    gpu_instance: int
+    compute_instance: int
+    memory: int
+    sms: int | None = 14  # None: the driver lacks nvmlDeviceGetAttributes
+    name: str = "NVIDIA A100-SXM4-80GB MIG 1g.10gb"
+    used: int = 0
+
+
+def two_instances() -> dict[int, FakeMig]:
+    """A 1g.10gb instance in slot 0 and a 3g.40gb one in slot 2 (slot 1 empty)."""
+    return {0: FakeMig(MIG_A, 7, 0, 10 * GI), 2: FakeMig(MIG_B, 2, 0, 40 * GI, sms=42,
+                                                         name="NVIDIA A100-SXM4-80GB MIG 3g.40gb")}
+
+
+def write_mig_caps(proc_root: Path, gpu_minor: int, gpu_instance: int, compute_instance: int, gi_cap: int,
+                   ci_cap: int) -> None:
+    """The driver's capability files of one MIG instance, as /proc/driver/nvidia/capabilities has them."""
+    gi_dir = proc_root / "driver/nvidia/capabilities" / f"gpu{gpu_minor}" / "mig" / f"gi{gpu_instance}"
+    for directory, minor in ((gi_dir, gi_cap), (gi_dir / f"ci{compute_instance}", ci_cap)):
+        directory.mkdir(parents=True, exist_ok=True)
+        (directory / "access").write_text(f"DeviceFileMinor: {minor}\nDeviceFileMode: 292\nDeviceFileModify: 1\n")
 
 
 def sample(pid: int, ts: int, sm: int) -> SimpleNamespace:
@@ -44,7 +79,7 @@ def sample(pid: int, ts: int, sm: int) -> SimpleNamespace:
 
 
 class FakeNvml:
-    """Answers like pynvml over two devices: an A100 with MIG off, a T4 without MIG support."""
+    """Answers like pynvml over two devices: an A100 with MIG off (``enable_mig`` turns it on), a T4 without MIG."""
 
     NVMLError = pynvml.NVMLError
 
@@ -65,6 +100,9 @@ class FakeNvml:
         self.mig = {"h0": [pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_DISABLE], "h1": None}
         self.capability = {"h0": (8, 0), "h1": (7, 5)}
         self.used = {"h0": 0, "h1": 0}
+        self.max_mig = {"h0": 7}
+        self.instances: dict[str, dict[int, FakeMig]] = {"h0": {}}  # GPU handle -> slot -> instance
+        self.world_instance: tuple[int, int] = (NO_INSTANCE, NO_INSTANCE)  # the world's processes' instance ids
         # The world's processes are on the first device; the MPS list exists only with mps_list (newer drivers).
         self.world = world
         if mps_list or world is not None:
@@ -75,6 +113,25 @@ class FakeNvml:
         if name.startswith("NVML_"):
             return getattr(pynvml, name)
         raise AttributeError(name)
+
+    def enable_mig(self, instances: dict[int, FakeMig] | None = None, *, world_slot: int | None = None) -> None:
+        """The A100 with MIG on (now and after a reset) and these instances by slot; the world's processes on
+        the instance in ``world_slot``."""
+        self.mig["h0"] = [pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_ENABLE]
+        self.instances["h0"] = dict(instances or {})
+        if world_slot is not None:
+            mig = self.instances["h0"][world_slot]
+            self.world_instance = (mig.gpu_instance, mig.compute_instance)
+
+    def _mig_on(self, h: str) -> bool:
+        return self.mig.get(h) is not None and self.mig[h][0] == pynvml.NVML_DEVICE_MIG_ENABLE
+
+    def _instance(self, h: str) -> FakeMig | None:
+        """The instance a MIG handle (``h0/mig<slot>``) stands for; None for a GPU's handle."""
+        if "/mig" not in h:
+            return None
+        parent, slot = h.split("/mig")
+        return self.instances[parent][int(slot)]
 
     def _enter(self, name: str, *args: Any) -> None:
         self.calls.append((name, args))
@@ -121,15 +178,66 @@ class FakeNvml:
         return f"h{index}"
 
     def nvmlDeviceGetUUID(self, h: str) -> str | bytes:
+        if (mig := self._instance(h)) is not None:
+            return mig.uuid
         # Older nvidia-ml-py releases hand back bytes.
         return self.handles[h].encode() if h == "h0" else self.handles[h]
 
     def nvmlDeviceGetName(self, h: str) -> str | bytes:
+        if (mig := self._instance(h)) is not None:
+            return mig.name.encode()
         return b"NVIDIA A100-SXM4-80GB" if h == "h0" else "Tesla T4"
 
     def nvmlDeviceGetMemoryInfo(self, h: str) -> SimpleNamespace:
+        if (mig := self._instance(h)) is not None:
+            return SimpleNamespace(total=mig.memory, used=mig.used, free=mig.memory - mig.used)
         total = 80 * GI if h == "h0" else 16 * GI
         return SimpleNamespace(total=total, used=self.used[h], free=total - self.used[h])
+
+    # -- MIG: the GPU's instances, each a handle of its own -----------------------------------
+    def nvmlDeviceGetMaxMigDeviceCount(self, h: str) -> int:
+        self._enter("nvmlDeviceGetMaxMigDeviceCount", h)
+        if h not in self.max_mig:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return self.max_mig[h] if self._mig_on(h) else 0
+
+    def nvmlDeviceGetMigDeviceHandleByIndex(self, h: str, index: int) -> str:
+        self._enter("nvmlDeviceGetMigDeviceHandleByIndex", h, index)
+        if not self._mig_on(h):
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if not 0 <= index < self.max_mig[h]:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        if index not in self.instances[h]:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)
+        return f"{h}/mig{index}"
+
+    def nvmlDeviceGetDeviceHandleFromMigDeviceHandle(self, h: str) -> str:
+        if self._instance(h) is None:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return h.split("/mig")[0]
+
+    def nvmlDeviceIsMigDeviceHandle(self, h: str) -> bool:
+        return self._instance(h) is not None
+
+    def nvmlDeviceGetGpuInstanceId(self, h: str) -> int:
+        self._enter("nvmlDeviceGetGpuInstanceId", h)
+        if (mig := self._instance(h)) is None:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return mig.gpu_instance
+
+    def nvmlDeviceGetComputeInstanceId(self, h: str) -> int:
+        self._enter("nvmlDeviceGetComputeInstanceId", h)
+        if (mig := self._instance(h)) is None:
+            raise nvml_error(pynvml.NVML_ERROR_INVALID_ARGUMENT)
+        return mig.compute_instance
+
+    def nvmlDeviceGetAttributes(self, h: str) -> SimpleNamespace:
+        self._enter("nvmlDeviceGetAttributes", h)
+        mig = self._instance(h)
+        if mig is None or mig.sms is None:
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED if mig is None else pynvml.NVML_ERROR_FUNCTION_NOT_FOUND)
+        return SimpleNamespace(multiprocessorCount=mig.sms, memorySizeMB=mig.memory >> 20, gpuInstanceSliceCount=1,
+                               computeInstanceSliceCount=1)
 
     def nvmlDeviceGetMigMode(self, h: str) -> list[int]:
         self._enter("nvmlDeviceGetMigMode", h)
@@ -155,7 +263,8 @@ class FakeNvml:
     def nvmlDeviceGetComputeRunningProcesses(self, h: str) -> list:
         self._enter("nvmlDeviceGetComputeRunningProcesses", h)
         if h == "h0" and self.world is not None:
-            return [proc(pid, used) for pid, used, mps in self._world() if not mps] + self.compute[h]
+            return [proc(pid, used, *self.world_instance) for pid, used, mps in self._world() if not mps] \
+                + self.compute[h]
         return self.compute[h]
 
     def nvmlDeviceGetGraphicsRunningProcesses(self, h: str) -> list:
@@ -165,15 +274,19 @@ class FakeNvml:
     def _mps_processes(self, h: str) -> list:
         self._enter("nvmlDeviceGetMPSComputeRunningProcesses", h)
         if h == "h0" and self.world is not None:
-            return [proc(pid, used) for pid, used, mps in self._world() if mps] + self.mps[h]
+            return [proc(pid, used, *self.world_instance) for pid, used, mps in self._world() if mps] + self.mps[h]
         return self.mps[h]
 
     def nvmlDeviceGetUtilizationRates(self, h: str) -> SimpleNamespace:
         self._enter("nvmlDeviceGetUtilizationRates", h)
+        if self._mig_on(h):  # as the driver: no whole-GPU utilization under MIG
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         return SimpleNamespace(gpu=42 if h == "h0" else 7, memory=0)
 
     def nvmlDeviceGetProcessUtilization(self, h: str, since: int) -> list:
         self._enter("nvmlDeviceGetProcessUtilization", h, since)
+        if self._mig_on(h):
+            raise nvml_error(pynvml.NVML_ERROR_NOT_SUPPORTED)
         newer = [s for s in self.samples[h] if s.timeStamp > since]
         if not newer:
             raise nvml_error(pynvml.NVML_ERROR_NOT_FOUND)

@@ -1,7 +1,9 @@
-"""LeaseService on a simulated 2x80GiB node: acquire, bind, release, reconcile, and restart."""
+"""LeaseService on a simulated 2x80GiB node: acquire, bind, release, reconcile, and restart; and on the fake
+NVML with MIG on, whose instances are leased by their UUIDs and whose MIG-enabled GPU never is."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -13,11 +15,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from shim.broker.mps import MpsError, MpsLimits
+from shim.broker.nvml import NvmlBackend
 from shim.broker.service import MPS_DEFAULT_PIPE, MPS_PIPE_IN_CONTAINER, LeaseService
 from shim.broker.simulated import SimulatedBackend, simulated_uuid
 from shim.core.leases import LeaseState
 from shim.errors import BadAnnotation, LeaseConflictError, LeaseNotFound, LeaseRefused
 from shim.state.leases import LeaseRecord, LeaseStore
+from tests.broker.fakes import A100, MIG_A, MIG_B, T4, FakeNvml, two_instances, write_mig_caps
 
 GI = 2**30
 U0, U1 = simulated_uuid(0), simulated_uuid(1)
@@ -380,3 +384,131 @@ def test_malformed_hook_lines_get_a_clear_answer(svc: LeaseService, line: bytes)
 
     answer = _answer(svc, line)
     assert answer["ok"] is False and answer["code"] == "INVALID_ARGUMENT" and answer["error"]
+
+
+# -- MIG: instances leased by their own UUIDs, the MIG-enabled GPU never ----------------------
+@pytest.fixture
+def mig_fake() -> FakeNvml:
+    """The fake A100 with MIG on (a 10 GiB and a 40 GiB instance) beside a 16 GiB T4."""
+    fake = FakeNvml()
+    fake.enable_mig(two_instances())
+    return fake
+
+
+@pytest.fixture
+def mig_proc(tmp_path: Path) -> Path:
+    root = tmp_path / "proc"
+    write_mig_caps(root, 0, 7, 0, 66, 67)
+    write_mig_caps(root, 0, 2, 0, 21, 22)
+    return root
+
+
+@pytest.fixture
+def mig_svc(tmp_path: Path, mps: FakeMps, mig_fake: FakeNvml, mig_proc: Path) -> Iterator[LeaseService]:
+    s = LeaseService(NvmlBackend(library=mig_fake, proc_root=mig_proc), LeaseStore(tmp_path / "state"), mps)
+    yield s
+    s.store.close()
+    s.backend.close()
+
+
+def test_a_mig_instance_is_leased_whole_by_its_uuid(mig_svc: LeaseService, mps: FakeMps) -> None:
+    rec = acquire(mig_svc, "sb/app/0", allowed=(MIG_A,))
+    assert (rec.device_uuids, rec.shared, rec.memory_bytes, rec.compute_percent) == ((MIG_A,), False, 10 * GI, 100)
+    assert rec.env == {"NVIDIA_VISIBLE_DEVICES": MIG_A, "CUDA_VISIBLE_DEVICES": MIG_A}
+    # The GPU's node and the instance's two capabilities, and the control nodes this host has.
+    assert rec.device_nodes[:3] == ("/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap66", "/dev/nvidia-caps/nvidia-cap67")
+    assert mps.calls == []
+    with pytest.raises(LeaseRefused):
+        acquire(mig_svc, "sb/b/0", memory=GI, compute=10, allowed=(MIG_A,))
+
+
+def test_a_mig_instance_is_shared_by_its_uuid_under_its_own_mps_daemon(mig_svc: LeaseService, mps: FakeMps) -> None:
+    a = acquire(mig_svc, "sb/a/0", memory=8 * GI, compute=25, allowed=(MIG_B,))
+    b = acquire(mig_svc, "sb/b/0", memory=16 * GI, compute=50, allowed=(MIG_B,))
+    for rec, memory, share in ((a, 8 * GI, 25), (b, 16 * GI, 50)):
+        assert (rec.device_uuids, rec.shared, rec.memory_bytes, rec.compute_percent) == ((MIG_B,), True, memory,
+                                                                                         share)
+        assert rec.env["CUDA_VISIBLE_DEVICES"] == MIG_B and rec.env["NVIDIA_VISIBLE_DEVICES"] == MIG_B
+        assert rec.device_nodes[:3] == ("/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap21",
+                                        "/dev/nvidia-caps/nvidia-cap22")
+    assert mps.calls == [("ensure", a.lease_id, MIG_B, MpsLimits(8 * GI, 25)),
+                         ("ensure", b.lease_id, MIG_B, MpsLimits(16 * GI, 50))]
+    with pytest.raises(LeaseRefused):
+        acquire(mig_svc, "sb/c/0", memory=20 * GI, compute=10, allowed=(MIG_B,))  # 24 of 40 GiB are leased
+
+
+def test_shares_are_never_packed_on_a_mig_enabled_gpu(mig_svc: LeaseService) -> None:
+    # The A100 itself has 80 GiB and no lease; only its 40 GiB instance may take a 30 GiB share.
+    assert acquire(mig_svc, "sb/a/0", memory=30 * GI, compute=10).device_uuids == (MIG_B,)
+    with pytest.raises(LeaseRefused):
+        acquire(mig_svc, "sb/b/0", memory=30 * GI, compute=10)
+    with pytest.raises(BadAnnotation, match="larger than any device"):
+        acquire(mig_svc, "sb/c/0", memory=50 * GI, compute=10)
+    placed = [acquire(mig_svc, f"sb/s{n}/0", memory=GI, compute=5).device_uuids[0] for n in range(12)]
+    assert A100 not in placed and set(placed) <= {T4, MIG_A, MIG_B}
+
+
+def test_whole_devices_are_the_instances_and_the_gpus_without_mig(mig_svc: LeaseService) -> None:
+    got = acquire(mig_svc, "sb/a/0", count=3)
+    assert sorted(got.device_uuids) == sorted((T4, MIG_A, MIG_B))
+    with pytest.raises(LeaseRefused):
+        acquire(mig_svc, "sb/b/0")
+
+
+def test_a_mig_enabled_gpu_asked_for_itself_is_refused_naming_its_instances(mig_svc: LeaseService,
+                                                                            mps: FakeMps) -> None:
+    for kwargs in ({}, {"memory": GI, "compute": 10}):
+        with pytest.raises(LeaseRefused) as err:
+            acquire(mig_svc, "sb/a/0", allowed=(A100,), **kwargs)
+        assert f"GPU {A100} has MIG on" in err.value.message
+        assert f"its MIG instances ({MIG_A}, {MIG_B})" in err.value.message
+    assert mig_svc.leases() == [] and mps.calls == []
+    # Beside an instance the GPU only narrows the domain to that instance.
+    assert acquire(mig_svc, "sb/b/0", allowed=(A100, MIG_A)).device_uuids == (MIG_A,)
+
+
+def test_a_mig_enabled_gpu_without_instances_is_refused_saying_so(tmp_path: Path, mps: FakeMps) -> None:
+    fake = FakeNvml()
+    fake.handles = {"h0": A100}
+    fake.enable_mig({})
+    svc = LeaseService(NvmlBackend(library=fake), LeaseStore(tmp_path / "state"), mps)
+    try:
+        for kwargs in ({}, {"memory": GI, "compute": 10}):
+            with pytest.raises(LeaseRefused) as err:
+                acquire(svc, "sb/a/0", **kwargs)
+            assert f"GPU {A100} has MIG on: it has no MIG instances" in err.value.message
+        assert svc.leases() == []
+    finally:
+        svc.store.close()
+        svc.backend.close()
+
+
+def test_an_instance_whose_capability_file_is_gone_is_refused_leaving_no_daemon(
+        mig_svc: LeaseService, mps: FakeMps, mig_proc: Path) -> None:
+    gone = mig_proc / "driver/nvidia/capabilities/gpu0/mig/gi2/ci0/access"
+    gone.unlink()
+    with pytest.raises(LeaseRefused) as err:
+        acquire(mig_svc, "sb/a/0", memory=GI, compute=10, allowed=(MIG_B,))
+    assert str(gone) in err.value.message and MIG_B in err.value.message
+    assert mig_svc.leases() == [] and mps.calls == [], "no lease stored, no daemon started"
+
+
+def test_the_mps_daemon_of_a_share_of_an_instance_sees_that_instance(
+        tmp_path: Path, mig_fake: FakeNvml, mig_proc: Path) -> None:
+    from shim.broker.mps import MpsSupervisor
+    from tests.broker.fakes import install_fake_mps
+
+    supervisor = MpsSupervisor(tmp_path / "mps", install_fake_mps(tmp_path / "bin"))
+    svc = LeaseService(NvmlBackend(library=mig_fake, proc_root=mig_proc), LeaseStore(tmp_path / "state"), supervisor)
+    try:
+        rec = acquire(svc, "sb/a/0", memory=2 * GI, compute=30, allowed=(MIG_A,))
+        [daemon] = supervisor.daemons()
+        started = json.loads((daemon.log_dir / "fake-env.json").read_text())
+        assert started["env"]["CUDA_VISIBLE_DEVICES"] == MIG_A, "the daemon, and so its server, sees the instance"
+        assert (daemon.key, daemon.device_uuid, daemon.limits) == (rec.lease_id, MIG_A, MpsLimits(2 * GI, 30))
+        svc.release(rec.lease_id)
+        assert supervisor.daemons() == []
+    finally:
+        supervisor.stop_all()
+        svc.store.close()
+        svc.backend.close()

@@ -11,11 +11,13 @@ import pytest
 from structlog.testing import capture_logs
 
 from shim.broker.metrics import BrokerMetrics
+from shim.broker.nvml import NvmlBackend
 from shim.broker.service import LeaseService
 from shim.broker.simulated import SimulatedBackend
 from shim.broker.watchdog import Violation, ViolationReason, Watchdog, cgroup_of, find_violations
 from shim.core.leases import LeaseState
 from shim.state.leases import LeaseRecord, LeaseStore
+from tests.broker.fakes import MIG_A, MIG_B, FakeNvml, proc, two_instances, write_mig_caps
 
 GI = 2**30
 U0 = "GPU-00000000-0000-4000-8000-000000000000"
@@ -121,3 +123,37 @@ def test_cgroup_of_a_finished_process_is_empty() -> None:
     proc = subprocess.Popen([sys.executable, "-c", "pass"])
     proc.wait()
     assert cgroup_of(proc.pid) == ""
+
+
+@pytest.mark.parametrize(
+    ("instance_ids", "used", "reasons"),
+    [
+        pytest.param((7, 0), GI, [], id="on-its-instance-within-its-share"),
+        pytest.param((7, 0), 3 * GI, ["over-memory"], id="on-its-instance-over-its-share"),
+        pytest.param((2, 0), GI, ["foreign-device"], id="on-the-other-instance-of-the-same-gpu"),
+    ],
+)
+def test_watchdog_judges_a_process_on_a_mig_gpu_by_its_instance(
+    tmp_path: Path, instance_ids: tuple[int, int], used: int, reasons: list[str]
+) -> None:
+    fake = FakeNvml(mps_list=True)
+    fake.enable_mig(two_instances())
+    write_mig_caps(tmp_path / "proc", 0, 7, 0, 66, 67)
+    backend = NvmlBackend(library=fake, proc_root=tmp_path / "proc")
+    service = LeaseService(backend, LeaseStore(tmp_path / "state"))
+    child = subprocess.Popen(["sleep", "60"])
+    try:
+        rec = service.acquire(key="sb/app/0", namespace="ns", pod="pod", pod_uid="uid", container="app",
+                              sandbox_id="sb", memory_bytes=2 * GI, compute_percent=50, count=1, allowed=(MIG_A,))
+        service.bind(rec.lease_id, "c" * 64, child.pid, cgroup_of(child.pid))
+        fake.mps["h0"] = [proc(child.pid, used, *instance_ids)]  # listed on the GPU, with its instance's ids
+        with capture_logs() as logs:
+            Watchdog(service, BrokerMetrics(service), action="log").tick()
+        seen = [e for e in logs if e["event"] == "lease.violation"]
+        assert [e["reason"] for e in seen] == reasons
+        assert all(e["device"] == (MIG_A if instance_ids == (7, 0) else MIG_B) for e in seen)
+    finally:
+        child.kill()
+        child.wait()
+        service.store.close()
+        backend.close()
