@@ -60,6 +60,7 @@ IMAGE_CACHE = Path(os.environ.get("WEFT_HARNESS_CACHE", "/var/cache/weft-harness
 MAX_SLOTS = 200
 
 VERSION_ENV = "WEFT_CONTAINERD"
+BIN_ENV = "WEFT_CONTAINERD_BIN"
 LINES = ("1.6", "1.7", "2")
 # The other 2.x lines upstream ships, built too for the installer's tests (their config default, --version);
 # the harness itself runs on LINES.
@@ -92,6 +93,11 @@ def bin_dir(line: str) -> Path | None:
         return None
     if line not in (*LINES, *RELEASE_LINES):
         raise ValueError(f"containerd line {line!r}: want one of {', '.join((*LINES, *RELEASE_LINES))}")
+    carried = os.environ.get(BIN_ENV)
+    if carried:
+        if not (Path(carried) / "containerd").is_file():
+            raise RuntimeError(f"{BIN_ENV}={carried}: no containerd there")
+        return Path(carried)
     if not CONTAINERD_BUILD.is_file():
         raise RuntimeError(f"containerd {line} is built by components/containerd/build.sh, which only a checkout has")
     res = subprocess.run(["bash", str(CONTAINERD_BUILD), line], capture_output=True, text=True, timeout=3600)
@@ -514,10 +520,18 @@ oom_score = 0
 
     def _import_images(self) -> None:
         for archive in images.cached_archives(IMAGE_CACHE):
-            res = _run("ctr", "-a", str(self.socket), "-n", "k8s.io", "images", "import", str(archive), check=False)
-            if res.returncode != 0:
-                raise RuntimeError(f"ctr images import {archive} failed: {res.stderr.strip()}")
+            self._ctr_import(archive)
         self._await_images_in_cri([spec.name for spec in images.IMAGES])
+
+    def import_image(self, archive: Path, name: str) -> None:
+        """Import one more OCI archive (an image named ``name``) and wait until CRI lists it."""
+        self._ctr_import(archive)
+        self._await_images_in_cri([name])
+
+    def _ctr_import(self, archive: Path) -> None:
+        res = _run("ctr", "-a", str(self.socket), "-n", "k8s.io", "images", "import", str(archive), check=False)
+        if res.returncode != 0:
+            raise RuntimeError(f"ctr images import {archive} failed: {res.stderr.strip()}")
 
     def _await_images_in_cri(self, names: list[str], timeout: float = 30.0) -> None:
         """Wait until the CRI plugin lists what ``ctr`` imported.

@@ -18,7 +18,8 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-BUSYBOX = Path("/bin/busybox")
+# WEFT_BUSYBOX: a static busybox elsewhere (the GPU proof carries Debian's to a machine without one).
+BUSYBOX = Path(os.environ.get("WEFT_BUSYBOX", "/bin/busybox"))
 
 BUSYBOX_IMAGE = "docker.io/library/busybox:weft-test"
 PAUSE_IMAGE = "registry.k8s.io/pause:weft-test"
@@ -198,3 +199,69 @@ def cached_archives(cache_dir: Path) -> list[Path]:
         for spec, path in zip(IMAGES, wanted, strict=True):
             build_archive(spec, path, layer)
     return wanted
+
+
+# Parts of the standard library a scripted client never imports: left out of a Python image.
+_STDLIB_SKIP = frozenset({"test", "tests", "idlelib", "tkinter", "turtledemo", "ensurepip", "site-packages",
+                          "dist-packages", "__pycache__", "lib2to3", "pydoc_data"})
+_PYTHON_PATHS = ("import json, os, sys, sysconfig, _ctypes; print(json.dumps({'exe': os.path.realpath(sys.executable), "
+                 "'stdlib': sysconfig.get_paths()['stdlib'], 'dynload': os.path.dirname(_ctypes.__file__)}))")
+
+
+def _shared_libraries(binaries: list[str]) -> set[str]:
+    """The shared libraries (and loader) these ELF files load, as ``ldd`` finds them on this machine."""
+    found: set[str] = set()
+    for binary in binaries:
+        out = subprocess.run(["ldd", binary], capture_output=True, text=True).stdout
+        for line in out.splitlines():
+            words = line.split()
+            path = words[2] if len(words) >= 3 and words[1] == "=>" else words[0] if words else ""
+            if path.startswith("/"):
+                found.add(path)
+    return found
+
+
+def python_layer(python: str, files: dict[str, bytes]) -> bytes:
+    """A layer with this machine's Python (its interpreter as ``/usr/bin/python3``, its standard library and
+    the shared libraries they load, from this machine) and ``files``: an image that runs a standard-library
+    script where no registry can be reached."""
+    paths = json.loads(subprocess.run([python, "-I", "-S", "-c", _PYTHON_PATHS], check=True, capture_output=True,
+                                      text=True).stdout)
+    entries: dict[str, bytes | str] = {}  # path in the image -> content, or a symlink's target
+    stdlib = Path(paths["stdlib"])
+    for root, dirs, names in os.walk(stdlib):
+        dirs[:] = sorted(d for d in dirs if d not in _STDLIB_SKIP and not d.startswith("config-"))
+        for name in names:
+            path = Path(root, name)
+            if path.is_file():
+                entries[str(path).lstrip("/")] = path.read_bytes()
+    dynload = Path(paths["dynload"])
+    extensions = sorted(str(p) for p in dynload.glob("*.so")) if dynload != stdlib else []
+    for ext in extensions:
+        entries[ext.lstrip("/")] = Path(ext).read_bytes()
+    for lib in sorted(_shared_libraries([paths["exe"], *extensions])):
+        entries[lib.lstrip("/")] = Path(lib).read_bytes()  # read through any symlink: the file the loader opens
+    entries[paths["exe"].lstrip("/")] = Path(paths["exe"]).read_bytes()
+    if paths["exe"] != "/usr/bin/python3":
+        entries["usr/bin/python3"] = paths["exe"]
+    entries.update(files)
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        dirs = sorted({str(parent) for name in entries for parent in Path(name).parents} - {"."})
+        for d in dirs:
+            info = tarfile.TarInfo(d)
+            info.type = tarfile.DIRTYPE
+            info.mode = 0o755
+            _add(tar, info)
+        for name, data in sorted(entries.items()):
+            info = tarfile.TarInfo(name)
+            if isinstance(data, str):
+                info.type = tarfile.SYMTYPE
+                info.linkname = data
+                info.mode = 0o777
+                _add(tar, info)
+            else:
+                info.size = len(data)
+                info.mode = 0o755
+                _add(tar, info, data)
+    return buf.getvalue()

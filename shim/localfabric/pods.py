@@ -26,16 +26,18 @@ PLACEMENT = "weft.io/placement"
 
 def sandbox_config(name: str, log_dir: Path, namespace: str = "default", *,
                    labels: dict[str, str] | None = None,
-                   annotations: dict[str, str] | None = None, cgroup_parent: str = "") -> cri.PodSandboxConfig:
+                   annotations: dict[str, str] | None = None, cgroup_parent: str = "",
+                   host_network: bool = False, host_pid: bool = False) -> cri.PodSandboxConfig:
     """A pod as kubelet asks for it; ``cgroup_parent`` is the root under which kubelet would put ``pod<uid>``.
 
     Without one containerd 1.6 cannot answer ListPodSandboxStats ("cgroupPath is
-    empty"); kubelet always sets one.
+    empty"); kubelet always sets one. ``host_network`` and ``host_pid`` are a
+    pod's ``hostNetwork`` and ``hostPID``.
     """
     uid = str(uuid.uuid4())
     return cri.PodSandboxConfig(
         metadata=cri.PodSandboxMetadata(name=name, namespace=namespace, uid=uid, attempt=0),
-        hostname=name,
+        hostname="" if host_network else name,  # as kubelet: the node's own name is the pod's
         log_directory=str(log_dir / f"{namespace}_{name}_{uid}"),
         labels={"io.kubernetes.pod.name": name, "io.kubernetes.pod.namespace": namespace,
                 "io.kubernetes.pod.uid": uid, **(labels or {})},
@@ -43,7 +45,8 @@ def sandbox_config(name: str, log_dir: Path, namespace: str = "default", *,
         linux=cri.LinuxPodSandboxConfig(
             cgroup_parent=f"{cgroup_parent}/pod{uid}" if cgroup_parent else "",
             security_context=cri.LinuxSandboxSecurityContext(
-                namespace_options=cri.NamespaceOption(network=cri.POD, pid=cri.CONTAINER, ipc=cri.POD),
+                namespace_options=cri.NamespaceOption(network=cri.NODE if host_network else cri.POD,
+                                                      pid=cri.NODE if host_pid else cri.CONTAINER, ipc=cri.POD),
             ),
         ),
     )
@@ -51,7 +54,9 @@ def sandbox_config(name: str, log_dir: Path, namespace: str = "default", *,
 
 def container_config(name: str, command: list[str], *, image: str = images.BUSYBOX_IMAGE,
                      labels: dict[str, str] | None = None, annotations: dict[str, str] | None = None,
-                     envs: dict[str, str] | None = None, attempt: int = 0) -> cri.ContainerConfig:
+                     envs: dict[str, str] | None = None, attempt: int = 0, host_network: bool = False,
+                     host_pid: bool = False) -> cri.ContainerConfig:
+    """A container as kubelet asks for it; ``host_network`` and ``host_pid`` as its pod's."""
     return cri.ContainerConfig(
         metadata=cri.ContainerMetadata(name=name, attempt=attempt),
         image=cri.ImageSpec(image=image),
@@ -63,7 +68,8 @@ def container_config(name: str, command: list[str], *, image: str = images.BUSYB
         linux=cri.LinuxContainerConfig(
             resources=cri.LinuxContainerResources(cpu_shares=2, memory_limit_in_bytes=64 << 20),
             security_context=cri.LinuxContainerSecurityContext(
-                namespace_options=cri.NamespaceOption(network=cri.POD, pid=cri.CONTAINER, ipc=cri.POD),
+                namespace_options=cri.NamespaceOption(network=cri.NODE if host_network else cri.POD,
+                                                      pid=cri.NODE if host_pid else cri.CONTAINER, ipc=cri.POD),
             ),
         ),
     )

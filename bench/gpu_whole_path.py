@@ -1,0 +1,504 @@
+"""A GPU pod's whole path: containerd, the ``weft`` handler, the OCI hook, CDI and the broker, two pods on one GPU.
+
+What a user runs, driven through the agent's CRI socket as kubelet would drive it: an opted-in pod whose GPU
+container asks for a 25 % memory and 25 % compute share, beside a second one at 50 % on the same GPU (a device
+plugin with shared replicas gave both the same device by its CDI name), and a plain pod asking for the whole GPU
+through CDI. Each container runs weft's CUDA client (``shim/gpucheck/cuda_client.py``: the driver API through
+ctypes, a PTX kernel) from an image built here, offline, from this machine's Python; the client's answers are
+its log. Then the faults: the driver's CDI spec gone when a container is made, and an MPS daemon killed under a
+running pod.
+
+Everything is real but the GPU's side, which ``GpuSide`` stands for: on a GPU node (``scripts/gpu-proof.sh
+--whole-path``) NVML, the NVIDIA driver's MPS control and ``libcuda``, and the CDI spec ``nvidia-ctk cdi
+generate`` writes; in the integration test, the fakes the broker's and gpu-check's tests use.
+
+    python -m bench.gpu_whole_path --out DIR [--starts 3] [--nvidia-ctk PATH] [--cdi-hook PATH] [--mps-control PATH]
+
+writes DIR/whole-path.json (every check with its detail, the figures) and DIR/summary.txt; exit 0 when every
+check passed, 1 when one failed, 2 when it could not start.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import grpc
+from cri_api.v1 import api_pb2 as cri
+from cri_api.v1 import api_pb2_grpc as cri_grpc
+
+from shim.gpucheck import cuda_client
+from shim.localfabric import images, pods
+from shim.localfabric.agent import AgentProcess
+from shim.localfabric.broker import weft_handler
+from shim.localfabric.containerd import Containerd
+
+CLIENT_IMAGE = "docker.io/library/weft-cuda-client:whole-path"
+CLIENT_IN_IMAGE = "/weft/cuda_client.py"
+# How long the two shared pods hold before allocating, so both are running when their leases are read.
+HOLD_MS = 3000
+MIB = 1 << 20
+
+
+@dataclass
+class GpuSide:
+    """What stands for the GPU: NVML (a broker backend), the MPS control binary, and the driver's CDI spec."""
+
+    backend: Any
+    mps_binary: str
+    # Writes the driver's CDI spec into containerd's spec directory; returns the spec's path.
+    write_cdi: Callable[[Path], Path]
+    client_env: dict[str, str] = field(default_factory=dict)
+    # The fake libcuda finds its MPS server by the host's PID: its pods share the host's PID namespace.
+    host_pid: bool = False
+    python: str = sys.executable  # whose interpreter and standard library the client's image carries
+
+
+def libcuda_in(spec: dict) -> str:
+    """Where the CDI spec's edits put ``libcuda.so.1`` in the container (the client loads it from there)."""
+    edits = [spec.get("containerEdits") or {}, *((d.get("containerEdits") or {}) for d in spec.get("devices", []))]
+    for edit in edits:
+        for mount in edit.get("mounts") or []:
+            path = str(mount.get("containerPath", ""))
+            if os.path.basename(path).startswith("libcuda.so"):
+                return str(Path(path).with_name("libcuda.so.1")) if path.endswith(".so.1") else path
+    raise ValueError("the CDI spec mounts no libcuda.so into the container")
+
+
+def nvidia_ctk_cdi(nvidia_ctk: str, cdi_hook: str, log: Path) -> Callable[[Path], Path]:
+    """The driver's CDI spec as a GPU node's is made: ``nvidia-ctk cdi generate``, by index and by UUID."""
+
+    def write(directory: Path) -> Path:
+        out = directory / "nvidia.json"
+        res = subprocess.run([nvidia_ctk, "cdi", "generate", "--format", "json", f"--output={out}",
+                              f"--nvidia-cdi-hook-path={cdi_hook}", "--device-name-strategy", "index",
+                              "--device-name-strategy", "uuid"], capture_output=True, text=True, timeout=120)
+        log.write_text(res.stdout + res.stderr)
+        if res.returncode != 0 or not out.is_file():
+            raise RuntimeError(f"nvidia-ctk cdi generate failed ({res.returncode}): {res.stderr.strip()[-1500:]}")
+        return out
+
+    return write
+
+
+class Failed(Exception):
+    """A step could not go on (its check is recorded as failed)."""
+
+
+class WholePath:
+    def __init__(self, gpu: GpuSide, work: Path, *, starts: int = 3, step_timeout: float = 120.0) -> None:
+        self.gpu, self.work, self.starts, self.step_timeout = gpu, work, starts, step_timeout
+        self.checks: list[dict] = []
+        self.figures: dict[str, Any] = {}
+
+    # -- recording -----------------------------------------------------------
+    def check(self, name: str, ok: bool, detail: str) -> bool:
+        self.checks.append({"name": name, "result": "ok" if ok else "fail", "detail": detail})
+        return ok
+
+    def document(self) -> dict:
+        proven = bool(self.checks) and all(c["result"] == "ok" for c in self.checks)
+        return {"verdict": "proven" if proven else "not proven", "checks": self.checks, "figures": self.figures}
+
+    # -- the run -------------------------------------------------------------
+    def run(self) -> dict:
+        from shim.broker.mps import MpsSupervisor
+        from shim.brokerd import Broker, BrokerConfig
+
+        devices = [d for d in self.gpu.backend.devices() if not d.mig_enabled]
+        if not devices:
+            self.check("device", False, "no GPU outside MIG to run on")
+            return self.document()
+        self.device = devices[0]
+        self.figures["device"] = {"index": self.device.index, "uuid": self.device.uuid, "name": self.device.name,
+                                  "memory_mib": self.device.memory_total // MIB}
+        cfg = BrokerConfig(socket=self.work / "broker" / "broker.sock", state_dir=self.work / "broker" / "state",
+                           backend="nvml", enforce="kill", watchdog_interval=0.5, mps_dir=self.work / "broker" / "mps")
+        assert cfg.mps_dir is not None
+        self.mps_dir = cfg.mps_dir
+        self.mps = MpsSupervisor(cfg.mps_dir, self.gpu.mps_binary, private_shm=True)
+        with contextlib.ExitStack() as stack:
+            self.broker = Broker(cfg, backend=self.gpu.backend, mps=self.mps).start()
+            stack.callback(self.broker.stop)
+            self.ctrd = stack.enter_context(Containerd(handlers=[weft_handler(self.work, cfg.socket)], line="2"))
+            self.spec_path = self.gpu.write_cdi(self.ctrd.cdi_spec_dir)
+            self.libcuda = libcuda_in(json.loads(self.spec_path.read_text()))
+            archive = images.build_archive(
+                images.ImageSpec(CLIENT_IMAGE, ("python3",)), self.work / "client-image.tar",
+                extra_layers=(images.python_layer(self.gpu.python, {
+                    CLIENT_IN_IMAGE.lstrip("/"): Path(cuda_client.__file__).read_bytes()}),))
+            self.ctrd.import_image(archive, CLIENT_IMAGE)
+            self.agent = stack.enter_context(AgentProcess(self.ctrd, self.work / "agent",
+                                                          extra_args=["--broker-socket", str(cfg.socket)]))
+            self.rt = cri_grpc.RuntimeServiceStub(stack.enter_context(grpc.insecure_channel(self.agent.address)))
+            self.direct = cri_grpc.RuntimeServiceStub(stack.enter_context(self.ctrd.channel()))
+            for step in (self.plain_whole_gpu, self.two_shares, self.released, self.start_times, self.cdi_missing,
+                         self.mps_killed, self.nothing_left):
+                try:
+                    step()
+                except (Failed, grpc.RpcError, RuntimeError, ValueError, KeyError) as exc:
+                    self.check(step.__name__.replace("_", "-"), False, f"stopped: {_reason(exc)}")
+                    self._remove_all()
+        return self.document()
+
+    # -- pods ----------------------------------------------------------------
+    def _pod(self, name: str, *, weft: bool, share: int | None = None,
+             rt: cri_grpc.RuntimeServiceStub | None = None) -> tuple[str, cri.PodSandboxConfig]:
+        annotations = {}
+        if share is not None:
+            annotations = {"weft.io/gpu-memory.cuda": f"{self.share_mib(share)}Mi",
+                           "weft.io/gpu-compute.cuda": str(share)}
+        # The node's network: nothing here needs a pod network, and a GPU node need not have CNI plugins.
+        cfg = pods.sandbox_config(name, self.ctrd.pod_log_dir, cgroup_parent=self.ctrd.cgroup_root,
+                                  annotations=annotations, host_network=True, host_pid=self.gpu.host_pid)
+        sb = (rt or self.rt).RunPodSandbox(cri.RunPodSandboxRequest(config=cfg, runtime_handler="weft" if weft else ""),
+                                           timeout=self.step_timeout).pod_sandbox_id
+        return sb, cfg
+
+    def _client(self, sb: str, cfg: cri.PodSandboxConfig, script: str, cdi: str,
+                rt: cri_grpc.RuntimeServiceStub | None = None) -> tuple[str, float]:
+        """Create and start the CUDA client's container; its id and the seconds create and start took."""
+        rt = rt or self.rt
+        ccfg = pods.container_config("cuda", ["python3", "-I", "-S", CLIENT_IN_IMAGE, "--libcuda", self.libcuda,
+                                              "--max-seconds", str(int(self.step_timeout)), "--commands", script],
+                                     image=CLIENT_IMAGE, envs=self.gpu.client_env, host_network=True,
+                                     host_pid=self.gpu.host_pid)
+        ccfg.linux.resources.memory_limit_in_bytes = 4 << 30  # libcuda maps far more than a shell's 64 MiB
+        ccfg.CDI_devices.add(name=cdi)
+        started = time.monotonic()
+        cid = rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sb, config=ccfg, sandbox_config=cfg),
+                                 timeout=self.step_timeout).container_id
+        rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=self.step_timeout)
+        return cid, time.monotonic() - started
+
+    def _exited(self, cid: str, rt: cri_grpc.RuntimeServiceStub | None = None) -> tuple[int, list[dict]]:
+        """Wait for the container to exit: its exit code and the client's answers (its log)."""
+        rt = rt or self.rt
+        deadline = time.monotonic() + self.step_timeout
+        while True:
+            status = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid), timeout=30).status
+            if status.state == cri.CONTAINER_EXITED:
+                return status.exit_code, self._answers(Path(status.log_path))
+            if time.monotonic() > deadline:
+                raise Failed(f"container {cid[:12]} still runs after {self.step_timeout:.0f} s")
+            time.sleep(0.2)
+
+    @staticmethod
+    def _answers(log: Path) -> list[dict]:
+        out = []
+        with contextlib.suppress(OSError):
+            for line in log.read_text(errors="replace").splitlines():
+                parts = line.split(" ", 3)  # CRI log lines: time, stream, tag, text
+                if len(parts) == 4 and parts[1] == "stdout":
+                    with contextlib.suppress(ValueError):
+                        out.append(json.loads(parts[3]))
+        return out
+
+    def _wait_answer(self, cid: str, op: str, count: int = 1) -> None:
+        deadline = time.monotonic() + self.step_timeout
+        while time.monotonic() < deadline:
+            status = self.rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid), timeout=30).status
+            if sum(a.get("op") == op for a in self._answers(Path(status.log_path))) >= count:
+                return
+            if status.state == cri.CONTAINER_EXITED:
+                break
+            time.sleep(0.1)
+        raise Failed(f"container {cid[:12]} did not answer {op!r}")
+
+    def _remove(self, sb: str, rt: cri_grpc.RuntimeServiceStub | None = None) -> None:
+        rt = rt or self.rt
+        rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=sb), timeout=self.step_timeout)
+        rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=sb), timeout=self.step_timeout)
+
+    def _remove_all(self) -> None:
+        with contextlib.suppress(grpc.RpcError):
+            for sb in self.direct.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=30).items:
+                with contextlib.suppress(grpc.RpcError):
+                    self._remove(sb.id)
+
+    def share_mib(self, percent: int) -> int:
+        return self.device.memory_total * percent // 100 // MIB
+
+    def leases(self) -> list:
+        from shim._pb import broker_pb2 as pb
+        from shim._pb import broker_pb2_grpc as pb_grpc
+
+        with grpc.insecure_channel(f"unix://{self.broker.cfg.socket}") as ch:
+            return list(pb_grpc.BrokerStub(ch).List(pb.ListRequest(), timeout=10).leases)
+
+    def _wait_no_leases(self, timeout: float = 30.0) -> tuple[float, list]:
+        started = time.monotonic()
+        while (left := self.leases()) and time.monotonic() - started < timeout:
+            time.sleep(0.05)
+        return time.monotonic() - started, left
+
+    def mps_processes(self) -> list[int]:
+        """PIDs of MPS control daemons and servers of this run's leases (by their pipe directory)."""
+        needle = f"CUDA_MPS_PIPE_DIRECTORY={self.mps_dir}".encode()
+        found = []
+        for pid_dir in Path("/proc").iterdir():
+            if not pid_dir.name.isdigit():
+                continue
+            with contextlib.suppress(OSError):
+                if needle in (pid_dir / "environ").read_bytes() and b"mps" in (pid_dir / "cmdline").read_bytes():
+                    found.append(int(pid_dir.name))
+        return found
+
+    def own_device_node(self, nodes: list[str]) -> bool:
+        """Whether the GPU nodes a container sees are its leased device's alone (control nodes aside)."""
+        gpus = {n for n in nodes if n.removeprefix("/dev/nvidia").isdigit()}
+        return gpus == {f"/dev/nvidia{self.device.index}"} or (not gpus and self.device.minor is None)
+
+    # -- the steps -----------------------------------------------------------
+    def plain_whole_gpu(self) -> None:
+        """A plain pod asking for the whole GPU through CDI gets it, as without weft, and no lease."""
+        sb, cfg = self._pod("plain-gpu", weft=False)
+        big = self.device.memory_total * 6 // 10 // MIB
+        cid, _ = self._client(sb, cfg, f"devices; init; alloc {big}; busy 500; exit", "nvidia.com/gpu=all")
+        leased = [lease for lease in self.leases() if lease.container_id == cid]
+        code, answers = self._exited(cid)
+        by_op = _by_op(answers)
+        init, alloc, busy = by_op.get("init", {}), by_op.get("alloc", [{}])[0], by_op.get("busy", [{}])[0]
+        self.sms_all = int(init.get("sms") or 0)
+        self.figures["plain"] = {"sms": self.sms_all, "total_mib": int(init.get("total_bytes", 0)) // MIB,
+                                 "alloc_mib": big, "alloc": alloc.get("ok"), "sms_used": busy.get("sms_used")}
+        self.check("plain.whole-gpu", code == 0 and alloc.get("ok") is True and not leased and self.sms_all > 0
+                   and busy.get("sms_used") == self.sms_all,
+                   f"exit {code}; saw {init.get('total_bytes', 0) // MIB} MiB and {self.sms_all} SMs, allocated "
+                   f"{big} MiB ({alloc.get('error', 'ok') if alloc else 'no answer'}), its kernel ran on "
+                   f"{busy.get('sms_used')} SMs; leases taken: {len(leased)}; devices {by_op.get('devices', {})}")
+        self._remove(sb)
+
+    def two_shares(self) -> None:
+        """Two opted-in pods share the GPU at 25 % and 50 %: each sees its device, is held to its share."""
+        if not getattr(self, "sms_all", 0):
+            raise Failed("the plain pod did not say how many SMs the GPU has")
+        runs: dict[int, tuple[str, str]] = {}
+        for share in (25, 50):
+            mib = self.share_mib(share)
+            script = (f"devices; init; sleep {HOLD_MS}; alloc {mib // 2}; alloc {mib * 3 // 4}; "
+                      f"busy 1000 {self.sms_all}; exit")
+            sb, cfg = self._pod(f"share-{share}", weft=True, share=share)
+            cid, _seconds = self._client(sb, cfg, script, f"nvidia.com/gpu={self.device.index}")
+            runs[share] = (sb, cid)
+        leases = {lease.container_id: lease for lease in self.leases()}
+        held = [leases.get(cid) for _, cid in runs.values()]
+        self.check("shares.leases", all(h is not None and h.state == "bound" and h.shared and
+                                        list(h.device_uuids) == [self.device.uuid] for h in held),
+                   "; ".join(f"{share} %: " + (f"{h.lease_id} {h.state} on {','.join(h.device_uuids)}, "
+                                               f"{h.memory_bytes // MIB} MiB, {h.compute_percent} %" if h else "none")
+                             for share, h in zip(runs, held, strict=True)))
+        self.figures["shares"] = {}
+        for share, (_sb, cid) in runs.items():
+            code, answers = self._exited(cid)
+            by_op = _by_op(answers)
+            devices, init = by_op.get("devices", {}), by_op.get("init", {})
+            allocs = by_op.get("alloc", [])
+            busy = (by_op.get("busy") or [{}])[0]
+            within, beyond = ([*allocs, {}, {}])[:2]
+            lease = leases.get(cid)
+            uuid = lease.device_uuids[0] if lease and lease.device_uuids else ""
+            want_sms = self.sms_all * share // 100
+            sms_used = int(busy.get("sms_used") or 0)
+            self.figures["shares"][str(share)] = {
+                "limit_mib": self.share_mib(share), "sms_seen": init.get("sms"), "sms_used": sms_used,
+                "sms_all": self.sms_all, "within_mib": self.share_mib(share) // 2, "within": within.get("ok"),
+                "beyond_mib": self.share_mib(share) * 3 // 4, "beyond": beyond.get("error", beyond.get("ok"))}
+            self.check(f"share-{share}.device", devices.get("env", {}).get("NVIDIA_VISIBLE_DEVICES") == uuid != ""
+                       and self.own_device_node(devices.get("nodes", [])),
+                       f"visible devices {devices.get('env')}, device nodes {devices.get('nodes')}; leased {uuid}")
+            self.check(f"share-{share}.memory", within.get("ok") is True and
+                       beyond.get("error") == "CUDA_ERROR_OUT_OF_MEMORY",
+                       f"allocated {self.share_mib(share) // 2} MiB of its {self.share_mib(share)} MiB "
+                       f"({within.get('error', 'ok')}), refused {self.share_mib(share) * 3 // 4} MiB more "
+                       f"({beyond.get('error', 'granted' if beyond.get('ok') else 'no answer')})")
+            # MPS rounds a share to whole TPCs (two SMs each).
+            self.check(f"share-{share}.compute", code == 0 and 0 < sms_used <= int(init.get("sms") or 0) + 1
+                       and abs(sms_used - want_sms) <= 2,
+                       f"exit {code}; given blocks for all {self.sms_all} SMs, its kernel ran on {sms_used} "
+                       f"(it sees {init.get('sms')}; {share} % is {want_sms})")
+        self.runs = runs
+
+    def released(self) -> None:
+        """Removing the pods releases their leases and stops their MPS daemons."""
+        if not getattr(self, "runs", None):
+            raise Failed("no shared pods ran")
+        started = time.monotonic()
+        for sb, _ in self.runs.values():
+            self._remove(sb)
+        _waited, left = self._wait_no_leases()
+        release_s = time.monotonic() - started
+        deadline = time.monotonic() + 10
+        while (mps := self.mps_processes()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        self.figures["release_s"] = round(release_s, 3)
+        self.check("released", not left and not mps,
+                   f"both pods removed and their leases released in {release_s:.2f} s; leases left {len(left)}, "
+                   f"MPS processes left {mps}")
+
+    def start_times(self) -> None:
+        """The opted-in GPU container's create and start through weft against a plain one's on containerd."""
+        weft_s, plain_s = [], []
+        for i in range(self.starts):
+            sb, cfg = self._pod(f"start-weft-{i}", weft=True, share=25)
+            cid, seconds = self._client(sb, cfg, "devices; exit", f"nvidia.com/gpu={self.device.index}")
+            weft_s.append(seconds)
+            self._exited(cid)
+            self._remove(sb)
+            sb, cfg = self._pod(f"start-plain-{i}", weft=False, rt=self.direct)
+            cid, seconds = self._client(sb, cfg, "devices; exit", "nvidia.com/gpu=all", rt=self.direct)
+            plain_s.append(seconds)
+            self._exited(cid, rt=self.direct)
+            self._remove(sb, rt=self.direct)
+        p50w, p50p = statistics.median(weft_s), statistics.median(plain_s)
+        self.figures["start"] = {"weft_ms": [round(s * 1000, 1) for s in weft_s],
+                                 "plain_ms": [round(s * 1000, 1) for s in plain_s],
+                                 "weft_p50_ms": round(p50w * 1000, 1), "plain_p50_ms": round(p50p * 1000, 1),
+                                 "ratio_p50": round(p50w / p50p, 2) if p50p else None}
+        self.check("start-times", True, f"create and start, median of {self.starts}: {p50w * 1000:.0f} ms opted in "
+                   f"(25 % share, through weft) vs {p50p * 1000:.0f} ms plain (whole GPU, containerd alone)")
+
+    def cdi_missing(self) -> None:
+        """The driver's CDI spec gone: the container fails, saying so, and no lease stays."""
+        aside = self.spec_path.with_suffix(".aside")
+        self.spec_path.rename(aside)
+        try:
+            sb, cfg = self._pod("no-cdi", weft=True, share=25)
+            try:
+                self._client(sb, cfg, "init; exit", f"nvidia.com/gpu={self.device.index}")
+                error = ""
+            except grpc.RpcError as exc:
+                error = f"{exc.code().name}: {exc.details()}"
+            _waited, left = self._wait_no_leases(10)
+            self.check("fault.cdi-missing", "CDI" in error and not left,
+                       f"CreateContainer: {error or 'succeeded'}; leases left {len(left)}")
+            self._remove(sb)
+        finally:
+            aside.rename(self.spec_path)
+
+    def mps_killed(self) -> None:
+        """An MPS daemon killed under a running pod: its client sees CUDA errors, the lease is released when the pod
+        goes, and the next pod gets a working share."""
+        sb, cfg = self._pod("mps-killed", weft=True, share=25)
+        cid, _ = self._client(sb, cfg, f"init; alloc 64; sleep {HOLD_MS}; alloc 64; busy 200 {self.sms_all}; exit",
+                              f"nvidia.com/gpu={self.device.index}")
+        self._wait_answer(cid, "alloc")
+        [lease] = [lease for lease in self.leases() if lease.container_id == cid]
+        daemon = next(d for d in self.mps.daemons() if d.key == lease.lease_id)
+        pipe = f"CUDA_MPS_PIPE_DIRECTORY={daemon.pipe_dir}".encode()
+        killed = [pid for pid in self.mps_processes() if pipe in Path(f"/proc/{pid}/environ").read_bytes()]
+        for pid in killed:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        code, answers = self._exited(cid)
+        after = [a for a in answers if a.get("op") in ("alloc", "busy")][1:]
+        errors = [a.get("error") for a in after if a.get("ok") is False]
+        self.check("fault.mps-killed.client", bool(after) and len(errors) == len(after),
+                   f"killed MPS processes {killed} of {lease.lease_id}; the client then answered "
+                   f"{[a.get('error', 'ok') for a in after]} (exit {code})")
+        self._remove(sb)
+        waited, left = self._wait_no_leases()
+        self.check("fault.mps-killed.released", not left, f"lease {lease.lease_id} released {waited:.2f} s after the "
+                   f"pod was removed; leases left {len(left)}")
+        mib = self.share_mib(25)
+        sb, cfg = self._pod("after-mps-killed", weft=True, share=25)
+        cid, _ = self._client(sb, cfg, f"init; alloc {mib // 2}; alloc {mib * 3 // 4}; exit",
+                              f"nvidia.com/gpu={self.device.index}")
+        code, answers = self._exited(cid)
+        allocs = [*_by_op(answers).get("alloc", []), {}, {}]
+        self.check("fault.mps-killed.next-pod", code == 0 and allocs[0].get("ok") is True
+                   and allocs[1].get("error") == "CUDA_ERROR_OUT_OF_MEMORY",
+                   f"the next pod allocated {mib // 2} MiB ({allocs[0].get('error', 'ok')}) and was refused "
+                   f"{mib * 3 // 4} MiB more ({allocs[1].get('error', 'granted' if allocs[1].get('ok') else '?')})")
+        self._remove(sb)
+
+    def nothing_left(self) -> None:
+        self._remove_all()
+        _waited, left = self._wait_no_leases()
+        deadline = time.monotonic() + 10
+        while (mps := self.mps_processes()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        containers = self.direct.ListContainers(cri.ListContainersRequest(), timeout=30).containers
+        sandboxes = self.direct.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=30).items
+        with open("/proc/self/mountinfo") as f:
+            mounts = [line.split()[4] for line in f if str(self.mps_dir) in line]
+        self.check("nothing-left", not (left or mps or containers or sandboxes or mounts),
+                   f"leases {len(left)}, MPS processes {mps}, containers {len(containers)}, "
+                   f"sandboxes {len(sandboxes)}, mounts under the MPS directory {mounts}")
+
+
+def _by_op(answers: list[dict]) -> dict[str, Any]:
+    out: dict[str, Any] = {"alloc": [], "busy": []}
+    for a in answers:
+        op = a.get("op")
+        if op in ("alloc", "busy"):
+            out[op].append(a)
+        elif op:
+            out[op] = a
+    return out
+
+
+def _reason(exc: BaseException) -> str:
+    if isinstance(exc, grpc.RpcError):
+        return f"{exc.code().name}: {exc.details()}"  # type: ignore[attr-defined]
+    return f"{type(exc).__name__}: {exc}"
+
+
+def summary(doc: dict) -> str:
+    lines = [f"whole path: {doc['verdict']}"]
+    lines += [f"  {c['result']:<4}  {c['name']}: {c['detail']}" for c in doc["checks"]]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_whole_path", description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", type=Path, required=True, help="where whole-path.json and summary.txt go")
+    p.add_argument("--starts", type=int, default=3, help="container starts timed on each side (default 3)")
+    p.add_argument("--nvidia-ctk", default="nvidia-ctk", help="the toolkit's CLI that writes the driver's CDI spec")
+    p.add_argument("--cdi-hook", default="nvidia-cdi-hook", help="the toolkit's hook the CDI spec runs")
+    p.add_argument("--mps-control", default=shutil.which("nvidia-cuda-mps-control") or "nvidia-cuda-mps-control",
+                   help="the driver's MPS control binary")
+    args = p.parse_args(argv)
+    from shim.broker.nvml import NvmlBackend, NvmlError
+
+    args.out.mkdir(parents=True, exist_ok=True)
+    try:
+        backend = NvmlBackend()
+    except NvmlError as exc:
+        print(f"gpu_whole_path: {exc}", file=sys.stderr)
+        return 2
+    gpu = GpuSide(backend=backend, mps_binary=args.mps_control,
+                  write_cdi=nvidia_ctk_cdi(args.nvidia_ctk, args.cdi_hook, args.out / "nvidia-ctk.log"))
+    work = Path(tempfile.mkdtemp(prefix="weft-wp-"))
+    try:
+        doc = WholePath(gpu, work, starts=args.starts).run()
+    except Exception as exc:  # noqa: BLE001 - what stopped the run goes into its record
+        doc = {"verdict": "not proven", "checks": [{"name": "setup", "result": "fail", "detail": _reason(exc)}],
+               "figures": {}}
+    finally:
+        backend.close()
+        with contextlib.suppress(OSError):  # the agent's log explains a failed check
+            shutil.copy(work / "agent" / "weft.log", args.out / "agent.log")
+        shutil.rmtree(work, ignore_errors=True)
+    (args.out / "whole-path.json").write_text(json.dumps(doc, indent=2) + "\n")
+    text = summary(doc)
+    (args.out / "summary.txt").write_text(text)
+    print(text, end="")
+    return 0 if doc["verdict"] == "proven" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,103 @@
+"""The GPU proof's whole path (``bench.gpu_whole_path``) on the fake GPU: what ``scripts/gpu-proof.sh --whole-path``
+runs on a GPU node, here with everything real but the GPU.
+
+Real: containerd 2 with CDI, runc, the ``weft`` handler and its OCI hook, the agent, the broker with its MPS
+supervisor and watchdog, the client's image (built from this machine's Python) and the CUDA client in it. Fake: the
+NVML the broker reads, the MPS control binary, ``libcuda`` (``tests/gpucheck/fake_libcuda.c``, which holds an MPS
+client to its daemon's limits) and the driver's CDI spec, written here as ``nvidia-ctk`` would write it for two GPUs
+(their device nodes stand in by ``/dev/null``'s, the fake libcuda and its world mounted by the spec's edits).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import psutil
+import pynvml
+import pytest
+
+from bench.gpu_whole_path import GpuSide, WholePath, libcuda_in, summary
+from shim.broker.nvml import NvmlBackend
+from tests.broker.fakes import A100, T4, FakeNvml, install_fake_mps
+from tests.gpucheck import fakecuda
+
+FAKE_LIBCUDA_IN_CONTAINER = "/usr/lib/x86_64-linux-gnu/libcuda.so.1"
+
+
+def fake_cdi(libcuda: str, world: Path):
+    def write(directory: Path) -> Path:
+        def node(i: int) -> dict:
+            return {"path": f"/dev/nvidia{i}", "hostPath": "/dev/null"}
+
+        devices = [{"name": name, "containerEdits": {"deviceNodes": [node(i)]}}
+                   for i, uuid in enumerate((A100, T4)) for name in (str(i), uuid)]
+        devices.append({"name": "all", "containerEdits": {"deviceNodes": [node(0), node(1)]}})
+        spec = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": devices, "containerEdits": {
+            "env": [f"FAKE_GPU_WORLD={world}", "FAKE_CUDA_TOTAL_MIB=81920", "FAKE_CUDA_SMS=132"],
+            "mounts": [{"hostPath": libcuda, "containerPath": FAKE_LIBCUDA_IN_CONTAINER,
+                        "options": ["ro", "nosuid", "nodev", "bind"]},
+                       {"hostPath": str(world), "containerPath": str(world), "options": ["rw", "bind"]}]}}
+        path = directory / "nvidia.json"
+        path.write_text(json.dumps(spec))
+        return path
+
+    return write
+
+
+def no_minor(handle: str) -> int:
+    raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+
+@pytest.fixture
+def proof(tmp_path: Path) -> dict:
+    world = tmp_path / "world"
+    world.mkdir()
+    libcuda = fakecuda.build(tmp_path)
+    nvml = FakeNvml(world)
+    # No /dev/nvidia<N> here for the broker to hand a container: the fake CDI spec's nodes stand in for them.
+    nvml.nvmlDeviceGetMinorNumber = no_minor
+    backend = NvmlBackend(library=nvml)
+    gpu = GpuSide(backend=backend, mps_binary=install_fake_mps(tmp_path / "bin"),
+                  write_cdi=fake_cdi(libcuda, world), host_pid=True)
+    work = tmp_path / "work"
+    try:
+        doc = WholePath(gpu, work, starts=2, step_timeout=60).run()
+    finally:
+        backend.close()
+    left = [p.info for p in psutil.process_iter(["pid", "cmdline"])
+            if any(str(tmp_path) in part for part in (p.info["cmdline"] or []))]
+    assert left == [], "nothing the proof started is left running"
+    return doc
+
+
+def test_the_whole_path_is_proven_on_the_fake_gpu(proof: dict) -> None:
+    print(summary(proof))  # what the GPU node's run says, in this run's log
+    by_name = {c["name"]: c for c in proof["checks"]}
+    assert proof["verdict"] == "proven", summary(proof)
+    assert list(by_name) == [
+        "plain.whole-gpu", "shares.leases", "share-25.device", "share-25.memory", "share-25.compute",
+        "share-50.device", "share-50.memory", "share-50.compute", "released", "start-times", "fault.cdi-missing",
+        "fault.mps-killed.client", "fault.mps-killed.released", "fault.mps-killed.next-pod", "nothing-left"]
+    figures = proof["figures"]
+    assert figures["device"]["uuid"] == A100
+    # The plain pod had the whole GPU (both devices' nodes, all 132 SMs); each share ran on its part of the SMs, as
+    # MPS shows a client its share, rounded to whole TPCs.
+    assert "/dev/nvidia1" in by_name["plain.whole-gpu"]["detail"] and figures["plain"]["sms_used"] == 132
+    assert {k: (v["sms_seen"], v["sms_used"], v["within"], v["beyond"]) for k, v in figures["shares"].items()} == {
+        "25": (32, 32, True, "CUDA_ERROR_OUT_OF_MEMORY"), "50": (66, 66, True, "CUDA_ERROR_OUT_OF_MEMORY")}
+    assert figures["shares"]["25"]["limit_mib"] == 20480
+    assert figures["start"]["weft_p50_ms"] > 0 and figures["start"]["plain_p50_ms"] > 0
+    # The CDI fault names what was missing: the leased device's CDI name.
+    assert "nvidia.com/gpu=" in by_name["fault.cdi-missing"]["detail"]
+    assert "CUDA_ERROR_MPS_CONNECTION_FAILED" in by_name["fault.mps-killed.client"]["detail"]
+
+
+def test_where_the_spec_puts_libcuda() -> None:
+    spec = {"containerEdits": {"mounts": [
+        {"hostPath": "/usr/lib/x86_64-linux-gnu/libnvidia-ml.so.580.1", "containerPath": "/usr/lib/libnvidia-ml.so"},
+        {"hostPath": "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04",
+         "containerPath": "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"}]}}
+    assert libcuda_in(spec) == "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"
+    with pytest.raises(ValueError, match=r"no libcuda\.so"):
+        libcuda_in({"devices": [{"name": "0", "containerEdits": {}}]})
