@@ -1,22 +1,38 @@
 #!/usr/bin/env bash
-# The proof of weft's GPU enforcement on real hardware: `weft gpu-check --json` (with its live test) and the
-# NVML backend contract suite, on a machine with an NVIDIA GPU and driver, their output in one folder.
+# The proof of weft's GPU enforcement on real hardware, on a machine with an NVIDIA GPU and driver, its output in
+# one folder. Two modes:
 #
-#   scripts/gpu-proof.sh --prepare     on a machine that reaches PyPI: download what the proof imports into
-#                                      dist/gpu-proof-wheels (about 20 MiB; WEFT_PROOF_PYTHONS="3.11 3.12" adds
-#                                      wheels for other Python versions, default: this machine's)
-#   scripts/gpu-proof.sh [OUT_DIR]     on the GPU machine, as root, from the source checkout with
-#                                      dist/gpu-proof-wheels beside it; reaches no registry. OUT_DIR defaults to
-#                                      bench/results/gpu-proof-<UTC time>
+#   (default)      `weft gpu-check --json` (with its live test) and the NVML backend contract suite
+#   --whole-path   a GPU pod's whole path (python -m bench.gpu_whole_path): containerd 2 and runc, the driver's
+#                  CDI spec written by the NVIDIA container toolkit (nvidia-ctk, with its nvidia-cdi-hook), the
+#                  agent's CRI socket, the weft handler and OCI hook, the broker on NVML with MPS; two opted-in
+#                  pods sharing the GPU at 25 % and 50 %, a plain pod with the whole GPU, the CDI spec missing,
+#                  an MPS daemon killed under a running pod
 #
-# It installs nothing system-wide: the wheels go into a temporary directory on PYTHONPATH, and weft runs from
-# this checkout. Every step has a time limit (the whole run stays under ten minutes); a failed step is recorded
-# in OUT_DIR/summary.txt and the others still run. Exit 0 when gpu-check failed no check and the contract suite
-# passed with the NVML backend run (not skipped), else 1; 2 when it cannot start (no Python 3.11+, no wheels).
+#   scripts/gpu-proof.sh --prepare [--whole-path]
+#        on a machine that reaches PyPI (and, for --whole-path, the Go module proxy): download what the proof
+#        imports into dist/gpu-proof-wheels (WEFT_PROOF_PYTHONS="3.11 3.12" adds wheels for other Python
+#        versions, default: this machine's). --whole-path adds every runtime dependency of weft (the agent runs)
+#        and packs dist/gpu-proof-carry.tar.xz: containerd, its runc shim and ctr (the checkout's containerd 2
+#        pin, components/containerd/build.sh), runc with its libseccomp and busybox-static (this machine's, from
+#        Debian's packages), nvidia-ctk and nvidia-cdi-hook (built from the Go module
+#        github.com/NVIDIA/nvidia-container-toolkit at NVIDIA_CTK_VERSION)
+#   scripts/gpu-proof.sh [--whole-path] [OUT_DIR]
+#        on the GPU machine, as root, from the source checkout with dist/ beside it; reaches no registry.
+#        OUT_DIR defaults to bench/results/gpu-proof-<UTC time> (gpu-whole-path-<UTC time> with --whole-path)
+#
+# It installs nothing system-wide: the wheels go into a temporary directory on PYTHONPATH, the carried binaries
+# into another on PATH, and weft runs from this checkout. Every step has a time limit (a run stays under ten
+# minutes); a failed step is recorded in OUT_DIR/summary.txt and the others still run. Exit 0 when the mode's
+# checks all passed (gpu-check failed no check and the contract suite passed with the NVML backend run, not
+# skipped; or every whole-path check passed), else 1; 2 when it cannot start (no Python 3.11+, no wheels, no
+# carry).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WHEELS="$ROOT/dist/gpu-proof-wheels"
+CARRY="$ROOT/dist/gpu-proof-carry.tar.xz"
+NVIDIA_CTK_VERSION=v1.20.2
 PY="${PYTHON:-python3}"
 # What gpu-check and the contract suite import (weft itself runs from the checkout): grpc and protobuf for the
 # broker, structlog for logs, prometheus-client for the broker's metrics, psutil, nvidia-ml-py, pytest; and pip,
@@ -25,11 +41,67 @@ PACKAGES=(grpcio protobuf structlog prometheus-client psutil nvidia-ml-py pytest
 
 die() { echo "gpu-proof: $*" >&2; exit 2; }
 
+# Every runtime dependency of weft, by name, as pyproject.toml lists them.
+runtime_dependencies() {
+  "$PY" -c '
+import re, sys, tomllib
+for dep in tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]:
+    print(re.split(r"[<>=!~;\[ ]", dep, maxsplit=1)[0])
+' "$ROOT/pyproject.toml"
+}
+
+# dist/gpu-proof-carry.tar.xz: what the whole path runs that a GPU machine may lack, built or copied here.
+prepare_carry() {
+  local tmp out line_bin seccomp
+  tmp="$(mktemp -d /tmp/weft-gpu-carry.XXXXXX)"
+  out="$tmp/gpu-proof-carry"
+  mkdir -p "$out/bin" "$out/libexec" "$out/lib"
+  line_bin="$(bash "$ROOT/components/containerd/build.sh" 2 | tail -n 1)" || die "components/containerd/build.sh 2 failed"
+  cp "$line_bin/containerd" "$line_bin/containerd-shim-runc-v2" "$out/bin/" || die "no containerd in $line_bin"
+  # ctr from the same module and pins: the harness imports images and reads the default OCI spec with it.
+  (cd "$ROOT/components/containerd/2" && CGO_ENABLED=0 go build -tags "no_btrfs no_devmapper no_zfs no_aufs" \
+    -ldflags "-s -w" -o "$out/bin/" github.com/containerd/containerd/v2/cmd/ctr) || die "building ctr failed"
+  GOBIN="$out/bin" CGO_ENABLED=1 go install -trimpath -ldflags "-s -w" \
+    "github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk@$NVIDIA_CTK_VERSION" \
+    "github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-cdi-hook@$NVIDIA_CTK_VERSION" \
+    || die "building nvidia-ctk $NVIDIA_CTK_VERSION failed"
+  # Debian's runc loads libseccomp, which the GPU machine may not have: both go, runc behind a wrapper.
+  cp "$(command -v runc)" "$out/libexec/runc" || die "no runc here"
+  seccomp="$(ldd "$(command -v runc)" | awk '/libseccomp/ {print $3}')"
+  [ -z "$seccomp" ] || cp -L "$seccomp" "$out/lib/"
+  printf '%s\n' '#!/bin/sh' 'here="$(dirname "$(readlink -f "$0")")/.."' \
+    'LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/libexec/runc" "$@"' \
+    > "$out/bin/runc"
+  chmod 755 "$out/bin/runc"
+  cp /bin/busybox "$out/bin/busybox" || die "no /bin/busybox here (Debian's busybox-static)"
+  {
+    echo "containerd: $("$out/bin/containerd" --version)"
+    echo "ctr: $("$out/bin/ctr" --version)"
+    echo "runc: $("$out/bin/runc" --version | head -n 1)"
+    echo "nvidia-ctk: $("$out/bin/nvidia-ctk" --version | head -n 1)"
+    echo "busybox: $("$out/bin/busybox" | head -n 1)"
+  } > "$out/VERSIONS" || die "a carried binary does not run"
+  mkdir -p "$(dirname "$CARRY")"
+  tar -C "$tmp" -cf - gpu-proof-carry | xz -6 -T0 > "$CARRY.tmp" || die "packing $CARRY failed"
+  mv "$CARRY.tmp" "$CARRY"
+  cat "$out/VERSIONS"
+  rm -rf "$tmp"
+  du -h "$CARRY"
+}
+
 if [ "${1:-}" = "--prepare" ]; then
+  whole=0
+  [ "${2:-}" = "--whole-path" ] && whole=1
   mkdir -p "$WHEELS"
+  wanted=("${PACKAGES[@]}")
+  if [ "$whole" -eq 1 ]; then
+    mapfile -t deps < <(runtime_dependencies)
+    [ "${#deps[@]}" -gt 0 ] || die "cannot read the dependencies in $ROOT/pyproject.toml"
+    wanted+=("${deps[@]}")
+  fi
   # The versions this checkout is tested with, where its virtual environment has them.
   pins=()
-  for p in "${PACKAGES[@]}"; do
+  for p in $(printf '%s\n' "${wanted[@]}" | sort -u); do
     v="$("$ROOT/.venv/bin/python" -m pip show "$p" 2>/dev/null | sed -n 's/^Version: //p')"
     pins+=("${p}${v:+==$v}")
   done
@@ -41,14 +113,27 @@ if [ "${1:-}" = "--prepare" ]; then
       --implementation cp -d "$WHEELS" "${pins[@]}" || die "pip download for Python $v failed"
   done
   du -sh "$WHEELS"
+  if [ "$whole" -eq 1 ]; then prepare_carry; fi
   exit 0
 fi
 
-OUT="${1:-$ROOT/bench/results/gpu-proof-$(date -u +%Y%m%dT%H%M%SZ)}"
+WHOLE=0
+if [ "${1:-}" = "--whole-path" ]; then
+  WHOLE=1
+  shift
+fi
+OUT="${1:-$ROOT/bench/results/gpu-$([ "$WHOLE" -eq 1 ] && echo whole-path || echo proof)-$(date -u +%Y%m%dT%H%M%SZ)}"
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
   || die "$PY is not Python 3.11 or newer (weft needs it); set PYTHON=/path/to/python3.11+"
 ls "$WHEELS"/pip-*.whl >/dev/null 2>&1 || die "no wheels in $WHEELS: run scripts/gpu-proof.sh --prepare first"
-[ "$(id -u)" -eq 0 ] || echo "gpu-proof: not root: gpu-check's live test will fail (it needs cgroups and mount namespaces)" >&2
+if [ "$WHOLE" -eq 1 ]; then
+  [ -f "$CARRY" ] || die "no $CARRY: run scripts/gpu-proof.sh --prepare --whole-path first"
+  [ "$(id -u)" -eq 0 ] || die "the whole path runs containerd, runc and the broker: run it as root"
+  mapfile -t DEPS < <(runtime_dependencies)
+else
+  [ "$(id -u)" -eq 0 ] || echo "gpu-proof: not root: gpu-check's live test will fail (it needs cgroups and mount namespaces)" >&2
+  DEPS=()
+fi
 mkdir -p "$OUT" || die "cannot make $OUT"
 SITE="$(mktemp -d /tmp/weft-gpu-proof.XXXXXX)"
 trap 'rm -rf "$SITE"' EXIT
@@ -56,7 +141,7 @@ summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 # WEFT_PROOF_COMMIT: the commit the tree is, where it was copied without its history (a GPU machine reached
 # through a file copy may carry an older .git beside a newer tree).
-summary "weft GPU proof, $(date -u +%FT%TZ), commit ${WEFT_PROOF_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+summary "weft GPU proof$([ "$WHOLE" -eq 1 ] && echo ", whole path"), $(date -u +%FT%TZ), commit ${WEFT_PROOF_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 # 1. What the proof runs with.
 {
@@ -69,13 +154,34 @@ summary "weft GPU proof, $(date -u +%FT%TZ), commit ${WEFT_PROOF_COMMIT:-$(git -
 
 # 2. The wheels, offline, into a directory of their own.
 if ! timeout 120 "$PY" "$(ls "$WHEELS"/pip-*.whl | head -n1)/pip" install -q --disable-pip-version-check \
-    --no-index --find-links "$WHEELS" --target "$SITE" "${PACKAGES[@]:0:${#PACKAGES[@]}-1}" \
+    --no-index --find-links "$WHEELS" --target "$SITE/python" "${PACKAGES[@]:0:${#PACKAGES[@]}-1}" "${DEPS[@]}" \
     > "$OUT/install.txt" 2>&1; then
   summary "install: FAILED (see install.txt; are there wheels for $("$PY" -V) in $WHEELS?)"
   exit 2
 fi
-export PYTHONPATH="$SITE:$ROOT"
+export PYTHONPATH="$SITE/python:$ROOT"
 cd "$ROOT" || die "cannot enter $ROOT"
+
+if [ "$WHOLE" -eq 1 ]; then
+  # 3. The carried binaries, on PATH first: containerd's harness finds containerd, its shim, ctr and runc there.
+  tar -C "$SITE" -xJf "$CARRY" || die "cannot unpack $CARRY"
+  BIN="$SITE/gpu-proof-carry/bin"
+  cp "$SITE/gpu-proof-carry/VERSIONS" "$OUT/carried-versions.txt"
+  export PATH="$BIN:$PATH" WEFT_CONTAINERD_BIN="$BIN" WEFT_BUSYBOX="$BIN/busybox" \
+    WEFT_HARNESS_CACHE="$SITE/harness-cache"
+  # 4. The whole path: bench.gpu_whole_path checks, records and cleans up after itself.
+  timeout 540 "$PY" -m bench.gpu_whole_path --out "$OUT" --nvidia-ctk "$BIN/nvidia-ctk" \
+    --cdi-hook "$BIN/nvidia-cdi-hook" > "$OUT/whole-path.out" 2> "$OUT/whole-path.log"
+  rc=$?
+  cat "$OUT/whole-path.out" >> "$OUT/summary.txt"
+  cat "$OUT/whole-path.out"
+  if [ "$rc" -eq 0 ]; then
+    summary "result: the whole path proven on this machine (see $OUT)"
+    exit 0
+  fi
+  summary "result: the whole path NOT proven: exit $rc (see $OUT, whole-path.log)"
+  exit 1
+fi
 
 # 3. weft gpu-check --json: inventory, MPS, device plugin, and the live test through the broker.
 timeout 480 "$PY" -m shim gpu-check --json > "$OUT/gpu-check.out" 2> "$OUT/gpu-check.log"
