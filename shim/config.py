@@ -115,6 +115,12 @@ MESH_ROLES = ("gpu", "cpu", "both")
 STREAM_KEEPALIVE_S = 2.0
 STREAM_DEAD_S = 2 * STREAM_KEEPALIVE_S
 FENCE_TICK_S = 0.5  # how often a host's fencer looks
+# A Watch whose origin counts the open stream as contact (keepalive ends it over a dead link) needs a heartbeat
+# only to show that the host's agent still runs, not that the link does: the host sends one after this long
+# without any other message. The origin ends such a Watch after WATCH_QUIET_S without a message (an agent wedged
+# while its gRPC core still answers pings), and then counts silence as before.
+WATCH_IDLE_S = 15.0
+WATCH_QUIET_S = 2 * WATCH_IDLE_S + STREAM_DEAD_S
 # What the loss timeout must add to the fence timeout, besides one heartbeat interval (the origin's loss clock
 # runs from the host's last heartbeat, up to one interval before the cut): the stream's keepalive, the
 # fencer's round, and time for the kill.
@@ -139,7 +145,8 @@ class MeshConfig:
     # defaults let kubelet's restart run again within 30 s of a host dying.
     fence_timeout: float = 8.0
     loss_timeout: float = 16.0
-    # How often a host's Watch stream says it is alive.
+    # How often a host looks for changes of the shadows its Watches report, and beats on the Watch of an origin
+    # that asks for no idle heartbeat (an older weft).
     heartbeat_interval: float = 1.0
     # Where kubelet keeps pods' volumes: which mounts are ConfigMaps/Secrets to copy, which are host paths.
     kubelet_pods_dir: str = "/var/lib/kubelet/pods"

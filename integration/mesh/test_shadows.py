@@ -212,6 +212,30 @@ def test_watch_sends_every_shadow_then_each_change_as_it_happens_and_heartbeats(
     assert watch.error is not None and watch.error.code() is grpc.StatusCode.CANCELLED
 
 
+def test_a_watch_with_an_idle_heartbeat_pushes_changes_and_the_hosts_state_and_stays_quiet_between(host) -> None:
+    _, client, node = host
+    key = "origin-sb-1/tokenize/0"
+    client.run_shadow(_request(node, key, WAIT_FOR_GO))
+    client.start_shadow("gpu-1", key)
+    watch = _Stream(client.watch("gpu-1", [key], 0.2, idle_heartbeat_s=30.0))
+    try:
+        assert _state(watch.next(lambda m: m.key == key, "the snapshot")).state == cri.CONTAINER_RUNNING
+        closing = watch.next(lambda m: m.heartbeat, "the heartbeat that closes the snapshot")
+        assert closing.HasField("peer") and closing.peer.node == "cpu-1" and "cpu" in closing.peer.role
+        assert closing.peer.allocatable.cpu_cores == 8  # the host's fixed capacity, as its Hello answers
+        assert _exec(client, key, ["touch", "/tmp/go"]).exit_code == 0
+        exited = watch.next(lambda m: m.key == key, "the shadow's exit, told at once", timeout=5.0)
+        assert _state(exited).exit_code == 3
+        seen = len(watch.messages)
+        threading.Event().wait(3.0)
+        # Nothing changed and the room did not move: no heartbeat before the idle interval (the exec's stream
+        # and the exit may have moved nothing the host pushes).
+        assert all(m.HasField("peer") and not m.key for m in watch.messages[seen:]), watch.messages[seen:]
+        assert len(watch.messages) - seen <= 1
+    finally:
+        watch.close()
+
+
 def test_watch_removes_the_shadows_an_origin_no_longer_owns(host) -> None:
     agent, client, node = host
     kept, orphan = "origin-sb-1/tokenize/0", "origin-sb-1/detok/0"

@@ -148,7 +148,7 @@ class ShadowRef(_message.Message):
     def __init__(self, origin_node: _Optional[str] = ..., key: _Optional[str] = ...) -> None: ...
 
 class ShadowState(_message.Message):
-    __slots__ = ("key", "shadow_sandbox_id", "shadow_container_id", "status", "heartbeat", "gone", "note")
+    __slots__ = ("key", "shadow_sandbox_id", "shadow_container_id", "status", "heartbeat", "gone", "note", "peer")
     KEY_FIELD_NUMBER: _ClassVar[int]
     SHADOW_SANDBOX_ID_FIELD_NUMBER: _ClassVar[int]
     SHADOW_CONTAINER_ID_FIELD_NUMBER: _ClassVar[int]
@@ -156,6 +156,7 @@ class ShadowState(_message.Message):
     HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
     GONE_FIELD_NUMBER: _ClassVar[int]
     NOTE_FIELD_NUMBER: _ClassVar[int]
+    PEER_FIELD_NUMBER: _ClassVar[int]
     key: str
     shadow_sandbox_id: str
     shadow_container_id: str
@@ -163,17 +164,20 @@ class ShadowState(_message.Message):
     heartbeat: bool
     gone: bool
     note: str
-    def __init__(self, key: _Optional[str] = ..., shadow_sandbox_id: _Optional[str] = ..., shadow_container_id: _Optional[str] = ..., status: _Optional[bytes] = ..., heartbeat: _Optional[bool] = ..., gone: _Optional[bool] = ..., note: _Optional[str] = ...) -> None: ...
+    peer: PeerState
+    def __init__(self, key: _Optional[str] = ..., shadow_sandbox_id: _Optional[str] = ..., shadow_container_id: _Optional[str] = ..., status: _Optional[bytes] = ..., heartbeat: _Optional[bool] = ..., gone: _Optional[bool] = ..., note: _Optional[str] = ..., peer: _Optional[_Union[PeerState, _Mapping]] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("origin_node", "keys", "heartbeat_s")
+    __slots__ = ("origin_node", "keys", "heartbeat_s", "idle_heartbeat_s")
     ORIGIN_NODE_FIELD_NUMBER: _ClassVar[int]
     KEYS_FIELD_NUMBER: _ClassVar[int]
     HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
+    IDLE_HEARTBEAT_S_FIELD_NUMBER: _ClassVar[int]
     origin_node: str
     keys: _containers.RepeatedScalarFieldContainer[str]
     heartbeat_s: float
-    def __init__(self, origin_node: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., heartbeat_s: _Optional[float] = ...) -> None: ...
+    idle_heartbeat_s: float
+    def __init__(self, origin_node: _Optional[str] = ..., keys: _Optional[_Iterable[str]] = ..., heartbeat_s: _Optional[float] = ..., idle_heartbeat_s: _Optional[float] = ...) -> None: ...
 
 class ShadowCallRequest(_message.Message):
     __slots__ = ("origin_node", "key", "method", "request")

@@ -181,6 +181,12 @@ class MeshServicer:
         origin is an orphan (the origin removed or never finished it while the two
         were apart) and is removed. While no Hello or Watch arrives from an origin
         for the host's fence timeout, the host kills that origin's shadows.
+        An origin that sets idle_heartbeat_s takes the open stream itself as the
+        host's contact (the mesh's keepalive ends it within seconds of a cut link):
+        the host then sends a heartbeat only after that long without any other
+        message, and pushes its own state (``peer``, what Hello answers) with the
+        first heartbeat, whenever its room or health changes, and with each
+        heartbeat; such an origin need not say Hello to it while the stream is open.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')

@@ -155,3 +155,21 @@ def refresh_order(known: Sequence[Known], tracked: Collection[str], *, start: st
     """Every cold CPU host, in rotation order from ``start``: what an on-demand refresh asks, batch by batch."""
     order, _ = rotation(known, exclude=set(tracked), start=start, count=len(known))
     return order
+
+
+# A host pushes its room on an origin's Watch (in place of the origin's Hellos) when it has moved this much since
+# it last pushed: the larger of an absolute step and a share of what the host has. Measured load moves a little
+# all the time; pushing every wobble to every watching origin would cost what the Hellos did. Admit has the last
+# word, and each heartbeat carries the room anyway.
+ROOM_STEP_CPU = 0.1
+ROOM_STEP_MEMORY = 64 << 20
+ROOM_STEP_SHARE = 0.05
+
+
+def room_moved(told: Resources, now: Resources, allocatable: Resources) -> bool:
+    """Whether free room ``now`` differs enough from what was last ``told`` to push it at once; pure."""
+    cpu_step = max(ROOM_STEP_CPU, ROOM_STEP_SHARE * allocatable.cpu_cores)
+    memory_step = max(ROOM_STEP_MEMORY, ROOM_STEP_SHARE * allocatable.memory_bytes)
+    return (abs(now.cpu_cores - told.cpu_cores) >= cpu_step
+            or abs(now.memory_bytes - told.memory_bytes) >= memory_step
+            or (now.cpu_cores <= 0) != (told.cpu_cores <= 0) or (now.memory_bytes <= 0) != (told.memory_bytes <= 0))

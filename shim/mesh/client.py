@@ -246,9 +246,11 @@ class PeerClient:
                              "the peer")
         return self._call(method, old, whole, timeout)
 
-    def watch(self, origin: str, keys: list[str], heartbeat_s: float):
-        """The host's pushed shadow states; a ``grpc`` call object (iterate it, ``cancel()`` it)."""
-        req = pb.WatchRequest(origin_node=origin, keys=keys, heartbeat_s=heartbeat_s)
+    def watch(self, origin: str, keys: list[str], heartbeat_s: float, idle_heartbeat_s: float = 0.0):
+        """The host's pushed shadow states; a ``grpc`` call object (iterate it, ``cancel()`` it). With
+        ``idle_heartbeat_s``, heartbeats only after that long without another message, and the host's own state
+        pushed (``peer``) by a host that knows the field."""
+        req = pb.WatchRequest(origin_node=origin, keys=keys, heartbeat_s=heartbeat_s, idle_heartbeat_s=idle_heartbeat_s)
         return self._stream(lambda s: s.Watch(req), business=False)
 
     def stream_log(self, origin: str, key: str, offset: int):

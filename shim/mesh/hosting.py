@@ -19,6 +19,8 @@ from shim.core.reroute import Resources
 class ShadowHosting(Protocol):
     # Set by the server: whether an origin has a call or stream open now (heard from, so not fenced).
     in_contact: Callable[[str], bool]
+    # Set by the server: this node's state as Hello answers it, which Watches with an idle heartbeat push.
+    room: Callable[[], pb.PeerState] | None
 
     def touch(self, origin: str) -> None: ...
     def run(self, origin: str, req: pb.RunShadowRequest) -> pb.ShadowState: ...

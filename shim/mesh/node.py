@@ -128,6 +128,8 @@ class MeshNode:
         self._pool = ThreadPoolExecutor(max_workers=REFRESH_BATCH, thread_name_prefix="weft-mesh-hello")
         # Last time each peer was heard from (monotonic); a restarted origin gives every host the loss timeout.
         self._contact: dict[str, float] = {}
+        # Hosts whose open Watch pushes their state (``pushed``): their Hellos are left out while it is open.
+        self._pushing: set[str] = set()
         self._started = time.monotonic()
 
     # -- lifecycle ---------------------------------------------------------------
@@ -222,7 +224,9 @@ class MeshNode:
             self._round += 1
             self._cursor = plan.cursor
             self._tracked = dict(plan.hello)
-        self._hello(list(plan.nodes), mine)
+            # A host that pushes its state on this node's Watch is heard from and its room known without them.
+            asked = [n for n in plan.nodes if n not in self._pushing]
+        self._hello(asked, mine)
         probed = {n for n, why in plan.hello if why is TrackReason.PROBE}
         with self._lock:
             if self.placing:
@@ -374,10 +378,25 @@ class MeshNode:
                           and (not rec.role or "cpu" in rec.role.split(",")))
 
     def heard(self, node: str) -> None:
-        """A message from ``node`` arrived (a Watch heartbeat or state): it is alive."""
+        """A message from ``node`` arrived (a Watch heartbeat or state), or its Watch that pushes state is still
+        open: it is alive."""
         now = time.monotonic()
         with self._lock:
             self._contact[node] = now
+
+    def pushed(self, node: str, state: pb.PeerState) -> None:
+        """``node``'s Watch brought its state, as a Hello would: kept as its view, and no Hellos to it while that
+        Watch stays open (``unwatched``)."""
+        with self._lock:
+            if node not in self._records:
+                return
+            self._pushing.add(node)
+        self._mark(node, state, "")
+
+    def unwatched(self, node: str) -> None:
+        """``node``'s Watch ended: Hellos to it again, as to any peer."""
+        with self._lock:
+            self._pushing.discard(node)
 
     def silent_for(self, node: str) -> float:
         """Seconds since ``node`` was last heard from (by Hello or Watch); counted from start at first."""

@@ -130,6 +130,7 @@ class MeshServicer(pb_grpc.MeshServicer):
         if host is not None:
             host.in_contact = self.limits.active  # an origin with a call or stream open is heard from
             host.admit = self._admit  # RunShadow admits again, whatever the origin was told
+            host.room = self._state  # pushed on the Watches of origins that no longer say Hello while watching
 
     def peer_states(self) -> dict[str, pb.PeerState]:
         """The last state each peer reported in its Hello (copies)."""
@@ -147,6 +148,10 @@ class MeshServicer(pb_grpc.MeshServicer):
             self.host.touch(node)  # an origin that says Hello keeps its shadows from being fenced
         if not known:
             _log.info("peer.hello", peer=node, role=request.origin.role)
+        return self._state()
+
+    def _state(self) -> pb.PeerState:
+        """This node's state, as Hello answers it."""
         state = self.probe.sample()
         state.node = self.node
         return state

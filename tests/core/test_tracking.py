@@ -12,6 +12,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from shim.core import tracking
 from shim.core.reroute import PeerView, Resources
 from shim.core.tracking import (
     ANY_ROOM,
@@ -136,3 +137,15 @@ def test_each_origin_starts_its_rotation_at_a_host_of_its_own() -> None:
     assert len(starts) > 150 and all(s.startswith("cpu-") for s in starts)
     assert start_cursor(known, "gpu-0001") == start_cursor(list(reversed(known)), "gpu-0001")
     assert start_cursor(fleet(0, gpu=2), "gpu-0001") == ""
+
+
+def test_room_is_pushed_when_it_moved_by_a_step_not_by_every_wobble() -> None:
+    big = Resources(32.0, 128 * GI)
+    told = Resources(10.0, 64 * GI)
+    assert not tracking.room_moved(told, Resources(10.5, 64 * GI), big)  # under 5 % of 32 cores
+    assert tracking.room_moved(told, Resources(8.0, 64 * GI), big)
+    assert not tracking.room_moved(told, Resources(10.0, 60 * GI), big)  # under 5 % of 128 GiB
+    assert tracking.room_moved(told, Resources(10.0, 50 * GI), big)
+    small = Resources(2.0, 4 * GI)
+    assert tracking.room_moved(Resources(1.0, GI), Resources(0.85, GI), small)  # 0.1 core at least
+    assert tracking.room_moved(Resources(0.05, GI), Resources(0.0, GI), small)  # room gone, however little it was

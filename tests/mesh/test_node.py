@@ -221,3 +221,21 @@ def test_the_certificate_in_use_has_its_expiry_in_the_metrics(tmp_path: Path, mo
     assert mesh.metrics.registry.get_sample_value("weft_mesh_cert_expiry_timestamp_seconds") == (
         renewed.not_valid_after_utc.timestamp())
     assert renewed.not_valid_after_utc != cert.not_valid_after_utc
+
+
+def test_a_host_that_pushes_its_state_on_the_watch_is_not_said_hello_to_while_it_is_open(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    mesh, fleet = _node(tmp_path, monkeypatch, 3)
+    mesh.pushed("cpu-0001", pb.PeerState(node="cpu-0001", role="cpu", healthy=True,
+                                         free=pb.Resources(cpu_cores=3.0, memory_bytes=GI)))
+    mesh.hello_all()
+    assert sorted(fleet.hellos) == ["cpu-0000", "cpu-0002"]
+    pushed = {v.node: v for v in mesh.views()}["cpu-0001"]
+    assert pushed.healthy and pushed.free == Resources(3.0, GI) and pushed.sampled_age_s < 1.0
+    assert mesh.silent_for("cpu-0001") < 1.0  # its state is contact, as a Hello answer is
+    mesh.unwatched("cpu-0001")  # the Watch ended: said Hello to again, as any peer
+    fleet.hellos.clear()
+    mesh.hello_all()
+    assert sorted(fleet.hellos) == ["cpu-0000", "cpu-0001", "cpu-0002"]
+    mesh.pushed("nobody", pb.PeerState(node="nobody", role="cpu", healthy=True))  # not a peer: nothing kept
+    assert "nobody" not in {v.node for v in mesh.views()}

@@ -194,6 +194,15 @@ class ShadowHost:
     def in_contact(self, value: Callable[[str], bool]) -> None:
         self.fencer.in_contact = value
 
+    @property
+    def room(self) -> Callable[[], pb.PeerState] | None:
+        """The host's state as its Hello answers it (the mesh server's): what Watches with an idle heartbeat push."""
+        return self.watcher.pulse.room
+
+    @room.setter
+    def room(self, value: Callable[[], pb.PeerState] | None) -> None:
+        self.watcher.pulse.room = value
+
     # -- the mesh server's, one per request of an origin ---------------------------
     def touch(self, origin: str) -> None:
         self.fencer.touch(origin)

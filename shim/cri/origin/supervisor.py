@@ -3,9 +3,16 @@
 * **Watch**: one stream per CPU host this origin deals with (every one in a
   small fleet; its candidates and the hosts of its shadows in a large one,
   see shim/core/tracking.py), over which the host pushes its shadows' states
-  as they change and a heartbeat every interval. Each message is
-  contact with the host; the request lists the keys this origin owns, so the
-  host removes shadows it no longer should run.
+  as they change, its own state (room, health) when it moves, and a
+  heartbeat only after ``WATCH_IDLE_S`` without another message. Each
+  message is contact with the host, and so is the open stream itself once the
+  host has shown it knows this (its first heartbeat carries its state): the
+  mesh's keepalive ends a stream over a dead link within seconds, and a
+  stream quiet past ``WATCH_QUIET_S`` (an agent wedged while its gRPC core
+  answers pings) is ended here. Such a host is not said Hello to while its
+  Watch is open. A host of an older weft heartbeats every interval, is said
+  Hello to, and only its messages count. The request lists the keys this
+  origin owns, so the host removes shadows it no longer should run.
 * **Loss**: a remote container whose host has not been heard from (Hello or
   Watch) for ``loss_timeout`` is reported exited with reason ``WeftPeerLost``.
   The host fences (kills) it after its shorter ``fence_timeout``, so by the
@@ -34,6 +41,7 @@ from cri_api.v1 import api_pb2 as cri
 from google.protobuf.message import DecodeError
 
 from shim import log
+from shim.config import WATCH_IDLE_S, WATCH_QUIET_S
 from shim.core.reroute import classify_mounts
 from shim.cri.fabric import Fabric
 from shim.cri.origin.context import Origin
@@ -163,6 +171,7 @@ class RemoteSupervisor:
         self._watches: dict[str, threading.Thread] = {}
         self._calls: dict[str, Any] = {}
         self._last_msg: dict[str, float] = {}
+        self._pushing: set[str] = set()  # hosts whose open Watch pushes their state: the stream is contact
         self._wanted: set[str] = set()
         self._placed: set[str] = set()
         self._placed_at = -PLACED_EVERY_S
@@ -235,9 +244,13 @@ class RemoteSupervisor:
                                                            name=f"weft-watch-{node}", daemon=True)
                 t.start()
             call = self._calls.get(node)
-            # A stream that went quiet (a cut link TCP has not noticed) is ended, and opened again.
-            if call is not None and now - self._last_msg.get(node, now) > max(3 * self.heartbeat, 5.0):
+            # A stream that went quiet (a cut link TCP has not noticed, a wedged agent) is ended, and opened again.
+            pushing = node in self._pushing
+            quiet = WATCH_QUIET_S if pushing else max(3 * self.heartbeat, 5.0)
+            if call is not None and now - self._last_msg.get(node, now) > quiet:
                 call.cancel()
+            elif call is not None and pushing and call.is_active():
+                mesh.heard(node)  # open, so alive: keepalive ends it within seconds of a cut link
 
     def _placed_on(self) -> set[str]:
         """The hosts of this origin's placement records (pending ones too), read again every few seconds."""
@@ -263,11 +276,15 @@ class RemoteSupervisor:
                 return  # no longer a peer: _ensure_watches starts another if it comes back
             pause = 1.0
             try:
-                call = self._calls[node] = client.watch(mesh.node, self._keys_on(node), self.heartbeat)
+                call = self._calls[node] = client.watch(mesh.node, self._keys_on(node), self.heartbeat,
+                                                        idle_heartbeat_s=WATCH_IDLE_S)
                 self._last_msg[node] = time.monotonic()
                 for state in call:
                     self._last_msg[node] = time.monotonic()
                     mesh.heard(node)
+                    if state.HasField("peer"):
+                        self._pushing.add(node)
+                        mesh.pushed(node, state.peer)
                     if not state.heartbeat:
                         self._pushed(node, state)
             except grpc.RpcError as exc:
@@ -275,6 +292,8 @@ class RemoteSupervisor:
                     pause = 30.0  # a peer that hosts nothing (or an older weft): ask again much later
             finally:
                 self._calls.pop(node, None)
+                self._pushing.discard(node)
+                mesh.unwatched(node)
             self._stop.wait(pause)
 
     def _pushed(self, node: str, state) -> None:

@@ -1,14 +1,17 @@
 """The host's pure rules for shadows: which are orphans, how often Watch beats, what is never run, when a stop is
 tried again."""
 
+import threading
+
 import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
+from shim._pb import mesh_pb2 as pb
 from shim.cri.host.lifecycle import _unsafe, sandbox_to_use
 from shim.cri.host.runtime import RT, ShadowRuntime
 from shim.cri.host.runtime import label as _label
-from shim.cri.host.watch import heartbeat_s, orphans
+from shim.cri.host.watch import Pulse, heartbeat_s, idle_heartbeat_s, orphans
 from shim.cri.labels import KEY_LABEL
 from shim.errors import UpstreamError
 
@@ -117,3 +120,52 @@ def test_a_stop_containerd_answers_unknown_is_tried_again_and_other_refusals_are
     with pytest.raises(UpstreamError):
         rt.stop("c1")
     assert len(rt.asked) == 1
+
+
+@pytest.mark.parametrize(("asked", "expected"), [(0.0, 0.0), (15.0, 15.0), (0.1, 1.0), (600.0, 60.0)],
+                         ids=["none-an-older-origin", "as-asked", "not-under-the-interval", "ceiling"])
+def test_the_idle_heartbeat_is_what_the_origin_asked_within_bounds(asked: float, expected: float) -> None:
+    assert idle_heartbeat_s(asked, 1.0) == expected
+
+
+class _Listing:
+    def __init__(self) -> None:
+        self.by_origin: dict[str, frozenset] = {}
+
+    def marks(self) -> dict[str, frozenset]:
+        return dict(self.by_origin)
+
+
+def _room(cpu: float, *, healthy: bool = True) -> pb.PeerState:
+    return pb.PeerState(node="cpu-1", role="cpu", healthy=healthy, allocatable=pb.Resources(cpu_cores=8.0),
+                        free=pb.Resources(cpu_cores=cpu, memory_bytes=1 << 30))
+
+
+def test_the_pulse_wakes_only_the_watches_with_news(monkeypatch: pytest.MonkeyPatch) -> None:
+    listing = _Listing()
+    pulse = Pulse(listing, 1.0)  # type: ignore[arg-type]
+    monkeypatch.setattr(pulse, "_run", lambda: None)  # rounds by hand
+    room = [_room(4.0)]
+    pulse.room = lambda: room[0]
+    a, b = threading.Event(), threading.Event()
+    pulse.subscribe("gpu-a", a)
+    pulse.subscribe("gpu-b", b)
+    version, state = pulse.state()
+    assert state.free.cpu_cores == 4.0
+    pulse._round()  # the first look at each origin's shadows: news to both
+    a.clear(), b.clear()
+    pulse._round()
+    assert not a.is_set() and not b.is_set()  # nothing changed: nobody woken
+    listing.by_origin = {"gpu-a": frozenset({("c1", cri.CONTAINER_EXITED)})}
+    pulse._round()
+    assert a.is_set() and not b.is_set()
+    a.clear()
+    room[0] = _room(3.9)  # a wobble: carried by the next heartbeat, woken for by nobody
+    pulse._round()
+    assert not a.is_set() and not b.is_set() and pulse.state() == (version, room[0])
+    room[0] = _room(4.0, healthy=False)  # health: everyone, at once
+    pulse._round()
+    assert a.is_set() and b.is_set() and pulse.state()[0] == version + 1
+    pulse.unsubscribe("gpu-a", a)
+    pulse.unsubscribe("gpu-b", b)
+    assert not pulse._subs
