@@ -41,8 +41,10 @@ class BrokerLink:
         self.socket, self.channel, self.stub = socket, channel, stub
         return backend
 
-    def start_private(self, work: Path, *, mps_binary: str, ready_timeout: float, nvml_library: Any = None) -> Path:
-        """Start a private broker in ``work`` and connect to it; its socket."""
+    def start_private(self, work: Path, *, mps_binary: str, ready_timeout: float, nvml_library: Any = None,
+                      proc_root: Path = Path("/proc")) -> Path:
+        """Start a private broker in ``work`` and connect to it; its socket. ``proc_root``: where its NVML backend
+        reads MIG capability files (a stand-in tree in tests)."""
         from shim.broker.mps import MpsSupervisor
         from shim.broker.nvml import NvmlBackend, NvmlError
         from shim.brokerd import Broker, BrokerConfig
@@ -50,7 +52,7 @@ class BrokerLink:
         cfg = BrokerConfig(socket=work / "broker.sock", state_dir=work / "state", backend="nvml",
                            enforce="kill", watchdog_interval=0.5, mps_dir=work / "mps")
         try:
-            backend = NvmlBackend(library=nvml_library)
+            backend = NvmlBackend(library=nvml_library, proc_root=proc_root)
         except NvmlError as exc:
             raise NoBroker(f"a private broker cannot read NVML: {exc}") from None
         mps = MpsSupervisor(cfg.mps_dir, mps_binary, ready_timeout=ready_timeout, private_shm=True)

@@ -102,16 +102,26 @@ def gather(env: Environment, broker_socket: Path | None, skip_live: bool) -> tup
     from shim.gpucheck import deviceplugin, inventory, mpscheck
 
     checks = inventory.checks(inv)
-    shareable = [d for d in inv.devices if not d.device.mig_enabled]
-    first = shareable[0].device.uuid if shareable else (inv.devices[0].device.uuid if inv.devices else None)
+    # What the broker leases: GPUs without MIG on, and the instances of those with it.
+    shareable = [d.device.uuid for d in inv.devices if not d.device.mig_enabled] + [
+        i.instance.device.uuid for d in inv.devices for i in d.instances]
+    first = shareable[0] if shareable else (inv.devices[0].device.uuid if inv.devices else None)
     # The broker runs its daemons with a private /dev/shm; that takes root (a mount namespace), as the broker has.
     checks += mpscheck.checks(env.mps_binary, first, private_shm=env.mps_private_shm and os.geteuid() == 0)
-    checks += deviceplugin.checks(env.kubelet_dir, len(inv.devices))
+    checks += deviceplugin.checks(env.kubelet_dir, len(inv.devices), sum(len(d.instances) for d in inv.devices))
+    # New fields are added beside the old ones, never renamed: outside checks read this line.
     extra = {"driver_version": inv.driver_version, "cuda_driver_version": inv.cuda_driver_version,
              "devices": [{"index": d.device.index, "uuid": d.device.uuid, "name": d.device.name,
                           "memory_total": d.device.memory_total, "memory_used": d.memory_used,
-                          "mig": d.device.mig_enabled, "compute_mode": d.compute_mode,
-                          "compute_capability": list(d.compute_capability)} for d in inv.devices]}
+                          "mig": d.device.mig_enabled, "mig_pending": d.mig_pending, "compute_mode": d.compute_mode,
+                          "compute_capability": list(d.compute_capability),
+                          "mig_instances": [{"uuid": i.instance.device.uuid, "name": i.instance.device.name,
+                                             "memory_total": i.instance.device.memory_total,
+                                             "memory_used": i.memory_used,
+                                             "gpu_instance_id": i.instance.gpu_instance_id,
+                                             "compute_instance_id": i.instance.compute_instance_id,
+                                             "multiprocessors": i.instance.multiprocessors} for i in d.instances]}
+                         for d in inv.devices]}
     blocking = [c for c in checks if c.result is Result.FAIL and c.name in ("devices", "mps-control",
                                                                               "compute-mode", "cuda-driver")]
     if skip_live:
@@ -124,6 +134,8 @@ def gather(env: Environment, broker_socket: Path | None, skip_live: bool) -> tup
     settings = env.live or live.LiveSettings()
     settings = replace(settings, broker_socket=broker_socket or settings.broker_socket, mps_binary=env.mps_binary,
                        nvml_library=env.nvml_library if settings.nvml_library is None else settings.nvml_library,
-                       free_bytes={d.device.uuid: d.device.memory_total - d.memory_used for d in inv.devices})
+                       free_bytes={**{d.device.uuid: d.device.memory_total - d.memory_used for d in inv.devices},
+                                   **{i.instance.device.uuid: i.instance.device.memory_total - i.memory_used
+                                      for d in inv.devices for i in d.instances}})
     checks += live.run(settings)
     return checks, extra

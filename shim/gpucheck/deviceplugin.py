@@ -7,8 +7,8 @@ shared replicas (its time-slicing or MPS sharing configuration) or a DRA
 driver whose claims pods share; weft then packs by memory and enforces each
 lease. This reads it where a node keeps it, without the API server:
 kubelet's device-manager checkpoint (the device IDs each plugin registered;
-a replica's ID is ``<GPU UUID>::<n>``) and kubelet's plugin registry (DRA
-drivers). It reads files only.
+a replica's ID is ``<GPU UUID>::<n>``, a MIG instance's ``MIG-<uuid>``) and
+kubelet's plugin registry (DRA drivers). It reads files only.
 """
 
 from __future__ import annotations
@@ -28,8 +28,9 @@ _DRA_GPU_DRIVERS = ("gpu.nvidia.com", "compute-domain.nvidia.com")
 @dataclass(frozen=True)
 class Advertised:
     resource: str  # nvidia.com/gpu
-    gpus: int  # physical GPUs behind it
+    gpus: int  # physical GPUs (or MIG instances) behind it
     ids: int  # device IDs kubelet was given for them
+    mig: bool = False  # its devices are MIG instances (IDs MIG-<uuid>), as a MIG strategy advertises them
 
     @property
     def replicas(self) -> int:
@@ -50,7 +51,8 @@ def read_checkpoint(kubelet_dir: Path) -> list[Advertised] | None:
         physical = defaultdict(int)
         for device_id in ids:
             physical[str(device_id).split("::", 1)[0]] += 1
-        out.append(Advertised(resource, len(physical), len(ids)))
+        out.append(Advertised(resource, len(physical), len(ids),
+                              mig=bool(physical) and all(u.startswith("MIG-") for u in physical)))
     return out
 
 
@@ -65,7 +67,7 @@ def dra_drivers(kubelet_dir: Path) -> list[str]:
     return sorted(n for n in names if n in _DRA_GPU_DRIVERS or n.endswith(".nvidia.com"))
 
 
-def checks(kubelet_dir: Path, gpus_on_node: int) -> list[Check]:
+def checks(kubelet_dir: Path, gpus_on_node: int, instances_on_node: int = 0) -> list[Check]:
     if not kubelet_dir.is_dir():
         return [warn("device-plugin", f"no kubelet state at {kubelet_dir}: not a Kubernetes node (or kubelet keeps "
                                       "it elsewhere), so what a device plugin advertises cannot be read. weft packs "
@@ -74,14 +76,20 @@ def checks(kubelet_dir: Path, gpus_on_node: int) -> list[Check]:
     drivers = dra_drivers(kubelet_dir)
     parts, shared = [], False
     for a in advertised or []:
+        unit = "MIG instance(s)" if a.mig else "GPU(s)"
+        one = "MIG instance" if a.mig else "GPU"
         if a.replicas > 1:
             shared = True
-            parts.append(f"{a.resource}: {a.gpus} GPU(s) advertised as {a.ids} ({a.replicas} replicas each, "
-                         f"time-slicing or MPS sharing): weft can put up to {a.replicas} pods on one GPU, packed by "
+            parts.append(f"{a.resource}: {a.gpus} {unit} advertised as {a.ids} ({a.replicas} replicas each, "
+                         f"time-slicing or MPS sharing): weft can put up to {a.replicas} pods on one {one}, packed by "
                          f"memory, each lease enforced")
         else:
-            parts.append(f"{a.resource}: {a.gpus} whole GPU(s): weft packs only within the GPUs each pod was given")
-        if gpus_on_node and a.gpus != gpus_on_node:
+            parts.append(f"{a.resource}: {a.gpus} whole {unit}: weft packs only within the {one}s each pod was "
+                         "given")
+        # A MIG strategy splits instances over one resource per profile, so no one resource need name them all.
+        if a.mig and a.gpus > instances_on_node:
+            parts.append(f"{a.resource} names {a.gpus} MIG instance(s) but NVML shows {instances_on_node}")
+        elif not a.mig and gpus_on_node and a.gpus != gpus_on_node:
             parts.append(f"{a.resource} names {a.gpus} GPU(s) but NVML shows {gpus_on_node}")
     for name in drivers:
         shared = True

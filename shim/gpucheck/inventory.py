@@ -7,7 +7,7 @@ back as a failed check naming the ``nvidia-smi`` command an operator would run.
 
 from __future__ import annotations
 
-from shim.broker.nvml import DeviceInfo, NodeInventory
+from shim.broker.nvml import DeviceInfo, InstanceInfo, NodeInventory
 from shim.gpucheck.report import Check, fail, ok, warn
 
 # set_default_device_pinned_mem_limit arrived with CUDA 11.5's MPS.
@@ -26,9 +26,21 @@ def cuda_text(version: int | None) -> str:
 
 def _device(d: DeviceInfo) -> str:
     mig = "MIG on" if d.device.mig_enabled else "MIG off"
-    return (f"{d.device.index}: {d.device.name} {d.device.uuid}, {gib(d.device.memory_total)} "
+    if d.mig_pending != d.device.mig_enabled:
+        mig += f" ({'on' if d.mig_pending else 'off'} at its next reset)"
+    text = (f"{d.device.index}: {d.device.name} {d.device.uuid}, {gib(d.device.memory_total)} "
             f"({gib(d.memory_used)} used), {mig}, compute capability {d.compute_capability[0]}."
             f"{d.compute_capability[1]}, compute mode {d.compute_mode}")
+    if d.instances:
+        text += ", MIG instances: " + ", ".join(_instance(i) for i in d.instances)
+    return text
+
+
+def _instance(i: InstanceInfo) -> str:
+    dev = i.instance.device
+    sms = "" if i.instance.multiprocessors is None else f", {i.instance.multiprocessors} SMs"
+    return (f"{dev.uuid} ({dev.name}, {gib(dev.memory_total)}, {gib(i.memory_used)} used{sms}, GPU instance "
+            f"{i.instance.gpu_instance_id}, compute instance {i.instance.compute_instance_id})")
 
 
 def checks(inv: NodeInventory) -> list[Check]:
@@ -63,16 +75,7 @@ def checks(inv: NodeInventory) -> list[Check]:
                     + ". Change: " + "; ".join(f"nvidia-smi -i {d.device.index} -c DEFAULT" for d in exclusive))
                if exclusive else ok("compute-mode", "every GPU is in compute mode Default"))
 
-    on = [d for d in devices if d.device.mig_enabled]
-    pending = [d for d in devices if d.mig_pending != d.device.mig_enabled]
-    if on or pending:
-        parts = [f"GPU {d.device.index} has MIG on: the broker leases it whole and packs nothing there" for d in on]
-        parts += [f"GPU {d.device.index} has MIG {'on' if d.mig_pending else 'off'} pending (at its next reset)"
-                  for d in pending]
-        fixes = [f"nvidia-smi -i {d.device.index} -mig 0 and reset the GPU" for d in on]
-        out.append(warn("mig", "; ".join(parts) + (". Change: " + "; ".join(fixes) if fixes else "")))
-    else:
-        out.append(ok("mig", "MIG is off on every GPU"))
+    out.append(_mig(devices))
 
     off = [d for d in devices if d.persistence is False]
     out.append(warn("persistence-mode", "persistence mode is off on GPU " + ", ".join(str(d.device.index) for d in off)
@@ -81,3 +84,24 @@ def checks(inv: NodeInventory) -> list[Check]:
                     + " (or run nvidia-persistenced)")
                if off else ok("persistence-mode", "on (or not applicable) on every GPU"))
     return out
+
+
+def _mig(devices: tuple[DeviceInfo, ...]) -> Check:
+    """MIG as the broker uses it: a MIG-enabled GPU's instances are leased (whole or shared), the GPU never."""
+    with_instances = [d for d in devices if d.device.mig_enabled and d.instances]
+    empty = [d for d in devices if d.device.mig_enabled and not d.instances]
+    pending = [d for d in devices if d.mig_pending != d.device.mig_enabled]
+    if not (with_instances or empty or pending):
+        return ok("mig", "MIG is off on every GPU")
+    parts = [f"GPU {d.device.index} has MIG on with {len(d.instances)} MIG instance(s) "
+             f"({', '.join(i.instance.device.uuid for i in d.instances)}), each leased whole or shared by its own "
+             "UUID, the GPU itself never" for d in with_instances]
+    parts += [f"GPU {d.device.index} has MIG on and no MIG instances: nothing on it can be leased" for d in empty]
+    parts += [f"GPU {d.device.index} has MIG {'on' if d.mig_pending else 'off'} pending (at its next reset)"
+              for d in pending]
+    if not (empty or pending):
+        return ok("mig", "; ".join(parts))
+    # Named for an operator to run; gpu-check changes no MIG setting itself.
+    fixes = [f"nvidia-smi mig -i {d.device.index} -cgi <profiles> -C to make instances, or nvidia-smi -i "
+             f"{d.device.index} -mig 0 and reset the GPU" for d in empty]
+    return warn("mig", "; ".join(parts) + (". Change: " + "; ".join(fixes) if fixes else ""))

@@ -7,7 +7,8 @@ mounts (the MPS pipes at MPS's default ``/tmp/nvidia-mps``, the lease's
 ``/dev/shm``), as in a container. Then, step by step, each a check:
 
     live.broker          the node's broker (or a private one, when none answers)
-    live.leases          two shares of one GPU, each with its own MPS daemon
+    live.leases          two shares of one GPU (or of one MIG instance where the GPUs have MIG on), each
+                         with its own MPS daemon
     live.mps-limits      each daemon holds its lease's limits (read back from it)
     live.memory-within   each client allocates half its lease
     live.memory-beyond   over its lease, a client's allocation fails; the neighbour still allocates
@@ -78,10 +79,26 @@ class LiveSettings:
     step_timeout: float = 60.0  # one client command, MPS server start and PTX compile included
     watchdog_timeout: float = 30.0
     free_bytes: Mapping[str, int] = field(default_factory=dict)  # device UUID -> free memory, from NVML
-    # For tests: variables every client gets, the pynvml stand-in of a private broker, a hook before each step.
+    # For tests: variables every client gets, the pynvml stand-in of a private broker and where it reads MIG
+    # capability files, a hook before each step.
     client_env: Mapping[str, str] = field(default_factory=dict)
     nvml_library: Any = None
+    nvml_proc_root: Path = Path("/proc")
     on_step: Callable[[str, LiveTest], None] | None = None
+
+
+def pick_device(devices: list[pb.Device], need: int, free_need: int, free_bytes: Mapping[str, int]) -> str | None:
+    """The device the test's two shares go on: ``need`` bytes unleased, ``free_need`` free (where known).
+
+    A MIG-enabled GPU is never leased, so never picked; its MIG instances are devices of their own and may be,
+    after every GPU without MIG, the largest first: an instance has few SMs, and a share of few SMs, in whole
+    TPCs, is a coarse measure of the compute share.
+    """
+    fit = [d for d in devices if not d.mig_enabled and not d.exclusive and d.memory_total - d.memory_leased >= need
+           and free_bytes.get(d.uuid, free_need) >= free_need]
+    # sorted() is stable: GPUs keep the broker's order.
+    fit.sort(key=lambda d: (d.uuid.startswith("MIG-"), -d.memory_total if d.uuid.startswith("MIG-") else 0))
+    return fit[0].uuid if fit else None
 
 
 class _Stop(Exception):
@@ -180,7 +197,8 @@ class LiveTest:
         assert self.work is not None
         try:
             socket = self.broker.start_private(self.work, mps_binary=self.s.mps_binary,
-                                               ready_timeout=self.s.step_timeout, nvml_library=self.s.nvml_library)
+                                               ready_timeout=self.s.step_timeout, nvml_library=self.s.nvml_library,
+                                               proc_root=self.s.nvml_proc_root)
         except NoBroker as exc:
             raise _Stop(fail("live.broker", str(exc))) from None
         return (f"no broker answers at {self.s.default_socket}: a private one for this test (backend nvml, "
@@ -201,13 +219,12 @@ class LiveTest:
         devices = self.stub.Devices(pb.DevicesRequest(), timeout=10).devices
         need = 2 * self.s.lease_bytes
         free_need = 3 * self.s.lease_bytes + (2 << 30)  # the clients' allocations and three CUDA contexts
-        fit = [d for d in devices if not d.mig_enabled and not d.exclusive and d.memory_total - d.memory_leased >= need
-               and self.s.free_bytes.get(d.uuid, free_need) >= free_need]
-        if not fit:
-            raise _Stop(fail(name, f"no GPU has {need >> 30} GiB unleased and {free_need >> 30} GiB free outside MIG "
-                                   f"({', '.join(f'{d.uuid}: {d.memory_leased >> 20} MiB leased' for d in devices)}). "
-                                   "Change: run the test when a GPU is idle"))
-        self.device = fit[0].uuid
+        device = pick_device(devices, need, free_need, self.s.free_bytes)
+        if device is None:
+            leased = ", ".join(f"{d.uuid}: {d.memory_leased >> 20} MiB leased" for d in devices if not d.mig_enabled)
+            raise _Stop(fail(name, f"no GPU or MIG instance has {need >> 30} GiB unleased and {free_need >> 30} GiB "
+                                   f"free ({leased}). Change: run the test when a GPU is idle"))
+        self.device = device
         self.device_sms, self.device_sms_why = self._read_device_sms()
         try:
             self.cgroup_parent = cgroups.make_parent(self.tag)

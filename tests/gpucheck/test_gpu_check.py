@@ -15,8 +15,10 @@ from pathlib import Path
 import pynvml
 import pytest
 
+from shim._pb import broker_pb2 as pb
 from shim.gpucheck import cli
-from tests.broker.fakes import A100, T4, FakeNvml, install_fake_mps
+from shim.gpucheck.live import pick_device
+from tests.broker.fakes import A100, GI, MIG_A, MIG_B, T4, FakeMig, FakeNvml, install_fake_mps, two_instances
 
 
 @pytest.fixture
@@ -119,8 +121,10 @@ def test_a_driver_that_answers_an_error_is_a_failed_check_naming_the_call(
                      "fail", ["GPU 1 is Exclusive_Process", "nvidia-smi -i 1 -c DEFAULT"], id="exclusive-process"),
         pytest.param(lambda n: n.compute_mode.update(h0=pynvml.NVML_COMPUTEMODE_PROHIBITED), "compute-mode",
                      "fail", ["GPU 0 is Prohibited", "nvidia-smi -i 0 -c DEFAULT"], id="prohibited"),
-        pytest.param(lambda n: n.mig.update(h0=[pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_ENABLE]),
-                     "mig", "warn", ["GPU 0 has MIG on", "nvidia-smi -i 0 -mig 0"], id="mig-on"),
+        pytest.param(lambda n: n.enable_mig({}), "mig", "warn",
+                     ["GPU 0 has MIG on and no MIG instances: nothing on it can be leased",
+                      "nvidia-smi mig -i 0 -cgi <profiles> -C", "nvidia-smi -i 0 -mig 0"],
+                     id="mig-on-without-instances"),
         pytest.param(lambda n: n.mig.update(h0=[pynvml.NVML_DEVICE_MIG_DISABLE, pynvml.NVML_DEVICE_MIG_ENABLE]),
                      "mig", "warn", ["GPU 0 has MIG on pending"], id="mig-pending"),
         pytest.param(lambda n: n.persistence.update(h1=pynvml.NVML_FEATURE_DISABLED), "persistence-mode", "warn",
@@ -258,3 +262,106 @@ def test_an_mps_daemon_weft_did_not_start_is_named(mps_binary: str, kubelet: Pat
     got = by_name(doc)["other-mps"]
     assert code == cli.EXIT_OK and got["result"] == "warn"
     assert f"pid {daemon.pid} (pipe directory {daemon.pipe_dir})" in got["detail"]
+
+
+# -- MIG ------------------------------------------------------------------------------------------
+DEVICE_FIELDS = {"index", "uuid", "name", "memory_total", "memory_used", "mig", "compute_mode", "compute_capability"}
+
+
+def test_mig_mode_and_instances_are_reported_and_the_instances_are_what_is_shared(
+        mps_binary: str, kubelet: Path) -> None:
+    nvml = FakeNvml()
+    nvml.enable_mig(two_instances())
+    nvml.instances["h0"][2].used = 3 * GI
+    nvml.mig["h0"] = [pynvml.NVML_DEVICE_MIG_ENABLE, pynvml.NVML_DEVICE_MIG_DISABLE]
+    nvml.handles = {"h0": A100}  # the only GPU has MIG on: the MPS probe takes its first instance
+    write_checkpoint(kubelet, {"nvidia.com/mig-1g.10gb": [f"{MIG_A}::{i}" for i in range(2)],
+                               "nvidia.com/mig-3g.40gb": [f"{MIG_B}::{i}" for i in range(2)]})
+    code, doc = check(nvml, mps_binary, kubelet)
+    checks = by_name(doc)
+    assert checks["mig"]["result"] == "warn", "a pending change is still named"
+    assert checks["compute-mode"]["result"] == "ok" and checks["devices"]["result"] == "ok"
+    assert "GPU 0 has MIG off pending (at its next reset)" in checks["mig"]["detail"]
+    assert f"GPU 0 has MIG on with 2 MIG instance(s) ({MIG_A}, {MIG_B})" in checks["mig"]["detail"]
+    devices = checks["devices"]["detail"]
+    assert "MIG on (off at its next reset)" in devices
+    assert (f"MIG instances: {MIG_A} (NVIDIA A100-SXM4-80GB MIG 1g.10gb, 10.0 GiB, 0.0 GiB used, 14 SMs, GPU instance "
+            f"7, compute instance 0), {MIG_B} (NVIDIA A100-SXM4-80GB MIG 3g.40gb, 40.0 GiB, 3.0 GiB used, 42 SMs, "
+            "GPU instance 2, compute instance 0)") in devices
+    assert f"a private daemon for {MIG_A} took" in checks["mps-control"]["detail"]
+    assert checks["device-plugin"]["result"] == "ok" and "NVML shows" not in checks["device-plugin"]["detail"]
+    assert "1 MIG instance(s) advertised as 2" in checks["device-plugin"]["detail"]
+    assert code == cli.EXIT_OK
+    [gpu] = doc["devices"]
+    assert set(gpu) >= DEVICE_FIELDS, "fields are added, never renamed"
+    assert (gpu["uuid"], gpu["mig"], gpu["mig_pending"]) == (A100, True, False)
+    assert gpu["mig_instances"] == [
+        {"uuid": MIG_A, "name": "NVIDIA A100-SXM4-80GB MIG 1g.10gb", "memory_total": 10 * GI, "memory_used": 0,
+         "gpu_instance_id": 7, "compute_instance_id": 0, "multiprocessors": 14},
+        {"uuid": MIG_B, "name": "NVIDIA A100-SXM4-80GB MIG 3g.40gb", "memory_total": 40 * GI, "memory_used": 3 * GI,
+         "gpu_instance_id": 2, "compute_instance_id": 0, "multiprocessors": 42}]
+    assert not [name for name, _ in nvml.calls if "Set" in name or "Create" in name or "Destroy" in name], \
+        "gpu-check changes no MIG setting"
+
+
+def test_mig_on_with_instances_is_no_warning(mps_binary: str, kubelet: Path) -> None:
+    nvml = FakeNvml()
+    nvml.enable_mig(two_instances())
+    _, doc = check(nvml, mps_binary, kubelet)
+    assert by_name(doc)["mig"] == {"name": "mig", "result": "ok", "detail": (
+        f"GPU 0 has MIG on with 2 MIG instance(s) ({MIG_A}, {MIG_B}), each leased whole or shared by its own UUID, "
+        "the GPU itself never")}
+
+
+def test_without_mig_the_json_devices_keep_their_fields_and_add_empty_instances(
+        mps_binary: str, kubelet: Path) -> None:
+    _, doc = check(FakeNvml(), mps_binary, kubelet)
+    for gpu in doc["devices"]:
+        assert set(gpu) >= DEVICE_FIELDS
+        assert (gpu["mig"], gpu["mig_pending"], gpu["mig_instances"]) == (False, False, [])
+
+
+def test_an_instance_without_an_sm_count_is_shown_without_one(mps_binary: str, kubelet: Path) -> None:
+    nvml = FakeNvml()
+    nvml.enable_mig({3: FakeMig(MIG_A, 1, 0, 20 * GI, sms=None)})
+    _, doc = check(nvml, mps_binary, kubelet)
+    assert f"{MIG_A} (NVIDIA A100-SXM4-80GB MIG 1g.10gb, 20.0 GiB, 0.0 GiB used, GPU instance 1" in \
+        by_name(doc)["devices"]["detail"]
+    assert doc["devices"][0]["mig_instances"][0]["multiprocessors"] is None
+
+
+def test_a_device_plugin_that_names_more_mig_instances_than_nvml_shows_is_named(
+        mps_binary: str, kubelet: Path) -> None:
+    nvml = FakeNvml()
+    nvml.enable_mig({0: FakeMig(MIG_A, 7, 0, 10 * GI)})
+    write_checkpoint(kubelet, {"nvidia.com/gpu": [MIG_A, MIG_B]})
+    _, doc = check(nvml, mps_binary, kubelet)
+    got = by_name(doc)["device-plugin"]
+    assert got["result"] == "warn"
+    assert "nvidia.com/gpu: 2 whole MIG instance(s): weft packs only within the MIG instances each pod was given" \
+        in got["detail"]
+    assert "names 2 MIG instance(s) but NVML shows 1" in got["detail"]
+
+
+def device(uuid: str, memory: int, *, mig: bool = False, leased: int = 0, exclusive: bool = False) -> pb.Device:
+    return pb.Device(uuid=uuid, memory_total=memory, mig_enabled=mig, memory_leased=leased, exclusive=exclusive)
+
+
+@pytest.mark.parametrize(
+    ("devices", "free", "picked"),
+    [
+        pytest.param([device(A100, 80 * GI, mig=True), device(MIG_A, 10 * GI), device(MIG_B, 40 * GI)], {},
+                     MIG_B, id="the-largest-instance-when-the-gpu-has-mig-on"),
+        pytest.param([device(A100, 80 * GI, mig=True), device(MIG_A, 10 * GI), device(MIG_B, 40 * GI, exclusive=True)],
+                     {}, MIG_A, id="not-an-instance-leased-whole"),
+        pytest.param([device(A100, 80 * GI, mig=True), device(MIG_A, 10 * GI), device(MIG_B, 40 * GI)],
+                     {MIG_B: 4 * GI}, MIG_A, id="not-an-instance-with-too-little-free"),
+        pytest.param([device(A100, 80 * GI, mig=True), device(T4, 16 * GI), device(MIG_B, 40 * GI)], {}, T4,
+                     id="a-gpu-without-mig-before-any-instance"),
+        pytest.param([device(T4, 16 * GI, leased=15 * GI), device(MIG_A, 10 * GI)], {}, MIG_A,
+                     id="not-a-gpu-leased-to-the-brim"),
+        pytest.param([device(A100, 80 * GI, mig=True)], {}, None, id="never-the-mig-enabled-gpu"),
+    ],
+)
+def test_the_live_test_picks_a_leasable_device(devices: list[pb.Device], free: dict, picked: str | None) -> None:
+    assert pick_device(devices, 2 * GI, 5 * GI, free) == picked
