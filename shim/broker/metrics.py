@@ -35,9 +35,13 @@ class _LeaseCollector(Collector):
                 lease_bytes.add_metric([index.get(u, ""), u, r.pod, r.namespace, r.container, r.lease_id],
                                        per_device)
         yield lease_bytes
-        memory = GaugeMetricFamily("weft_gpu_device_memory_bytes", "Total memory of each GPU.", labels=["gpu", "UUID"])
+        memory = GaugeMetricFamily("weft_gpu_device_memory_bytes",
+                                   "Total memory of each device a lease may take (a GPU, or a MIG instance).",
+                                   labels=["gpu", "UUID"])
         count = GaugeMetricFamily("weft_gpu_leases", "Live leases on each GPU.", labels=["gpu", "UUID"])
         for d in devices:
+            if not d.leasable:  # a MIG-enabled GPU: its instances carry its memory, so a sum counts it once
+                continue
             memory.add_metric([str(d.index), d.uuid], d.memory_total)
             count.add_metric([str(d.index), d.uuid], sum(d.uuid in r.device_uuids for r in leases))
         yield memory

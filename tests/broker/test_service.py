@@ -512,3 +512,13 @@ def test_the_mps_daemon_of_a_share_of_an_instance_sees_that_instance(
         supervisor.stop_all()
         svc.store.close()
         svc.backend.close()
+
+
+def test_metrics_count_a_mig_gpus_memory_once_through_its_instances(mig_svc: LeaseService) -> None:
+    from prometheus_client import generate_latest
+
+    from shim.broker.metrics import BrokerMetrics
+
+    text = generate_latest(BrokerMetrics(mig_svc).registry).decode()
+    memory = [line for line in text.splitlines() if line.startswith("weft_gpu_device_memory_bytes{")]
+    assert sorted(line.split('UUID="')[1].split('"')[0] for line in memory) == sorted((T4, MIG_A, MIG_B))

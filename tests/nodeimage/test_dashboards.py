@@ -53,7 +53,7 @@ def _promtool() -> str:
 
 class _Device:
     def __init__(self, index: int, uuid: str) -> None:
-        self.index, self.uuid, self.memory_total = index, uuid, 80 * GIB
+        self.index, self.uuid, self.memory_total, self.leasable = index, uuid, 80 * GIB, True
 
 
 class _Lease:
