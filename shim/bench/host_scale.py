@@ -3,15 +3,18 @@
 The host is a ``weft agent`` subprocess (role cpu, the default Hello and
 heartbeat intervals) in front of a harness containerd. The origins are
 lightweight and live in this process: each a mesh client with a certificate
-of its own (one cluster CA), as an origin's agent dials a host. Each says
-Hello at the agents' interval and holds a Watch stream open, as an origin
-with a shadow there does; ten shadows (``sleep``, made and started through
+of its own (one cluster CA), as an origin's agent dials a host. Each holds a
+Watch stream open, as an origin with a shadow there does, asking for the
+idle heartbeat an origin's agent asks for, and says Hello at the agents'
+interval only while that Watch has not brought the host's state (a host
+that pushes it is not said Hello to, as an origin's agent does); ten shadows (``sleep``, made and started through
 RunShadow) run on the host, spread over the first ten origins, each of which
 watches its own.
 
 For each N, after every origin has said Hello and opened its Watch, a quiet
 window: the host agent's CPU (its own user + system time, % of one core), its
-largest RSS, and the TCP connections it holds open on its mesh port. It is a
+largest RSS, the TCP connections it holds open on its mesh port, and the
+Hellos and Watch messages a second the origins sent and got. It is a
 measurement, not a test: a missed target is printed, and the exit code says
 only whether the run worked (:mod:`shim.bench.running`).
 """
@@ -33,7 +36,7 @@ import grpc
 from shim._pb import mesh_pb2 as pb
 from shim.bench.mesh_scale import _cpu_s, _rss_mb, raise_fd_limit
 from shim.bench.running import guarded, parse_counts, report, right_aligned
-from shim.config import MeshConfig
+from shim.config import WATCH_IDLE_S, MeshConfig
 from shim.errors import WeftError
 from shim.localfabric import pods
 from shim.localfabric.agent import AgentProcess, free_port
@@ -65,23 +68,31 @@ class Origin:
         self.keys: list[str] = []
         self.watch = None
         self.heard = threading.Event()  # the Watch brought its first message
+        self.pushing = False  # the Watch brought the host's state: no Hellos while it is open
+        self.hellos = 0
+        self.messages = 0
         self.failed = ""
         self._reader: threading.Thread | None = None
 
     def hello(self) -> None:
+        if self.pushing:
+            return
+        self.hellos += 1
         try:
             self.client.hello(pb.PeerState(node=self.name, role="gpu", healthy=True))
         except WeftError as exc:
             self.failed = f"Hello: {exc.message}"
 
     def open_watch(self, heartbeat_s: float) -> None:
-        self.watch = self.client.watch(self.name, self.keys, heartbeat_s)
+        self.watch = self.client.watch(self.name, self.keys, heartbeat_s, idle_heartbeat_s=WATCH_IDLE_S)
         self._reader = threading.Thread(target=self._read, name=f"bench-watch-{self.name}", daemon=True)
         self._reader.start()
 
     def _read(self) -> None:
         try:
-            for _ in self.watch:
+            for message in self.watch:
+                self.messages += 1
+                self.pushing = self.pushing or message.HasField("peer")
                 self.heard.set()
         except grpc.RpcError as exc:
             if exc.code() is not grpc.StatusCode.CANCELLED:
@@ -179,6 +190,7 @@ def measure_one(n: int, containerd: Containerd, workdir: Path, ca: tuple[bytes, 
         time.sleep(2 * mesh.hello_interval)
         _say(f"N={n}: {n} origins watching, {SHADOWS} shadows running, in {settled:.1f} s; quiet window {window:g} s")
         pid = host.proc.pid
+        hellos0, messages0 = sum(o.hellos for o in origins), sum(o.messages for o in origins)
         cpu0, w0 = _cpu_s(pid), time.monotonic()
         rss = _rss_mb(pid)
         while (left := window - (time.monotonic() - w0)) > 0:
@@ -186,11 +198,14 @@ def measure_one(n: int, containerd: Containerd, workdir: Path, ca: tuple[bytes, 
             rss = max(rss, _rss_mb(pid))
         span = time.monotonic() - w0
         cpu = 100 * (_cpu_s(pid) - cpu0) / span
+        hello_rate = (sum(o.hellos for o in origins) - hellos0) / span
+        message_rate = (sum(o.messages for o in origins) - messages0) / span
         failed = [f"{o.name}: {o.failed}" for o in origins if o.failed]
         if failed:
             raise RuntimeError(f"origins failed during the window: {failed[:5]}")
         return {"origins": n, "shadows": SHADOWS, "seconds": round(span, 1), "host_cpu_pct": round(cpu, 3),
-                "host_rss_mb": round(rss, 1), "connections": _connections(port), "settled_s": round(settled, 1)}
+                "host_rss_mb": round(rss, 1), "connections": _connections(port), "settled_s": round(settled, 1),
+                "hellos_per_s": round(hello_rate, 2), "watch_messages_per_s": round(message_rate, 2)}
     finally:
         stop.set()
         if hellos.is_alive():
@@ -215,19 +230,22 @@ def _figures(runs: list[dict], window: float, fd: tuple[int, int]) -> dict:
     mesh = MeshConfig()
     environment = {"window_s": window, "cpu_count": os.cpu_count(), "kernel": platform.release(),
                    "python": sys.version.split()[0], "hello_interval_s": mesh.hello_interval,
-                   "heartbeat_interval_s": mesh.heartbeat_interval, "fd_limit": list(fd),
+                   "heartbeat_interval_s": mesh.heartbeat_interval, "watch_idle_s": WATCH_IDLE_S,
+                   "fd_limit": list(fd),
                    "date": datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")}
     return {"runs": runs, "ratios": ratios, "targets": targets, "limits": LIMITS, "environment": environment}
 
 
 def _table(f: dict) -> str:
     met = {True: "target met", False: "missed"}
-    rows = [("origins", "shadows", "host CPU %", "host RSS MB", "connections")]
+    rows = [("origins", "shadows", "host CPU %", "host RSS MB", "connections", "Hellos/s", "Watch msgs/s")]
     rows += [(str(r["origins"]), str(r["shadows"]), f"{r['host_cpu_pct']:.2f}", f"{r['host_rss_mb']:.0f}",
-              str(r["connections"])) for r in f["runs"]]
+              str(r["connections"]), f"{r['hellos_per_s']:.1f}", f"{r['watch_messages_per_s']:.1f}")
+             for r in f["runs"]]
     env = f["environment"]
-    lines = [f"weft bench host-scale: one CPU host watched by N origins (Hello every {env['hello_interval_s']:g} s, "
-             f"Watch heartbeat {env['heartbeat_interval_s']:g} s), {env['cpu_count']} CPUs", ""]
+    lines = [f"weft bench host-scale: one CPU host watched by N origins (Hello every {env['hello_interval_s']:g} s "
+             f"until the Watch pushes the host's state, Watch heartbeat after {env['watch_idle_s']:g} s idle), "
+             f"{env['cpu_count']} CPUs", ""]
     lines += right_aligned(rows)
     top, lim, t, ra = f["runs"][-1], f["limits"], f["targets"], f["ratios"]
     lines += ["", f"at {top['origins']} origins: host CPU {top['host_cpu_pct']:.2f} % of a core "
