@@ -372,22 +372,31 @@ class WholePath:
                    f"(25 % share, through weft) vs {p50p * 1000:.0f} ms plain (whole GPU, containerd alone)")
 
     def cdi_missing(self) -> None:
-        """The driver's CDI spec gone: the container fails, saying so, and no lease stays."""
-        aside = self.spec_path.with_suffix(".aside")
-        self.spec_path.rename(aside)
+        """The driver's CDI spec gone, or stale (written before this GPU was in the node): the container fails with
+        containerd's reason naming the CDI device, and no lease stays."""
+        original = self.spec_path.read_text()
+        spec = json.loads(original)
+        ours = {str(self.device.index), self.device.uuid}
+        stale = {**spec, "devices": [d for d in spec.get("devices", []) if d.get("name") not in ours]}
         try:
-            sb, cfg = self._pod("no-cdi", weft=True, share=25)
-            try:
-                self._client(sb, cfg, "init; exit", f"nvidia.com/gpu={self.device.index}")
-                error = ""
-            except grpc.RpcError as exc:
-                error = f"{exc.code().name}: {exc.details()}"
-            _waited, left = self._wait_no_leases(10)
-            self.check("fault.cdi-missing", "CDI" in error and not left,
-                       f"CreateContainer: {error or 'succeeded'}; leases left {len(left)}")
-            self._remove(sb)
+            self.spec_path.unlink()
+            self._create_fails("fault.cdi-missing", "no-cdi")
+            self.spec_path.write_text(json.dumps(stale))
+            self._create_fails("fault.cdi-stale", "stale-cdi")
         finally:
-            aside.rename(self.spec_path)
+            self.spec_path.write_text(original)
+
+    def _create_fails(self, name: str, pod: str) -> None:
+        sb, cfg = self._pod(pod, weft=True, share=25)
+        try:
+            self._client(sb, cfg, "init; exit", f"nvidia.com/gpu={self.device.index}")
+            error = ""
+        except grpc.RpcError as exc:
+            error = f"{exc.code().name}: {exc.details()}"
+        _waited, left = self._wait_no_leases(10)
+        self.check(name, "CDI" in error and not left,
+                   f"CreateContainer: {error or 'succeeded'}; leases left {len(left)}")
+        self._remove(sb)
 
     def mps_killed(self) -> None:
         """An MPS daemon killed under a running pod: its client sees CUDA errors, the lease is released when the pod

@@ -78,7 +78,8 @@ def test_the_whole_path_is_proven_on_the_fake_gpu(proof: dict) -> None:
     assert list(by_name) == [
         "plain.whole-gpu", "shares.leases", "share-25.device", "share-25.memory", "share-25.compute",
         "share-50.device", "share-50.memory", "share-50.compute", "released", "start-times", "fault.cdi-missing",
-        "fault.mps-killed.client", "fault.mps-killed.released", "fault.mps-killed.next-pod", "nothing-left"]
+        "fault.cdi-stale", "fault.mps-killed.client", "fault.mps-killed.released", "fault.mps-killed.next-pod",
+        "nothing-left"]
     figures = proof["figures"]
     assert figures["device"]["uuid"] == A100
     # The plain pod had the whole GPU (both devices' nodes, all 132 SMs); each share ran on its part of the SMs, as
@@ -89,7 +90,8 @@ def test_the_whole_path_is_proven_on_the_fake_gpu(proof: dict) -> None:
     assert figures["shares"]["25"]["limit_mib"] == 20480
     assert figures["start"]["weft_p50_ms"] > 0 and figures["start"]["plain_p50_ms"] > 0
     # The CDI fault names what was missing: the leased device's CDI name.
-    assert "nvidia.com/gpu=" in by_name["fault.cdi-missing"]["detail"]
+    for fault in ("fault.cdi-missing", "fault.cdi-stale"):
+        assert f"unresolvable CDI devices nvidia.com/gpu={A100}" in by_name[fault]["detail"]
     assert "CUDA_ERROR_MPS_CONNECTION_FAILED" in by_name["fault.mps-killed.client"]["detail"]
 
 
