@@ -211,6 +211,9 @@ class MeshNode:
             return busy | {n for n in self._used if n in self._records}
 
     def hello_all(self) -> None:
+        # A renewed certificate is taken within a round (its files checked, ``mesh.tls.reloaded``) even when
+        # every peer pushes its state on a Watch and no Hello opens a client, which is where it was checked.
+        self.tls.current()
         mine = self.probe.sample()
         mine.node = self.node
         business = self.business()
