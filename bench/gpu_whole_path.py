@@ -61,6 +61,8 @@ class GpuSide:
     mps_binary: str
     # Writes the driver's CDI spec into containerd's spec directory; returns the spec's path.
     write_cdi: Callable[[Path], Path]
+    # Writes a spec of the proof's own where write_cdi fails (the rest of the path is still worth seeing).
+    fallback_cdi: Callable[[Path], Path] | None = None
     client_env: dict[str, str] = field(default_factory=dict)
     # The fake libcuda finds its MPS server by the host's PID: its pods share the host's PID namespace.
     host_pid: bool = False
@@ -90,6 +92,50 @@ def nvidia_ctk_cdi(nvidia_ctk: str, cdi_hook: str, log: Path) -> Callable[[Path]
         if res.returncode != 0 or not out.is_file():
             raise RuntimeError(f"nvidia-ctk cdi generate failed ({res.returncode}): {res.stderr.strip()[-1500:]}")
         return out
+
+    return write
+
+
+# The driver's user-space libraries a CUDA program loads (libcuda opens the others by their sonames).
+DRIVER_LIBRARIES = ("libcuda.so", "libnvidia-ptxjitcompiler.so", "libnvidia-ml.so", "libnvidia-nvvm.so",
+                    "libnvidia-gpucomp.so")
+
+
+def loaded_library(soname: str) -> Path:
+    """Where this process's loader finds ``soname`` (it is loaded, and its path read from /proc/self/maps)."""
+    import ctypes
+
+    ctypes.CDLL(soname)
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        path = line.split()[-1]
+        if os.path.basename(path).startswith(soname.split(".so")[0] + ".so"):
+            return Path(path)
+    raise OSError(f"{soname} is loaded but not in /proc/self/maps")
+
+
+def own_cdi(devices: list, libcuda: Path) -> Callable[[Path], Path]:
+    """A CDI spec as the toolkit's would say it, made from NVML's devices and the directory libcuda is in: each
+    GPU by index and UUID with its device node, the control nodes, the driver's libraries mounted where they are,
+    and that directory on the loader's path (no hook runs ldconfig)."""
+
+    def write(directory: Path) -> Path:
+        def node(minor: int) -> dict:
+            return {"path": f"/dev/nvidia{minor}"}
+
+        gpus = [d for d in devices if d.minor is not None and not d.mig_enabled and not getattr(d, "parent_uuid", None)]
+        entries = [{"name": name, "containerEdits": {"deviceNodes": [node(d.minor)]}}
+                   for d in gpus for name in (str(d.index), d.uuid)]
+        entries.append({"name": "all", "containerEdits": {"deviceNodes": [node(d.minor) for d in gpus]}})
+        libs = sorted(str(p) for p in libcuda.parent.iterdir() if p.name.startswith(DRIVER_LIBRARIES))
+        control = [{"path": p} for p in ("/dev/nvidiactl", "/dev/nvidia-uvm", "/dev/nvidia-uvm-tools")
+                   if os.path.exists(p)]
+        spec = {"cdiVersion": "0.5.0", "kind": "nvidia.com/gpu", "devices": entries, "containerEdits": {
+            "deviceNodes": control, "env": [f"LD_LIBRARY_PATH={libcuda.parent}"],
+            "mounts": [{"hostPath": p, "containerPath": p, "options": ["ro", "nosuid", "nodev", "bind"]}
+                       for p in libs]}}
+        path = directory / "weft-proof-nvidia.json"
+        path.write_text(json.dumps(spec))
+        return path
 
     return write
 
@@ -134,8 +180,7 @@ class WholePath:
             self.broker = Broker(cfg, backend=self.gpu.backend, mps=self.mps).start()
             stack.callback(self.broker.stop)
             self.ctrd = stack.enter_context(Containerd(handlers=[weft_handler(self.work, cfg.socket)], line="2"))
-            self.spec_path = self.gpu.write_cdi(self.ctrd.cdi_spec_dir)
-            self.libcuda = libcuda_in(json.loads(self.spec_path.read_text()))
+            self.spec_path, self.libcuda = self._cdi_spec()
             archive = images.build_archive(
                 images.ImageSpec(CLIENT_IMAGE, ("python3",)), self.work / "client-image.tar",
                 extra_layers=(images.python_layer(self.gpu.python, {
@@ -153,6 +198,22 @@ class WholePath:
                     self.check(step.__name__.replace("_", "-"), False, f"stopped: {_reason(exc)}")
                     self._remove_all()
         return self.document()
+
+    def _cdi_spec(self) -> tuple[Path, str]:
+        """The driver's CDI spec and where it puts libcuda in a container. Where the toolkit cannot write one
+        (it finds the driver's libraries through the loader's cache and standard directories only), the proof
+        goes on with one of its own from NVML and the libcuda this machine loads, and says so."""
+        try:
+            path = self.gpu.write_cdi(self.ctrd.cdi_spec_dir)
+            where = libcuda_in(json.loads(path.read_text()))
+        except (RuntimeError, ValueError, OSError) as exc:
+            if self.gpu.fallback_cdi is None:
+                raise
+            self.check("cdi.spec", False, f"{_reason(exc)}; the rest runs on a spec of the proof's own")
+            path = self.gpu.fallback_cdi(self.ctrd.cdi_spec_dir)
+            return path, libcuda_in(json.loads(path.read_text()))
+        self.check("cdi.spec", True, f"{path.name}: libcuda at {where} in a container")
+        return path, where
 
     # -- pods ----------------------------------------------------------------
     def _pod(self, name: str, *, weft: bool, share: int | None = None,
@@ -489,8 +550,14 @@ def main(argv: list[str] | None = None) -> int:
     except NvmlError as exc:
         print(f"gpu_whole_path: {exc}", file=sys.stderr)
         return 2
+    try:
+        fallback = own_cdi(backend.devices(), loaded_library("libcuda.so.1"))
+    except OSError as exc:
+        print(f"gpu_whole_path: no spec of its own to fall back on: {exc}", file=sys.stderr)
+        fallback = None
     gpu = GpuSide(backend=backend, mps_binary=args.mps_control,
-                  write_cdi=nvidia_ctk_cdi(args.nvidia_ctk, args.cdi_hook, args.out / "nvidia-ctk.log"))
+                  write_cdi=nvidia_ctk_cdi(args.nvidia_ctk, args.cdi_hook, args.out / "nvidia-ctk.log"),
+                  fallback_cdi=fallback)
     work = Path(tempfile.mkdtemp(prefix="weft-wp-"))
     try:
         doc = WholePath(gpu, work, starts=args.starts).run()

@@ -129,6 +129,11 @@ ls "$WHEELS"/pip-*.whl >/dev/null 2>&1 || die "no wheels in $WHEELS: run scripts
 if [ "$WHOLE" -eq 1 ]; then
   [ -f "$CARRY" ] || die "no $CARRY: run scripts/gpu-proof.sh --prepare --whole-path first"
   [ "$(id -u)" -eq 0 ] || die "the whole path runs containerd, runc and the broker: run it as root"
+  # What the carry does not bring and the harness runs: the node's network namespace (ip, nsenter), the MPS
+  # daemons' private /dev/shm (unshare, mount), the client image's libraries (ldd), the carry itself (tar, xz).
+  missing=()
+  for tool in ip nsenter unshare mount ldd tar xz; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  [ "${#missing[@]}" -eq 0 ] || die "the whole path needs ${missing[*]} on PATH, which this machine lacks"
   mapfile -t DEPS < <(runtime_dependencies)
 else
   [ "$(id -u)" -eq 0 ] || echo "gpu-proof: not root: gpu-check's live test will fail (it needs cgroups and mount namespaces)" >&2

@@ -12,12 +12,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import psutil
 import pynvml
 import pytest
 
-from bench.gpu_whole_path import GpuSide, WholePath, libcuda_in, summary
+from bench.gpu_whole_path import GpuSide, WholePath, libcuda_in, own_cdi, summary
+from shim.broker.backend import GpuDevice
 from shim.broker.nvml import NvmlBackend
 from tests.broker.fakes import A100, T4, FakeNvml, install_fake_mps
 from tests.gpucheck import fakecuda
@@ -76,7 +78,7 @@ def test_the_whole_path_is_proven_on_the_fake_gpu(proof: dict) -> None:
     by_name = {c["name"]: c for c in proof["checks"]}
     assert proof["verdict"] == "proven", summary(proof)
     assert list(by_name) == [
-        "plain.whole-gpu", "shares.leases", "share-25.device", "share-25.memory", "share-25.compute",
+        "cdi.spec", "plain.whole-gpu", "shares.leases", "share-25.device", "share-25.memory", "share-25.compute",
         "share-50.device", "share-50.memory", "share-50.compute", "released", "start-times", "fault.cdi-missing",
         "fault.cdi-stale", "fault.mps-killed.client", "fault.mps-killed.released", "fault.mps-killed.next-pod",
         "nothing-left"]
@@ -103,3 +105,29 @@ def test_where_the_spec_puts_libcuda() -> None:
     assert libcuda_in(spec) == "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"
     with pytest.raises(ValueError, match=r"no libcuda\.so"):
         libcuda_in({"devices": [{"name": "0", "containerEdits": {}}]})
+
+
+def test_where_the_toolkit_writes_no_spec_the_proof_says_so_and_goes_on_with_its_own(tmp_path: Path) -> None:
+    # As on a machine whose driver libraries are outside the loader's cache, where nvidia-ctk finds no libcuda.
+    driver = tmp_path / "nvidia" / "lib64"
+    driver.mkdir(parents=True)
+    for name in ("libcuda.so.580.1", "libnvidia-ptxjitcompiler.so.580.1", "libnvidia-ml.so.580.1", "libGL.so.1"):
+        (driver / name).touch()
+    devices = [GpuDevice(index=0, uuid=A100, name="A100", memory_total=80 << 30, mig_enabled=False, minor=0)]
+
+    def toolkit(directory: Path) -> Path:
+        raise RuntimeError("nvidia-ctk cdi generate failed (1): failed to locate libcuda.so")
+
+    proof = WholePath(GpuSide(backend=None, mps_binary="", write_cdi=toolkit,
+                              fallback_cdi=own_cdi(devices, driver / "libcuda.so.580.1")), tmp_path)
+    proof.ctrd = SimpleNamespace(cdi_spec_dir=tmp_path)
+    path, where = proof._cdi_spec()
+    assert where == str(driver / "libcuda.so.580.1")
+    assert proof.checks == [{"name": "cdi.spec", "result": "fail", "detail": "RuntimeError: nvidia-ctk cdi generate "
+                             "failed (1): failed to locate libcuda.so; the rest runs on a spec of the proof's own"}]
+    spec = json.loads(path.read_text())
+    assert [d["name"] for d in spec["devices"]] == ["0", A100, "all"]
+    assert spec["devices"][0]["containerEdits"]["deviceNodes"] == [{"path": "/dev/nvidia0"}]
+    assert sorted(Path(m["hostPath"]).name for m in spec["containerEdits"]["mounts"]) == [
+        "libcuda.so.580.1", "libnvidia-ml.so.580.1", "libnvidia-ptxjitcompiler.so.580.1"]
+    assert spec["containerEdits"]["env"] == [f"LD_LIBRARY_PATH={driver}"]
