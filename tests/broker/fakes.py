@@ -313,7 +313,9 @@ if sys.argv[1:] == ["-f"]:
     with open(os.path.join(logs, "fake-env.json"), "w") as f:
         json.dump({{"env": dict(os.environ), "pid": os.getpid(), "sid": os.getsid(0)}}, f)
     if os.path.isdir("/dev/shm"):
-        with open(os.path.join("/dev/shm", "fake-mps-%d" % os.getpid()), "w") as f:
+        # Named by its pipe directory too: a daemon run without a private /dev/shm leaves its file in the host's,
+        # where a later daemon with the same PID must not find it.
+        with open(os.path.join("/dev/shm", "fake-mps-%d-%s" % (os.getpid(), pipe.replace("/", "_"))), "w") as f:
             f.write("the daemon's /dev/shm\\n")
     if os.environ.get("FAKE_MPS_EXIT_AT_START"):
         sys.exit(3)

@@ -268,7 +268,7 @@ def test_private_shm_gives_the_daemon_the_leases_shm_directory(tmp_path: Path, f
     try:
         daemon = sup.ensure(LEASE_A, GPU0, LIMITS)
         # The daemon wrote into its /dev/shm; it landed in the lease's directory, not in the host's /dev/shm.
-        marker = f"fake-mps-{daemon.pid}"
+        marker = f"fake-mps-{daemon.pid}-{str(daemon.pipe_dir).replace('/', '_')}"
         assert (daemon.shm_dir / marker).exists()
         assert not (Path("/dev/shm") / marker).exists()
         assert stat.S_IMODE(daemon.shm_dir.stat().st_mode) == 0o1777
