@@ -306,6 +306,13 @@ class WholePath:
             time.sleep(0.05)
         return time.monotonic() - started, left
 
+    def _wait_no_mps(self, timeout: float = 10.0) -> list[int]:
+        """The run's MPS processes still there after waiting up to ``timeout`` for them to go."""
+        deadline = time.monotonic() + timeout
+        while (mps := self.mps_processes()) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return mps
+
     def mps_processes(self) -> list[int]:
         """PIDs of MPS control daemons and servers of this run's leases (by their pipe directory)."""
         needle = f"CUDA_MPS_PIPE_DIRECTORY={self.mps_dir}".encode()
@@ -402,9 +409,7 @@ class WholePath:
             self._remove(sb)
         _waited, left = self._wait_no_leases()
         release_s = time.monotonic() - started
-        deadline = time.monotonic() + 10
-        while (mps := self.mps_processes()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        mps = self._wait_no_mps()
         self.figures["release_s"] = round(release_s, 3)
         self.check("released", not left and not mps,
                    f"both pods removed and their leases released in {release_s:.2f} s; leases left {len(left)}, "
@@ -498,9 +503,7 @@ class WholePath:
     def nothing_left(self) -> None:
         self._remove_all()
         _waited, left = self._wait_no_leases()
-        deadline = time.monotonic() + 10
-        while (mps := self.mps_processes()) and time.monotonic() < deadline:
-            time.sleep(0.1)
+        mps = self._wait_no_mps()
         containers = self.direct.ListContainers(cri.ListContainersRequest(), timeout=30).containers
         sandboxes = self.direct.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=30).items
         with open("/proc/self/mountinfo") as f:

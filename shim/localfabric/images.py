@@ -94,11 +94,12 @@ def busybox_layer(passwd: str = "", group: str = "") -> bytes:
     return _layer(passwd, group)
 
 
-def files_layer(files: dict[str, bytes]) -> bytes:
-    """A layer holding just these regular files (paths without a leading slash; their directories are made)."""
+def files_layer(files: dict[str, bytes | str], mode: int = 0o644) -> bytes:
+    """A layer holding just these files (paths without a leading slash; their directories are made), each a
+    regular file with ``mode``, or a symlink where its value is a str (the link's target)."""
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        dirs = sorted({str(Path(name).parent) for name in files} - {"."})
+        dirs = sorted({str(parent) for name in files for parent in Path(name).parents} - {"."})
         for d in dirs:
             info = tarfile.TarInfo(d)
             info.type = tarfile.DIRTYPE
@@ -106,9 +107,15 @@ def files_layer(files: dict[str, bytes]) -> bytes:
             _add(tar, info)
         for name, data in sorted(files.items()):
             info = tarfile.TarInfo(name)
-            info.size = len(data)
-            info.mode = 0o644
-            _add(tar, info, data)
+            if isinstance(data, str):
+                info.type = tarfile.SYMTYPE
+                info.linkname = data
+                info.mode = 0o777
+                _add(tar, info)
+            else:
+                info.size = len(data)
+                info.mode = mode
+                _add(tar, info, data)
     return buf.getvalue()
 
 
@@ -245,23 +252,4 @@ def python_layer(python: str, files: dict[str, bytes]) -> bytes:
     if paths["exe"] != "/usr/bin/python3":
         entries["usr/bin/python3"] = paths["exe"]
     entries.update(files)
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        dirs = sorted({str(parent) for name in entries for parent in Path(name).parents} - {"."})
-        for d in dirs:
-            info = tarfile.TarInfo(d)
-            info.type = tarfile.DIRTYPE
-            info.mode = 0o755
-            _add(tar, info)
-        for name, data in sorted(entries.items()):
-            info = tarfile.TarInfo(name)
-            if isinstance(data, str):
-                info.type = tarfile.SYMTYPE
-                info.linkname = data
-                info.mode = 0o777
-                _add(tar, info)
-            else:
-                info.size = len(data)
-                info.mode = 0o755
-                _add(tar, info, data)
-    return buf.getvalue()
+    return files_layer(entries, mode=0o755)
