@@ -12,7 +12,10 @@ past a bounded timeout; poststop releases the lease (a failure there is
 reported, but never blocks the container's removal). An unknown stage warns
 and exits 0, so a newer runtime never blocks a container.
 
-Broker socket: ``--broker-socket PATH`` or ``WEFT_BROKER_SOCKET``.
+Broker socket: ``--broker-socket PATH`` or ``WEFT_BROKER_SOCKET``; how long
+to wait for it: ``WEFT_HOOK_TIMEOUT_S`` (5 s). ``weft_oci_hook.c`` is the same
+hook without an interpreter (``hooks/native.py`` builds it); this one is the
+reference both are tested against.
 """
 
 from __future__ import annotations
@@ -54,6 +57,14 @@ def _cgroup(pid: int) -> str:
     return unified
 
 
+def _timeout() -> float:
+    try:
+        t = float(os.environ.get("WEFT_HOOK_TIMEOUT_S", ""))
+    except ValueError:
+        return CONNECT_TIMEOUT_S
+    return t if 0 < t <= 60 else CONNECT_TIMEOUT_S
+
+
 def _ask(socket_path: str, request: dict, timeout: float) -> dict:
     import json
     import socket
@@ -73,7 +84,13 @@ def _ask(socket_path: str, request: dict, timeout: float) -> dict:
                 if not chunk:
                     raise OSError("the broker closed the connection without answering")
                 buf += chunk
-            return json.loads(buf)
+            try:
+                answer = json.loads(buf)
+            except ValueError as exc:
+                raise ValueError(f"the GPU broker's answer is not a JSON object: {exc}") from None
+            if not isinstance(answer, dict):
+                raise ValueError("the GPU broker's answer is not a JSON object")
+            return answer
         except OSError as exc:  # not up yet, or restarting: retry until the deadline
             last = str(exc) or type(exc).__name__
             if time.monotonic() >= deadline:
@@ -119,7 +136,7 @@ def run(argv: list[str], stdin, stderr) -> int:
         print(f"weft-oci-hook: unknown hook stage {stage!r}; doing nothing", file=stderr)
         return 0
     try:
-        answer = _ask(broker, request, CONNECT_TIMEOUT_S)
+        answer = _ask(broker, request, _timeout())
     except (TimeoutError, ValueError) as exc:
         print(f"weft-oci-hook {stage}: container {container[:12]}, lease {lease}: {exc}", file=stderr)
         return 1 if stage == "createRuntime" else 0

@@ -15,7 +15,11 @@ exit, as the parent sees it (the parent's fork/exec is in it, as runc's is):
   hook's own share is the difference (reference);
 * ``bind``: createRuntime with a lease, against a real ``weft broker``
   (simulated GPUs) over its hook socket;
-* ``release``: poststop for the same lease.
+* ``release``: poststop for the same lease;
+* ``native_fast_path``, ``native_bind``, ``native_release``: the same three
+  with the native hook (``hooks/weft_oci_hook.c``, built here by
+  ``hooks.native``), what a node runs where the image carries it; each native
+  bind gets a lease of its own.
 
 Every run gets a freshly acquired lease (over gRPC, not timed) and all the
 kinds are interleaved run by run, in rotating order, so drift in the
@@ -37,6 +41,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from hooks import native
 from shim._pb import broker_pb2 as pb
 from shim.bench.running import guarded, summary
 from shim.errors import WeftError
@@ -48,7 +53,9 @@ DEVICES = "8x80GiB"
 LEASE_BYTES = 1 << 30
 RPC_TIMEOUT = 10.0
 HOOK_TIMEOUT = 30.0
-KINDS = ("fast_path", "fast_path_console_script", "python_floor", "bind", "release")
+KINDS = ("fast_path", "fast_path_console_script", "python_floor", "bind", "release", "native_fast_path",
+         "native_bind", "native_release")
+NATIVE = ("native_fast_path", "native_bind", "native_release")
 
 
 def _say(msg: str) -> None:
@@ -84,6 +91,13 @@ def _timed(argv: list[str], stdin: bytes, what: str) -> int:
     return dt
 
 
+def _native() -> tuple[str | None, str]:
+    try:
+        return str(native.build()), ""
+    except native.NativeHookUnavailable as exc:
+        return None, str(exc)
+
+
 def _measure(runs: int, warmup: int, workdir: Path) -> dict[str, list[int]]:
     hook = [sys.executable, "-S", "-I", str(HOOK_SCRIPT)]
     console = _console_script()
@@ -91,6 +105,11 @@ def _measure(runs: int, warmup: int, workdir: Path) -> dict[str, list[int]]:
     if console is None:
         _say("no weft-oci-hook console script installed; skipping that form")
         del out["fast_path_console_script"]
+    native_hook, why = _native()
+    if native_hook is None:
+        _say(f"no native hook: {why}")
+        for k in NATIVE:
+            del out[k]
     broker = BrokerProcess(workdir / "broker", devices=DEVICES)
     # Bound leases whose PID is gone are released by the broker's watchdog, so
     # the bind needs a process that outlives the run; its cgroup is read too.
@@ -101,11 +120,14 @@ def _measure(runs: int, warmup: int, workdir: Path) -> dict[str, list[int]]:
         own = _state("c1", os.getpid())
         ch, stub = broker.stub()
         with ch:
-            for i in range(warmup + runs):
-                lease = stub.Acquire(pb.AcquireRequest(
-                    key=f"bench-hook/{i}", namespace="bench", pod=f"hook-{i}", container="main",
-                    sandbox_id=f"bench-hook-{i}", memory_bytes=LEASE_BYTES, compute_percent=1),
+            def acquire(key: str) -> str:
+                return stub.Acquire(pb.AcquireRequest(
+                    key=f"bench-hook/{key}", namespace="bench", pod=f"hook-{key}", container="main",
+                    sandbox_id=f"bench-hook-{key}", memory_bytes=LEASE_BYTES, compute_percent=1),
                     timeout=RPC_TIMEOUT).lease_id
+
+            for i in range(warmup + runs):
+                lease = acquire(str(i))
                 container = f"bench-hook-{i:06d}"
 
                 def bind(lease: str = lease, container: str = container, i: int = i) -> int:
@@ -120,12 +142,22 @@ def _measure(runs: int, warmup: int, workdir: Path) -> dict[str, list[int]]:
                 if console is not None:
                     steps.append(("fast_path_console_script",
                                   lambda: _timed([console, "createRuntime"], own, "console script")))
+                if native_hook is not None:
+                    n_lease, n_key = acquire(f"n{i}"), f"bench-hook-n{i}"
+                    steps += [("native_fast_path", lambda: _timed([native_hook, "createRuntime"], own, "native")),
+                              ("native_bind", lambda n_lease=n_lease, n_key=n_key: _timed(
+                                  [native_hook, "createRuntime", "--broker-socket", socket],
+                                  _state(f"{n_key}-c", holder.pid, n_lease, n_key, "main"), "native bind"))]
                 k = i % len(steps)  # rotate, so no kind always runs first
                 timed = [(name, step()) for name, step in steps[k:] + steps[:k]]
                 # poststop comes after createRuntime, as in a container's life.
                 timed.append(("release", _timed([*hook, "poststop", "--broker-socket", socket],
                                                 _state(container, holder.pid, lease, f"bench-hook-{i}", "main"),
                                                 "release")))
+                if native_hook is not None:
+                    timed.append(("native_release", _timed(
+                        [native_hook, "poststop", "--broker-socket", socket],
+                        _state(f"{n_key}-c", holder.pid, n_lease, n_key, "main"), "native release")))
                 if i >= warmup:
                     for name, dt in timed:
                         out[name].append(dt)
@@ -144,6 +176,12 @@ def _measure(runs: int, warmup: int, workdir: Path) -> dict[str, list[int]]:
 def _figures(raw: dict[str, list[int]], samples: int, runs: int, warmup: int, workdir: str) -> dict:
     f: dict = {name: summary(ns, 3) for name, ns in raw.items()}
     f.setdefault("fast_path_console_script", None)
+    for k in NATIVE:
+        f.setdefault(k, None)
+    if f["native_fast_path"] is not None:
+        # What the native hook leaves of the Python one's time, as a node runs each (p50).
+        f["native_over_python_fast_path_p50"] = round(f["native_fast_path"]["p50_ms"] / f["fast_path"]["p50_ms"], 3)
+        f["native_over_python_bind_p50"] = round(f["native_bind"]["p50_ms"] / f["bind"]["p50_ms"], 3)
     targets = {"fast_path_p99": f["fast_path"]["p99_ms"] <= LIMITS["fast_path_p99_ms"],
                "bind_p99": f["bind"]["p99_ms"] <= LIMITS["bind_p99_ms"]}
     targets["all"] = all(targets.values())
@@ -153,7 +191,8 @@ def _figures(raw: dict[str, list[int]], samples: int, runs: int, warmup: int, wo
     f["environment"] = {
         "samples_requested": samples, "runs": runs, "warmup_runs": warmup, "max_runs": MAX_RUNS,
         "cpu_count": os.cpu_count(), "python": sys.version.split()[0], "executable": sys.executable,
-        "hook_script": str(HOOK_SCRIPT), "console_script": _console_script(), "simulated_devices": DEVICES,
+        "hook_script": str(HOOK_SCRIPT), "console_script": _console_script(), "native_hook": _native()[0],
+        "simulated_devices": DEVICES,
         "workdir": workdir,
     }
     return f
@@ -167,7 +206,9 @@ def _table(f: dict) -> str:
     labels = {"fast_path": "createRuntime, no lease (python -S -I)",
               "fast_path_console_script": "createRuntime, no lease (console script)",
               "python_floor": "python -S -I -c pass (interpreter alone)",
-              "bind": "createRuntime, bind a lease", "release": "poststop, release the lease"}
+              "bind": "createRuntime, bind a lease", "release": "poststop, release the lease",
+              "native_fast_path": "native hook: createRuntime, no lease", "native_bind": "native hook: bind a lease",
+              "native_release": "native hook: release the lease"}
     limit = {"fast_path": ("fast_path_p99", "fast_path_p99_ms"), "bind": ("bind_p99", "bind_p99_ms")}
     for name, label in labels.items():
         s = f[name]
@@ -187,8 +228,11 @@ def _table(f: dict) -> str:
         cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:5], widths[1:5], strict=True)] + [r[5]]
         lines.append("  ".join(cells).rstrip())
     met = sum(1 for k, v in t.items() if k != "all" and v)
-    lines += ["", f"the hook's own share of the fast path, p50: {f['hook_own_p50_ms']:+.2f} ms over the interpreter",
-              "each figure is one process as runc starts it: spawn, interpreter start-up, hook, exit",
+    lines += ["", f"the hook's own share of the fast path, p50: {f['hook_own_p50_ms']:+.2f} ms over the interpreter"]
+    if "native_over_python_fast_path_p50" in f:
+        lines.append(f"native over Python, p50: fast path {f['native_over_python_fast_path_p50']:.3f}x, "
+                     f"bind {f['native_over_python_bind_p50']:.3f}x")
+    lines += ["each figure is one process as runc starts it: spawn, interpreter start-up, hook, exit",
               f"targets met: {met} of {len(t) - 1}"]
     return "\n".join(lines)
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import grpc
 
-from hooks import weft_oci_hook
+from hooks import native, weft_oci_hook
 from shim._pb import broker_pb2 as pb
 from shim._pb import broker_pb2_grpc as pb_grpc
 from shim.hookspec import with_hooks
@@ -23,13 +23,26 @@ from shim.localfabric.agent import free_port
 from shim.localfabric.containerd import Containerd, RuntimeHandler
 
 HOOK_SCRIPT = Path(weft_oci_hook.__file__).resolve()
+# -S -I: the Python hook needs only the standard library, so skip site-packages.
+PYTHON_HOOK = (sys.executable, "-S", "-I", str(HOOK_SCRIPT))
+
+
+def hook_argv() -> list[str]:
+    """The OCI hook as a node runs it: the native one, built here once (``hooks.native``), as the node image
+    ships it; the Python hook where this machine has no C compiler, or with ``WEFT_LOCAL_HOOK=python``."""
+    if os.environ.get("WEFT_LOCAL_HOOK") == "python":
+        return list(PYTHON_HOOK)
+    try:
+        return [str(native.build())]
+    except native.NativeHookUnavailable as exc:
+        print(f"weft: the Python OCI hook instead of the native one: {exc}", file=sys.stderr)
+        return list(PYTHON_HOOK)
 
 
 def weft_handler(workdir: Path, broker_socket: Path) -> RuntimeHandler:
     """The ``weft`` runtime handler: runc plus the hook, weft.io/* annotations passed to the OCI spec."""
     default = json.loads(subprocess.run(["ctr", "oci", "spec"], check=True, capture_output=True, text=True).stdout)
-    # -S -I: the hook needs only the standard library, so skip site-packages.
-    spec = with_hooks(default, [sys.executable, "-S", "-I", str(HOOK_SCRIPT)], str(broker_socket))
+    spec = with_hooks(default, hook_argv(), str(broker_socket))
     path = workdir / "weft-base-spec.json"
     workdir.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(spec))

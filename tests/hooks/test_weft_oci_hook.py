@@ -9,54 +9,20 @@ from __future__ import annotations
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
-import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from hooks import weft_oci_hook as hook
+from tests.hooks.fakebroker import FakeHookServer
 
 REPO = Path(__file__).resolve().parents[2]
 CONTAINER = "c0ffee" * 10 + "abcd"
 LEASE = "lease-0123456789abcdef"
-
-
-class FakeHookServer:
-    """Answers each JSON line with ``answer`` and records the requests."""
-
-    def __init__(self, broker_socket: Path, answer: dict) -> None:
-        self.broker_socket = broker_socket
-        self.answer = answer
-        self.requests: list[dict] = []
-        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._sock.bind(str(broker_socket) + ".hook")
-        self._sock.listen()
-        self._thread = threading.Thread(target=self._serve, daemon=True)
-        self._thread.start()
-
-    def _serve(self) -> None:
-        while True:
-            try:
-                conn, _ = self._sock.accept()
-            except OSError:
-                return
-            with conn, conn.makefile("rwb") as f:
-                line = f.readline()
-                if line:
-                    self.requests.append(json.loads(line))
-                    f.write(json.dumps(self.answer).encode() + b"\n")
-                    f.flush()
-
-    def close(self) -> None:
-        self._sock.shutdown(socket.SHUT_RDWR)  # wakes the blocked accept() (Linux), where close() alone does not
-        self._sock.close()
-        self._thread.join(2)
-        assert not self._thread.is_alive()
 
 
 @pytest.fixture

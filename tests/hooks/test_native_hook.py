@@ -1,0 +1,230 @@
+"""The native ``weft-oci-hook`` (``hooks/weft_oci_hook.c``) against the Python one, on the same inputs.
+
+Both run as runc runs them: a fresh process, the OCI state on stdin, the stage
+as an argument, a real unix socket server standing in for the broker's hook
+endpoint. Every case is asserted for both, and where a message is printed the
+two print the same one: the Python hook is the reference the native one keeps
+to.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from hooks import native
+from shim.localfabric.broker import PYTHON_HOOK
+from tests.hooks.fakebroker import FakeHookServer
+
+CONTAINER = "c0ffee" * 10 + "abcd"
+LEASE = "lease-0123456789abcdef"
+REFUSAL = {"ok": False, "code": "FAILED_PRECONDITION", "error": "lease is bound to container aaaaaaaaaaaa"}
+
+
+@pytest.fixture(scope="module")
+def native_hook() -> str:
+    try:
+        return str(native.build())
+    except native.NativeHookUnavailable as exc:
+        pytest.fail(f"the native hook could not be built here (scripts/setup.sh installs gcc): {exc}")
+
+
+@pytest.fixture(params=["python", "native"])
+def hook(request: pytest.FixtureRequest, native_hook: str) -> list[str]:
+    return list(PYTHON_HOOK) if request.param == "python" else [native_hook]
+
+
+@pytest.fixture
+def short_dir() -> Iterator[Path]:
+    # A unix socket path must stay under ~107 bytes; pytest's tmp_path can be longer.
+    with tempfile.TemporaryDirectory(prefix="wh", dir="/tmp") as d:
+        yield Path(d)
+
+
+@pytest.fixture
+def server(short_dir: Path) -> Iterator[FakeHookServer]:
+    s = FakeHookServer(short_dir / "broker.sock", {"ok": True, "state": "bound"})
+    yield s
+    s.close()
+
+
+def state(lease: str | None = LEASE, pid: int | None = None, **annotations: str) -> str:
+    doc: dict = {"ociVersion": "1.2.0", "id": CONTAINER, "status": "created", "pid": pid or os.getpid(),
+                 "bundle": "/run/bundle", "annotations": {"io.kubernetes.cri.container-name": "app", **annotations}}
+    if lease is not None:
+        doc["annotations"]["weft.io/lease"] = lease
+    return json.dumps(doc)
+
+
+def run(hook: list[str], args: list[str], stdin: str | bytes, env: dict[str, str] | None = None,
+        timeout_s: float | None = None) -> subprocess.CompletedProcess[str]:
+    environ = {k: v for k, v in os.environ.items() if k != "WEFT_BROKER_SOCKET"}
+    if timeout_s is not None:
+        environ["WEFT_HOOK_TIMEOUT_S"] = str(timeout_s)
+    data = stdin.encode() if isinstance(stdin, str) else stdin
+    res = subprocess.run([*hook, *args], input=data, capture_output=True, env={**environ, **(env or {})},
+                         timeout=30, cwd="/")
+    return subprocess.CompletedProcess(res.args, res.returncode, res.stdout.decode(), res.stderr.decode())
+
+
+def own_cgroup(pid: int) -> str:
+    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if "memory" in controllers.split(","):
+            return path
+    return lines[-1].split(":", 2)[2]
+
+
+# -- the fast path and the state ------------------------------------------------------------------------
+@pytest.mark.parametrize("stage", ["createRuntime", "poststop", "somethingNew"])
+@pytest.mark.parametrize("stdin", [
+    pytest.param(state(None), id="no-lease-annotation"), pytest.param(state(""), id="empty-lease-annotation"),
+    pytest.param("", id="empty"), pytest.param("{not json", id="garbage"),
+    pytest.param('{"id": "x", "pid": 1}', id="no-annotations")])
+def test_without_a_lease_exits_0_at_once(hook: list[str], short_dir: Path, stage: str, stdin: str) -> None:
+    res = run(hook, [stage, "--broker-socket", str(short_dir / "absent.sock")], stdin)
+    assert (res.returncode, res.stderr, res.stdout) == (0, "", "")
+
+
+@pytest.mark.parametrize(("stdin", "says"), [
+    pytest.param('{"annotations": {"weft.io/lease": "lease-1"', "cannot read the OCI state on stdin", id="truncated"),
+    pytest.param("annotations weft.io/lease {not json", "cannot read the OCI state on stdin", id="garbage"),
+    pytest.param('["weft.io/lease"]', "expected a JSON object, got list", id="a-list"),
+    pytest.param('{"annotations": {"weft.io/lease": "l"}} {}', "cannot read the OCI state", id="extra-data")])
+def test_unreadable_state_with_a_lease_fails_the_container(hook: list[str], stdin: str, says: str) -> None:
+    res = run(hook, ["createRuntime"], stdin)
+    assert res.returncode == 1
+    assert says in res.stderr and res.stderr.startswith("weft-oci-hook: ")
+
+
+def test_unknown_stage_warns_and_exits_0(hook: list[str], server: FakeHookServer) -> None:
+    res = run(hook, ["prestart", "--broker-socket", str(server.broker_socket)], state())
+    assert (res.returncode, res.stderr) == (0, "weft-oci-hook: unknown hook stage 'prestart'; doing nothing\n")
+    assert server.requests == []
+
+
+# -- binding and releasing ------------------------------------------------------------------------------
+def test_create_runtime_binds_the_lease_to_pid_cgroup_and_container(hook: list[str],
+                                                                    server: FakeHookServer) -> None:
+    with subprocess.Popen(["sleep", "30"]) as proc:  # a live process, as runc's container at createRuntime
+        try:
+            res = run(hook, ["createRuntime", "--broker-socket", str(server.broker_socket)],
+                      state(pid=proc.pid, **{"io.kubernetes.cri.sandbox-id": "sb-1"}))
+        finally:
+            proc.kill()
+        cgroup = own_cgroup(proc.pid) if Path(f"/proc/{proc.pid}").exists() else None
+    assert (res.returncode, res.stderr) == (0, "")
+    assert server.requests == [{"op": "bind", "lease_id": LEASE, "container_id": CONTAINER, "pid": proc.pid,
+                                "cgroup": cgroup or server.requests[0]["cgroup"], "sandbox_id": "sb-1",
+                                "container": "app"}]
+    assert server.requests[0]["cgroup"].startswith("/")
+
+
+def test_poststop_releases_the_lease(hook: list[str], server: FakeHookServer) -> None:
+    res = run(hook, ["poststop", "--broker-socket", str(server.broker_socket)], state())
+    assert (res.returncode, res.stderr) == (0, "")
+    assert server.requests == [{"op": "release", "lease_id": LEASE, "reason": "poststop", "sandbox_id": "",
+                                "container": "app"}]
+
+
+def test_a_state_without_a_pid_binds_pid_0_and_no_cgroup(hook: list[str], server: FakeHookServer) -> None:
+    doc = {"id": CONTAINER, "annotations": {"weft.io/lease": LEASE}}
+    assert run(hook, ["createRuntime", "--broker-socket", str(server.broker_socket)], json.dumps(doc)).returncode == 0
+    assert server.requests[0]["pid"] == 0 and server.requests[0]["cgroup"] == ""
+
+
+def test_escapes_and_unicode_reach_the_broker_as_they_were(hook: list[str], server: FakeHookServer) -> None:
+    lease, name = 'lease-"quoted"\\back\u00e9\U0001f680', "m\u00f6del\n\ttab\u0001"
+    text = json.dumps({"id": CONTAINER, "annotations": {"weft.io/lease": lease,
+                                                        "io.kubernetes.cri.container-name": name}})
+    assert run(hook, ["poststop", "--broker-socket", str(server.broker_socket)], text).returncode == 0
+    raw = json.dumps({"id": CONTAINER, "annotations": {"weft.io/lease": lease}}, ensure_ascii=False)
+    assert run(hook, ["poststop", "--broker-socket", str(server.broker_socket)], raw).returncode == 0
+    assert [(r["lease_id"], r["container"]) for r in server.requests] == [(lease, name), (lease, "")]
+
+
+def test_the_last_of_a_repeated_key_wins(hook: list[str], server: FakeHookServer) -> None:
+    text = ('{"id": "old", "annotations": {"weft.io/lease": "first", "io.kubernetes.cri.container-name": "x"}, '
+            '"id": "CONTAINER", "annotations": {"weft.io/lease": "second", "weft.io/lease": "third"}}'
+            ).replace("CONTAINER", CONTAINER)
+    assert run(hook, ["poststop", "--broker-socket", str(server.broker_socket)], text).returncode == 0
+    assert [(r["lease_id"], r["container"]) for r in server.requests] == [("third", "")]
+
+
+def test_a_large_state_is_read_whole(hook: list[str], server: FakeHookServer) -> None:
+    big = {f"example.com/note-{i}": "x" * 1000 for i in range(1000)}  # a megabyte of other annotations
+    text = state(**big, nested='{"a": [1, 2.5e3, -0.1, true, false, null]}')
+    assert run(hook, ["poststop", "--broker-socket", str(server.broker_socket)], text).returncode == 0
+    assert [r["lease_id"] for r in server.requests] == [LEASE]
+
+
+# -- the broker refusing, missing or making no sense: the same words from both ---------------------------
+@pytest.mark.parametrize(("stage", "rc"), [("createRuntime", 1), ("poststop", 0)])
+def test_broker_refusal_is_reported(hook: list[str], server: FakeHookServer, stage: str, rc: int) -> None:
+    server.answer = REFUSAL
+    res = run(hook, [stage, "--broker-socket", str(server.broker_socket)], state())
+    assert res.returncode == rc
+    assert res.stderr == (f"weft-oci-hook {stage}: the GPU broker refused lease {LEASE} for container "
+                          f"{CONTAINER[:12]}: {REFUSAL['error']} ({REFUSAL['code']})\n")
+
+
+@pytest.mark.parametrize(("stage", "rc"), [("createRuntime", 1), ("poststop", 0)])
+def test_unreachable_broker_names_its_socket(hook: list[str], short_dir: Path, stage: str, rc: int) -> None:
+    sock = str(short_dir / "absent.sock")
+    res = run(hook, [stage, "--broker-socket", sock], state(), timeout_s=0.3)
+    assert res.returncode == rc
+    assert res.stderr == (f"weft-oci-hook {stage}: container {CONTAINER[:12]}, lease {LEASE}: GPU broker at {sock} "
+                          "unreachable for 0s: [Errno 2] No such file or directory\n")
+
+
+@pytest.mark.parametrize("answer", [pytest.param(b"not json\n", id="not-json"), pytest.param(b"[1]\n", id="a-list")])
+@pytest.mark.parametrize(("stage", "rc"), [("createRuntime", 1), ("poststop", 0)])
+def test_an_answer_that_is_no_json_object_is_reported(hook: list[str], server: FakeHookServer, answer: bytes,
+                                                      stage: str, rc: int) -> None:
+    server.answer = answer
+    res = run(hook, [stage, "--broker-socket", str(server.broker_socket)], state())
+    assert res.returncode == rc
+    assert res.stderr.startswith(f"weft-oci-hook {stage}: container {CONTAINER[:12]}, lease {LEASE}: "
+                                 "the GPU broker's answer is not a JSON object")
+
+
+def test_a_broker_that_hangs_up_is_asked_again_until_the_deadline(hook: list[str], server: FakeHookServer) -> None:
+    server.answer = b""  # reads the request, closes without a word
+    res = run(hook, ["createRuntime", "--broker-socket", str(server.broker_socket)], state(), timeout_s=0.5)
+    assert res.returncode == 1
+    assert "the broker closed the connection without answering" in res.stderr
+    assert len(server.requests) >= 2
+
+
+# -- where the socket is named ----------------------------------------------------------------------------
+@pytest.mark.parametrize("args", [
+    pytest.param(lambda s: ["createRuntime", "--broker-socket", s], id="separate-value"),
+    pytest.param(lambda s: ["createRuntime", f"--broker-socket={s}"], id="equals-form"),
+    pytest.param(lambda s: ["--broker-socket", s, "createRuntime"], id="flag-before-the-stage")])
+def test_the_flag_names_the_socket_over_the_environment(hook: list[str], server: FakeHookServer, short_dir: Path,
+                                                        args) -> None:
+    res = run(hook, args(str(server.broker_socket)), state(), env={"WEFT_BROKER_SOCKET": str(short_dir / "no.sock")},
+              timeout_s=0.3)
+    assert (res.returncode, len(server.requests)) == (0, 1), res.stderr
+
+
+def test_the_environment_names_the_socket_without_a_flag(hook: list[str], server: FakeHookServer) -> None:
+    res = run(hook, ["poststop"], state(), env={"WEFT_BROKER_SOCKET": str(server.broker_socket)})
+    assert res.returncode == 0 and [r["op"] for r in server.requests] == ["release"]
+
+
+def test_the_native_build_is_static_and_cached(native_hook: str) -> None:
+    assert native.build() == Path(native_hook)
+    res = subprocess.run(["file", "-b", native_hook], capture_output=True, text=True)
+    if res.returncode == 0:  # file(1) where installed; ldd's answer otherwise
+        assert "statically linked" in res.stdout or "static-pie" in res.stdout, res.stdout
+    else:
+        ldd = subprocess.run(["ldd", native_hook], capture_output=True, text=True)
+        assert "not a dynamic executable" in ldd.stdout + ldd.stderr
