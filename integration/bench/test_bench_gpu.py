@@ -70,7 +70,7 @@ def test_bench_hook_json_is_complete_and_leaves_nothing_behind() -> None:
     for kind in ("fast_path", "python_floor", "bind", "release", "native_fast_path", "native_bind",
                  "native_release"):
         _check_summary(f[kind], 20, kind)
-    assert 0 < f["native_over_python_fast_path_p50"] and 0 < f["native_over_python_bind_p50"]
+    assert f["native_over_python_fast_path_p50"] > 0 and f["native_over_python_bind_p50"] > 0
     assert f["environment"]["native_hook"]
     if f["environment"]["console_script"] is None:
         assert f["fast_path_console_script"] is None

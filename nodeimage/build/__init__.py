@@ -15,6 +15,9 @@ by reading that file and doing what an engine would:
   /opt/weft/lib -r requirements.lock``, run on this host with pip's
   ``--platform`` options, so the wheels are the manylinux/cp311 ones the base's
   Python needs; wheels are cached under ``/var/cache/weft/nodeimage/wheels/``.
+- **the ``hook`` stage**: its one file, ``hooks/weft_oci_hook.c``, compiled on
+  this host with the flags its RUN line names (``hooks.native``: static, so
+  the binary needs nothing of the base); ``COPY --from=hook`` takes it.
 - **COPY, ENV, LABEL, USER, ENTRYPOINT, CMD**: applied as the Containerfile says
   (COPY honours ``nodeimage/containerignore``).
 

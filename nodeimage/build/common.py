@@ -8,6 +8,8 @@ import os
 import subprocess
 from pathlib import Path
 
+from hooks import native
+
 REPO = Path(__file__).resolve().parents[2]
 CONTAINERFILE = REPO / "nodeimage" / "Containerfile"
 IGNOREFILE = REPO / "nodeimage" / "containerignore"
@@ -24,6 +26,14 @@ PIP_PLATFORM = ["--implementation", "cp", "--python-version", "3.11", "--abi", "
 # The one RUN line build.py knows how to do; the Containerfile must say exactly this.
 PIP_RUN = ("pip install --no-cache-dir --no-deps --no-compile --only-binary=:all: --require-hashes "
            "--target /opt/weft/lib -r /opt/weft/requirements.lock && rm -rf /opt/weft/lib/bin")
+
+# The native OCI hook's stage: on the base (the image itself has no compiler), static, with hooks/native.py's
+# flags; build.py compiles it on this host with those flags instead.
+HOOK_STAGE = "hook"
+HOOK_SOURCE = "/src/weft_oci_hook.c"
+HOOK_OUTPUT = "/out/weft-oci-hook"
+HOOK_RUN = ("apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev && mkdir -p /out && "
+            f"cc {' '.join(native.CFLAGS)} -o {HOOK_OUTPUT} {HOOK_SOURCE}")
 
 _MT_INDEX = "application/vnd.oci.image.index.v1+json"
 _MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"

@@ -10,7 +10,16 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nodeimage.build.common import IGNOREFILE, PIP_RUN, BuildError
+from nodeimage.build.common import HOOK_RUN, HOOK_STAGE, IGNOREFILE, PIP_RUN, BuildError
+
+
+@dataclass
+class Stage:
+    """A build stage before the image's own (``FROM ... AS name``): what it copies in and runs."""
+
+    base: str = ""
+    copies: list[tuple[str, str]] = field(default_factory=list)
+    runs: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -20,6 +29,8 @@ class Plan:
     base: str = ""
     copies: list[tuple[str, str]] = field(default_factory=list)  # (source in the repo, destination)
     runs: list[str] = field(default_factory=list)
+    stages: dict[str, Stage] = field(default_factory=dict)
+    copies_from: list[tuple[str, str, str]] = field(default_factory=list)  # (stage, its path, destination)
     env: dict[str, str] = field(default_factory=dict)
     labels: dict[str, str] = field(default_factory=dict)
     user: str = ""
@@ -55,6 +66,7 @@ def _pairs(args: str, what: str) -> dict[str, str]:
 def parse_containerfile(text: str, build_args: dict[str, str] | None = None) -> Plan:
     """The instructions build.py supports; anything else is refused by name."""
     plan, args = Plan(), dict(build_args or {})
+    into: Plan | Stage = plan
     for line in _logical_lines(text):
         op, _, rest = line.partition(" ")
         op, rest = op.upper(), rest.strip()
@@ -62,12 +74,24 @@ def parse_containerfile(text: str, build_args: dict[str, str] | None = None) -> 
             key, _, default = rest.partition("=")
             args.setdefault(key, default)
         elif op == "FROM":
-            plan.base = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), ""), rest)
+            words = re.sub(r"\$\{(\w+)\}|\$(\w+)", lambda m: args.get(m.group(1) or m.group(2), ""), rest).split()
+            if len(words) == 3 and words[1].upper() == "AS":
+                into = plan.stages[words[2]] = Stage(base=words[0])
+            elif len(words) == 1:
+                into, plan.base = plan, words[0]
+            else:
+                raise BuildError(f"Containerfile FROM {rest!r}: expected FROM IMAGE [AS NAME]")
         elif op == "COPY":
-            src, dest = shlex.split(rest)
-            plan.copies.append((src, dest))
+            words = shlex.split(rest)
+            if words and words[0].startswith("--from="):
+                if into is not plan or len(words) != 3 or words[0][7:] not in plan.stages:
+                    raise BuildError(f"Containerfile COPY {rest!r}: --from names an earlier stage, into the image")
+                plan.copies_from.append((words[0][7:], words[1], words[2]))
+                continue
+            src, dest = words
+            into.copies.append((src, dest))
         elif op == "RUN":
-            plan.runs.append(" ".join(rest.split()))
+            into.runs.append(" ".join(rest.split()))
         elif op == "ENV":
             plan.env.update(_pairs(rest, "ENV"))
         elif op == "LABEL":
@@ -87,6 +111,10 @@ def parse_containerfile(text: str, build_args: dict[str, str] | None = None) -> 
     for run in plan.runs:
         if run != PIP_RUN:
             raise BuildError(f"Containerfile RUN {run!r}: build.py only runs {PIP_RUN!r}")
+    for name, stage in plan.stages.items():
+        if name != HOOK_STAGE or stage.runs != [HOOK_RUN]:
+            raise BuildError(f"Containerfile stage {name!r}: build.py builds only the {HOOK_STAGE!r} stage, "
+                             f"whose one RUN is {HOOK_RUN!r}")
     return plan
 
 

@@ -10,7 +10,8 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-from nodeimage.build.common import CACHE, LOCKFILE, PIP_PLATFORM, REPO, _run
+from hooks import native
+from nodeimage.build.common import CACHE, HOOK_OUTPUT, HOOK_SOURCE, LOCKFILE, PIP_PLATFORM, REPO, BuildError, _run
 from nodeimage.build.containerfile import Plan, _ignored, ignore_patterns
 from nodeimage.build.layout import layer_tar
 
@@ -48,12 +49,29 @@ def pip_install(target: Path, lockfile: Path = LOCKFILE, cache: Path = CACHE) ->
     shutil.rmtree(target / "bin", ignore_errors=True)
 
 
+def hook_stage(plan: Plan, repo: Path, out: Path) -> dict[str, Path]:
+    """The hook stage, on this host: its one file compiled as its RUN would (``hooks.native``); {path: file}."""
+    stage = next(iter(plan.stages.values()))
+    sources = [src for src, dest in stage.copies if dest == HOOK_SOURCE]
+    if len(sources) != 1 or (repo / sources[0]).resolve() != native.SOURCE:
+        raise BuildError(f"Containerfile hook stage: COPY hooks/weft_oci_hook.c {HOOK_SOURCE}, nothing else")
+    try:
+        return {HOOK_OUTPUT: native.compile_to(out / "weft-oci-hook")}
+    except native.NativeHookUnavailable as exc:
+        raise BuildError(f"the native OCI hook: {exc} (scripts/setup.sh installs gcc)") from exc
+
+
 def weft_layer(plan: Plan, repo: Path = REPO, cache: Path = CACHE) -> bytes:
     patterns = ignore_patterns(repo / "nodeimage" / "containerignore")
     entries: list[tuple[tarfile.TarInfo, bytes | None]] = []
     with tempfile.TemporaryDirectory(prefix="weft-image-") as tmp:
         for src, dest in plan.copies:
             entries.extend(_tree(repo / src, dest, patterns))
+        built = hook_stage(plan, repo, Path(tmp) / "hook") if plan.stages else {}
+        for _stage, src, dest in plan.copies_from:
+            if src not in built:
+                raise BuildError(f"Containerfile COPY --from: the stage makes no {src}")
+            entries.extend(_tree(built[src], dest, []))
         if plan.runs:
             lock = next(repo / src for src, dest in plan.copies if dest == "/opt/weft/requirements.lock")
             pip_install(Path(tmp) / "lib", lock, cache)

@@ -5,7 +5,9 @@ The DaemonSet's image has Python; the host may not (or not the same one), and
 systemd must run weft without the image. So ``/opt/weft`` gets::
 
     bin/python3                 the interpreter binary
-    bin/weft, bin/weft-oci-hook launchers (sh) that find their own directory, so the tree can live anywhere
+    bin/weft, bin/weft-oci-hook launchers (sh) that find their own directory, so the tree can live anywhere;
+                                bin/weft-oci-hook is the native hook itself where weft's hooks carry one (the
+                                node image builds it), a static program that needs nothing of the copy
     lib/*.so*                   libpython where it is shared, and every library the interpreter, the standard
                                 library's extension modules and the dependencies' link that is not part of the C
                                 library (libsqlite3, libssl, libffi, libstdc++, ...): a minimal node has few of them
@@ -22,8 +24,9 @@ requirement closure where weft's package metadata is installed (a virtual
 environment), else every distribution installed beside ``shim`` (the node
 image installs them with ``pip --target`` into a directory of weft's own).
 The copy still needs the host's C library (glibc, as every mainstream node OS
-has); :func:`check_argv` is the installer's proof that it runs there. The
-hook launcher runs with ``-S -I``: the hook imports only the standard library.
+has); :func:`check_argv` is the installer's proof that it runs there. Without
+the native hook, the hook launcher runs the Python one with ``-S -I``: it
+imports only the standard library.
 ``--source DIR`` copies a prepared tree instead (a CI-built bundle, or a small
 one in tests).
 """
@@ -42,6 +45,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import shim
+from hooks import native
 
 MARKER = ".weft-bundle"
 _SKIP_STDLIB = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", "turtledemo", "ensurepip",
@@ -49,6 +53,7 @@ _SKIP_STDLIB = {"site-packages", "dist-packages", "test", "idlelib", "tkinter", 
 PYVER = f"python{sys.version_info.major}.{sys.version_info.minor}"
 APP = "lib/weft"  # weft and its dependencies, in the bundle
 ENTRY = "lib/weft-main.py"
+NATIVE_HOOK = f"{APP}/hooks/{native.NAME}"  # where the node image puts the native hook, beside the Python one
 # The C library's own objects: the host's are the ones that must be used (they go with its loader).
 _GLIBC = re.compile(r"^(ld-linux.*|libc|libm|libmvec|libpthread|libdl|librt|libutil|libresolv|libanl|libnsl"
                     r"|libBrokenLocale|libthread_db|libnss_\w+|libc_malloc_debug|libmemusage|libpcprofile)"
@@ -267,7 +272,11 @@ def build(files: list[tuple[Path, str]], dest: Path, stamp: str, launchers: bool
     if launchers:
         (dest / ENTRY).write_text(ENTRY_PY)
         for name, text in (("weft", WEFT_SH), ("weft-oci-hook", HOOK_SH)):
-            (dest / "bin" / name).write_text(text)
+            (dest / "bin").mkdir(parents=True, exist_ok=True)
+            if name == "weft-oci-hook" and (dest / NATIVE_HOOK).is_file():
+                shutil.copy2(dest / NATIVE_HOOK, dest / "bin" / name)
+            else:
+                (dest / "bin" / name).write_text(text)
             (dest / "bin" / name).chmod(0o755)
     (dest / MARKER).write_text(stamp + "\n")
 

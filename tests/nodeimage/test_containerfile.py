@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 from packaging.requirements import Requirement
 
+from hooks import native
 from nodeimage import build
 from nodeimage.build import containerfile
 
@@ -88,7 +89,8 @@ def test_the_layer_holds_what_the_containerfile_copies_and_installs(built, plan)
                 target = f"{dest.strip('/')}/{rel}" if rel else dest.strip("/")
                 assert target in files, f"COPY {src} {dest}: {target} missing"
     assert not [n for n in files if "__pycache__" in n or n.endswith(".pyc") or "/." in n]
-    for exe in ("opt/weft/bin/weft", "opt/weft/bin/weft-oci-hook"):
+    for exe in ("opt/weft/bin/weft", "opt/weft/bin/weft-oci-hook", "opt/weft/bin/weft-oci-hook-python",
+                "opt/weft/lib/hooks/weft-oci-hook"):
         assert members[exe].mode & 0o111
     assert "opt/weft/lib/shim/cli.py" in files and "opt/weft/lib/hooks/weft_oci_hook.py" in files
     assert not [n for n in members if n.startswith("opt/weft/lib/bin")]  # the RUN line removes pip's scripts
@@ -98,6 +100,28 @@ def test_the_layer_holds_what_the_containerfile_copies_and_installs(built, plan)
     assert installed == set(_lock())
     assert [n for n in files if n.startswith("opt/weft/lib/grpc/_cython/cygrpc.cpython-311-x86_64-linux-gnu")]
     assert all(m.uid == 0 and m.mtime == 0 for m in members.values())
+
+
+def test_the_oci_hook_is_the_native_one_from_the_hook_stage(built, plan):
+    assert plan.stages.keys() == {"hook"} and plan.stages["hook"].base == plan.base
+    assert plan.copies_from == [("hook", "/out/weft-oci-hook", "/opt/weft/bin/weft-oci-hook"),
+                                ("hook", "/out/weft-oci-hook", "/opt/weft/lib/hooks/weft-oci-hook")]
+    with tarfile.open(fileobj=io.BytesIO(built.layer)) as tar:
+        binary = tar.extractfile("opt/weft/bin/weft-oci-hook").read()  # type: ignore[union-attr]
+        beside = tar.extractfile("opt/weft/lib/hooks/weft-oci-hook").read()  # type: ignore[union-attr]
+    assert binary == beside and binary.startswith(b"\x7fELF")
+    # The same program hooks/native.py builds (the same source and flags the stage's RUN line names).
+    assert binary == native.build().read_bytes()
+    assert " ".join(native.CFLAGS) in plan.stages["hook"].runs[0]
+
+
+def test_the_build_refuses_a_hook_stage_it_would_not_reproduce():
+    text = build.CONTAINERFILE.read_text().replace("-Werror -o /out", "-Werror -DEXTRA -o /out", 1)
+    with pytest.raises(build.BuildError, match="builds only the 'hook' stage"):
+        build.parse_containerfile(text)
+    text = build.CONTAINERFILE.read_text().replace("--from=hook", "--from=elsewhere", 1)
+    with pytest.raises(build.BuildError, match="--from names an earlier stage"):
+        build.parse_containerfile(text)
 
 
 def test_the_build_is_reproducible(built, tmp_path):
