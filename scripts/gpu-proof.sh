@@ -16,7 +16,7 @@
 #        and packs dist/gpu-proof-carry.tar.xz: containerd, its runc shim and ctr (the checkout's containerd 2
 #        pin, components/containerd/build.sh), runc with its libseccomp and busybox-static (this machine's, from
 #        Debian's packages), nvidia-ctk and nvidia-cdi-hook (built from the Go module
-#        github.com/NVIDIA/nvidia-container-toolkit at NVIDIA_CTK_VERSION)
+#        github.com/NVIDIA/nvidia-container-toolkit at NVIDIA_CTK_VERSION), and the native OCI hook (hooks/native.py)
 #   scripts/gpu-proof.sh [--whole-path] [OUT_DIR]
 #        on the GPU machine, as root, from the source checkout with dist/ beside it; reaches no registry.
 #        OUT_DIR defaults to bench/results/gpu-proof-<UTC time> (gpu-whole-path-<UTC time> with --whole-path)
@@ -74,12 +74,16 @@ prepare_carry() {
     > "$out/bin/runc"
   chmod 755 "$out/bin/runc"
   cp /bin/busybox "$out/bin/busybox" || die "no /bin/busybox here (Debian's busybox-static)"
+  # The native OCI hook (static), where hooks.native looks for it once WEFT_CACHE_DIR names the carry's cache.
+  WEFT_CACHE_DIR="$out/cache" "$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); from hooks import native; native.build()' \
+    "$ROOT" || die "building the native OCI hook failed (it needs a C compiler: gcc, libc6-dev)"
   {
     echo "containerd: $("$out/bin/containerd" --version)"
     echo "ctr: $("$out/bin/ctr" --version)"
     echo "runc: $("$out/bin/runc" --version | head -n 1)"
     echo "nvidia-ctk: $("$out/bin/nvidia-ctk" --version | head -n 1)"
     echo "busybox: $("$out/bin/busybox" | head -n 1)"
+    echo "weft-oci-hook: native, $(find "$out/cache/hook" -name weft-oci-hook | head -n 1 | sed "s|$out/||")"
   } > "$out/VERSIONS" || die "a carried binary does not run"
   mkdir -p "$(dirname "$CARRY")"
   tar -C "$tmp" -cf - gpu-proof-carry | xz -6 -T0 > "$CARRY.tmp" || die "packing $CARRY failed"
@@ -173,7 +177,7 @@ if [ "$WHOLE" -eq 1 ]; then
   BIN="$SITE/gpu-proof-carry/bin"
   cp "$SITE/gpu-proof-carry/VERSIONS" "$OUT/carried-versions.txt"
   export PATH="$BIN:$PATH" WEFT_CONTAINERD_BIN="$BIN" WEFT_BUSYBOX="$BIN/busybox" \
-    WEFT_HARNESS_CACHE="$SITE/harness-cache"
+    WEFT_HARNESS_CACHE="$SITE/harness-cache" WEFT_CACHE_DIR="$SITE/gpu-proof-carry/cache"
   # 4. The whole path: bench.gpu_whole_path checks, records and cleans up after itself.
   timeout 540 "$PY" -m bench.gpu_whole_path --out "$OUT" --nvidia-ctk "$BIN/nvidia-ctk" \
     --cdi-hook "$BIN/nvidia-cdi-hook" > "$OUT/whole-path.out" 2> "$OUT/whole-path.log"
