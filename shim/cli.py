@@ -183,15 +183,15 @@ def _bench(args: argparse.Namespace) -> int:
     if args.what == "hook":
         from shim.bench import hook
 
-        return hook.main(as_json=args.json, samples=args.samples)
+        return hook.main(as_json=args.json, samples=args.samples, output=args.output)
     if args.what == "broker":
         from shim.bench import broker
 
-        return broker.main(as_json=args.json, samples=args.samples)
+        return broker.main(as_json=args.json, samples=args.samples, output=args.output)
     if args.what == "packing":
         from shim.bench import packing
 
-        return packing.main(as_json=args.json)
+        return packing.main(as_json=args.json, output=args.output)
     if args.what == "mesh":
         from shim.bench import mesh
 

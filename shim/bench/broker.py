@@ -19,7 +19,6 @@ measurement, not a test, so a missed target does not change the exit code.
 from __future__ import annotations
 
 import gc
-import json
 import os
 import shutil
 import sys
@@ -32,7 +31,7 @@ import psutil
 
 from shim._pb import broker_pb2 as pb
 from shim._pb import broker_pb2_grpc as pb_grpc
-from shim.bench.running import guarded, summary
+from shim.bench.running import guarded, report, summary
 from shim.errors import WeftError
 from shim.localfabric.broker import BrokerProcess
 
@@ -168,7 +167,7 @@ def _table(f: dict) -> str:
     return "\n".join(lines)
 
 
-def main(*, as_json: bool, samples: int = 2000) -> int:
+def main(*, as_json: bool, samples: int = 2000, output: Path | None = None) -> int:
     if samples < 10:
         raise WeftError("need --samples >= 10")
     warmup = min(100, max(10, samples // 10))
@@ -181,5 +180,4 @@ def main(*, as_json: bool, samples: int = 2000) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     if figures is None:
         return code
-    print(json.dumps(figures, indent=2) if as_json else _table(figures), flush=True)
-    return 0
+    return report(figures, as_json, output, _table)

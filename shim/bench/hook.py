@@ -43,7 +43,7 @@ from pathlib import Path
 
 from hooks import native
 from shim._pb import broker_pb2 as pb
-from shim.bench.running import guarded, summary
+from shim.bench.running import guarded, report, summary
 from shim.errors import WeftError
 from shim.localfabric.broker import HOOK_SCRIPT, BrokerProcess
 
@@ -237,7 +237,7 @@ def _table(f: dict) -> str:
     return "\n".join(lines)
 
 
-def main(*, as_json: bool, samples: int = 2000) -> int:
+def main(*, as_json: bool, samples: int = 2000, output: Path | None = None) -> int:
     if samples < 10:
         raise WeftError("need --samples >= 10")
     runs = min(samples, MAX_RUNS)
@@ -252,5 +252,4 @@ def main(*, as_json: bool, samples: int = 2000) -> int:
         shutil.rmtree(workdir, ignore_errors=True)
     if figures is None:
         return code
-    print(json.dumps(figures, indent=2) if as_json else _table(figures), flush=True)
-    return 0
+    return report(figures, as_json, output, _table)

@@ -18,13 +18,14 @@ exit code.
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import sys
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
+from shim.bench.running import report
 from shim.core.packing import Ask, DeviceCapacity, Held, ffd_device_count, lower_bound, pack
 
 GI = 2**30
@@ -157,15 +158,14 @@ def _table(f: dict) -> str:
     return "\n".join(lines)
 
 
-def main(as_json: bool, sequences: int = 10000, seed: int = 1) -> int:
+def main(as_json: bool, sequences: int = 10000, seed: int = 1, output: Path | None = None) -> int:
     if sequences < 1:
         print("shim.bench.packing: need at least one sequence", file=sys.stderr)
         return 2
     start = time.perf_counter()
     outcomes = run(sequences, seed)
     result = figures(outcomes, sequences, seed, time.perf_counter() - start)
-    print(json.dumps(result, indent=2) if as_json else _table(result), flush=True)
-    return 0
+    return report(result, as_json, output, _table)
 
 
 def _cli(argv: list[str]) -> int:
