@@ -74,11 +74,11 @@ static void buf_fmt(buf_t *b, const char *fmt, ...) {
     if (n > 0) buf_add(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
 }
 
-/* A JSON string, escaped as Python's json.dumps escapes it (ASCII out, \uXXXX beyond). */
-static void buf_json_str(buf_t *b, const char *s) {
+/* A JSON string, escaped as Python's json.dumps escapes it (ASCII out, \uXXXX beyond), NULs included. */
+static void buf_json_str(buf_t *b, const buf_t *str) {
     buf_add(b, "\"", 1);
-    const unsigned char *u = (const unsigned char *)s;
-    while (*u) {
+    const unsigned char *u = (const unsigned char *)str->p, *end = u + str->n;
+    while (u < end) {
         unsigned c = *u;
         if (c == '"' || c == '\\') {
             char e[2] = {'\\', (char)c};
@@ -92,13 +92,14 @@ static void buf_json_str(buf_t *b, const char *s) {
         else if (c < 0x20) { buf_fmt(b, "\\u%04x", c); u++; }
         else if (c < 0x80) { buf_add(b, (const char *)u, 1); u++; }
         else {
-            /* UTF-8 made by our own reader, so well formed: decode and escape. */
+            /* UTF-8 the reader checked; should a sequence still be cut short, U+FFFD, never past the end. */
             uint32_t cp;
             int len;
             if (c >= 0xf0) { cp = c & 0x07; len = 4; }
             else if (c >= 0xe0) { cp = c & 0x0f; len = 3; }
             else { cp = c & 0x1f; len = 2; }
-            for (int i = 1; i < len && u[i]; i++) cp = (cp << 6) | (u[i] & 0x3f);
+            if (end - u < len) { cp = 0xfffd; len = 1; }
+            else for (int i = 1; i < len; i++) cp = (cp << 6) | (u[i] & 0x3f);
             u += len;
             if (cp >= 0x10000) {
                 cp -= 0x10000;
@@ -157,6 +158,28 @@ static void put_utf8(buf_t *b, uint32_t cp) {
     buf_add(b, o, n);
 }
 
+/* The length of the well-formed UTF-8 sequence at p (as Python's strict decoder takes it), 0 if there is none. */
+static int utf8_len(const unsigned char *p, const unsigned char *end) {
+    unsigned c = p[0];
+    int len;
+    unsigned lo = 0x80, hi = 0xbf;
+    if (c >= 0xc2 && c <= 0xdf) len = 2;
+    else if (c >= 0xe0 && c <= 0xef) {
+        len = 3;
+        if (c == 0xe0) lo = 0xa0;
+        if (c == 0xed) hi = 0x9f;  /* no surrogates */
+    } else if (c >= 0xf0 && c <= 0xf4) {
+        len = 4;
+        if (c == 0xf0) lo = 0x90;
+        if (c == 0xf4) hi = 0x8f;  /* nothing past U+10FFFF */
+    } else return 0;
+    if (end - p < len) return 0;
+    if (p[1] < lo || p[1] > hi) return 0;
+    for (int i = 2; i < len; i++)
+        if (p[i] < 0x80 || p[i] > 0xbf) return 0;
+    return len;
+}
+
 /* A string at r->p (its opening quote); its decoded UTF-8 into out when out is not NULL. */
 static int read_string(reader_t *r, buf_t *out) {
     if (r->p >= r->end || *r->p != '"') return fail(r, "expected a string");
@@ -168,7 +191,12 @@ static int read_string(reader_t *r, buf_t *out) {
         if (c < 0x20) return fail(r, "control character in a string");
         if (c != '\\') {
             const char *start = r->p;
-            while (r->p < r->end && *r->p != '"' && *r->p != '\\' && (unsigned char)*r->p >= 0x20) r->p++;
+            while (r->p < r->end && *r->p != '"' && *r->p != '\\' && (unsigned char)*r->p >= 0x20) {
+                if ((unsigned char)*r->p < 0x80) { r->p++; continue; }
+                int n = utf8_len((const unsigned char *)r->p, (const unsigned char *)r->end);
+                if (!n) return fail(r, "invalid UTF-8 in a string");
+                r->p += n;
+            }
             if (out) buf_add(out, start, (size_t)(r->p - start));
             continue;
         }
@@ -195,7 +223,7 @@ static int read_string(reader_t *r, buf_t *out) {
                     if (lo >= 0xdc00 && lo < 0xe000) cp = 0x10000 + ((cp - 0xd800) << 10) + (lo - 0xdc00);
                     else r->p = back;
                 }
-                if (cp >= 0xd800 && cp < 0xe000) cp = 0xfffd;  /* a lone surrogate: no UTF-8 for it */
+                /* A lone surrogate stays one (three bytes, as WTF-8 has it): the request escapes it again. */
                 break;
             default: return fail(r, "bad escape in a string");
         }
@@ -250,7 +278,13 @@ enum kind { K_NONE, K_STRING, K_NUMBER, K_TRUE, K_FALSE, K_NULL, K_OBJECT, K_ARR
 static int skip_value(reader_t *r, int depth, enum kind *kind, buf_t *str, long long *num);
 
 /* An object's members: on_member(key, r) reads each value (or skips it). */
-typedef int (*member_fn)(reader_t *r, const char *key, void *ctx, int depth);
+typedef int (*member_fn)(reader_t *r, const buf_t *key, void *ctx, int depth);
+
+/* Keys compared whole, NULs and all (a key "weft.io/lease\u0000x" is not the lease's). */
+static int key_is(const buf_t *key, const char *name) {
+    size_t n = strlen(name);
+    return key->n == n && memcmp(key->p, name, n) == 0;
+}
 
 static int read_object(reader_t *r, int depth, member_fn on_member, void *ctx) {
     if (depth > MAX_DEPTH) return fail(r, "nested too deep");
@@ -265,7 +299,7 @@ static int read_object(reader_t *r, int depth, member_fn on_member, void *ctx) {
         if (r->p >= r->end || *r->p != ':') { free(key.p); return fail(r, "expected ':'"); }
         r->p++;
         ws(r);
-        int ok = on_member ? on_member(r, key.p, ctx, depth + 1) : skip_value(r, depth + 1, NULL, NULL, NULL);
+        int ok = on_member ? on_member(r, &key, ctx, depth + 1) : skip_value(r, depth + 1, NULL, NULL, NULL);
         if (!ok) { free(key.p); return 0; }
         ws(r);
         if (r->p < r->end && *r->p == ',') { r->p++; continue; }
@@ -311,7 +345,7 @@ static int skip_value(reader_t *r, int depth, enum kind *kind, buf_t *str, long 
 typedef struct {
     buf_t id, lease, sandbox, name;
     long long pid;
-    int has_lease_key;
+    enum kind lease_kind;  /* K_NONE: no such annotation */
 } state_t;
 
 /* A string member (or its absence): the last one wins, as in Python's json. */
@@ -325,34 +359,40 @@ static int string_member(reader_t *r, buf_t *into, int depth) {
     return 1;
 }
 
-static int annotation_member(reader_t *r, const char *key, void *ctx, int depth) {
+static int annotation_member(reader_t *r, const buf_t *key, void *ctx, int depth) {
     state_t *st = ctx;
-    if (strcmp(key, LEASE_ANNOTATION) == 0) { st->has_lease_key = 1; return string_member(r, &st->lease, depth); }
-    if (strcmp(key, "io.kubernetes.cri.sandbox-id") == 0) return string_member(r, &st->sandbox, depth);
-    if (strcmp(key, "io.kubernetes.cri.container-name") == 0) return string_member(r, &st->name, depth);
+    if (key_is(key, LEASE_ANNOTATION)) {
+        ws(r);
+        const char *at = r->p;
+        enum kind k;
+        if (!skip_value(r, depth, &k, NULL, NULL)) return 0;
+        r->p = at;
+        st->lease_kind = k;
+        return string_member(r, &st->lease, depth);
+    }
+    if (key_is(key, "io.kubernetes.cri.sandbox-id")) return string_member(r, &st->sandbox, depth);
+    if (key_is(key, "io.kubernetes.cri.container-name")) return string_member(r, &st->name, depth);
     return skip_value(r, depth, NULL, NULL, NULL);
 }
 
-static int state_member(reader_t *r, const char *key, void *ctx, int depth) {
+static int state_member(reader_t *r, const buf_t *key, void *ctx, int depth) {
     state_t *st = ctx;
-    if (strcmp(key, "id") == 0) return string_member(r, &st->id, depth);
-    if (strcmp(key, "pid") == 0) {
+    if (key_is(key, "id")) return string_member(r, &st->id, depth);
+    if (key_is(key, "pid")) {
         enum kind k;
         long long n = 0;
         if (!skip_value(r, depth, &k, NULL, &n)) return 0;
         st->pid = k == K_NUMBER ? n : 0;
         return 1;
     }
-    if (strcmp(key, "annotations") == 0) {
+    if (key_is(key, "annotations")) {
+        /* A later "annotations" replaces an earlier one, as in Python; anything but an object holds none. */
+        buf_clear(&st->lease);
+        buf_clear(&st->sandbox);
+        buf_clear(&st->name);
+        st->lease_kind = K_NONE;
         ws(r);
-        if (r->p < r->end && *r->p == '{') {
-            /* A later "annotations" replaces an earlier one, as in Python. */
-            buf_clear(&st->lease);
-            buf_clear(&st->sandbox);
-            buf_clear(&st->name);
-            st->has_lease_key = 0;
-            return read_object(r, depth, annotation_member, st);
-        }
+        if (r->p < r->end && *r->p == '{') return read_object(r, depth, annotation_member, st);
         return skip_value(r, depth, NULL, NULL, NULL);
     }
     return skip_value(r, depth, NULL, NULL, NULL);
@@ -416,16 +456,16 @@ static int text_member(reader_t *r, buf_t *into, int depth) {
     return 1;
 }
 
-static int answer_member(reader_t *r, const char *key, void *ctx, int depth) {
+static int answer_member(reader_t *r, const buf_t *key, void *ctx, int depth) {
     answer_t *a = ctx;
-    if (strcmp(key, "ok") == 0) {
+    if (key_is(key, "ok")) {
         enum kind k;
         if (!skip_value(r, depth, &k, NULL, NULL)) return 0;
         a->ok = k == K_TRUE;
         return 1;
     }
-    if (strcmp(key, "error") == 0) return text_member(r, &a->error, depth);
-    if (strcmp(key, "code") == 0) return text_member(r, &a->code, depth);
+    if (key_is(key, "error")) return text_member(r, &a->error, depth);
+    if (key_is(key, "code")) return text_member(r, &a->code, depth);
     return skip_value(r, depth, NULL, NULL, NULL);
 }
 
@@ -470,6 +510,7 @@ static int ask_once(const char *path, const buf_t *request, double deadline, buf
     out->n = 0;
     while (out->n == 0 || out->p[out->n - 1] != '\n') {
         char chunk[65536];
+        set_timeout(fd, deadline - now_s());  /* the whole answer within the deadline, however it trickles */
         ssize_t got = recv(fd, chunk, sizeof chunk, 0);
         if (got < 0) {
             if (errno == EINTR) continue;
@@ -522,6 +563,10 @@ static char *read_all(FILE *f, size_t *n) {
             exit(1);
         }
         buf_add(&b, chunk, got);
+    }
+    if (ferror(f)) {
+        fputs("weft-oci-hook: cannot read the OCI state on stdin: a read failed\n", stderr);
+        exit(1);
     }
     *n = b.n;
     return b.p;
@@ -597,7 +642,14 @@ int main(int argc, char **argv) {
         fprintf(stderr, "weft-oci-hook: cannot read the OCI state on stdin: %s\n", err);
         return 1;
     }
-    if (!st.lease.n) return 0;
+    if (st.lease_kind == K_NONE || st.lease_kind == K_NULL || st.lease_kind == K_FALSE ||
+        (st.lease_kind == K_STRING && !st.lease.n))
+        return 0;
+    if (st.lease_kind != K_STRING) {
+        fprintf(stderr, "weft-oci-hook: cannot read the OCI state on stdin: annotation %s is not a string\n",
+                LEASE_ANNOTATION);
+        return 1;
+    }
     char id12[13];
     short_id(st.id.p, id12);
     int create = strcmp(stage, "createRuntime") == 0;
@@ -606,15 +658,15 @@ int main(int argc, char **argv) {
         buf_t cg = {0};
         cgroup_of(st.pid, &cg);
         buf_str(&req, "{\"op\": \"bind\", \"lease_id\": ");
-        buf_json_str(&req, st.lease.p);
+        buf_json_str(&req, &st.lease);
         buf_str(&req, ", \"container_id\": ");
-        buf_json_str(&req, st.id.p);
+        buf_json_str(&req, &st.id);
         buf_fmt(&req, ", \"pid\": %lld, \"cgroup\": ", st.pid);
-        buf_json_str(&req, cg.p);
+        buf_json_str(&req, &cg);
         free(cg.p);
     } else if (strcmp(stage, "poststop") == 0) {
         buf_str(&req, "{\"op\": \"release\", \"lease_id\": ");
-        buf_json_str(&req, st.lease.p);
+        buf_json_str(&req, &st.lease);
         buf_str(&req, ", \"reason\": \"poststop\"");
     } else {
         fprintf(stderr, "weft-oci-hook: unknown hook stage '%s'; doing nothing\n", stage);
@@ -622,9 +674,9 @@ int main(int argc, char **argv) {
     }
     /* containerd's own annotations say whose container this is; the broker checks them against the lease. */
     buf_str(&req, ", \"sandbox_id\": ");
-    buf_json_str(&req, st.sandbox.p);
+    buf_json_str(&req, &st.sandbox);
     buf_str(&req, ", \"container\": ");
-    buf_json_str(&req, st.name.p);
+    buf_json_str(&req, &st.name);
     buf_str(&req, "}\n");
 
     buf_t path = {0};
@@ -649,7 +701,10 @@ int main(int argc, char **argv) {
     reader_t r = {line.p, line.p, line.p + line.n, {0}};
     ws(&r);
     int ok = r.p < r.end && *r.p == '{' && read_object(&r, 0, answer_member, &a);
-    if (ok) { ws(&r); ok = r.p == r.end; }
+    if (ok) {
+        ws(&r);
+        if (r.p != r.end) ok = fail(&r, "extra data");
+    }
     if (!ok) {
         fprintf(stderr, "weft-oci-hook %s: container %s, lease %s: the GPU broker's answer is not a JSON object: %s\n",
                 stage, id12, st.lease.p, r.err[0] ? r.err : "not an object");

@@ -80,6 +80,7 @@ def _ask(socket_path: str, request: dict, timeout: float) -> dict:
             s.sendall(json.dumps(request).encode() + b"\n")
             buf = b""
             while not buf.endswith(b"\n"):
+                s.settimeout(max(deadline - time.monotonic(), 0.05))  # the whole answer by the deadline
                 chunk = s.recv(65536)
                 if not chunk:
                     raise OSError("the broker closed the connection without answering")
@@ -108,17 +109,24 @@ def run(argv: list[str], stdin, stderr) -> int:
 
     stage, broker = _args(argv)
     try:
-        state = json.loads(raw)
+        # Strict UTF-8 (json.loads would let an encoded surrogate through): the native hook reads it so too.
+        state = json.loads(raw.decode() if isinstance(raw, bytes) else raw)
         if not isinstance(state, dict):
             raise ValueError(f"expected a JSON object, got {type(state).__name__}")
     except ValueError as exc:
         print(f"weft-oci-hook: cannot read the OCI state on stdin: {exc}", file=stderr)
         return 1
-    lease = (state.get("annotations") or {}).get(LEASE_ANNOTATION)
+    annotations = state.get("annotations")
+    if not isinstance(annotations, dict):
+        annotations = {}
+    lease = annotations.get(LEASE_ANNOTATION)
     if not lease:
         return 0
+    if not isinstance(lease, str):
+        print(f"weft-oci-hook: cannot read the OCI state on stdin: annotation {LEASE_ANNOTATION} is not a string",
+              file=stderr)
+        return 1
     container = state.get("id", "")
-    annotations = state.get("annotations") or {}
     # containerd's own annotations say whose container this is; the broker checks
     # them against the lease, so a container cannot bind or release another's.
     owner = {"sandbox_id": annotations.get("io.kubernetes.cri.sandbox-id", ""),

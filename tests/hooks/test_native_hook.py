@@ -9,10 +9,14 @@ to.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import socket
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -115,16 +119,15 @@ def test_create_runtime_binds_the_lease_to_pid_cgroup_and_container(hook: list[s
                                                                     server: FakeHookServer) -> None:
     with subprocess.Popen(["sleep", "30"]) as proc:  # a live process, as runc's container at createRuntime
         try:
+            cgroup = own_cgroup(proc.pid)
             res = run(hook, ["createRuntime", "--broker-socket", str(server.broker_socket)],
                       state(pid=proc.pid, **{"io.kubernetes.cri.sandbox-id": "sb-1"}))
         finally:
             proc.kill()
-        cgroup = own_cgroup(proc.pid) if Path(f"/proc/{proc.pid}").exists() else None
     assert (res.returncode, res.stderr) == (0, "")
     assert server.requests == [{"op": "bind", "lease_id": LEASE, "container_id": CONTAINER, "pid": proc.pid,
-                                "cgroup": cgroup or server.requests[0]["cgroup"], "sandbox_id": "sb-1",
-                                "container": "app"}]
-    assert server.requests[0]["cgroup"].startswith("/")
+                                "cgroup": cgroup, "sandbox_id": "sb-1", "container": "app"}]
+    assert cgroup.startswith("/")
 
 
 def test_poststop_releases_the_lease(hook: list[str], server: FakeHookServer) -> None:
@@ -228,3 +231,76 @@ def test_the_native_build_is_static_and_cached(native_hook: str) -> None:
     else:
         ldd = subprocess.run(["ldd", native_hook], capture_output=True, text=True)
         assert "not a dynamic executable" in ldd.stdout + ldd.stderr
+
+
+# -- inputs runc never writes, read alike (found by fuzzing the two side by side) ---------------------------
+@pytest.mark.parametrize("stdin", [
+    pytest.param(b'{"annotations": {"weft.io/lease": "' + b"a" * 254 + b'\xf0"}}', id="a-cut-sequence-at-the-end"),
+    pytest.param(b'{"annotations": {"weft.io/lease": "s\xffb"}}', id="a-byte-that-starts-nothing"),
+    pytest.param(b'{"annotations": {"weft.io/lease": "\xed\xa0\x80"}}', id="an-encoded-surrogate"),
+    pytest.param(b'{"annotations": {"weft.io/lease": "\xc0\xaf"}}', id="an-overlong-slash")])
+def test_invalid_utf8_is_an_unreadable_state(hook: list[str], server: FakeHookServer, stdin: bytes) -> None:
+    res = run(hook, ["poststop", "--broker-socket", str(server.broker_socket)], stdin)
+    assert res.returncode == 1 and "cannot read the OCI state on stdin" in res.stderr
+    assert server.requests == []
+
+
+def test_a_nul_is_part_of_a_key_and_of_a_value(hook: list[str], server: FakeHookServer) -> None:
+    args = ["poststop", "--broker-socket", str(server.broker_socket)]
+    res = run(hook, args, '{"id": "x", "annotations": {"weft.io/lease\\u0000x": "L"}}')
+    assert (res.returncode, res.stderr, server.requests) == (0, "", [])  # not the lease's key
+    res = run(hook, args, '{"id": "x", "annotations": {"weft.io/lease": "L\\u0000rest"}}')
+    assert res.returncode == 0 and [r["lease_id"] for r in server.requests] == ["L\x00rest"]
+
+
+def test_annotations_that_are_no_object_hold_no_lease(hook: list[str], server: FakeHookServer) -> None:
+    args = ["poststop", "--broker-socket", str(server.broker_socket)]
+    for text in ('{"annotations": {"weft.io/lease": "L"}, "annotations": null}',
+                 '{"annotations": ["weft.io/lease"]}', '{"annotations": "weft.io/lease"}'):
+        res = run(hook, args, text)
+        assert (res.returncode, res.stderr) == (0, ""), text
+    assert server.requests == []
+
+
+@pytest.mark.parametrize("value", ["5", "true", '["L"]'])
+def test_a_lease_that_is_no_string_is_refused(hook: list[str], server: FakeHookServer, value: str) -> None:
+    res = run(hook, ["createRuntime", "--broker-socket", str(server.broker_socket)],
+              '{"id": "x", "annotations": {"weft.io/lease": %s}}'.replace("%s", value))
+    assert res.returncode == 1
+    assert res.stderr == ("weft-oci-hook: cannot read the OCI state on stdin: annotation weft.io/lease is not "
+                          "a string\n")
+    assert server.requests == []
+
+
+def test_a_broker_that_trickles_its_answer_is_given_up_at_the_deadline(hook: list[str], short_dir: Path) -> None:
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(short_dir / "broker.sock") + ".hook")
+    listener.listen()
+    stop = threading.Event()
+
+    def trickle() -> None:  # a space every 0.1 s, never the newline that ends an answer
+        with contextlib.suppress(OSError):
+            while not stop.is_set():
+                conn, _ = listener.accept()
+                with conn:
+                    conn.recv(65536)
+                    while not stop.wait(0.1):
+                        conn.sendall(b" ")
+
+    threading.Thread(target=trickle, daemon=True).start()
+    try:
+        t0 = time.monotonic()
+        res = run(hook, ["createRuntime", "--broker-socket", str(short_dir / "broker.sock")], state(), timeout_s=0.5)
+        took = time.monotonic() - t0
+    finally:
+        stop.set()
+        listener.shutdown(socket.SHUT_RDWR)
+        listener.close()
+    assert res.returncode == 1 and "unreachable for" in res.stderr and "timed out" in res.stderr, res.stderr
+    assert took < 10, f"the hook kept reading a trickling broker for {took:.1f} s past its 0.5 s deadline"
+
+
+def test_a_lone_surrogate_reaches_the_broker_as_it_came(hook: list[str], server: FakeHookServer) -> None:
+    text = '{"id": "x", "annotations": {"weft.io/lease": "L\\ud83dM"}}'  # JSON allows it; Go's encoder never writes it
+    assert run(hook, ["poststop", "--broker-socket", str(server.broker_socket)], text).returncode == 0
+    assert [r["lease_id"] for r in server.requests] == ["L\ud83dM"]
