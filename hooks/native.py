@@ -37,18 +37,19 @@ def compiler() -> str | None:
     return shutil.which("cc") or shutil.which("gcc")
 
 
-def compile_to(dest: Path) -> Path:
-    """Compile the hook to ``dest`` (static); raises NativeHookUnavailable naming what went wrong."""
+def compile_to(dest: Path, source: Path = SOURCE) -> Path:
+    """Compile the hook (``source``: this checkout's by default) to ``dest``, static; raises
+    NativeHookUnavailable naming what went wrong."""
     cc = compiler()
     if cc is None:
         raise NativeHookUnavailable("no C compiler (cc, gcc or $CC) to build the native OCI hook")
     dest.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=dest.parent) as tmp:
         out = Path(tmp) / NAME
-        res = subprocess.run([cc, *CFLAGS, "-o", str(out), str(SOURCE)], capture_output=True, text=True,
+        res = subprocess.run([cc, *CFLAGS, "-o", str(out), str(source)], capture_output=True, text=True,
                              timeout=300)
         if res.returncode != 0:
-            raise NativeHookUnavailable(f"{cc} could not build {SOURCE.name}: {res.stderr.strip()[-2000:]}")
+            raise NativeHookUnavailable(f"{cc} could not build {source}: {res.stderr.strip()[-2000:]}")
         out.chmod(0o755)
         os.replace(out, dest)  # whole or not at all: a half-written hook would fail every container
     return dest

@@ -30,6 +30,7 @@ PIP_RUN = ("pip install --no-cache-dir --no-deps --no-compile --only-binary=:all
 # The native OCI hook's stage: on the base (the image itself has no compiler), static, with hooks/native.py's
 # flags; build.py compiles it on this host with those flags instead.
 HOOK_STAGE = "hook"
+HOOK_FROM = "hooks/weft_oci_hook.c"  # in the build context (the repository)
 HOOK_SOURCE = "/src/weft_oci_hook.c"
 HOOK_OUTPUT = "/out/weft-oci-hook"
 HOOK_RUN = ("apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev && mkdir -p /out && "

@@ -11,7 +11,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hooks import native
-from nodeimage.build.common import CACHE, HOOK_OUTPUT, HOOK_SOURCE, LOCKFILE, PIP_PLATFORM, REPO, BuildError, _run
+from nodeimage.build.common import (
+    CACHE,
+    HOOK_FROM,
+    HOOK_OUTPUT,
+    HOOK_SOURCE,
+    LOCKFILE,
+    PIP_PLATFORM,
+    REPO,
+    BuildError,
+    _run,
+)
 from nodeimage.build.containerfile import Plan, _ignored, ignore_patterns
 from nodeimage.build.layout import layer_tar
 
@@ -52,11 +62,10 @@ def pip_install(target: Path, lockfile: Path = LOCKFILE, cache: Path = CACHE) ->
 def hook_stage(plan: Plan, repo: Path, out: Path) -> dict[str, Path]:
     """The hook stage, on this host: its one file compiled as its RUN would (``hooks.native``); {path: file}."""
     stage = next(iter(plan.stages.values()))
-    sources = [src for src, dest in stage.copies if dest == HOOK_SOURCE]
-    if len(sources) != 1 or (repo / sources[0]).resolve() != native.SOURCE:
-        raise BuildError(f"Containerfile hook stage: COPY hooks/weft_oci_hook.c {HOOK_SOURCE}, nothing else")
+    if stage.copies != [(HOOK_FROM, HOOK_SOURCE)]:
+        raise BuildError(f"Containerfile hook stage: COPY {HOOK_FROM} {HOOK_SOURCE}, nothing else")
     try:
-        return {HOOK_OUTPUT: native.compile_to(out / "weft-oci-hook")}
+        return {HOOK_OUTPUT: native.compile_to(out / "weft-oci-hook", repo / HOOK_FROM)}
     except native.NativeHookUnavailable as exc:
         raise BuildError(f"the native OCI hook: {exc} (scripts/setup.sh installs gcc)") from exc
 

@@ -115,6 +115,20 @@ def test_the_oci_hook_is_the_native_one_from_the_hook_stage(built, plan):
     assert " ".join(native.CFLAGS) in plan.stages["hook"].runs[0]
 
 
+def test_the_hook_stage_compiles_the_build_contexts_own_source(plan, tmp_path):
+    """A build from another tree (another version of weft) compiles that tree's hook, not this checkout's."""
+    from nodeimage.build import layer
+
+    tree = tmp_path / "tree"
+    (tree / "hooks").mkdir(parents=True)
+    (tree / "hooks" / "weft_oci_hook.c").write_text('#error "the tree\'s own source"\n')
+    with pytest.raises(build.BuildError, match="the tree's own source"):
+        layer.hook_stage(plan, tree, tmp_path / "out")
+    (tree / "hooks" / "weft_oci_hook.c").write_bytes(native.SOURCE.read_bytes())
+    made = layer.hook_stage(plan, tree, tmp_path / "out")["/out/weft-oci-hook"]
+    assert made.read_bytes() == native.build().read_bytes()
+
+
 def test_the_build_refuses_a_hook_stage_it_would_not_reproduce():
     text = build.CONTAINERFILE.read_text().replace("-Werror -o /out", "-Werror -DEXTRA -o /out", 1)
     with pytest.raises(build.BuildError, match="builds only the 'hook' stage"):
