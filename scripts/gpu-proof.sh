@@ -14,7 +14,7 @@
 #        imports into dist/gpu-proof-wheels (WEFT_PROOF_PYTHONS="3.11 3.12" adds wheels for other Python
 #        versions, default: this machine's). --whole-path adds every runtime dependency of weft (the agent runs)
 #        and packs dist/gpu-proof-carry.tar.xz: containerd, its runc shim and ctr (the checkout's containerd 2
-#        pin, components/containerd/build.sh), runc with its libseccomp and busybox-static (this machine's, from
+#        pin, components/containerd/build.sh), runc with its libseccomp, iproute2's ip with its libraries and busybox-static (this machine's, from
 #        Debian's packages), nvidia-ctk and nvidia-cdi-hook (built from the Go module
 #        github.com/NVIDIA/nvidia-container-toolkit at NVIDIA_CTK_VERSION), and the native OCI hook (hooks/native.py)
 #   scripts/gpu-proof.sh [--whole-path] [OUT_DIR]
@@ -74,6 +74,15 @@ prepare_carry() {
     > "$out/bin/runc"
   chmod 755 "$out/bin/runc"
   cp /bin/busybox "$out/bin/busybox" || die "no /bin/busybox here (Debian's busybox-static)"
+  # iproute2's ip (the node's network namespace; a GPU machine may have none), its libraries behind a wrapper.
+  cp "$(command -v ip)" "$out/libexec/ip" || die "no ip here (Debian's iproute2)"
+  ldd "$(command -v ip)" | awk '/=>/ {print $3}' | while read -r lib; do
+    case "$(basename "$lib")" in libc.so.*|ld-linux*) ;; *) cp -L "$lib" "$out/lib/" ;; esac
+  done
+  printf '%s\n' '#!/bin/sh' 'here="$(dirname "$(readlink -f "$0")")/.."' \
+    'LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/libexec/ip" "$@"' \
+    > "$out/bin/ip"
+  chmod 755 "$out/bin/ip"
   # The native OCI hook (static), where hooks.native looks for it once WEFT_CACHE_DIR names the carry's cache.
   WEFT_CACHE_DIR="$out/cache" "$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); from hooks import native; native.build()' \
     "$ROOT" || die "building the native OCI hook failed (it needs a C compiler: gcc, libc6-dev)"
@@ -83,6 +92,7 @@ prepare_carry() {
     echo "runc: $("$out/bin/runc" --version | head -n 1)"
     echo "nvidia-ctk: $("$out/bin/nvidia-ctk" --version | head -n 1)"
     echo "busybox: $("$out/bin/busybox" | head -n 1)"
+    echo "ip: $("$out/bin/ip" -V)"
     echo "weft-oci-hook: native, $(find "$out/cache/hook" -name weft-oci-hook | head -n 1 | sed "s|$out/||")"
   } > "$out/VERSIONS" || die "a carried binary does not run"
   mkdir -p "$(dirname "$CARRY")"
@@ -133,10 +143,11 @@ ls "$WHEELS"/pip-*.whl >/dev/null 2>&1 || die "no wheels in $WHEELS: run scripts
 if [ "$WHOLE" -eq 1 ]; then
   [ -f "$CARRY" ] || die "no $CARRY: run scripts/gpu-proof.sh --prepare --whole-path first"
   [ "$(id -u)" -eq 0 ] || die "the whole path runs containerd, runc and the broker: run it as root"
-  # What the carry does not bring and the harness runs: the node's network namespace (ip, nsenter), the MPS
-  # daemons' private /dev/shm (unshare, mount), the client image's libraries (ldd), the carry itself (tar, xz).
+  # What the carry does not bring and the harness runs: entering the node's network namespace (nsenter; ip is
+  # carried), the MPS daemons' private /dev/shm (unshare, mount), the client image's libraries (ldd), the carry
+  # itself (tar, xz).
   missing=()
-  for tool in ip nsenter unshare mount ldd tar xz; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  for tool in nsenter unshare mount ldd tar xz; do command -v "$tool" >/dev/null || missing+=("$tool"); done
   [ "${#missing[@]}" -eq 0 ] || die "the whole path needs ${missing[*]} on PATH, which this machine lacks"
   mapfile -t DEPS < <(runtime_dependencies)
 else

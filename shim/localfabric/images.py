@@ -15,6 +15,7 @@ import json
 import os
 import subprocess
 import tarfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -228,10 +229,12 @@ def _shared_libraries(binaries: list[str]) -> set[str]:
     return found
 
 
-def python_layer(python: str, files: dict[str, bytes]) -> bytes:
+def python_layer(python: str, files: dict[str, bytes], libraries_of: Sequence[str] = ()) -> bytes:
     """A layer with this machine's Python (its interpreter as ``/usr/bin/python3``, its standard library and
     the shared libraries they load, from this machine) and ``files``: an image that runs a standard-library
-    script where no registry can be reached."""
+    script where no registry can be reached. ``libraries_of``: libraries the container gets from elsewhere (a
+    driver's libcuda, mounted by CDI) whose own dependencies the image must hold (libdl, librt: glibc's, but
+    files of their own that Python alone does not load)."""
     paths = json.loads(subprocess.run([python, "-I", "-S", "-c", _PYTHON_PATHS], check=True, capture_output=True,
                                       text=True).stdout)
     entries: dict[str, bytes | str] = {}  # path in the image -> content, or a symlink's target
@@ -246,7 +249,7 @@ def python_layer(python: str, files: dict[str, bytes]) -> bytes:
     extensions = sorted(str(p) for p in dynload.glob("*.so")) if dynload != stdlib else []
     for ext in extensions:
         entries[ext.lstrip("/")] = Path(ext).read_bytes()
-    for lib in sorted(_shared_libraries([paths["exe"], *extensions])):
+    for lib in sorted(_shared_libraries([paths["exe"], *extensions, *libraries_of]) - set(libraries_of)):
         entries[lib.lstrip("/")] = Path(lib).read_bytes()  # read through any symlink: the file the loader opens
     entries[paths["exe"].lstrip("/")] = Path(paths["exe"]).read_bytes()
     if paths["exe"] != "/usr/bin/python3":
