@@ -349,35 +349,28 @@ typedef struct {
 } state_t;
 
 /* A string member (or its absence): the last one wins, as in Python's json. */
-static int string_member(reader_t *r, buf_t *into, int depth) {
+static int string_member(reader_t *r, buf_t *into, int depth, enum kind *kind) {
     enum kind k;
     buf_t tmp = {0};
     if (!skip_value(r, depth, &k, &tmp, NULL)) { free(tmp.p); return 0; }
     buf_clear(into);
     if (k == K_STRING) buf_add(into, tmp.p, tmp.n);
     free(tmp.p);
+    if (kind) *kind = k;
     return 1;
 }
 
 static int annotation_member(reader_t *r, const buf_t *key, void *ctx, int depth) {
     state_t *st = ctx;
-    if (key_is(key, LEASE_ANNOTATION)) {
-        ws(r);
-        const char *at = r->p;
-        enum kind k;
-        if (!skip_value(r, depth, &k, NULL, NULL)) return 0;
-        r->p = at;
-        st->lease_kind = k;
-        return string_member(r, &st->lease, depth);
-    }
-    if (key_is(key, "io.kubernetes.cri.sandbox-id")) return string_member(r, &st->sandbox, depth);
-    if (key_is(key, "io.kubernetes.cri.container-name")) return string_member(r, &st->name, depth);
+    if (key_is(key, LEASE_ANNOTATION)) return string_member(r, &st->lease, depth, &st->lease_kind);
+    if (key_is(key, "io.kubernetes.cri.sandbox-id")) return string_member(r, &st->sandbox, depth, NULL);
+    if (key_is(key, "io.kubernetes.cri.container-name")) return string_member(r, &st->name, depth, NULL);
     return skip_value(r, depth, NULL, NULL, NULL);
 }
 
 static int state_member(reader_t *r, const buf_t *key, void *ctx, int depth) {
     state_t *st = ctx;
-    if (key_is(key, "id")) return string_member(r, &st->id, depth);
+    if (key_is(key, "id")) return string_member(r, &st->id, depth, NULL);
     if (key_is(key, "pid")) {
         enum kind k;
         long long n = 0;

@@ -14,9 +14,10 @@
 #        imports into dist/gpu-proof-wheels (WEFT_PROOF_PYTHONS="3.11 3.12" adds wheels for other Python
 #        versions, default: this machine's). --whole-path adds every runtime dependency of weft (the agent runs)
 #        and packs dist/gpu-proof-carry.tar.xz: containerd, its runc shim and ctr (the checkout's containerd 2
-#        pin, components/containerd/build.sh), runc with its libseccomp, iproute2's ip with its libraries and busybox-static (this machine's, from
-#        Debian's packages), nvidia-ctk and nvidia-cdi-hook (built from the Go module
-#        github.com/NVIDIA/nvidia-container-toolkit at NVIDIA_CTK_VERSION), and the native OCI hook (hooks/native.py)
+#        pin, components/containerd/build.sh), runc with its libseccomp, iproute2's ip with its libraries and
+#        busybox-static (this machine's, from Debian's packages), nvidia-ctk and nvidia-cdi-hook (built from the
+#        Go module github.com/NVIDIA/nvidia-container-toolkit at NVIDIA_CTK_VERSION), and the native OCI hook
+#        (hooks/native.py)
 #   scripts/gpu-proof.sh [--whole-path] [OUT_DIR]
 #        on the GPU machine, as root, from the source checkout with dist/ beside it; reaches no registry.
 #        OUT_DIR defaults to bench/results/gpu-proof-<UTC time> (gpu-whole-path-<UTC time> with --whole-path)
@@ -51,6 +52,14 @@ for dep in tomllib.load(open(sys.argv[1], "rb"))["project"]["dependencies"]:
 }
 
 # dist/gpu-proof-carry.tar.xz: what the whole path runs that a GPU machine may lack, built or copied here.
+# bin/NAME: libexec/NAME run with the carry's lib/ first on the loader's path (libraries the GPU machine may lack).
+wrap() {
+  printf '%s\n' '#!/bin/sh' 'here="$(dirname "$(readlink -f "$0")")/.."' \
+    "LD_LIBRARY_PATH=\"\$here/lib\${LD_LIBRARY_PATH:+:\$LD_LIBRARY_PATH}\" exec \"\$here/libexec/$1\" \"\$@\"" \
+    > "$out/bin/$1"
+  chmod 755 "$out/bin/$1"
+}
+
 prepare_carry() {
   local tmp out line_bin seccomp
   tmp="$(mktemp -d /tmp/weft-gpu-carry.XXXXXX)"
@@ -69,20 +78,14 @@ prepare_carry() {
   cp "$(command -v runc)" "$out/libexec/runc" || die "no runc here"
   seccomp="$(ldd "$(command -v runc)" | awk '/libseccomp/ {print $3}')"
   [ -z "$seccomp" ] || cp -L "$seccomp" "$out/lib/"
-  printf '%s\n' '#!/bin/sh' 'here="$(dirname "$(readlink -f "$0")")/.."' \
-    'LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/libexec/runc" "$@"' \
-    > "$out/bin/runc"
-  chmod 755 "$out/bin/runc"
+  wrap runc
   cp /bin/busybox "$out/bin/busybox" || die "no /bin/busybox here (Debian's busybox-static)"
   # iproute2's ip (the node's network namespace; a GPU machine may have none), its libraries behind a wrapper.
   cp "$(command -v ip)" "$out/libexec/ip" || die "no ip here (Debian's iproute2)"
   ldd "$(command -v ip)" | awk '/=>/ {print $3}' | while read -r lib; do
     case "$(basename "$lib")" in libc.so.*|ld-linux*) ;; *) cp -L "$lib" "$out/lib/" ;; esac
   done
-  printf '%s\n' '#!/bin/sh' 'here="$(dirname "$(readlink -f "$0")")/.."' \
-    'LD_LIBRARY_PATH="$here/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}" exec "$here/libexec/ip" "$@"' \
-    > "$out/bin/ip"
-  chmod 755 "$out/bin/ip"
+  wrap ip
   # The native OCI hook (static), where hooks.native looks for it once WEFT_CACHE_DIR names the carry's cache.
   WEFT_CACHE_DIR="$out/cache" "$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); from hooks import native; native.build()' \
     "$ROOT" || die "building the native OCI hook failed (it needs a C compiler: gcc, libc6-dev)"

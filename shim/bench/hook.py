@@ -45,7 +45,7 @@ from hooks import native
 from shim._pb import broker_pb2 as pb
 from shim.bench.running import guarded, report, summary
 from shim.errors import WeftError
-from shim.localfabric.broker import HOOK_SCRIPT, BrokerProcess
+from shim.localfabric.broker import HOOK_SCRIPT, PYTHON_HOOK, BrokerProcess
 
 LIMITS = {"fast_path_p99_ms": 30.0, "bind_p99_ms": 60.0}
 MAX_RUNS = 300  # each run spawns five processes; 300 keeps the whole bench near a minute
@@ -99,7 +99,7 @@ def _native() -> tuple[str | None, str]:
 
 
 def _measure(runs: int, warmup: int, workdir: Path) -> dict[str, list[int]]:
-    hook = [sys.executable, "-S", "-I", str(HOOK_SCRIPT)]
+    hook = list(PYTHON_HOOK)
     console = _console_script()
     out: dict[str, list[int]] = {k: [] for k in KINDS}
     if console is None:

@@ -271,8 +271,8 @@ def build(files: list[tuple[Path, str]], dest: Path, stamp: str, launchers: bool
         shutil.copy2(src, target)
     if launchers:
         (dest / ENTRY).write_text(ENTRY_PY)
+        (dest / "bin").mkdir(parents=True, exist_ok=True)
         for name, text in (("weft", WEFT_SH), ("weft-oci-hook", HOOK_SH)):
-            (dest / "bin").mkdir(parents=True, exist_ok=True)
             if name == "weft-oci-hook" and (dest / NATIVE_HOOK).is_file():
                 shutil.copy2(dest / NATIVE_HOOK, dest / "bin" / name)
             else:

@@ -14,10 +14,8 @@ import json
 import os
 import socket
 import subprocess
-import tempfile
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,20 +40,6 @@ def native_hook() -> str:
 @pytest.fixture(params=["python", "native"])
 def hook(request: pytest.FixtureRequest, native_hook: str) -> list[str]:
     return list(PYTHON_HOOK) if request.param == "python" else [native_hook]
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    # A unix socket path must stay under ~107 bytes; pytest's tmp_path can be longer.
-    with tempfile.TemporaryDirectory(prefix="wh", dir="/tmp") as d:
-        yield Path(d)
-
-
-@pytest.fixture
-def server(short_dir: Path) -> Iterator[FakeHookServer]:
-    s = FakeHookServer(short_dir / "broker.sock", {"ok": True, "state": "bound"})
-    yield s
-    s.close()
 
 
 def state(lease: str | None = LEASE, pid: int | None = None, **annotations: str) -> str:

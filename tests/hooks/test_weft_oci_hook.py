@@ -11,8 +11,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -23,20 +21,6 @@ from tests.hooks.fakebroker import FakeHookServer
 REPO = Path(__file__).resolve().parents[2]
 CONTAINER = "c0ffee" * 10 + "abcd"
 LEASE = "lease-0123456789abcdef"
-
-
-@pytest.fixture
-def short_dir() -> Iterator[Path]:
-    # A unix socket path must stay under ~107 bytes; pytest's tmp_path can be longer.
-    with tempfile.TemporaryDirectory(prefix="wh", dir="/tmp") as d:
-        yield Path(d)
-
-
-@pytest.fixture
-def server(short_dir: Path) -> Iterator[FakeHookServer]:
-    s = FakeHookServer(short_dir / "broker.sock", {"ok": True, "state": "bound"})
-    yield s
-    s.close()
 
 
 @pytest.fixture(autouse=True)
