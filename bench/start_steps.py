@@ -9,9 +9,9 @@ the CPUs, hosts ``cpu-1`` and ``cpu-2`` on the other half). Three parts, each ta
    the containers asking for no seccomp profile, once with both under the runtime's default.
 2. The rerouted ``prep``'s create and start split, from the host's ``shadow.created`` log (the image check,
    the checks and volumes, the shadow sandbox found or made, containerd's CreateContainer, the whole RunShadow)
-   and ``shadow.started`` log (finding the shadow, containerd's StartContainer, reweighing the shadows' group,
-   reading its status): what is left of the time the origin's kubelet saw is the mesh (Admit and the round
-   trips) and the origin's own work.
+   and ``shadow.started`` log (finding the shadow, containerd's StartContainer, reading its status; the
+   shadows' group is weighed again after the answer): what is left of the time the origin's kubelet saw is
+   the mesh (Admit and the round trips) and the origin's own work.
 3. On a host's containerd directly, no weft in the way: the same container started unconfined and under the
    runtime's default seccomp profile (which a host gives every rerouted container).
 
@@ -38,7 +38,7 @@ from shim.localfabric import pods
 SIDES = {"opted in": "weft", "plain": ""}
 # The host's log events of a rerouted container, and the parts each says its work took.
 PARTS = {"shadow.created": ("pull_ms", "check_ms", "sandbox_ms", "create_ms", "total_ms"),
-         "shadow.started": ("find_ms", "start_ms", "reweigh_ms", "status_ms")}
+         "shadow.started": ("find_ms", "start_ms", "status_ms")}
 
 
 def _median(xs: list[float]) -> float:

@@ -8,6 +8,7 @@ its containerd, the shadow sandbox and container, and its kubelet's view.
 from __future__ import annotations
 
 import contextlib
+import json
 import subprocess
 import sys
 import threading
@@ -20,6 +21,7 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim._pb import mesh_pb2 as pb
+from shim.cri.labels import CPU_MAX_ANNOTATION
 from shim.errors import WeftError
 from shim.localfabric import pods
 from shim.localfabric.agent import AgentProcess, free_port
@@ -312,6 +314,49 @@ def _joined(chunks: list[pb.LogChunk], start: int) -> bytes:
 def _messages(log: bytes) -> list[str]:
     """What the container printed, from CRI log lines (``<time> <stream> <tag> <message>``)."""
     return [line.split(b" ", 3)[3].decode() for line in log.splitlines()]
+
+
+def _cpu_quota(node: Containerd, cid: str) -> int:
+    """The CFS quota of a container's cgroup as the container sees it (cgroup v1 or v2); -1: none."""
+    out = node_exec(node, cid, ["sh", "-c", "cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us 2>/dev/null || "
+                                            "cut -d' ' -f1 /sys/fs/cgroup/cpu.max"]).strip()
+    return -1 if out in (b"-1", b"max") else int(out)
+
+
+def _spec_resources(node: Containerd, cid: str) -> dict:
+    with node.channel() as direct:
+        resp = cri_grpc.RuntimeServiceStub(direct).ContainerStatus(
+            cri.ContainerStatusRequest(container_id=cid, verbose=True))
+    return json.loads(resp.info["info"])["runtimeSpec"]["linux"]["resources"]
+
+
+def test_a_shadow_is_made_without_its_cpu_quota_and_given_it_once_it_runs(host) -> None:
+    _, client, node = host
+    key = "origin-sb-1/tokenize/0"
+    made = client.run_shadow(_request(node, key)).shadow_container_id
+    # runc sets a container up inside its cgroup (the host's seccomp profile compiled there): not throttled
+    resources = _spec_resources(node, made)
+    assert not resources.get("cpu", {}).get("quota")
+    assert resources["memory"]["limit"] == 64 << 20  # the memory limit holds from the start
+    client.start_shadow("gpu-1", key)
+    wait_for(lambda: _cpu_quota(node, made) == 10000, timeout=10, what="the shadow's CPU quota once it runs")
+    assert _spec_resources(node, made)["cpu"]["quota"] == 10000
+
+
+def test_a_shadow_started_while_its_hosts_agent_was_down_gets_its_cpu_quota_when_it_is_back(
+        containerd: Containerd, tmp_path: Path) -> None:
+    with _host_agent(containerd, tmp_path) as (agent, clients):
+        made = clients["gpu-1"].run_shadow(_request(containerd, "origin-sb-1/tokenize/0")).shadow_container_id
+        agent.stop()
+        with containerd.channel() as direct:  # as if the agent died between the start and the limit
+            direct_rt = cri_grpc.RuntimeServiceStub(direct)
+            direct_rt.StartContainer(cri.StartContainerRequest(container_id=made))
+            assert direct_rt.ContainerStatus(cri.ContainerStatusRequest(container_id=made)).status.annotations[
+                CPU_MAX_ANNOTATION] == "10000 100000"
+        assert _cpu_quota(containerd, made) == -1
+        agent.start()
+        wait_for(lambda: _cpu_quota(containerd, made) == 10000, timeout=20,
+                 what="the quota a running shadow was left without, set by the restarted agent")
 
 
 def test_the_log_streams_as_it_grows_from_any_offset_and_ends_after_the_exit(host) -> None:

@@ -21,6 +21,7 @@ from google.protobuf.message import DecodeError
 from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.cri.host.capacity import HostedCapacity, limits, shares_of
+from shim.cri.host.cpu_limit import Limiter
 from shim.cri.host.lifecycle import HOSTED_CPU_SHARES, HOSTED_OOM_SCORE_ADJ
 from shim.cri.host.runtime import RT, ShadowRuntime
 from shim.cri.labels import CPU_LIMIT_ANNOTATION, MEMORY_LIMIT_ANNOTATION
@@ -84,8 +85,9 @@ def clamped(asked: cri.LinuxContainerResources, c: cri.Container,
 
 
 class Calls:
-    def __init__(self, rt: ShadowRuntime, capacity: HostedCapacity) -> None:
+    def __init__(self, rt: ShadowRuntime, capacity: HostedCapacity, limiter: Limiter | None = None) -> None:
         self.rt, self.capacity = rt, capacity
+        self.limiter = limiter  # a resize of the origin's wins over the limit a start left to set
         # Tunnels into shadows (shim.cri.host.tunnel.ShadowNet), set by the agent when it serves them.
         self.net: Any = None
         # The mesh server's Admit rule, for an update that asks for more (set with the lifecycle's).
@@ -111,6 +113,8 @@ class Calls:
         if req.method in ("ExecSync", "StopContainer"):
             timeout = request.timeout + CALL_SLACK_S if request.timeout > 0 else None
         if req.method == "UpdateContainerResources" and request.HasField("linux"):
+            if self.limiter is not None:
+                self.limiter.drop(c.id)
             request.linux.CopyFrom(clamped(request.linux, c, self._readmitted(origin, req.key, c, request.linux)))
         response = self.rt.raw(RT + req.method, request.SerializeToString(), timeout)
         if req.method in ("Exec", "Attach") and self.net is not None:

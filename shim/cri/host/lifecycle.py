@@ -36,6 +36,7 @@ from shim import failpoint, log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reservation import Stage
 from shim.cri import baseline
+from shim.cri.host import cpu_limit
 from shim.cri.host import volumes as shadow_volumes
 from shim.cri.host.capacity import HostedCapacity, limits
 from shim.cri.host.cgroup_driver import HostCgroupDriver
@@ -164,6 +165,8 @@ class Lifecycle:
         self.admit: Callable[[pb.AdmitRequest], pb.AdmitResponse] | None = None
         self._volume_lock = threading.Lock()
         self.arriving = shadow_volumes.Arriving()
+        # Each started shadow's CPU quota, set once it runs (shim.cri.host.cpu_limit).
+        self.limiter = cpu_limit.Limiter(rt)
 
     @contextlib.contextmanager
     def receiving(self, origin: str, key: str, stream: Iterator[pb.VolumeUpload], into) -> Iterator[None]:
@@ -244,6 +247,7 @@ class Lifecycle:
                 config.linux.resources.cpu_shares = (max(HOSTED_CPU_SHARES, asked_shares) if reserved
                                                      else HOSTED_CPU_SHARES)
                 config.annotations[CPU_SHARES_ANNOTATION] = str(config.linux.resources.cpu_shares)
+                cpu_limit.defer(config)  # set once it runs: runc's setup is not the tenant's to be throttled for
                 created = self.rt.call(RT + "CreateContainer", cri.CreateContainerRequest(
                     pod_sandbox_id=sandbox_id, config=config, sandbox_config=shadow_sandbox),
                     cri.CreateContainerResponse)
@@ -257,13 +261,17 @@ class Lifecycle:
                 if req.start:
                     self.rt.call(RT + "StartContainer", cri.StartContainerRequest(container_id=created.container_id),
                                cri.StartContainerResponse)
+                    self.limiter.later(created.container_id, config.annotations, f"RunShadow {req.key}")
             except BaseException:
                 with contextlib.suppress(WeftError):  # the original error is the one to report
                     if (plans or req.empty_dirs) and not self.rt.find({ORIGIN_LABEL: origin,
                                                                        KEY_LABEL: label(req.key)}, containers=True):
                         shadow_volumes.remove(volumes)
                 raise
-        self.capacity.reweigh()
+        if req.start:
+            self.limiter.after(self.capacity.reweigh)
+        else:  # not running yet: what it holds is counted at the next sample
+            self.capacity.forget()
         done = time.perf_counter()
         _log.info("shadow.created", origin=origin, key=req.key, sandbox_id=sandbox_id,
                   container_id=created.container_id, image=config.image.image, started=req.start,
@@ -323,12 +331,15 @@ class Lifecycle:
             self.rt.call(RT + "StartContainer", cri.StartContainerRequest(container_id=c.id),
                        cri.StartContainerResponse)
             t2 = time.perf_counter()
-            self.capacity.reweigh()
-            t3 = time.perf_counter()
+            if c.id not in self.capacity.updated:  # an update before the start set the limit already
+                self.limiter.later(c.id, c.annotations, f"StartShadow {key}")
+            # The running set changed: the group weighed again, after the answer (the count and weights only;
+            # what the shadow holds was counted from its creation).
+            self.limiter.after(self.capacity.reweigh)
             state = self.rt.state(key, c.pod_sandbox_id, c.id)
-            t4 = time.perf_counter()
+            t3 = time.perf_counter()
             _log.info("shadow.started", origin=origin, key=key, container_id=c.id,
-                      **_ms(find_ms=(t0, t1), start_ms=(t1, t2), reweigh_ms=(t2, t3), status_ms=(t3, t4)))
+                      **_ms(find_ms=(t0, t1), start_ms=(t1, t2), status_ms=(t2, t3)))
             return state
         return self.rt.state(key, c.pod_sandbox_id, c.id)
 
@@ -425,6 +436,7 @@ class Lifecycle:
             _rmtree_quietly(self._sandbox_logs(origin, c.labels[SANDBOX_LABEL]))
             _rmdir_up(self.log_root / origin, self.log_root)
         self.capacity.updated.pop(c.id, None)
+        self.limiter.drop(c.id)
         failpoint.hit("remove_shadow.removed")
         if self.reservations is not None:
             self.reservations.release(key or c.annotations.get(KEY_ANNOTATION, ""))

@@ -29,6 +29,7 @@ from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import Resources
 from shim.core.reservation import Verdict
+from shim.cri.host import cpu_limit
 from shim.cri.host import logs as shadow_logs
 from shim.cri.host import volumes as shadow_volumes
 from shim.cri.host.calls import Calls
@@ -60,7 +61,7 @@ class ShadowHost:
         self.lifecycle = Lifecycle(self.rt, ctx, self.capacity, state_dir, cgroup_parent)
         self.preparer = Preparer(self.lifecycle, prepared_sandbox_ttl)
         self.watcher = Watcher(self.rt, self.lifecycle, heartbeat_interval)
-        self.calls = Calls(self.rt, self.capacity)
+        self.calls = Calls(self.rt, self.capacity, self.lifecycle.limiter)
         self.reservations: Reservations | None = None
         # Logs no origin reads now (it is away) are kept to their backlog cap all the same; emptyDirs to theirs.
         self._upkeep = Periodic("weft-shadow-upkeep", LOG_CAP_S, self.upkeep, failed="shadow.upkeep_failed")
@@ -78,6 +79,7 @@ class ShadowHost:
         self.capacity.group = ShadowGroupWeight(self.lifecycle.cgroup_parent)
 
     def open(self) -> None:
+        cpu_limit.settle(self.rt, self.lifecycle.mark.is_container)
         self.fencer.open()
         self.preparer.open()
         self._upkeep.start()
@@ -86,6 +88,7 @@ class ShadowHost:
 
     def close(self) -> None:
         self._upkeep.stop()
+        self.lifecycle.limiter.close()
         self.fencer.close()
         self.preparer.close()
         if self.reservations is not None:

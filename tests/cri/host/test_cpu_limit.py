@@ -1,0 +1,166 @@
+"""A shadow's CPU quota, taken out of its config and set once it runs (a fake containerd here)."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import grpc
+import pytest
+from cri_api.v1 import api_pb2 as cri
+
+from shim.cri.host import cpu_limit
+from shim.cri.labels import CPU_MAX_ANNOTATION, ORIGIN_LABEL
+from shim.errors import UpstreamError
+
+
+class FakeRuntime:
+    """containerd as far as the limit goes: updates recorded, an error to answer them with, specs to show."""
+
+    def __init__(self, containers: list[cri.Container] | None = None, quotas: dict[str, int] | None = None,
+                 fail: grpc.StatusCode | None = None) -> None:
+        self._containers = containers or []
+        self.quotas = quotas or {}
+        self.fail = fail
+        self.updates: list[tuple[str, int, int]] = []
+        self.stopped: list[str] = []
+        self.updating = threading.Event()  # set while an update is being answered
+        self.release = threading.Event()
+        self.release.set()
+
+    def call(self, path: str, request, response_type, timeout: float | None = 120.0):
+        verb = path.rsplit("/", 1)[1]
+        if verb == "UpdateContainerResources":
+            self.updating.set()
+            self.release.wait(10)
+            if self.fail is not None:
+                raise UpstreamError(self.fail, f"runc update {request.container_id}: no such cgroup")
+            r = request.linux
+            self.updates.append((request.container_id, r.cpu_quota, r.cpu_period))
+            return response_type()
+        if verb == "ContainerStatus":
+            spec = {"linux": {"resources": {"cpu": {"quota": self.quotas.get(request.container_id, 0)}}}}
+            return cri.ContainerStatusResponse(info={"info": json.dumps({"runtimeSpec": spec})})
+        raise AssertionError(f"unexpected call {verb}")
+
+    def stop(self, container_id: str) -> None:
+        self.stopped.append(container_id)
+
+    def containers(self, state: int | None = None) -> list[cri.Container]:
+        return [c for c in self._containers if state is None or c.state == state]
+
+
+def _config(quota: int = 0, period: int = 0, **annotations: str) -> cri.ContainerConfig:
+    config = cri.ContainerConfig(annotations=annotations)
+    config.linux.resources.cpu_quota, config.linux.resources.cpu_period = quota, period
+    config.linux.resources.memory_limit_in_bytes = 64 << 20
+    return config
+
+
+def test_the_quota_is_taken_out_of_the_config_into_its_annotation_and_nothing_else_changes() -> None:
+    config = _config(10000, 100000)
+    cpu_limit.defer(config)
+    res = config.linux.resources
+    assert (res.cpu_quota, res.cpu_period, res.memory_limit_in_bytes) == (0, 0, 64 << 20)
+    assert config.annotations[CPU_MAX_ANNOTATION] == "10000 100000"
+    assert cpu_limit.deferred(config.annotations) == (10000, 100000)
+
+    kubelets_default_period = _config(25000)
+    cpu_limit.defer(kubelets_default_period)
+    assert cpu_limit.deferred(kubelets_default_period.annotations) == (25000, 100000)
+
+
+def test_no_quota_asked_leaves_no_annotation_and_one_the_origin_sent_is_not_kept() -> None:
+    config = _config(0, 100000, **{CPU_MAX_ANNOTATION: "1 1000000"})
+    cpu_limit.defer(config)
+    assert CPU_MAX_ANNOTATION not in config.annotations
+    assert config.linux.resources.cpu_period == 100000
+
+
+@pytest.mark.parametrize("value", ["", "10000", "x 100000", "10000 0", "-5 100000", "1 2 3"])
+def test_an_unreadable_annotation_defers_nothing(value: str) -> None:
+    assert cpu_limit.deferred({CPU_MAX_ANNOTATION: value}) is None
+
+
+def test_the_limit_is_set_with_containerds_update_and_a_gone_container_is_no_error() -> None:
+    rt = FakeRuntime()
+    cpu_limit.apply(rt, "c1", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow k")
+    assert rt.updates == [("c1", 10000, 100000)]
+    cpu_limit.apply(rt, "c2", {}, "StartShadow k")  # made before this, or with no quota asked
+    assert rt.updates == [("c1", 10000, 100000)]
+
+    gone = FakeRuntime(fail=grpc.StatusCode.NOT_FOUND)
+    cpu_limit.apply(gone, "c1", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow k")
+    assert gone.stopped == []
+
+
+def test_a_shadow_whose_limit_containerd_will_not_set_is_stopped_and_the_error_says_so() -> None:
+    rt = FakeRuntime(fail=grpc.StatusCode.UNKNOWN)
+    with pytest.raises(UpstreamError) as err:
+        cpu_limit.apply(rt, "c1", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow origin-sb/prep/0")
+    assert rt.stopped == ["c1"]
+    assert err.value.code is grpc.StatusCode.UNKNOWN
+    assert err.value.message.startswith("StartShadow origin-sb/prep/0: containerd did not set its CPU limit "
+                                        "(cpu.max 10000 100000) once it ran, so this host stopped it: runc update")
+
+
+def test_the_limiter_sets_each_started_shadows_limit_in_order_off_the_callers_thread() -> None:
+    rt = FakeRuntime()
+    limiter = cpu_limit.Limiter(rt)
+    rt.release.clear()
+    limiter.later("c1", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow a")  # returns before the update
+    assert rt.updating.wait(5)
+    limiter.later("c2", {CPU_MAX_ANNOTATION: "20000 100000"}, "StartShadow b")
+    limiter.later("c3", {}, "StartShadow c")  # nothing to set
+    assert rt.updates == []
+    rt.release.set()
+    limiter.close()
+    assert rt.updates == [("c1", 10000, 100000), ("c2", 20000, 100000)]
+    assert limiter.pending() == []
+
+
+def test_a_resize_or_removal_that_comes_first_wins_over_the_deferred_limit() -> None:
+    rt = FakeRuntime()
+    limiter = cpu_limit.Limiter(rt)
+    rt.release.clear()
+    limiter.later("busy", {CPU_MAX_ANNOTATION: "1000 100000"}, "StartShadow a")  # holds the thread
+    assert rt.updating.wait(5)
+    limiter.later("resized", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow b")
+    limiter.later("removed", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow c")
+    assert sorted(limiter.pending()) == ["removed", "resized"]
+    limiter.drop("resized")
+    limiter.drop("removed")
+    rt.release.set()
+    limiter.close()
+    assert rt.updates == [("busy", 1000, 100000)]
+
+
+def test_a_failed_limit_in_the_limiter_stops_that_shadow_and_the_next_is_still_set() -> None:
+    rt = FakeRuntime(fail=grpc.StatusCode.UNKNOWN)
+    limiter = cpu_limit.Limiter(rt)
+    limiter.later("c1", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow a")
+    limiter.close()
+    assert rt.stopped == ["c1"]
+    rt.fail = None
+    limiter.later("c2", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow b")
+    limiter.close()
+    assert rt.updates == [("c2", 10000, 100000)]
+
+
+def _shadow(cid: str, *, deferred: bool = True, ours: bool = True, state: int = cri.CONTAINER_RUNNING) -> cri.Container:
+    labels = {ORIGIN_LABEL: "gpu-1", "mark": "ok" if ours else "forged"}
+    return cri.Container(id=cid, state=state, labels=labels,
+                         annotations={CPU_MAX_ANNOTATION: "10000 100000"} if deferred else {})
+
+
+def test_at_start_only_this_hosts_running_shadows_without_a_quota_are_given_theirs() -> None:
+    rt = FakeRuntime(containers=[
+        _shadow("unset"),                                   # started while the agent was down: set
+        _shadow("resized"),                                 # has a quota (set, or resized since): left
+        _shadow("made", state=cri.CONTAINER_CREATED),       # its start sets it
+        _shadow("older", deferred=False),                   # made with its quota
+        _shadow("forged", ours=False),                      # labels not of this host's making
+        cri.Container(id="own", state=cri.CONTAINER_RUNNING, annotations={CPU_MAX_ANNOTATION: "1 100000"}),
+    ], quotas={"resized": 50000})
+    assert cpu_limit.settle(rt, lambda labels: labels.get("mark") == "ok") == 1
+    assert rt.updates == [("unset", 10000, 100000)]
