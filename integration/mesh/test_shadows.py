@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import platform
 import subprocess
 import sys
 import threading
@@ -21,6 +22,7 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim._pb import mesh_pb2 as pb
+from shim.cri.host.seccomp import NATIVE_ARCH
 from shim.cri.labels import CPU_MAX_ANNOTATION
 from shim.errors import WeftError
 from shim.localfabric import pods
@@ -357,6 +359,35 @@ def test_a_shadow_started_while_its_hosts_agent_was_down_gets_its_cpu_quota_when
         agent.start()
         wait_for(lambda: _cpu_quota(containerd, made) == 10000, timeout=20,
                  what="the quota a running shadow was left without, set by the restarted agent")
+
+
+def _spec_seccomp(node: Containerd, cid: str) -> dict:
+    with node.channel() as direct:
+        resp = cri_grpc.RuntimeServiceStub(direct).ContainerStatus(
+            cri.ContainerStatusRequest(container_id=cid, verbose=True))
+    return json.loads(resp.info["info"])["runtimeSpec"]["linux"]["seccomp"]
+
+
+def test_a_shadow_that_asked_for_no_seccomp_profile_gets_the_runtime_default_for_the_hosts_own_arch(host) -> None:
+    _, client, node = host
+    native = NATIVE_ARCH[platform.machine()]
+    first = client.run_shadow(_request(node, "origin-sb-1/first/0")).shadow_container_id
+    second = client.run_shadow(_request(node, "origin-sb-1/second/0")).shadow_container_id
+    asked = _request(node, "origin-sb-1/asked/0")
+    config = cri.ContainerConfig.FromString(asked.container_config)
+    config.linux.security_context.seccomp.profile_type = cri.SecurityProfile.RuntimeDefault
+    asked.container_config = config.SerializeToString()
+    explicit = client.run_shadow(asked).shadow_container_id
+
+    learnt_from, narrowed, as_asked = (_spec_seccomp(node, c) for c in (first, second, explicit))
+    assert native in learnt_from["architectures"] and len(learnt_from["architectures"]) > 1  # containerd's own
+    assert narrowed["architectures"] == [native]
+    assert narrowed["syscalls"] == learnt_from["syscalls"]  # the same calls allowed, with the same arguments
+    assert narrowed["defaultAction"] == learnt_from["defaultAction"] == "SCMP_ACT_ERRNO"
+    assert as_asked["architectures"] == learnt_from["architectures"]  # RuntimeDefault asked is given as it is
+    client.start_shadow("gpu-1", "origin-sb-1/second/0")
+    status = node_exec(node, second, ["cat", "/proc/self/status"]).decode()
+    assert "Seccomp:\t2" in status, status  # filtered
 
 
 def test_the_log_streams_as_it_grows_from_any_offset_and_ends_after_the_exit(host) -> None:

@@ -37,6 +37,7 @@ from shim._pb import mesh_pb2 as pb
 from shim.core.reservation import Stage
 from shim.cri import baseline
 from shim.cri.host import cpu_limit
+from shim.cri.host import seccomp as host_seccomp
 from shim.cri.host import volumes as shadow_volumes
 from shim.cri.host.capacity import HostedCapacity, limits
 from shim.cri.host.cgroup_driver import HostCgroupDriver
@@ -167,6 +168,9 @@ class Lifecycle:
         self.arriving = shadow_volumes.Arriving()
         # Each started shadow's CPU quota, set once it runs (shim.cri.host.cpu_limit).
         self.limiter = cpu_limit.Limiter(rt)
+        # The runtime's default seccomp profile narrowed to this machine's architecture, for containers that
+        # asked for none (shim.cri.host.seccomp).
+        self.profiles = host_seccomp.HostProfiles(state_dir / "seccomp")
 
     @contextlib.contextmanager
     def receiving(self, origin: str, key: str, stream: Iterator[pb.VolumeUpload], into) -> Iterator[None]:
@@ -193,7 +197,13 @@ class Lifecycle:
         if unsafe:
             raise UnsafeShadow(f"RunShadow {req.key}: this host never runs a rerouted container with {unsafe}")
         asked_shares = config.linux.resources.cpu_shares  # kubelet's, from the container's CPU request
+        unconfined = host_seccomp.asked_none(config.linux.security_context)
         config = baseline.hosted_container(config, HOSTED_OOM_SCORE_ADJ)
+        sc = config.linux.security_context
+        if unconfined:  # confined all the same: the runtime's default, narrowed once learnt (shim.cri.host.seccomp)
+            sc.seccomp.CopyFrom(self.profiles.profile_for(sc))
+        learn = unconfined and sc.seccomp.profile_type == cri.SecurityProfile.RuntimeDefault and \
+            self.profiles.wants(sc)
         plans = shadow_volumes.plan(req.volumes)
         volumes = self._volume_dir(origin, req.key)
         origin_labels = {ORIGIN_LABEL: origin, SANDBOX_LABEL: req.origin_sandbox_id,
@@ -253,6 +263,8 @@ class Lifecycle:
                     cri.CreateContainerResponse)
                 made = time.perf_counter()
                 self.ctx.shadows.present = True
+                if learn:
+                    self.profiles.learn(self.rt, created.container_id, sc)
                 failpoint.hit("run_shadow.created")
                 if self.reservations is not None:
                     self._reserve(origin, req.key, sandbox, config, cpu, memory, priority_class,
