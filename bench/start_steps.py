@@ -8,12 +8,14 @@ the CPUs, hosts ``cpu-1`` and ``cpu-2`` on the other half). Three parts, each ta
    its CPU container ``prep`` and its GPU container ``model``), each call timed as kubelet sees it; once with
    the containers asking for no seccomp profile, once with both under the runtime's default.
 2. The rerouted ``prep``'s create and start split, from the host's ``shadow.created`` log (the image check,
-   the checks and volumes, the shadow sandbox found or made, containerd's CreateContainer, the whole RunShadow)
+   the wait for the creation lock, looking for a shadow of the key, the admission again, the checks and volumes,
+   the shadow sandbox found or made, containerd's CreateContainer, the whole RunShadow)
    and ``shadow.started`` log (finding the shadow, containerd's StartContainer, reading its status; the
    shadows' group is weighed again after the answer): what is left of the time the origin's kubelet saw is
    the mesh (Admit and the round trips) and the origin's own work.
-3. On a host's containerd directly, no weft in the way: the same container started unconfined and under the
-   runtime's default seccomp profile (which a host gives every rerouted container).
+3. On a host's containerd directly, no weft in the way: the same container started unconfined, under the
+   runtime's default seccomp profile, under it made without its CFS quota (set after the start, as a host does),
+   and under the host's narrowed profile (``shim.cri.host.seccomp``, as learnt by the host in part 1).
 
 Exit codes as ``weft bench``: 0 measured, 1 failed, 130/143 stopped.
 """
@@ -37,7 +39,8 @@ from shim.localfabric import pods
 
 SIDES = {"opted in": "weft", "plain": ""}
 # The host's log events of a rerouted container, and the parts each says its work took.
-PARTS = {"shadow.created": ("pull_ms", "check_ms", "sandbox_ms", "create_ms", "total_ms"),
+PARTS = {"shadow.created": ("pull_ms", "wait_ms", "find_ms", "admit_ms", "check_ms", "sandbox_ms", "create_ms",
+                           "total_ms"),
          "shadow.started": ("find_ms", "start_ms", "status_ms")}
 
 
@@ -72,18 +75,34 @@ def host_parts(fabric, since: dict[str, int]) -> dict[str, dict[str, float]]:
     return {e: {p: _median(v) for p, v in ps.items() if v} for e, ps in parts.items()}
 
 
+# What a host's containerd starts directly, each a tenth of a core as the pod's ``prep``: unconfined; under
+# RuntimeDefault; under RuntimeDefault made without its CFS quota (as a host makes a shadow: the quota follows the
+# start); under the host's narrowed profile (the runtime's default for its own architecture only, with the quota
+# at creation, as learnt by the host's agent in the pod starts before).
+DIRECT = ("unconfined", "RuntimeDefault", "RuntimeDefault, quota after", "host's narrowed profile")
+
+
 def direct_starts(fabric, starts: int) -> dict[str, float]:
-    """Median ms of StartContainer on a host's containerd: the same container unconfined and under RuntimeDefault."""
+    """Median ms of StartContainer on a host's containerd, the same container under each of ``DIRECT``."""
     node = fabric.node(mesh.HOSTS[0])
     ch, rt = fabric.direct(mesh.HOSTS[0])
-    seen: dict[str, list[float]] = {"unconfined": [], "RuntimeDefault": []}
+    narrowed = sorted((fabric.agents[mesh.HOSTS[0]].state_dir / "seccomp").glob("runtime-default-*.json"))
+    kinds = [k for k in DIRECT if k != DIRECT[3] or narrowed]
+    seen: dict[str, list[float]] = {k: [] for k in kinds}
+    updated: list[float] = []
     with ch:
         for i in range(starts + 1):
-            for kind in (list(seen) if i % 2 == 0 else list(reversed(seen))):
+            for kind in (kinds if i % 2 == 0 else list(reversed(kinds))):
                 config = mesh.cpu_container("prep", cpu=0.1, memory=32 << 20)
-                if kind == "RuntimeDefault":
-                    config.linux.security_context.seccomp.profile_type = cri.SecurityProfile.RuntimeDefault
-                sandbox = pods.sandbox_config(f"direct-{kind.lower()}-{i}", node.containerd.pod_log_dir,
+                seccomp = config.linux.security_context.seccomp
+                if kind.startswith("RuntimeDefault"):
+                    seccomp.profile_type = cri.SecurityProfile.RuntimeDefault
+                elif kind == DIRECT[3]:
+                    seccomp.profile_type, seccomp.localhost_ref = cri.SecurityProfile.Localhost, str(narrowed[0])
+                quota = config.linux.resources.cpu_quota
+                if kind == DIRECT[2]:
+                    config.linux.resources.cpu_quota = 0
+                sandbox = pods.sandbox_config(f"direct-{i}-{kinds.index(kind)}", node.containerd.pod_log_dir,
                                               cgroup_parent=node.containerd.cgroup_root)
                 sid = rt.RunPodSandbox(cri.RunPodSandboxRequest(config=sandbox),
                                        timeout=mesh.RPC_TIMEOUT).pod_sandbox_id
@@ -93,10 +112,18 @@ def direct_starts(fabric, starts: int) -> dict[str, float]:
                 t = time.perf_counter()
                 rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=mesh.RPC_TIMEOUT)
                 took = (time.perf_counter() - t) * 1e3
+                if kind == DIRECT[2]:  # and the update a host makes after the start (off the start's answer)
+                    rt.UpdateContainerResources(cri.UpdateContainerResourcesRequest(
+                        container_id=cid, linux=cri.LinuxContainerResources(cpu_quota=quota, cpu_period=100000)),
+                        timeout=mesh.RPC_TIMEOUT)
+                    if i:
+                        updated.append((time.perf_counter() - t) * 1e3)
                 mesh.remove_pod(rt, sid)
                 if i:
                     seen[kind].append(took)
-    return {kind: _median(v) for kind, v in seen.items()}
+    out = {kind: _median(v) for kind, v in seen.items()}
+    out[f"{DIRECT[2]}, with the update"] = _median(updated)
+    return out
 
 
 def measure(starts: int, say) -> dict:
@@ -114,8 +141,7 @@ def measure(starts: int, say) -> dict:
                     since = {h: len(fabric.agents[h].log_text()) for h in mesh.HOSTS}
                     out[key] = {"steps": pod_steps(fabric, rt, starts, runtime_default),
                                 "host_parts": host_parts(fabric, since)}
-            say(f"StartContainer on {mesh.HOSTS[0]}'s containerd directly, {starts} each unconfined and "
-                "under RuntimeDefault")
+            say(f"StartContainer on {mesh.HOSTS[0]}'s containerd directly, {starts} each: {', '.join(DIRECT)}")
             out["host_direct_start"] = direct_starts(fabric, starts)
             return out
         finally:
@@ -140,8 +166,8 @@ def _table(f: dict) -> str:
                              ", ".join(f"{p.removesuffix('_ms')} {ms:.1f} ms" for p, ms in parts.items()))
         lines.append("")
     d = f["host_direct_start"]
-    lines.append(f"StartContainer on a host's containerd directly: unconfined {d['unconfined']:.1f} ms, "
-                 f"RuntimeDefault {d['RuntimeDefault']:.1f} ms")
+    lines.append("StartContainer on a host's containerd directly (a tenth of a core): " +
+                 ", ".join(f"{kind} {ms:.1f} ms" for kind, ms in d.items()))
     return "\n".join(lines)
 
 

@@ -222,6 +222,7 @@ class Lifecycle:
         self._pull(config.image, auth)
         pulled = time.perf_counter()
         with self.lock:
+            locked = time.perf_counter()
             existing = self.rt.find({ORIGIN_LABEL: origin, KEY_LABEL: label(req.key)}, containers=True)
             if existing:  # idempotent: the origin retried
                 return self.rt.state(req.key, existing[0].pod_sandbox_id, existing[0].id)
@@ -229,7 +230,9 @@ class Lifecycle:
                 raise NotAdmitted(f"RunShadow {req.key}: this host's Node {self.reservations.node} is cordoned "
                                   "(unschedulable): it takes no new containers")
             cpu, memory = admitted_with(req, config)
+            found = time.perf_counter()
             self._admitted(origin, req.key, cpu, memory)
+            admitted = time.perf_counter()
             try:
                 if plans or req.empty_dirs:
                     shadow_volumes.remove(volumes)  # a leftover of a RunShadow that failed half-way
@@ -288,7 +291,9 @@ class Lifecycle:
         _log.info("shadow.created", origin=origin, key=req.key, sandbox_id=sandbox_id,
                   container_id=created.container_id, image=config.image.image, started=req.start,
                   volumes=len(plans), unreserved=unreachable is not None,
-                  **_ms(pull_ms=(began, pulled), check_ms=(pulled, checked), sandbox_ms=(checked, sandboxed),
+                  **_ms(pull_ms=(began, pulled), wait_ms=(pulled, locked), find_ms=(locked, found),
+                        admit_ms=(found, admitted),
+                        check_ms=(admitted, checked), sandbox_ms=(checked, sandboxed),
                         create_ms=(sandboxed, made), total_ms=(began, done)))
         state = self.rt.state(req.key, sandbox_id, created.container_id)
         if unreachable is not None:
