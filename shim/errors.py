@@ -66,7 +66,9 @@ gRPC status, so the mapping lives here and nowhere else::
     │   └── UnrecognisedHost       a containerd/kubelet file it cannot parse or does not know; nothing changed
     │       └── UntestedContainerd the node's containerd is not a version the tests run; nothing changed
     └── UpstreamError              containerd answered with a status (any code)
-        └── UpstreamUnavailable    containerd's socket is missing or dead (UNAVAILABLE)
+        ├── UpstreamUnavailable    containerd's socket is missing or dead (UNAVAILABLE)
+        └── LimitNotSet            containerd refused a started shadow's CPU quota; the host stopped it
+                                   (shim.cri.host.cpu_limit; any code)
 
 Errors that belong to one subsystem live in its module (named in brackets);
 the rest live here. ``tests/test_errors.py`` checks that this tree lists every

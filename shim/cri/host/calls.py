@@ -112,14 +112,21 @@ class Calls:
         timeout: float | None = CALL_TIMEOUT_S
         if req.method in ("ExecSync", "StopContainer"):
             timeout = request.timeout + CALL_SLACK_S if request.timeout > 0 else None
-        if req.method == "UpdateContainerResources" and request.HasField("linux"):
-            if self.limiter is not None:
-                self.limiter.drop(c.id)
-            request.linux.CopyFrom(clamped(request.linux, c, self._readmitted(origin, req.key, c, request.linux)))
-        response = self.rt.raw(RT + req.method, request.SerializeToString(), timeout)
+        resize = req.method == "UpdateContainerResources" and request.HasField("linux")
+        try:
+            if resize:
+                if self.limiter is not None:
+                    self.limiter.drop(c.id)
+                request.linux.CopyFrom(clamped(request.linux, c, self._readmitted(origin, req.key, c,
+                                                                                   request.linux)))
+            response = self.rt.raw(RT + req.method, request.SerializeToString(), timeout)
+        except BaseException:
+            if resize and self.limiter is not None:
+                self.limiter.undrop(c.id)  # refused, or containerd kept the spec it had: the deferred quota holds
+            raise
         if req.method in ("Exec", "Attach") and self.net is not None:
             self.net.issued(origin, req.key, req.method, response)
-        if req.method == "UpdateContainerResources" and request.HasField("linux"):
+        if resize:
             self.capacity.updated[c.id] = limits(request.linux)
             self.capacity.forget()
         if req.method == "StopContainer":

@@ -15,7 +15,6 @@ limit cannot be set is stopped: none runs on without it.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import queue
 import threading
@@ -50,10 +49,22 @@ def deferred(annotations: Mapping[str, str]) -> tuple[int, int] | None:
     return (quota, period) if quota > 0 and period > 0 else None
 
 
-def apply(rt: ShadowRuntime, container_id: str, annotations: Mapping[str, str], what: str) -> None:
-    """Set a started shadow's deferred CPU limit; if containerd will not, stop the shadow and say why.
+# containerd not answering now (restarting, busy): the quota is tried again by the next ``Limiter.settle``
+# rather than the shadow stopped.
+TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED})
+REASON = "CPULimitNotSet"  # the stopped shadow's reason, as the origin's kubelet sees it
 
-    A shadow that has already exited is no error: containerd keeps the limit in its spec for a restart."""
+
+class LimitNotSet(UpstreamError):
+    """containerd refused a started shadow's deferred CPU quota."""
+
+
+def apply(rt: ShadowRuntime, container_id: str, annotations: Mapping[str, str], what: str) -> None:
+    """Set a started shadow's deferred CPU limit. containerd refusing it: the shadow is stopped (with the reason
+    for its origin) and ``LimitNotSet`` raised; not answering now: ``UpstreamError``, left for a later try.
+
+    A shadow that has already gone is no error; one that has exited keeps the limit in its spec."""
     cpu_max = deferred(annotations)
     if cpu_max is None:
         return
@@ -65,12 +76,21 @@ def apply(rt: ShadowRuntime, container_id: str, annotations: Mapping[str, str], 
     except UpstreamError as exc:
         if exc.code is grpc.StatusCode.NOT_FOUND:
             return
-        with contextlib.suppress(WeftError):
+        if exc.code in TRANSIENT:
+            _log.warning("shadow.limit_deferred", container_id=container_id, quota=quota, period=period,
+                         error=exc.message)
+            raise
+        detail = (f"{what}: containerd did not set its CPU limit (cpu.max {quota} {period}) once it ran, so this "
+                  f"host stops it: {exc.message}")
+        rt.reasons[container_id] = (REASON, detail)
+        stopped = True
+        try:
             rt.stop(container_id)
+        except WeftError:
+            stopped = False  # tried again by the next settle
         _log.warning("shadow.limit_failed", container_id=container_id, quota=quota, period=period,
-                     error=exc.message)
-        raise UpstreamError(exc.code, f"{what}: containerd did not set its CPU limit (cpu.max {quota} {period}) once "
-                                      f"it ran, so this host stopped it: {exc.message}") from None
+                     error=exc.message, stopped=stopped)
+        raise LimitNotSet(exc.code, detail) from None
 
 
 def _spec_quota(rt: ShadowRuntime, container_id: str) -> int | None:
@@ -84,46 +104,34 @@ def _spec_quota(rt: ShadowRuntime, container_id: str) -> int | None:
         return None
 
 
-def settle(rt: ShadowRuntime, ours: Callable[[Mapping[str, str]], bool]) -> int:
-    """At the agent's start: give every running shadow of this host's (``ours``: by its labels) still without
-    its deferred limit that limit (an agent stopped between a StartContainer and its update); one that has a
-    quota (set, or resized since) is left as it is. Returns how many were set."""
-    count = 0
-    for c in rt.containers(cri.CONTAINER_RUNNING):
-        if ORIGIN_LABEL not in c.labels or deferred(c.annotations) is None or not ours(c.labels):
-            continue
-        try:
-            quota = _spec_quota(rt, c.id)
-        except WeftError as exc:
-            _log.warning("shadow.limit_failed", container_id=c.id, error=exc.message)
-            continue
-        if quota != 0:
-            continue
-        with contextlib.suppress(WeftError):  # apply stopped it and said why
-            apply(rt, c.id, c.annotations, f"shadow {c.id}")
-            count += 1
-    return count
-
-
 class Limiter:
-    """Sets started shadows' deferred limits in a thread of its own, in the order they started.
+    """Sets started shadows' deferred limits in a thread of its own, in the order they started, and makes sure
+    none runs on without one (``settle``, at the agent's start and at every upkeep round).
 
-    An UpdateContainerResources of the origin's (kubelet resizing the pod) or a removal that comes first
-    ``drop``s the shadow: what it sets wins (one whose update is under way is waited for, so the caller's
-    lands after it). Queueing a shadow never waits for an update."""
+    An UpdateContainerResources of the origin's (kubelet resizing the pod) or a removal ``drop``s the shadow
+    first: what it sets wins, whether it comes before the start's ``later`` (which then queues nothing) or
+    while that shadow's update is under way (``drop`` waits for that one, not for others'). Queueing never
+    waits for an update."""
+
+    DROPPED_KEPT = 4096  # dropped IDs remembered, for a start that comes after its container's resize
 
     def __init__(self, rt: ShadowRuntime) -> None:
         self.rt = rt
-        self.applying = threading.Lock()
-        self._lock = threading.Lock()
+        self._cond = threading.Condition()
         self._pending: dict[str, tuple[dict[str, str], str]] = {}
+        self._applying: set[str] = set()  # the shadows whose update is under way (the thread's, settle's)
+        self._dropped: dict[str, None] = {}  # insertion-ordered: the oldest forgotten first
+        self._settled: set[str] = set()  # running shadows known to have their quota
         self._queue: queue.SimpleQueue[str | Callable[[], object] | None] = queue.SimpleQueue()
         self._thread: threading.Thread | None = None
+        self._closed = False
 
     def later(self, container_id: str, annotations: Mapping[str, str], what: str) -> None:
         if deferred(annotations) is None:
             return
-        with self._lock:
+        with self._cond:
+            if self._closed or container_id in self._dropped:
+                return
             self._pending[container_id] = (dict(annotations), what)
             self._started()
         self._queue.put(container_id)
@@ -131,7 +139,9 @@ class Limiter:
     def after(self, work: Callable[[], object]) -> None:
         """Run ``work`` in this thread once what is queued before it is done (what a start may leave to
         follow its answer: the shadows' group weighed again)."""
-        with self._lock:
+        with self._cond:
+            if self._closed:
+                return
             self._started()
         self._queue.put(work)
 
@@ -141,33 +151,94 @@ class Limiter:
             self._thread.start()
 
     def drop(self, container_id: str) -> None:
-        with self._lock:
-            if self._pending.pop(container_id, None) is not None:
-                return
-        with self.applying:  # its update may be under way: it lands before the caller's
-            pass
+        with self._cond:
+            self._pending.pop(container_id, None)
+            self._settled.discard(container_id)
+            self._dropped[container_id] = None
+            while len(self._dropped) > self.DROPPED_KEPT:
+                del self._dropped[next(iter(self._dropped))]
+            while container_id in self._applying:  # its update lands before the caller's
+                self._cond.wait()
+
+    def undrop(self, container_id: str) -> None:
+        """The caller's update failed: the deferred quota is ``settle``'s to set again (containerd kept none)."""
+        with self._cond:
+            self._dropped.pop(container_id, None)
 
     def pending(self) -> list[str]:
-        with self._lock:
+        with self._cond:
             return list(self._pending)
 
     def close(self, timeout: float = 10.0) -> None:
         """Set what is queued, then stop (what is left is set by ``settle`` at the next start)."""
-        with self._lock:
+        with self._cond:
+            self._closed = True
             thread, self._thread = self._thread, None
         if thread is not None:
             self._queue.put(None)
             thread.join(timeout)
 
+    def _apply(self, container_id: str, annotations: Mapping[str, str], what: str) -> None:
+        """One update, with ``container_id`` marked as under way; never raises."""
+        try:
+            apply(self.rt, container_id, annotations, what)
+            with self._cond:
+                if container_id not in self._dropped:
+                    self._settled.add(container_id)
+        except WeftError:
+            pass  # stopped, or left for the next settle: apply said which
+        except Exception as exc:  # noqa: BLE001 - this thread sets every shadow's limit: it must go on
+            _log.error("shadow.limit_failed", container_id=container_id, error=repr(exc), stopped=False)
+        finally:
+            with self._cond:
+                self._applying.discard(container_id)
+                self._cond.notify_all()
+
     def _run(self) -> None:
-        while (container_id := self._queue.get()) is not None:
-            if callable(container_id):
-                with contextlib.suppress(WeftError):
-                    container_id()
+        while (item := self._queue.get()) is not None:
+            if callable(item):
+                try:
+                    item()
+                except Exception as exc:  # noqa: BLE001 - as above
+                    _log.error("shadow.after_start_failed", error=repr(exc))
                 continue
-            with self.applying:
-                with self._lock:
-                    item = self._pending.pop(container_id, None)
-                if item is not None:
-                    with contextlib.suppress(WeftError):  # apply stopped it and said why
-                        apply(self.rt, container_id, *item)
+            with self._cond:
+                pending = self._pending.pop(item, None)
+                if pending is None:
+                    continue
+                self._applying.add(item)
+            self._apply(item, *pending)
+
+    def settle(self, ours: Callable[[Mapping[str, str]], bool]) -> int:
+        """Give every running shadow of this host's (``ours``: by its labels) still without its deferred quota
+        that quota: one started while the agent was away, whose start's answer was lost, whose update failed
+        or was refused and could not be stopped, or whose resize failed (``undrop``). One with a quota in its
+        spec (set, or resized since) is left as it is and not looked at again, nor one resized. Returns how
+        many were set."""
+        count = 0
+        running = self.rt.containers(cri.CONTAINER_RUNNING)
+        with self._cond:
+            self._settled &= {c.id for c in running}
+            look = [c for c in running if c.id not in self._settled and c.id not in self._pending
+                    and c.id not in self._applying and c.id not in self._dropped]
+        for c in look:
+            if ORIGIN_LABEL not in c.labels or deferred(c.annotations) is None or not ours(c.labels):
+                continue
+            try:
+                quota = _spec_quota(self.rt, c.id)
+            except WeftError:
+                continue  # asked again at the next round
+            if quota is None:
+                continue
+            if quota != 0:
+                with self._cond:
+                    self._settled.add(c.id)
+                continue
+            with self._cond:
+                if c.id in self._pending or c.id in self._applying or c.id in self._dropped:
+                    continue
+                self._applying.add(c.id)
+            self._apply(c.id, c.annotations, f"shadow {c.id}")
+            with self._cond:
+                count += c.id in self._settled
+        return count

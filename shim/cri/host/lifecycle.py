@@ -283,10 +283,9 @@ class Lifecycle:
                                                                        KEY_LABEL: label(req.key)}, containers=True):
                         shadow_volumes.remove(volumes)
                 raise
+        self.capacity.forget()  # what it holds counts from now
         if req.start:
             self.limiter.after(self.capacity.reweigh)
-        else:  # not running yet: what it holds is counted at the next sample
-            self.capacity.forget()
         done = time.perf_counter()
         _log.info("shadow.created", origin=origin, key=req.key, sandbox_id=sandbox_id,
                   container_id=created.container_id, image=config.image.image, started=req.start,
@@ -348,10 +347,9 @@ class Lifecycle:
             self.rt.call(RT + "StartContainer", cri.StartContainerRequest(container_id=c.id),
                        cri.StartContainerResponse)
             t2 = time.perf_counter()
-            if c.id not in self.capacity.updated:  # an update before the start set the limit already
-                self.limiter.later(c.id, c.annotations, f"StartShadow {key}")
-            # The running set changed: the group weighed again, after the answer (the count and weights only;
-            # what the shadow holds was counted from its creation).
+            self.limiter.later(c.id, c.annotations, f"StartShadow {key}")  # not after a resize: that one wins
+            # The running set changed: measured afresh, and the group weighed again after the answer.
+            self.capacity.forget()
             self.limiter.after(self.capacity.reweigh)
             state = self.rt.state(key, c.pod_sandbox_id, c.id)
             t3 = time.perf_counter()
@@ -426,6 +424,7 @@ class Lifecycle:
     def remove_locked(self, origin: str, key: str, c: cri.Container, why: str = "removed") -> None:
         """Stop and remove a shadow, its sandbox with its last container, its volumes and its logs (lock held)."""
         status = self.rt.status(c.id)
+        self.limiter.drop(c.id)  # no deferred quota lands on a container being removed
         try:
             # At once, as containerd's RemoveContainer does: the origin's kubelet gave the grace period when
             # it stopped the container; waiting here would hold the lock every other shadow call needs.
@@ -453,7 +452,6 @@ class Lifecycle:
             _rmtree_quietly(self._sandbox_logs(origin, c.labels[SANDBOX_LABEL]))
             _rmdir_up(self.log_root / origin, self.log_root)
         self.capacity.updated.pop(c.id, None)
-        self.limiter.drop(c.id)
         failpoint.hit("remove_shadow.removed")
         if self.reservations is not None:
             self.reservations.release(key or c.annotations.get(KEY_ANNOTATION, ""))

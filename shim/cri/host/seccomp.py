@@ -16,16 +16,20 @@ on a host (for its capability set, on which the default depends) is made
 under ``RuntimeDefault``, its OCI spec read back from containerd, and the
 narrowed profile written under the agent's state directory for the next
 ones (``Localhost``). Anything unexpected (an architecture the profile does
-not list, a spec without one, a file gone) leaves ``RuntimeDefault``.
+not list, a spec without one, a file gone) leaves ``RuntimeDefault``. The
+profile is learnt once per agent process: an agent restarted with its node's
+containerd (an upgrade) learns the new runtime's default.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import platform
 import threading
+import time
 from pathlib import Path
 
 from cri_api.v1 import api_pb2 as cri
@@ -35,6 +39,7 @@ from shim.cri.host.runtime import RT, ShadowRuntime
 from shim.errors import WeftError
 
 _log = log.get("weft.shadows")
+RELEARN_S = 600.0  # a capability set whose profile could not be learnt is tried again after this long
 
 # The machine's name for its architecture (platform.machine()) to libseccomp's.
 NATIVE_ARCH = {
@@ -73,6 +78,7 @@ class HostProfiles:
         self.directory = directory
         self.arch = NATIVE_ARCH.get(machine if machine is not None else platform.machine())
         self._learnt: dict[str, Path] = {}
+        self._failed: dict[str, float] = {}  # capability set -> when learning it last failed (monotonic)
         self._lock = threading.Lock()
 
     def profile_for(self, sc: cri.LinuxContainerSecurityContext) -> cri.SecurityProfile:
@@ -87,8 +93,11 @@ class HostProfiles:
         """Whether a container made under RuntimeDefault with this context would teach a profile not yet known."""
         if self.arch is None:
             return False
+        key = caps_key(sc)
         with self._lock:
-            path = self._learnt.get(caps_key(sc))
+            path = self._learnt.get(key)
+            if time.monotonic() - self._failed.get(key, -RELEARN_S) < RELEARN_S:
+                return False  # not a verbose status under the creation lock at every RunShadow
         return path is None or not path.is_file()
 
     def learn(self, rt: ShadowRuntime, container_id: str, sc: cri.LinuxContainerSecurityContext) -> Path | None:
@@ -96,6 +105,18 @@ class HostProfiles:
         narrowed; None (and RuntimeDefault goes on) where it cannot be."""
         if self.arch is None:
             return None
+        key = caps_key(sc)
+        path = self._learn(rt, container_id, key)
+        with self._lock:
+            if path is None:
+                self._failed[key] = time.monotonic()
+            else:
+                self._failed.pop(key, None)
+                self._learnt[key] = path
+        return path
+
+    def _learn(self, rt: ShadowRuntime, container_id: str, key: str) -> Path | None:
+        assert self.arch is not None
         try:
             resp = rt.call(RT + "ContainerStatus", cri.ContainerStatusRequest(container_id=container_id,
                                                                               verbose=True),
@@ -109,17 +130,16 @@ class HostProfiles:
             _log.warning("shadow.seccomp_unlearnt", container_id=container_id,
                          error=f"the runtime's default profile does not list {self.arch}")
             return None
-        key = caps_key(sc)
         path = self.directory / f"runtime-default-{self.arch.removeprefix('SCMP_ARCH_').lower()}-{key}.json"
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
         try:
             self.directory.mkdir(mode=0o700, parents=True, exist_ok=True)
-            tmp = path.with_suffix(f".{os.getpid()}.tmp")
             tmp.write_text(json.dumps(narrowed))
             os.replace(tmp, path)  # containerd never reads half a profile
         except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink()
             _log.warning("shadow.seccomp_unlearnt", container_id=container_id, error=str(exc))
             return None
-        with self._lock:
-            self._learnt[key] = path
         _log.info("shadow.seccomp_learnt", path=str(path), arch=self.arch, syscalls=len(narrowed["syscalls"]))
         return path

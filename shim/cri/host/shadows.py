@@ -29,7 +29,6 @@ from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import Resources
 from shim.core.reservation import Verdict
-from shim.cri.host import cpu_limit
 from shim.cri.host import logs as shadow_logs
 from shim.cri.host import volumes as shadow_volumes
 from shim.cri.host.calls import Calls
@@ -43,7 +42,7 @@ from shim.cri.host.reservations import Reservations, ReservationStore
 from shim.cri.host.runtime import RT, ShadowRuntime, label
 from shim.cri.host.watch import Watcher
 from shim.cri.labels import KEY_ANNOTATION, KEY_LABEL
-from shim.errors import UpstreamError
+from shim.errors import UpstreamError, WeftError
 from shim.kube.access import ApiAccess
 from shim.periodic import Periodic
 
@@ -79,7 +78,7 @@ class ShadowHost:
         self.capacity.group = ShadowGroupWeight(self.lifecycle.cgroup_parent)
 
     def open(self) -> None:
-        cpu_limit.settle(self.rt, self.lifecycle.mark.is_container)
+        self.settle_limits()
         self.fencer.open()
         self.preparer.open()
         self._upkeep.start()
@@ -97,6 +96,14 @@ class ShadowHost:
     def upkeep(self) -> None:
         self.cap_logs()
         self.check_empty_dirs()
+        self.settle_limits()
+
+    def settle_limits(self) -> None:
+        """Every running shadow has its CPU quota (shim.cri.host.cpu_limit); containerd away: the next round."""
+        try:
+            self.lifecycle.limiter.settle(self.lifecycle.mark.is_container)
+        except WeftError as exc:
+            _log.warning("shadow.limit_settle_failed", error=exc.message)
 
     def cap_logs(self) -> None:
         """Every shadow log on this host kept to the backlog cap (``shim.cri.host.logs.cap``)."""

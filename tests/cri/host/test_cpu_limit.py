@@ -24,6 +24,8 @@ class FakeRuntime:
         self.fail = fail
         self.updates: list[tuple[str, int, int]] = []
         self.stopped: list[str] = []
+        self.statuses: list[str] = []
+        self.reasons: dict[str, tuple[str, str]] = {}
         self.updating = threading.Event()  # set while an update is being answered
         self.release = threading.Event()
         self.release.set()
@@ -39,6 +41,7 @@ class FakeRuntime:
             self.updates.append((request.container_id, r.cpu_quota, r.cpu_period))
             return response_type()
         if verb == "ContainerStatus":
+            self.statuses.append(request.container_id)
             spec = {"linux": {"resources": {"cpu": {"quota": self.quotas.get(request.container_id, 0)}}}}
             return cri.ContainerStatusResponse(info={"info": json.dumps({"runtimeSpec": spec})})
         raise AssertionError(f"unexpected call {verb}")
@@ -94,14 +97,23 @@ def test_the_limit_is_set_with_containerds_update_and_a_gone_container_is_no_err
     assert gone.stopped == []
 
 
-def test_a_shadow_whose_limit_containerd_will_not_set_is_stopped_and_the_error_says_so() -> None:
+def test_a_shadow_whose_limit_containerd_refuses_is_stopped_with_the_reason_for_its_origin() -> None:
     rt = FakeRuntime(fail=grpc.StatusCode.UNKNOWN)
-    with pytest.raises(UpstreamError) as err:
+    with pytest.raises(cpu_limit.LimitNotSet) as err:
         cpu_limit.apply(rt, "c1", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow origin-sb/prep/0")
     assert rt.stopped == ["c1"]
     assert err.value.code is grpc.StatusCode.UNKNOWN
     assert err.value.message.startswith("StartShadow origin-sb/prep/0: containerd did not set its CPU limit "
-                                        "(cpu.max 10000 100000) once it ran, so this host stopped it: runc update")
+                                        "(cpu.max 10000 100000) once it ran, so this host stops it: runc update")
+    assert rt.reasons["c1"] == (cpu_limit.REASON, err.value.message)
+
+
+def test_containerd_not_answering_leaves_the_shadow_running_for_a_later_try() -> None:
+    rt = FakeRuntime(fail=grpc.StatusCode.UNAVAILABLE)
+    with pytest.raises(UpstreamError) as err:
+        cpu_limit.apply(rt, "c1", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow k")
+    assert not isinstance(err.value, cpu_limit.LimitNotSet)
+    assert rt.stopped == [] and rt.reasons == {}
 
 
 def test_the_limiter_sets_each_started_shadows_limit_in_order_off_the_callers_thread() -> None:
@@ -112,10 +124,14 @@ def test_the_limiter_sets_each_started_shadows_limit_in_order_off_the_callers_th
     assert rt.updating.wait(5)
     limiter.later("c2", {CPU_MAX_ANNOTATION: "20000 100000"}, "StartShadow b")
     limiter.later("c3", {}, "StartShadow c")  # nothing to set
-    assert rt.updates == []
+    ran = threading.Event()
+    limiter.after(ran.set)
+    assert rt.updates == [] and not ran.is_set()
     rt.release.set()
     limiter.close()
     assert rt.updates == [("c1", 10000, 100000), ("c2", 20000, 100000)]
+    assert ran.is_set() and limiter.pending() == []
+    limiter.later("c4", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow d")  # closed: the next settle's
     assert limiter.pending() == []
 
 
@@ -126,20 +142,40 @@ def test_a_resize_or_removal_that_comes_first_wins_over_the_deferred_limit() -> 
     limiter.later("busy", {CPU_MAX_ANNOTATION: "1000 100000"}, "StartShadow a")  # holds the thread
     assert rt.updating.wait(5)
     limiter.later("resized", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow b")
+    limiter.drop("resized")  # queued, not under way: dropped at once, not waiting for "busy"
+    limiter.drop("removed")  # before its start was even queued
     limiter.later("removed", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow c")
-    assert sorted(limiter.pending()) == ["removed", "resized"]
-    limiter.drop("resized")
-    limiter.drop("removed")
+    assert limiter.pending() == []
     rt.release.set()
     limiter.close()
     assert rt.updates == [("busy", 1000, 100000)]
 
 
-def test_a_failed_limit_in_the_limiter_stops_that_shadow_and_the_next_is_still_set() -> None:
+def test_dropping_a_shadow_whose_update_is_under_way_waits_for_that_update() -> None:
+    rt = FakeRuntime()
+    limiter = cpu_limit.Limiter(rt)
+    rt.release.clear()
+    limiter.later("c1", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow a")
+    assert rt.updating.wait(5)
+    dropped = threading.Event()
+    dropper = threading.Thread(target=lambda: (limiter.drop("c1"), dropped.set()))
+    dropper.start()
+    assert not dropped.wait(0.3)  # the caller's own update must land after this one
+    rt.release.set()
+    assert dropped.wait(5)
+    dropper.join()
+    assert rt.updates == [("c1", 10000, 100000)]
+    limiter.close()
+
+
+def test_the_limiter_goes_on_after_a_refusal_and_after_an_unexpected_error() -> None:
     rt = FakeRuntime(fail=grpc.StatusCode.UNKNOWN)
     limiter = cpu_limit.Limiter(rt)
     limiter.later("c1", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow a")
-    limiter.close()
+    limiter.after(lambda: 1 / 0)
+    ran = threading.Event()
+    limiter.after(ran.set)
+    assert ran.wait(5)
     assert rt.stopped == ["c1"]
     rt.fail = None
     limiter.later("c2", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow b")
@@ -153,14 +189,35 @@ def _shadow(cid: str, *, deferred: bool = True, ours: bool = True, state: int = 
                          annotations={CPU_MAX_ANNOTATION: "10000 100000"} if deferred else {})
 
 
-def test_at_start_only_this_hosts_running_shadows_without_a_quota_are_given_theirs() -> None:
+def _ours(labels) -> bool:
+    return labels.get("mark") == "ok"
+
+
+def test_settle_gives_only_this_hosts_running_shadows_without_a_quota_theirs_once() -> None:
     rt = FakeRuntime(containers=[
-        _shadow("unset"),                                   # started while the agent was down: set
+        _shadow("unset"),                                   # started while the agent was away: set
         _shadow("resized"),                                 # has a quota (set, or resized since): left
         _shadow("made", state=cri.CONTAINER_CREATED),       # its start sets it
         _shadow("older", deferred=False),                   # made with its quota
         _shadow("forged", ours=False),                      # labels not of this host's making
         cri.Container(id="own", state=cri.CONTAINER_RUNNING, annotations={CPU_MAX_ANNOTATION: "1 100000"}),
     ], quotas={"resized": 50000})
-    assert cpu_limit.settle(rt, lambda labels: labels.get("mark") == "ok") == 1
+    limiter = cpu_limit.Limiter(rt)
+    assert limiter.settle(_ours) == 1
     assert rt.updates == [("unset", 10000, 100000)]
+    looked = len(rt.statuses)
+    assert limiter.settle(_ours) == 0  # the next round looks at neither again
+    assert len(rt.statuses) == looked and rt.updates == [("unset", 10000, 100000)]
+
+
+def test_settle_retries_what_containerd_did_not_answer_and_a_failed_resize_but_not_a_resized_one() -> None:
+    rt = FakeRuntime(containers=[_shadow("c1"), _shadow("c2")], fail=grpc.StatusCode.UNAVAILABLE)
+    limiter = cpu_limit.Limiter(rt)
+    assert limiter.settle(_ours) == 0 and rt.stopped == []
+    rt.fail = None
+    limiter.drop("c2")  # an origin's resize under way: settle keeps off it
+    assert limiter.settle(_ours) == 1
+    assert rt.updates == [("c1", 10000, 100000)]
+    limiter.undrop("c2")  # the resize failed: containerd kept the spec without a quota
+    assert limiter.settle(_ours) == 1
+    assert rt.updates == [("c1", 10000, 100000), ("c2", 10000, 100000)]

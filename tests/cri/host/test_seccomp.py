@@ -97,3 +97,18 @@ def test_what_cannot_be_learnt_leaves_runtime_default(tmp_path: Path, rt: FakeRu
     assert profiles.learn(rt, "c1", _sc()) is None
     assert profiles.profile_for(_sc()).profile_type == cri.SecurityProfile.RuntimeDefault
     assert not (tmp_path / "seccomp").exists() or not list((tmp_path / "seccomp").iterdir())
+
+
+def test_a_failed_learning_is_not_tried_again_at_every_container_and_leaves_no_file(tmp_path: Path,
+                                                                                     monkeypatch) -> None:
+    profiles = seccomp.HostProfiles(tmp_path / "seccomp", machine="x86_64")
+    rt = FakeRuntime(fail=True)
+    assert profiles.wants(_sc()) and profiles.learn(rt, "c1", _sc()) is None
+    assert not profiles.wants(_sc())  # RuntimeDefault meanwhile, without a verbose status each time
+    clock = seccomp.time.monotonic() + seccomp.RELEARN_S + 1
+    monkeypatch.setattr(seccomp.time, "monotonic", lambda: clock)
+    assert profiles.wants(_sc())
+
+    (tmp_path / "seccomp").write_text("a file where the directory should be")
+    assert profiles.learn(FakeRuntime(PROFILE), "c2", _sc()) is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["seccomp"]
