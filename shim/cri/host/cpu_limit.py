@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import queue
 import threading
+import time
 from collections.abc import Callable, Mapping
 
 import grpc
@@ -54,6 +55,7 @@ def deferred(annotations: Mapping[str, str]) -> tuple[int, int] | None:
 TRANSIENT = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED})
 REASON = "CPULimitNotSet"  # the stopped shadow's reason, as the origin's kubelet sees it
+RECHECK_S = 0.2  # a refused update is asked again this long after, if the shadow still runs
 
 
 class LimitNotSet(UpstreamError):
@@ -64,33 +66,43 @@ def apply(rt: ShadowRuntime, container_id: str, annotations: Mapping[str, str], 
     """Set a started shadow's deferred CPU limit. containerd refusing it: the shadow is stopped (with the reason
     for its origin) and ``LimitNotSet`` raised; not answering now: ``UpstreamError``, left for a later try.
 
-    A shadow that has already gone is no error; one that has exited keeps the limit in its spec."""
+    A shadow that has already gone or exited is no error: the limit matters only while it runs."""
     cpu_max = deferred(annotations)
     if cpu_max is None:
         return
     quota, period = cpu_max
-    try:
-        rt.call(RT + "UpdateContainerResources", cri.UpdateContainerResourcesRequest(
-            container_id=container_id, linux=cri.LinuxContainerResources(cpu_quota=quota, cpu_period=period)),
-            cri.UpdateContainerResourcesResponse)
-    except UpstreamError as exc:
-        if exc.code is grpc.StatusCode.NOT_FOUND:
-            return
-        if exc.code in TRANSIENT:
-            _log.warning("shadow.limit_deferred", container_id=container_id, quota=quota, period=period,
-                         error=exc.message)
-            raise
-        detail = (f"{what}: containerd did not set its CPU limit (cpu.max {quota} {period}) once it ran, so this "
-                  f"host stops it: {exc.message}")
-        rt.reasons[container_id] = (REASON, detail)
-        stopped = True
+    request = cri.UpdateContainerResourcesRequest(
+        container_id=container_id, linux=cri.LinuxContainerResources(cpu_quota=quota, cpu_period=period))
+    for attempt in range(2):
         try:
-            rt.stop(container_id)
-        except WeftError:
-            stopped = False  # tried again by the next settle
-        _log.warning("shadow.limit_failed", container_id=container_id, quota=quota, period=period,
-                     error=exc.message, stopped=stopped)
-        raise LimitNotSet(exc.code, detail) from None
+            rt.call(RT + "UpdateContainerResources", request, cri.UpdateContainerResourcesResponse)
+            return
+        except UpstreamError as exc:
+            if exc.code is grpc.StatusCode.NOT_FOUND:
+                return
+            if exc.code in TRANSIENT:
+                _log.warning("shadow.limit_deferred", container_id=container_id, quota=quota, period=period,
+                             error=exc.message)
+                raise
+            error = exc
+        # A process that exits as it starts leaves runc no task to update before containerd has seen the exit:
+        # looked at again a moment later, it is no refusal.
+        status = rt.status(container_id)
+        if status is None or status.state != cri.CONTAINER_RUNNING:
+            return
+        if attempt == 0:
+            time.sleep(RECHECK_S)
+    detail = (f"{what}: containerd did not set its CPU limit (cpu.max {quota} {period}) once it ran, so this "
+              f"host stops it: {error.message}")
+    rt.reasons[container_id] = (REASON, detail)
+    stopped = True
+    try:
+        rt.stop(container_id)
+    except WeftError:
+        stopped = False  # tried again by the next settle
+    _log.warning("shadow.limit_failed", container_id=container_id, quota=quota, period=period,
+                 error=error.message, stopped=stopped)
+    raise LimitNotSet(error.code, detail) from None
 
 
 def _spec_quota(rt: ShadowRuntime, container_id: str) -> int | None:

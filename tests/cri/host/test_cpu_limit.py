@@ -26,6 +26,8 @@ class FakeRuntime:
         self.stopped: list[str] = []
         self.statuses: list[str] = []
         self.reasons: dict[str, tuple[str, str]] = {}
+        self.exited: set[str] = set()  # containers that ran and exited on their own
+        self.fail_times = -1  # how many updates fail (-1: all)
         self.updating = threading.Event()  # set while an update is being answered
         self.release = threading.Event()
         self.release.set()
@@ -35,7 +37,8 @@ class FakeRuntime:
         if verb == "UpdateContainerResources":
             self.updating.set()
             self.release.wait(10)
-            if self.fail is not None:
+            if self.fail is not None and self.fail_times != 0:
+                self.fail_times -= 1
                 raise UpstreamError(self.fail, f"runc update {request.container_id}: no such cgroup")
             r = request.linux
             self.updates.append((request.container_id, r.cpu_quota, r.cpu_period))
@@ -48,6 +51,11 @@ class FakeRuntime:
 
     def stop(self, container_id: str) -> None:
         self.stopped.append(container_id)
+
+    def status(self, container_id: str) -> cri.ContainerStatus | None:
+        if container_id in self.exited:
+            return cri.ContainerStatus(id=container_id, state=cri.CONTAINER_EXITED, exit_code=3)
+        return cri.ContainerStatus(id=container_id, state=cri.CONTAINER_RUNNING)
 
     def containers(self, state: int | None = None) -> list[cri.Container]:
         return [c for c in self._containers if state is None or c.state == state]
@@ -106,6 +114,20 @@ def test_a_shadow_whose_limit_containerd_refuses_is_stopped_with_the_reason_for_
     assert err.value.message.startswith("StartShadow origin-sb/prep/0: containerd did not set its CPU limit "
                                         "(cpu.max 10000 100000) once it ran, so this host stops it: runc update")
     assert rt.reasons["c1"] == (cpu_limit.REASON, err.value.message)
+
+
+def test_a_shadow_that_exited_on_its_own_before_its_limit_is_neither_stopped_nor_given_a_reason() -> None:
+    rt = FakeRuntime(fail=grpc.StatusCode.UNKNOWN)  # runc update: the container's task is gone
+    rt.exited.add("c1")
+    cpu_limit.apply(rt, "c1", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow k")
+    assert rt.stopped == [] and rt.reasons == {}
+
+
+def test_a_refusal_is_asked_again_once_before_the_shadow_is_stopped() -> None:
+    rt = FakeRuntime(fail=grpc.StatusCode.UNKNOWN)
+    rt.fail_times = 1  # a moment later containerd sets it
+    cpu_limit.apply(rt, "c1", {CPU_MAX_ANNOTATION: "10000 100000"}, "StartShadow k")
+    assert rt.updates == [("c1", 10000, 100000)] and rt.stopped == [] and rt.reasons == {}
 
 
 def test_containerd_not_answering_leaves_the_shadow_running_for_a_later_try() -> None:
