@@ -170,6 +170,12 @@ def _served_serial(port: int, client_dir: Path, client_node: str) -> int:
     return x509.load_der_x509_certificate(der).serial_number
 
 
+def _expired(not_after: dt.datetime) -> bool:
+    """Past a certificate's notAfter as TLS sees it: it compares whole seconds, so it is still valid within the
+    second of its notAfter."""
+    return dt.datetime.now(dt.UTC) > not_after + dt.timedelta(seconds=1)
+
+
 def _serial(path: Path) -> int:
     return x509.load_pem_x509_certificate(path.read_bytes()).serial_number
 
@@ -227,8 +233,7 @@ def test_a_removed_node_cannot_renew_and_once_its_certificate_expires_cannot_joi
             enroller.renew()
         assert refused.value.reason == str(Reason.NOT_IN_CLUSTER)
 
-        wait_for(lambda: dt.datetime.now(dt.UTC) > not_after, timeout=LIFETIME_S + 10,
-                 what="node-d's last certificate to expire")
+        wait_for(lambda: _expired(not_after), timeout=LIFETIME_S + 10, what="node-d's last certificate to expire")
         with PeerClient("node-b", f"127.0.0.1:{server.port}", NodeTls(d, "node-d"), hello_timeout=3) as client, \
                 pytest.raises(PeerUnavailable):
             _hello(client, "node-d")
@@ -260,8 +265,7 @@ def test_rotation_under_a_running_mesh_new_connections_present_the_new_certifica
         wait_for(lambda: _serial(a / "node-a.crt") != first, timeout=LIFETIME_S * 2, what="a renewed certificate")
         wait_for(lambda: _served_serial(server_a.port, c, "node-c") != first, timeout=10,
                  what="the server presenting the renewed certificate to a new connection")
-        wait_for(lambda: dt.datetime.now(dt.UTC) > first_not_after, timeout=LIFETIME_S + 10,
-                 what="the first certificate to expire")
+        wait_for(lambda: _expired(first_not_after), timeout=LIFETIME_S + 10, what="the first certificate to expire")
         # The mesh was never restarted: the client made before still gets answers, a new one is accepted, and
         # node-a's own new connections present a certificate that is valid now (an expired one is refused).
         assert _hello(old, "node-c") == "node-a"
@@ -319,8 +323,7 @@ def test_weft_agents_keep_their_mesh_across_renewals_and_a_restarted_peer_takes_
             return [p["healthy"] for p in json.loads(out.stdout).get("peers", [])] == [True]
 
         wait_for(lambda: all(healthy(a) for a in agents.values()), timeout=20, what="the two agents peers")
-        wait_for(lambda: dt.datetime.now(dt.UTC) > first_not_after, timeout=LIFETIME_S + 10,
-                 what="the first certificates to expire")
+        wait_for(lambda: _expired(first_not_after), timeout=LIFETIME_S + 10, what="the first certificates to expire")
         wait_for(lambda: all(healthy(a) for a in agents.values()), timeout=10, what="still peers")
         assert all(any(e.get("event") == "mesh.tls.reloaded" for e in a.events()) for a in agents.values())
         agents["node-b"].stop(sig=9)

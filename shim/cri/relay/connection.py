@@ -156,8 +156,8 @@ class Connection:
                 up: list[bytes] = []
                 for ftype, flags, sid, raw in take_frames(buf):
                     self.on_kubelet_frame(ftype, flags, sid, raw, up)
-                if up and self.up_w is not None:
-                    self.up_w.write(b"".join(up))
+                if up:
+                    self._to_containerd(b"".join(up))
                 self.drain()
         except (ConnectionError, HPACKError, asyncio.IncompleteReadError) as exc:
             _log.debug("relay.kubelet_closed", error=repr(exc))
@@ -169,6 +169,16 @@ class Connection:
             _log.exception("relay.kubelet_failed")
         finally:
             self.close()
+
+    def _to_containerd(self, data: bytes) -> None:
+        """containerd's end may close before its reader has seen it (``_upstream_lost`` then answers every open
+        call): what kubelet sends meanwhile is dropped, and must not end kubelet's connection before those
+        answers reach it."""
+        w = self.up_w
+        if w is None or w.is_closing():
+            return
+        with contextlib.suppress(RuntimeError, ConnectionError):  # uvloop refuses a write on a closed transport
+            w.write(data)
 
     def on_kubelet_frame(self, ftype: int, flags: int, sid: int, raw: bytes, up: list[bytes]) -> None:
         payload = raw[9:]
