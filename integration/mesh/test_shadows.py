@@ -326,11 +326,16 @@ def _cpu_quota(node: Containerd, cid: str) -> int:
     return -1 if out in (b"-1", b"max") else int(out)
 
 
-def _spec_resources(node: Containerd, cid: str) -> dict:
+def _spec_linux(node: Containerd, cid: str) -> dict:
+    """The ``linux`` part of a container's OCI spec, as containerd's verbose status gives it."""
     with node.channel() as direct:
         resp = cri_grpc.RuntimeServiceStub(direct).ContainerStatus(
             cri.ContainerStatusRequest(container_id=cid, verbose=True))
-    return json.loads(resp.info["info"])["runtimeSpec"]["linux"]["resources"]
+    return json.loads(resp.info["info"])["runtimeSpec"]["linux"]
+
+
+def _spec_resources(node: Containerd, cid: str) -> dict:
+    return _spec_linux(node, cid)["resources"]
 
 
 def test_a_shadow_is_made_without_its_cpu_quota_and_given_it_once_it_runs(host) -> None:
@@ -381,10 +386,7 @@ def test_a_shadow_started_while_its_hosts_agent_was_down_gets_its_cpu_quota_when
 
 
 def _spec_seccomp(node: Containerd, cid: str) -> dict:
-    with node.channel() as direct:
-        resp = cri_grpc.RuntimeServiceStub(direct).ContainerStatus(
-            cri.ContainerStatusRequest(container_id=cid, verbose=True))
-    return json.loads(resp.info["info"])["runtimeSpec"]["linux"]["seccomp"]
+    return _spec_linux(node, cid)["seccomp"]
 
 
 def test_a_shadow_that_asked_for_no_seccomp_profile_gets_the_runtime_default_for_the_hosts_own_arch(host) -> None:
