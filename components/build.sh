@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds the Kubernetes components that weft's integration tests run, once per set of pins, into a
-# cache outside the checkout: ${WEFT_KUBE_CACHE:-/var/cache/weft/kube}/<key>/bin, where <key> is the
+# cache outside the checkout: ${WEFT_CACHE_ROOT:-/var/cache/weft}/kube/<key>/bin, where <key> is the
 # Kubernetes version and a hash of versions.env and the wrapper modules' go.mod and go.sum. Clones and
 # later runs on the same machine find it there and build nothing.
 #
@@ -24,7 +24,7 @@ SCRIPT=components/build.sh
 
 key_files=("$HERE/versions.env" "$HERE/go.mod" "$HERE/go.sum" "$HERE/critools/go.mod" "$HERE/critools/go.sum")
 hash="$(cat "${key_files[@]}" | sha256sum | cut -c1-12)"
-CACHE="${WEFT_KUBE_CACHE:-/var/cache/weft/kube}"
+CACHE="$CACHE_ROOT/kube"
 DIR="$CACHE/k8s-$KUBERNETES_VERSION-$hash"
 BINARIES=(kubelet kube-apiserver kube-scheduler kubectl etcd crictl critest)
 

@@ -3,6 +3,9 @@
 # into a temporary directory moved into place whole.
 # Sourced, not run. Each script names itself in SCRIPT (for its messages) before using these.
 
+# Every cache under one root (WEFT_CACHE_ROOT; an empty directory there makes every build start from nothing).
+CACHE_ROOT="${WEFT_CACHE_ROOT:-/var/cache/weft}"
+
 # The cache's lock: another checkout may be building the same pins right now (held until the script exits).
 cache_lock() {
   mkdir -p "$1"

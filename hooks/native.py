@@ -22,7 +22,7 @@ from pathlib import Path
 
 SOURCE = Path(__file__).resolve().with_name("weft_oci_hook.c")
 NAME = "weft-oci-hook"
-CACHE = Path(os.environ.get("WEFT_CACHE_DIR", "/var/cache/weft")) / "hook"
+CACHE = Path(os.environ.get("WEFT_CACHE_ROOT") or "/var/cache/weft") / "hook"
 CFLAGS = ("-O2", "-static", "-std=c11", "-Wall", "-Wextra", "-Werror")
 
 

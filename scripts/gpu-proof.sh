@@ -86,8 +86,8 @@ prepare_carry() {
     case "$(basename "$lib")" in libc.so.*|ld-linux*) ;; *) cp -L "$lib" "$out/lib/" ;; esac
   done
   wrap ip
-  # The native OCI hook (static), where hooks.native looks for it once WEFT_CACHE_DIR names the carry's cache.
-  WEFT_CACHE_DIR="$out/cache" "$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); from hooks import native; native.build()' \
+  # The native OCI hook (static), where hooks.native looks for it once WEFT_CACHE_ROOT names the carry's cache.
+  WEFT_CACHE_ROOT="$out/cache" "$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); from hooks import native; native.build()' \
     "$ROOT" || die "building the native OCI hook failed (it needs a C compiler: gcc, libc6-dev)"
   {
     echo "containerd: $("$out/bin/containerd" --version)"
@@ -191,7 +191,7 @@ if [ "$WHOLE" -eq 1 ]; then
   BIN="$SITE/gpu-proof-carry/bin"
   cp "$SITE/gpu-proof-carry/VERSIONS" "$OUT/carried-versions.txt"
   export PATH="$BIN:$PATH" WEFT_CONTAINERD_BIN="$BIN" WEFT_BUSYBOX="$BIN/busybox" \
-    WEFT_HARNESS_CACHE="$SITE/harness-cache" WEFT_CACHE_DIR="$SITE/gpu-proof-carry/cache"
+    WEFT_HARNESS_CACHE="$SITE/harness-cache" WEFT_CACHE_ROOT="$SITE/gpu-proof-carry/cache"
   # 4. The whole path: bench.gpu_whole_path checks, records and cleans up after itself.
   timeout 540 "$PY" -m bench.gpu_whole_path --out "$OUT" --nvidia-ctk "$BIN/nvidia-ctk" \
     --cdi-hook "$BIN/nvidia-cdi-hook" > "$OUT/whole-path.out" 2> "$OUT/whole-path.log"

@@ -63,38 +63,21 @@ if [ ! -x "$KUBECTL_DIR/usr/bin/kubectl" ]; then
   mv "$KUBECTL_DIR.tmp" "$KUBECTL_DIR"
 fi
 
-# The Kubernetes components the integration tests run (kubelet, kube-apiserver, kube-scheduler, kubectl,
-# etcd, crictl, critest), built from Go modules once per set of pins (components/versions.env) into
-# /var/cache/weft/kube, outside the checkout, and reused by every later run and clone on this machine; then
-# containerd 1.7 and 2.x (components/containerd/versions.env) into /var/cache/weft/containerd the same way, for
-# the smoke runs against them (Debian's 1.6 runs the rest); then kube-controller-manager and the test DRA
-# driver (components/dra/build.sh, a cache key of its own in /var/cache/weft/dra, so it never rebuilds the kube set)
-# for the DRA test; Helm (components/helm/build.sh, /var/cache/weft/helm) for the chart's tests; last, the newest
-# Kubernetes release (components/next/build.sh) for its smoke run. Only the tests
-# need them: scripts/test.sh starts the builds (WEFT_SETUP_KUBE=background:
-# one after the other, kube first since its tests come sooner, at the lowest CPU priority, beside the tests
-# that do not need them, which run first); WEFT_SETUP_KUBE=1 builds before going on.
+# What the integration tests build from Go modules and debootstrap (components/build-all.sh names every build, in
+# order: the Kubernetes components, containerd 1.7 and 2.x, the DRA binaries, Helm, the newest Kubernetes release,
+# the cluster's node root), each once per set of pins into ${WEFT_CACHE_ROOT:-/var/cache/weft}, outside the checkout,
+# and reused by every later run and clone on this machine. Only the tests need them: scripts/test.sh starts them
+# (WEFT_SETUP_KUBE=background: one after the other, at the lowest CPU priority, beside the tests that do not need
+# them, which run first; a test that needs one before it is done waits on its cache's lock or builds it);
+# WEFT_SETUP_KUBE=1 builds them before going on.
 if [ "${WEFT_SETUP_KUBE:-0}" = 1 ]; then
-  bash "$ROOT/components/build.sh" >&2
-  bash "$ROOT/components/containerd/build.sh" >&2
-  bash "$ROOT/components/dra/build.sh" >&2
-  bash "$ROOT/components/helm/build.sh" >&2
-  bash "$ROOT/components/next/build.sh" >&2
-elif [ "${WEFT_SETUP_KUBE:-0}" = background ] &&
-     ! { bash "$ROOT/components/build.sh" --cached && bash "$ROOT/components/containerd/build.sh" --cached &&
-         bash "$ROOT/components/dra/build.sh" --cached && bash "$ROOT/components/helm/build.sh" --cached &&
-         bash "$ROOT/components/next/build.sh" --cached; } >/dev/null; then
+  bash "$ROOT/components/build-all.sh"
+elif [ "${WEFT_SETUP_KUBE:-0}" = background ] && ! bash "$ROOT/components/build-all.sh" --cached; then
   mkdir -p "$VENV/log"
-  echo "weft: building the Kubernetes components, containerd 1.7/2.x, the DRA test binaries, Helm and the" \
-    "newest Kubernetes release in the background (logs: $VENV/log/kube-build.log," \
-    "$VENV/log/containerd-build.log, $VENV/log/dra-build.log, $VENV/log/helm-build.log," \
-    "$VENV/log/kube-next-build.log)"
+  echo "weft: building what the integration tests run (Kubernetes, containerd 1.7/2.x, the DRA test binaries, Helm," \
+    "the newest Kubernetes release, the test nodes' root) in the background, at the lowest priority" \
+    "(logs: $VENV/log/*-build.log; times: $VENV/log/builds.tsv)"
   # A session of its own, so that the whole build (go and its compilers) can be stopped as one.
-  setsid nice -n 19 bash -c 'bash "$1/kube/build.sh" >"$2/kube-build.log" 2>&1
-                             bash "$1/kube/containerd/build.sh" >"$2/containerd-build.log" 2>&1
-                             bash "$1/kube/dra/build.sh" >"$2/dra-build.log" 2>&1
-                             bash "$1/kube/helm/build.sh" >"$2/helm-build.log" 2>&1
-                             bash "$1/kube/next/build.sh" >"$2/kube-next-build.log" 2>&1' \
-    _ "$ROOT" "$VENV/log" &
+  setsid nice -n 19 bash "$ROOT/components/build-all.sh" --log-dir "$VENV/log" &
   WEFT_KUBE_BUILD_PID=$!
 fi

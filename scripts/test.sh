@@ -4,13 +4,30 @@
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 WEFT_SETUP_KUBE=background source "$ROOT/scripts/setup.sh"
-# A background build of the Kubernetes components ends with this script, whatever happens.
-trap '[ -n "${WEFT_KUBE_BUILD_PID:-}" ] && kill -- "-$WEFT_KUBE_BUILD_PID" 2>/dev/null; true' EXIT
+# What a cold machine paid for its builds: each background build's time (components/build-all.sh writes them) and
+# each time a test waited for a build or built one itself (shim/localfabric/builds.py appends them).
+mkdir -p "$VENV/log"
+export WEFT_BUILD_WAITS="$VENV/log/build-waits.tsv"
+: >"$WEFT_BUILD_WAITS"
+finish() {
+  # A background build ends with this script, whatever happens.
+  [ -n "${WEFT_KUBE_BUILD_PID:-}" ] && kill -- "-$WEFT_KUBE_BUILD_PID" 2>/dev/null
+  if [ -n "${WEFT_KUBE_BUILD_PID:-}" ] && [ -s "$VENV/log/builds.tsv" ]; then
+    echo "weft: background builds (name, seconds, exit status):"
+    sed 's/^/  /' "$VENV/log/builds.tsv"
+  fi
+  if [ -s "$WEFT_BUILD_WAITS" ]; then
+    echo "weft: tests waited for a build (script, seconds, pid):"
+    sed 's/^/  /' "$WEFT_BUILD_WAITS"
+  fi
+  true
+}
+trap finish EXIT
 cd "$ROOT"
 "$VENV/bin/ruff" check .
 "$VENV/bin/lint-imports"
-# The tests that run real Kubernetes components go last (integration/conftest.py); by then the build has had
-# the time the others left idle, and components/build.sh waits for it (a lock) if it has not finished.
+# The tests that run real Kubernetes components go last (integration/conftest.py); by then the builds have had
+# the time the others left idle, and each build script waits for its build (a lock) if it has not finished.
 # On WEFT_TEST_WORKERS workers (pytest-xdist; 0: one process), a module to a worker, since a module's tests share
 # its fabric or cluster: most of the time an integration test waits on daemons, not on the CPU.
 # With no arguments, the nodes booted with systemd (integration/nodes: the day-one cluster runs three whole nodes'
@@ -18,7 +35,6 @@ cd "$ROOT"
 # throughput- and race-bound tests (a fast writer's log against its cap, a cut link's fencing) were starved.
 if [ "$#" -eq 0 ]; then
   "$VENV/bin/pytest" -n "${WEFT_TEST_WORKERS:-3}" --dist loadfile --durations=25 --ignore=integration/nodes
-  mkdir -p "$VENV/log"
   echo "weft: the cluster of real nodes (integration/nodes; log: $VENV/log/nodes.log)"
   if "$VENV/bin/pytest" -n 2 --dist loadfile -p no:cacheprovider integration/nodes >"$VENV/log/nodes.log" 2>&1; then
     grep -E '^\[weft kube\] day one' "$VENV/log/nodes.log" || true
@@ -46,7 +62,6 @@ SMOKE=(integration/localfabric/test_harness.py integration/cri/test_differential
        integration/cri/test_critest.py)
 KUBE_SMOKE=(integration/kube/test_kube_node.py
             integration/kube/test_kube_reroute.py::test_the_rerouted_stage_is_ready_through_its_http_probe)
-mkdir -p "$VENV/log"
 smoke=()
 for line in ${WEFT_TEST_CONTAINERDS-1.7 2}; do
   echo "weft: smoke run on containerd $line (log: $VENV/log/smoke-containerd-$line.log)"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Builds the containerd releases weft's integration tests run beside Debian's 1.6 (pins in versions.env),
 # once per set of pins, into a cache outside the checkout:
-# ${WEFT_CONTAINERD_CACHE:-/var/cache/weft/containerd}/containerd-<version>-<hash>/bin, where <hash>
+# ${WEFT_CACHE_ROOT:-/var/cache/weft}/containerd/containerd-<version>-<hash>/bin, where <hash>
 # covers that release's pin, BUILD_REVISION and its wrapper module's go.mod and go.sum, so a new 2.x
 # pin leaves the 1.7 build where it is. Clones and later runs on the same machine build nothing.
 #
@@ -17,7 +17,7 @@
 #
 # Usage: build.sh                   build every line not cached; prints the cache directory last
 #        build.sh LINE              build LINE (2, 1.7, 2.0, ...) if not cached; prints its bin directory last
-#        build.sh --bin-dir LINE    print LINE's bin directory only (built or not)
+#        build.sh --bin-dir [LINE]  print LINE's (or every line's, one a line) bin directory only (built or not)
 #        build.sh --cached [LINE]   exit 0 if every line (or LINE) is built already, 1 if not (builds nothing)
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
@@ -26,7 +26,7 @@ source "$HERE/versions.env"
 # shellcheck source=../buildlib.sh
 source "$HERE/../buildlib.sh"
 SCRIPT=components/containerd/build.sh
-CACHE="${WEFT_CONTAINERD_CACHE:-/var/cache/weft/containerd}"
+CACHE="$CACHE_ROOT/containerd"
 LINES=(2 1.7 2.0 2.1 2.2 2.3)
 BINARIES=(containerd containerd-shim-runc-v2)
 TAGS="no_btrfs no_devmapper no_zfs no_aufs urfave_cli_no_docs"
@@ -56,9 +56,9 @@ last() { if [ -n "$ONE" ]; then echo "$(dir "$ONE")/bin"; else echo "$CACHE"; fi
 
 ONE=""
 case "${1:-}" in
-  --bin-dir)
-    [ -n "${2:-}" ] || { echo "build.sh --bin-dir: which line? (${LINES[*]})" >&2; exit 2; }
-    echo "$(dir "$2")/bin"
+  --bin-dir)  # LINE's, or every line's, one a line
+    if [ -n "${2:-}" ]; then pin "$2" >/dev/null; echo "$(dir "$2")/bin"; exit 0; fi
+    for l in "${LINES[@]}"; do echo "$(dir "$l")/bin"; done
     exit 0 ;;
   --cached) ONE="${2:-}" ;;
   "") ;;

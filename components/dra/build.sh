@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds what weft's DRA tests run beside the Kubernetes components of components/build.sh, once per set of
-# pins, into a cache of its own: ${WEFT_DRA_CACHE:-/var/cache/weft/dra}/<key>/bin, where <key> is the
+# pins, into a cache of its own: ${WEFT_CACHE_ROOT:-/var/cache/weft}/dra/<key>/bin, where <key> is the
 # Kubernetes version and a hash of ../versions.env and this directory's go.mod, go.sum and sources.
 # A key of its own, so that a change here never rebuilds components/build.sh's set (nor the reverse).
 #
@@ -25,7 +25,7 @@ DRA_BUILD_REVISION=1
 
 key_files=("$HERE/../versions.env" "$HERE/go.mod" "$HERE/go.sum" "$HERE/tools.go" "$HERE/gpudriver/main.go")
 hash="$( { cat "${key_files[@]}"; echo "DRA_BUILD_REVISION=$DRA_BUILD_REVISION"; } | sha256sum | cut -c1-12)"
-CACHE="${WEFT_DRA_CACHE:-/var/cache/weft/dra}"
+CACHE="$CACHE_ROOT/dra"
 DIR="$CACHE/dra-$KUBERNETES_VERSION-$hash"
 BINARIES=(kube-controller-manager weft-test-dra-driver)
 

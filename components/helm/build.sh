@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds Helm (helm.sh/helm/v4's cmd/helm, at go.mod's version) for the chart's tests (charts/weft), once per
-# set of pins, into a cache of its own: ${WEFT_HELM_CACHE:-/var/cache/weft/helm}/<key>/bin, where <key> is
+# set of pins, into a cache of its own: ${WEFT_CACHE_ROOT:-/var/cache/weft}/helm/<key>/bin, where <key> is
 # Helm's version and a hash of this directory's go.mod, go.sum and tools.go.
 #
 # Static (CGO_ENABLED=0), symbols stripped, `helm version` set through -ldflags -X as Helm's Makefile does.
@@ -21,7 +21,7 @@ HELM_VERSION="$(sed -n 's|^require helm.sh/helm/v4 \(v[^ ]*\)$|\1|p; s|^[[:space
 [ -n "$HELM_VERSION" ] || { echo "$SCRIPT: $HERE/go.mod does not require helm.sh/helm/v4" >&2; exit 1; }
 key_files=("$HERE/go.mod" "$HERE/go.sum" "$HERE/tools.go")
 hash="$( { cat "${key_files[@]}"; echo "HELM_BUILD_REVISION=$HELM_BUILD_REVISION"; } | sha256sum | cut -c1-12)"
-CACHE="${WEFT_HELM_CACHE:-/var/cache/weft/helm}"
+CACHE="$CACHE_ROOT/helm"
 DIR="$CACHE/helm-$HELM_VERSION-$hash"
 
 serve_cached "$DIR" "$CACHE" "${1:-}"  # answers --bin-dir and --cached; exits if built
@@ -39,3 +39,6 @@ go build -trimpath -ldflags "-s -w -X helm.sh/helm/v4/internal/version.version=$
 
 printf 'HELM_VERSION=%s\nHELM_BUILD_REVISION=%s\n' "$HELM_VERSION" "$HELM_BUILD_REVISION" |
   publish "$TMP" "$DIR" "$started" helm
+trap - EXIT
+echo "$SCRIPT: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
+echo "$DIR/bin"

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Builds kubelet, kube-apiserver, kube-scheduler and kubectl of the newest release (versions.env here), once
-# per set of pins, into ${WEFT_KUBE_CACHE:-/var/cache/weft/kube}/<key>/bin as ../build.sh does for the pinned
+# per set of pins, into ${WEFT_CACHE_ROOT:-/var/cache/weft}/kube/<key>/bin as ../build.sh does for the pinned
 # release (same flags: static, providerless, stripped, --version set). The smoke subset runs them with the
 # pinned set's etcd, crictl and critest (integration/harness/binaries.py, WEFT_KUBE=next).
 #
@@ -16,7 +16,7 @@ source "$HERE/../buildlib.sh"
 SCRIPT=components/next/build.sh
 
 hash="$(cat "$HERE/versions.env" "$HERE/go.mod" "$HERE/go.sum" | sha256sum | cut -c1-12)"
-CACHE="${WEFT_KUBE_CACHE:-/var/cache/weft/kube}"
+CACHE="$CACHE_ROOT/kube"
 DIR="$CACHE/k8s-$KUBERNETES_VERSION-$hash"
 BINARIES=(kubelet kube-apiserver kube-scheduler kubectl)
 

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import functools
 import os
-import subprocess
 from pathlib import Path
+
+from shim.localfabric import builds
 
 REPO = Path(__file__).resolve().parents[2]
 BUILD = REPO / "components" / "build.sh"
@@ -23,12 +24,10 @@ NEXT_BINARIES = ("kubelet", "kube-apiserver", "kube-scheduler", "kubectl")
 
 
 def _built(script: Path) -> Path:
-    """Run a build script (it waits on its lock while a background build runs) and return its bin directory."""
-    res = subprocess.run(["bash", str(script)], capture_output=True, text=True, timeout=3600)
-    if res.returncode != 0:
-        raise RuntimeError(f"{script.relative_to(REPO)} failed ({res.returncode}):\n{res.stdout[-2000:]}\n"
-                           f"{res.stderr[-4000:]}")
-    return Path(res.stdout.strip().splitlines()[-1])
+    """Run a build script (it waits on its lock while a background build runs, or builds) and return its bin
+    directory, as its ``--bin-dir`` names it: the same cache its ``--cached`` check and its build use."""
+    builds.run(script)
+    return Path(builds.run(script, "--bin-dir"))
 
 
 @functools.cache

@@ -27,6 +27,8 @@ import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shim.localfabric import builds
+
 ROOTFS_SCRIPT = Path(__file__).with_name("rootfs.sh")
 ENTRYPOINT = "/usr/local/sbin/weft-node-init"
 CGROUP_ROOT = Path("/sys/fs/cgroup")
@@ -64,11 +66,11 @@ def build_root(timeout: float = 1800) -> Root:
     """The cached node root, built first if it is not there (a few minutes: debootstrap)."""
     built = subprocess.run(["bash", str(ROOTFS_SCRIPT), "--cached"], capture_output=True).returncode != 0
     started = time.monotonic()
-    res = subprocess.run(["bash", str(ROOTFS_SCRIPT)], capture_output=True, text=True, timeout=timeout)
-    if res.returncode != 0 or not res.stdout.strip():
-        raise NodeError(f"{ROOTFS_SCRIPT} failed ({res.returncode}): {res.stderr[-3000:]}")
-    path = Path(res.stdout.strip().splitlines()[-1])
-    marker = re.search(r"BUILD_SECONDS=(\d+)", (path / ".weft-complete").read_text())
+    try:
+        path = Path(builds.run(ROOTFS_SCRIPT, timeout=timeout))
+    except builds.BuildError as exc:
+        raise NodeError(str(exc)) from None
+    marker = re.search(r"BUILD_SECONDS=(\d+)", (path / ".complete").read_text())
     return Root(path, time.monotonic() - started, built, float(marker.group(1)) if marker else None)
 
 

@@ -2,23 +2,28 @@
 # Builds the root filesystem of a test node (what kind's node image is, without Docker): Debian bookworm
 # with systemd as PID 1, containerd, runc, the CNI plugins and what kubelet needs, set up to boot under
 # systemd-nspawn (integration/nodes/nspawn.py). Built once into a cache outside the checkout:
-# ${WEFT_NODEROOT_CACHE:-/var/cache/weft/noderoot}/<key>/rootfs, where <key> is a hash of this script, so a
+# ${WEFT_CACHE_ROOT:-/var/cache/weft}/noderoot/<key>/rootfs, where <key> is a hash of this script, so a
 # change here builds a new root. Built under a lock into a temporary directory renamed into place: a reader
 # never sees half a root, and two runs never build at once.
 #
-# Usage: integration/nodes/rootfs.sh            build if not cached; prints the root's path last
-#        integration/nodes/rootfs.sh --cached   exit 0 if it is built already, 1 if not (builds nothing)
+# Usage: integration/nodes/rootfs.sh             build if not cached; prints the root's path last
+#        integration/nodes/rootfs.sh --bin-dir   print the root's path only (built or not), as components/*/build.sh do
+#        integration/nodes/rootfs.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
 set -euo pipefail
 SCRIPT=integration/nodes/rootfs.sh
 SELF="$(readlink -f "${BASH_SOURCE[0]}")"
 KEY="$(sha256sum "$SELF" | cut -c1-12)"
-CACHE="${WEFT_NODEROOT_CACHE:-/var/cache/weft/noderoot}"
+CACHE="${WEFT_CACHE_ROOT:-/var/cache/weft}/noderoot"
 DIR="$CACHE/$KEY"
 ROOT="$DIR/rootfs"
 SUITE=bookworm
 PACKAGES=systemd,systemd-sysv,dbus,containerd,runc,iproute2,iptables,containernetworking-plugins,ca-certificates,util-linux,procps,kmod,conntrack
 
-complete() { [ -f "$ROOT/.weft-complete" ]; }
+complete() { [ -f "$ROOT/.complete" ]; }
+if [ "${1:-}" = "--bin-dir" ]; then
+  echo "$ROOT"
+  exit 0
+fi
 if [ "${1:-}" = "--cached" ]; then
   complete
   exit
@@ -135,8 +140,8 @@ printf '[Journal]\nReadKMsg=no\n' > "$TMP/etc/systemd/journald.conf.d/weft-node.
 : > "$TMP/etc/machine-id"
 rm -f "$TMP/var/lib/dbus/machine-id" "$TMP/etc/hostname"
 rm -rf "$TMP"/var/cache/apt/archives/*.deb "$TMP"/var/lib/apt/lists/*
-date -u +%Y-%m-%dT%H:%M:%SZ > "$TMP/.weft-complete"
-echo "BUILD_SECONDS=$(( $(date +%s) - started )) MIRROR=$MIRROR" >> "$TMP/.weft-complete"
+date -u +%Y-%m-%dT%H:%M:%SZ > "$TMP/.complete"
+echo "BUILD_SECONDS=$(( $(date +%s) - started )) MIRROR=$MIRROR" >> "$TMP/.complete"
 
 trap - EXIT
 rm -rf --one-file-system "$ROOT"

@@ -14,7 +14,7 @@ REPO = Path(__file__).resolve().parents[2]
 CONTAINERFILE = REPO / "nodeimage" / "Containerfile"
 IGNOREFILE = REPO / "nodeimage" / "containerignore"
 LOCKFILE = REPO / "nodeimage" / "requirements.lock"
-CACHE = Path(os.environ.get("WEFT_CACHE_DIR", "/var/cache/weft")) / "nodeimage"
+CACHE = Path(os.environ.get("WEFT_CACHE_ROOT") or "/var/cache/weft") / "nodeimage"
 DEFAULT_NAME = "localhost/weft/node:0.1.0"
 ARCHIVE_NAME = "weft-image.oci.tar"
 

@@ -51,12 +51,15 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim.cri.host.volumes import unmount_under
-from shim.localfabric import cpuset, images
+from shim.localfabric import builds, cpuset, images
 
 SLOT_DIR = Path("/run/weft-harness")
 CGROUP_FS = Path("/sys/fs/cgroup")
 NETNS_DIR = Path("/var/run/netns")
-IMAGE_CACHE = Path(os.environ.get("WEFT_HARNESS_CACHE", "/var/cache/weft-harness"))
+# The test images built from busybox (and anything carried in): under the one cache root, or where
+# WEFT_HARNESS_CACHE says (the GPU proof points it at what it carries).
+IMAGE_CACHE = Path(os.environ.get("WEFT_HARNESS_CACHE")
+                   or Path(os.environ.get("WEFT_CACHE_ROOT") or "/var/cache/weft", "harness"))
 MAX_SLOTS = 200
 
 VERSION_ENV = "WEFT_CONTAINERD"
@@ -100,11 +103,7 @@ def bin_dir(line: str) -> Path | None:
         return Path(carried)
     if not CONTAINERD_BUILD.is_file():
         raise RuntimeError(f"containerd {line} is built by components/containerd/build.sh, which only a checkout has")
-    res = subprocess.run(["bash", str(CONTAINERD_BUILD), line], capture_output=True, text=True, timeout=3600)
-    if res.returncode != 0:
-        raise RuntimeError(f"components/containerd/build.sh {line} failed ({res.returncode}):\n"
-                           f"{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
-    found = Path(res.stdout.strip().splitlines()[-1])
+    found = Path(builds.run(CONTAINERD_BUILD, line))
     if not (found / "containerd").is_file():
         raise RuntimeError(f"{found} has no containerd: components/containerd/build.sh did not build it")
     return found
