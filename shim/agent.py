@@ -27,6 +27,7 @@ from shim.config import Config
 from shim.cri.cdi import CdiSpecs
 from shim.cri.fabric import Fabric
 from shim.cri.host.context import HostContext
+from shim.cri.host.sandbox_image import SandboxImage
 from shim.cri.instrument import Instrument
 from shim.cri.mark import ShadowMark, ShadowsSeen
 from shim.cri.origin.context import Origin, OriginSettings
@@ -127,7 +128,8 @@ class Agent:
         pods = PodCache(self.api, mesh.node) if self.api.available and k.pod_spec and "gpu" in mesh.role.split(",") \
             else None
         if self.api.available and k.reservations and "cpu" in mesh.role.split(","):
-            host.reserve_with(self.api, mesh.node, k.namespace, k.reservation_image, grace=k.reservation_grace,
+            pause = SandboxImage(self.upstream.channel, k.reservation_image)
+            host.reserve_with(self.api, mesh.node, k.namespace, pause, grace=k.reservation_grace,
                               metrics=self.metrics, store=self.store)
             host.reservations.on_cordon = lambda on: setattr(mesh.probe, "cordoned", on)  # no new stages then
             self._stop_hook(cfg, host)

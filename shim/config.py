@@ -230,7 +230,9 @@ class KubernetesConfig:
     namespace: str = "weft-system"  # weft's own namespace: where a host's reservation pods live
     # A host with the API gives each shadow a reservation pod, so that Kubernetes counts, arbitrates and shows it.
     reservations: bool = True
-    reservation_image: str = "registry.k8s.io/pause:3.10"  # the node's pause image (kubelet's sandbox image)
+    # The node's pause image (containerd's sandbox image); "" asks the running containerd (weft install writes the
+    # one containerd's configuration names).
+    reservation_image: str = ""
     # How long a shadow may run before kubelet admits its reservation; then it stops.
     reservation_grace: float = 10.0
     # Reservation pods carry a preStop hook to the agent's HTTP endpoint, so that kubelet holds a preempted
@@ -242,8 +244,6 @@ class KubernetesConfig:
     def validate(self) -> None:
         if not self.namespace:
             raise ConfigError("kubernetes.namespace: required (weft's own namespace)")
-        if not self.reservation_image:
-            raise ConfigError("kubernetes.reservation_image: required (the pause image reservation pods run)")
         if self.reservation_grace <= 0:
             raise ConfigError(f"kubernetes.reservation_grace: {self.reservation_grace} must be positive")
 

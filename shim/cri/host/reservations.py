@@ -138,10 +138,12 @@ def _from_record(rec: ReservationRecord) -> Held:
 
 
 class Reservations:
-    def __init__(self, api: ApiAccess, node: str, namespace: str, pause_image: str,
+    def __init__(self, api: ApiAccess, node: str, namespace: str, pause_image: str | Callable[[], str],
                  on_lost: Callable[[str, Verdict], None], live_keys: Callable[[], Iterable[str]],
                  *, grace: float = 10.0, metrics=None, store: ReservationStore | None = None) -> None:
-        self.api, self.node, self.namespace, self.pause_image = api, node, namespace, pause_image
+        self.api, self.node, self.namespace = api, node, namespace
+        # The node's own pause image: given, or asked of containerd when first needed (shim.cri.host.sandbox_image).
+        self._pause_image = pause_image if callable(pause_image) else (lambda: pause_image)
         self.on_lost, self.live_keys, self.grace, self.metrics = on_lost, live_keys, grace, metrics
         self.store = store
         # Where kubelet reaches this agent's HTTP endpoint, and the token of a reservation's name (the host's
@@ -243,7 +245,7 @@ class Reservations:
                             grace_s=max(2, round(self.grace)))
         if not self.node_uid:
             self.read_node()
-        manifest = pod_manifest(stage, namespace=self.namespace, pause_image=self.pause_image, stop_hook=hook,
+        manifest = pod_manifest(stage, namespace=self.namespace, pause_image=self._pause_image(), stop_hook=hook,
                                 node_uid=self.node_uid)
         with self._lock:
             if stage.key not in self._held:

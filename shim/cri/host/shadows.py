@@ -66,7 +66,8 @@ class ShadowHost:
         self._upkeep = Periodic("weft-shadow-upkeep", LOG_CAP_S, self.upkeep, failed="shadow.upkeep_failed")
 
     # -- the agent's ---------------------------------------------------------------
-    def reserve_with(self, api: ApiAccess, node: str, namespace: str, pause_image: str, *, grace: float,
+    def reserve_with(self, api: ApiAccess, node: str, namespace: str, pause_image: str | Callable[[], str], *,
+                     grace: float,
                      metrics: Any = None, store: ReservationStore | None = None) -> None:
         """Give every shadow a reservation pod on this host (``reservations``), through the Kubernetes API; their
         records kept in ``store`` (the agent's state store) across restarts."""
