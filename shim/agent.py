@@ -16,7 +16,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import grpc
 from cri_api.v1 import api_pb2
@@ -41,6 +41,7 @@ from shim.httpd import HttpEndpoint
 from shim.kube import access
 from shim.kube.pods import PodCache
 from shim.metrics import Metrics
+from shim.periodic import Periodic
 from shim.state.agent import AgentStore
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from shim.mesh.tunnel import TunnelServer
 
 _log = log.get("weft.agent")
+HOST_CHECK_INTERVAL = 30.0  # seconds between looks at the host (containerd's configuration)
 _VERSION = "/runtime.v1.RuntimeService/Version"
 
 
@@ -79,7 +81,9 @@ class Meshed:
 
 
 class Agent:
-    def __init__(self, cfg: Config) -> None:
+    def __init__(self, cfg: Config, host_check: Callable[[], dict[str, Any] | None] | None = None) -> None:
+        """``host_check``: what to look at on the host every so often (on a node weft was installed onto, its place
+        in containerd's configuration: ``shim.install.dropin.agent_watch``); its last answer is in the status."""
         self.cfg = cfg
         self.metrics = Metrics()
         self.upstream = Upstream(str(cfg.agent.containerd_socket))
@@ -105,6 +109,13 @@ class Agent:
             self.supervisor = RemoteSupervisor(self.fabric, self.fabric.origin, loss_timeout=m.loss_timeout,
                                                heartbeat=m.heartbeat_interval, volume_interval=m.volume_sync_interval)
         self.http: HttpEndpoint | None = None
+        self._host_check: Periodic | None = None
+        if host_check is not None:
+            def look() -> None:
+                self.fabric.host_config = host_check()
+
+            self._host_check = Periodic("weft-host-check", HOST_CHECK_INTERVAL, look,
+                                        failed="containerd.config.check_failed", first=True)
         self._stop = threading.Event()
 
     def _mesh(self, cfg: Config) -> Callable[[Fabric], Origin]:
@@ -209,6 +220,8 @@ class Agent:
                 self.server.stop(0)
                 raise
             self.http.start()
+        if self._host_check is not None:
+            self._host_check.start()
         _log.info(
             "agent.started", socket=str(self.cfg.agent.socket), containerd=self.upstream.socket,
             http=self.http.address if self.http else None, pid=os.getpid(),
@@ -218,6 +231,8 @@ class Agent:
 
     def stop(self, grace: float = 5.0) -> None:
         _log.info("agent.stopping", grace_s=grace)
+        if self._host_check is not None:
+            self._host_check.stop()
         if self.http is not None:
             self.http.stop()
         self.server.stop(grace)

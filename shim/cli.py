@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from pathlib import Path
 
@@ -54,7 +55,12 @@ def _agent(args: argparse.Namespace) -> int:
         },
     )
     log.configure(cfg.agent.log_level)
-    Agent(cfg).run()
+    from shim.install import dropin
+
+    k = cfg.kubernetes
+    check = dropin.agent_watch(Path(cfg.agent.containerd_socket), cfg.mesh.node_name or socket.gethostname(),
+                               k.namespace, Path(k.kubeconfig) if k.kubeconfig else None)
+    Agent(cfg, host_check=check).run()
     return 0
 
 

@@ -95,6 +95,10 @@ def table(doc: dict[str, Any]) -> str:
         lines += [f"  {h['id'][:13]}  {h['name']:<16} {h['state']:<8} for {h['origin']}"
                   + (f"  reservation {r['name']} {r['state']}" if (r := reservations.get(h["id"])) and r["name"]
                      else "") for h in hosted]
+    cc = doc.get("containerd_config")
+    if cc:
+        lines.append(f"CONTAINERD CONFIG  {cc['state']}" + (f"  ({cc['detail']})" if cc.get("detail") else "")
+                     + (f"  made for containerd {cc['containerd']}" if cc.get("containerd") else ""))
     if "recent_errors" in doc:
         lines.append(f"RECENT ERRORS ({len(doc['recent_errors'])})")
         lines += [f"  {e.get('timestamp', '')[:19]}  {e.get('level', ''):<7} {e.get('event', '')}  "

@@ -138,7 +138,8 @@ def test_opted_in_pod_is_classified_leased_and_explained(node: Node) -> None:
     assert env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] == "0=20480M"
     assert env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] == "50"
     assert "CUDA_MPS_PIPE_DIRECTORY" in env
-    assert "NVIDIA_VISIBLE_DEVICES" not in _env_in(rt, tok)
+    # A container that holds no lease asks the runtime for no GPU, whatever its image's environment says.
+    assert _env_in(rt, tok)["NVIDIA_VISIBLE_DEVICES"] == "void"
 
     doc = node.status()
     assert [s["id"] for s in doc["sandboxes"]] == [sb] and doc["sandboxes"][0]["opted_in"] is True

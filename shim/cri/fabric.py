@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from shim import log
 from shim._pb import broker_pb2 as pb
@@ -56,6 +56,8 @@ class Fabric:
         self.shadows = shadows if shadows is not None else ShadowsSeen()
         # A shadow's reservation pod (name, state) by its key, on a host (weft status).
         self.reservation_of = reservation_of
+        # The agent's last look at weft's place in containerd's configuration (None: not installed by weft install).
+        self.host_config: dict[str, Any] | None = None
         # CreateContainer calls between their lease and their answer: recovery must not
         # take their pending rows (or their leases) for leftovers of a crash.
         self._inflight: set[str] = set()

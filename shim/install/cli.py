@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -142,6 +143,28 @@ def _uninstall(args: argparse.Namespace) -> int:
     return 0
 
 
+def _containerd_dropin(args: argparse.Namespace) -> int:
+    """Make weft's containerd drop-in again from the files it copies (containerd's ExecStartPre)."""
+    from shim.install import dropin
+    from shim.install.host import Host
+
+    host = Host(args.root.resolve())
+    say = lambda line: print(f"weft containerd-dropin: {line}", flush=True)  # noqa: E731
+    if not dropin.installed(host):
+        say("weft is not installed here (no install journal in the installed state); nothing to do")
+        return 0
+    status = dropin.regenerate(host, dropin.containerd_of(host, args.containerd_socket), write=not args.check)
+    if status.wrote:
+        say(("would write " if args.check else "wrote ") + ", ".join(status.wrote)
+            + f" (made for containerd {status.containerd} from the files as they are)")
+    else:
+        say("the drop-in is current")
+    if status.problem:
+        print(f"weft containerd-dropin: {status.state.value}: {status.detail}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
 def _common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--root", type=Path, default=Path("/"), help="the host's root directory (e.g. /host in the "
                    "DaemonSet; a directory tree laid out like a node in tests)")
@@ -194,3 +217,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "the node's mesh key and certificate and the agent's API credentials (/etc/weft), and the "
                    "agent's state (/var/lib/weft); the cluster's back-out runs it")
     u.set_defaults(fn=_uninstall)
+    d = sub.add_parser("containerd-dropin", help="make weft's containerd drop-in again from the files it copies "
+                       "(run before every start of containerd: an ExecStartPre weft install adds to its unit), so "
+                       "that another tool's later change of containerd's configuration is never frozen by it")
+    d.add_argument("--root", type=Path, default=Path("/"), help="the host's root directory")
+    d.add_argument("--containerd-socket", type=Path, help="containerd's socket as this process sees it "
+                   "(default <root>/<grpc.address of its config>; its binary's --version where nothing answers)")
+    d.add_argument("--check", action="store_true", help="say what would change, write nothing")
+    d.set_defaults(fn=_containerd_dropin)

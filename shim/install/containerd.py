@@ -178,7 +178,8 @@ def _version(path: str, doc: dict[str, Any]) -> int:
                         "run `containerd config migrate` first)")
 
 
-def _imports(files: HostFiles, path: str, doc: dict[str, Any]) -> list[str]:
+def imported_files(files: HostFiles, path: str, doc: dict[str, Any]) -> list[str]:
+    """The files ``path``'s ``imports`` name, patterns expanded, in containerd's order; weft's drop-in left out."""
     entries = doc.get("imports", [])
     if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
         raise _refuse(path, "`imports` is not a list of paths")
@@ -217,7 +218,7 @@ def socket(files: HostFiles) -> str:
 def _documents(files: HostFiles, doc: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
     """The main file and its imports, in the order containerd loads them."""
     docs = [(CONFIG, doc)]
-    for imp in _imports(files, CONFIG, doc):
+    for imp in imported_files(files, CONFIG, doc):
         _, idoc = _load(files, imp)
         if idoc.get("imports"):
             raise _refuse(imp, "an imported file with its own `imports` is not supported")
@@ -360,9 +361,10 @@ def _top_level_span(text: str) -> int:
     return m.start() if m else len(text)
 
 
-def _array_end(text: str, start: int) -> int:
-    """Offset just past the ``]`` closing the array that opens at ``text[start] == '['``."""
-    depth, i, quote = 0, start, ""
+def _array(text: str, start: int) -> tuple[int, list[tuple[int, int]]]:
+    """The array that opens at ``text[start] == '['`` (flat, of strings): the offset just past its ``]`` and the
+    span of each string in it; (-1, []) where it does not close."""
+    depth, i, quote, spans, began = 0, start, "", [], 0
     while i < len(text):
         c = text[i]
         if quote:
@@ -370,8 +372,9 @@ def _array_end(text: str, start: int) -> int:
                 i += 1
             elif c == quote:
                 quote = ""
+                spans.append((began, i + 1))
         elif c in "\"'":
-            quote = c
+            quote, began = c, i
         elif c == "#":
             i = text.find("\n", i)
             if i < 0:
@@ -381,35 +384,162 @@ def _array_end(text: str, start: int) -> int:
         elif c == "]":
             depth -= 1
             if depth == 0:
-                return i + 1
+                return i + 1, spans
         i += 1
-    return -1
+    return -1, []
 
 
-def with_import(text: str, doc: dict[str, Any], entry: str, path: str = CONFIG) -> str:
-    """``text`` with ``entry`` appended to its ``imports``: the smallest edit, checked by reading it back."""
-    imports = [e for e in doc.get("imports", []) if e != DROPIN]
-    if DROPIN in doc.get("imports", []) and doc["imports"][-1] == DROPIN:
-        return text
-    wanted = [*imports, entry]
-    head = _top_level_span(text)
-    m = re.compile(r"^imports[ \t]*=[ \t]*", re.MULTILINE).search(text, 0, head)
-    line = f"imports = {json.dumps(wanted)}"
-    if m:
-        end = _array_end(text, m.end()) if text[m.end():m.end() + 1] == "[" else -1
-        new = text if end < 0 else text[:m.start()] + line + text[end:]
-    else:
-        v = re.compile(r"^version[ \t]*=[ \t]*\d+[ \t]*(#.*)?(\n|$)", re.MULTILINE).search(text, 0, head)
-        at = v.end() if v else 0
-        sep = "" if at == 0 or text[at - 1] == "\n" else "\n"
-        new = text[:at] + sep + line + "  # added by weft install\n" + text[at:]
+def _imports_line(text: str) -> re.Match[str] | None:
+    return re.compile(r"^imports[ \t]*=[ \t]*", re.MULTILINE).search(text, 0, _top_level_span(text))
+
+
+def _literal(text: str, span: tuple[int, int]) -> str:
+    return tomllib.loads(f"x = {text[span[0]:span[1]]}")["x"]
+
+
+def _checked(new: str, want: dict[str, Any], path: str, what: str) -> str:
     try:
-        ok = tomllib.loads(new) == {**doc, "imports": wanted}
+        ok = tomllib.loads(new) == want
     except tomllib.TOMLDecodeError:
         ok = False
     if not ok:
-        raise _refuse(path, "cannot add weft's drop-in to `imports` without rewriting the file "
-                            "(write `imports` as a plain list before the first table)")
+        raise _refuse(path, f"cannot {what} without rewriting the file (write `imports` as a plain list before the "
+                            "first table)")
+    return new
+
+
+def with_import(text: str, doc: dict[str, Any], entry: str, path: str = CONFIG) -> str:
+    """``text`` with ``entry`` last in its ``imports``: the smallest edit (the entry added after the list's last, or
+    a line of its own where the file has no ``imports``), checked by reading it back. An entry already there but
+    not last is moved last: behind it, on containerd 1.x, another file's CRI section would replace weft's."""
+    imports = doc.get("imports", [])
+    if imports and imports[-1] == entry:
+        return text
+    if entry in imports:
+        text = without_import(text, entry, path)
+        doc = tomllib.loads(text)
+    wanted = [*[e for e in doc.get("imports", []) if e != entry], entry]
+    m = _imports_line(text)
+    if m:
+        end, spans = _array(text, m.end()) if text[m.end():m.end() + 1] == "[" else (-1, [])
+        if end < 0:
+            return _checked(text, {**doc, "imports": wanted}, path, "add weft's drop-in to `imports`")
+        at = spans[-1][1] if spans else m.end() + 1
+        new = text[:at] + (", " if spans else "") + json.dumps(entry) + text[at:]
+    else:
+        head = _top_level_span(text)
+        v = re.compile(r"^version[ \t]*=[ \t]*\d+[ \t]*(#.*)?(\n|$)", re.MULTILINE).search(text, 0, head)
+        at = v.end() if v else 0
+        sep = "" if at == 0 or text[at - 1] == "\n" else "\n"
+        new = text[:at] + sep + f"imports = {json.dumps(wanted)}" + _ADDED + "\n" + text[at:]
+    return _checked(new, {**doc, "imports": wanted}, path, "add weft's drop-in to `imports`")
+
+
+_ADDED = "  # added by weft install"
+
+
+def without_import(text: str, entry: str = DROPIN, path: str = CONFIG) -> str:
+    """``text`` with ``entry`` taken out of its ``imports`` and nothing else changed: the exact inverse of
+    :func:`with_import` (the line it added goes whole; an entry it added to a list goes with its separator), so
+    that a file someone else has changed since keeps their change. Refused, with the file named, where that
+    cannot be done by editing the one list."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise _refuse(path, f"not valid TOML ({exc})") from exc
+    imports = doc.get("imports", [])
+    if not isinstance(imports, list) or entry not in imports:
+        return text
+    rest = [e for e in imports if e != entry]
+    want = {**doc, "imports": rest}
+    m = _imports_line(text)
+    end, spans = _array(text, m.end()) if m and text[m.end():m.end() + 1] == "[" else (-1, [])
+    ours = [s for s in spans if _literal(text, s) == entry]
+    if m is None or end < 0 or not ours:
+        raise _refuse(path, f"cannot take {entry} out of `imports` without rewriting the file")
+    line_end = text.find("\n", end)
+    line_end = len(text) if line_end < 0 else line_end + 1
+    if not rest and text[end:line_end].rstrip("\n") == _ADDED:
+        new = text[:m.start()] + text[line_end:]
+        want = {k: v for k, v in doc.items() if k != "imports"}
+        return _checked(new, want, path, f"take {entry} out of `imports`")
+    new = text
+    for a, b in reversed(ours):
+        before = re.search(r",[ \t]*$", new[:a])
+        if before:  # `"x", "ours"`: the separator before it goes with it
+            a = before.start()
+        else:
+            after = re.match(r"[ \t]*,[ \t]*", new[b:])
+            b += after.end() if after else 0
+        new = new[:a] + new[b:]
+    return _checked(new, want, path, f"take {entry} out of `imports`")
+
+
+_HEADER = re.compile(r"^[ \t]*\[(?!\[)([^\]\n]+)\][ \t]*(#[^\n]*)?$")
+
+
+def _header_path(inner: str) -> tuple[str, ...] | None:
+    """The key path of a table header's ``inner`` text (``plugins."io.containerd.grpc.v1.cri".containerd``)."""
+    try:
+        node: Any = tomllib.loads(f"[{inner}]\n")
+    except tomllib.TOMLDecodeError:
+        return None
+    path: list[str] = []
+    while isinstance(node, dict) and len(node) == 1:
+        key = next(iter(node))
+        path.append(key)
+        node = node[key]
+    return tuple(path)
+
+
+def weft_runtime_copies(doc: dict[str, Any]) -> list[tuple[str, ...]]:
+    """Where a file holds a copy of weft's runtime handler (a ``runtimes.weft`` table naming weft's base spec): put
+    there by another tool that copied containerd's whole configuration (NVIDIA's toolkit from ``containerd config
+    dump``, or its v1.20 drop-in with the whole CRI section)."""
+    found = []
+    plugins = doc.get("plugins", {})
+    for plugin in (CRI, CRI_RUNTIME, "cri"):
+        section = plugins.get(plugin) if isinstance(plugins, dict) else None
+        ctr = section.get("containerd") if isinstance(section, dict) else None
+        runtimes = ctr.get("runtimes") if isinstance(ctr, dict) else None
+        rt = runtimes.get(HANDLER) if isinstance(runtimes, dict) else None
+        if isinstance(rt, dict) and rt.get("base_runtime_spec") == BASE_SPEC:
+            found.append(("plugins", plugin, "containerd", "runtimes", HANDLER))
+    return found
+
+
+def without_weft_runtime(text: str, path: str) -> str:
+    """``text`` without the copies of weft's runtime handler another tool took into it (each its table and
+    sub-tables, line by line), nothing else changed: after weft is gone, containerd would refuse to start its CRI
+    plugin on a handler whose base spec file is no longer there. Refused, naming the file, where a copy is not
+    written as tables of its own."""
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise _refuse(path, f"not valid TOML ({exc})") from exc
+    targets = weft_runtime_copies(doc)
+    if not targets:
+        return text
+    out, dropping = [], False
+    for line in text.splitlines(keepends=True):
+        m = _HEADER.match(line.rstrip("\n"))
+        if m:
+            key = _header_path(m.group(1))
+            dropping = key is not None and any(key[:len(t)] == t for t in targets)
+        if not dropping:
+            out.append(line)
+    new = "".join(out)
+    want = copy.deepcopy(doc)
+    for t in targets:
+        del want["plugins"][t[1]]["containerd"]["runtimes"][HANDLER]
+    try:
+        ok = tomllib.loads(new) == want
+    except tomllib.TOMLDecodeError:
+        ok = False
+    if not ok:
+        raise _refuse(path, f"holds a copy of weft's '{HANDLER}' runtime handler that cannot be taken out by removing "
+                            "its tables (remove it by hand: containerd will not start its CRI plugin on it once "
+                            f"{BASE_SPEC} is gone)")
     return new
 
 

@@ -13,7 +13,13 @@ re-run after ``kill -9`` knows the originals and which steps had begun::
        +--- last step --- uninstalling <---------------+
 
 Backups hold the original bytes, mode and owner of every host file weft
-changes; uninstall writes them back byte for byte.
+changes, and the journal what weft last wrote into each. Where a file is as
+weft wrote it, uninstall writes the backup back byte for byte; where someone
+else has changed it since (NVIDIA's toolkit adding its runtime to containerd's
+``config.toml``, an admin), the file as it is now with weft's own edit taken
+out (:func:`shim.install.plan.unapply`) is the original from then on: a
+re-install plans from it and uninstall leaves it, so weft never erases another
+tool's later change.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ from pathlib import Path
 
 from shim.cri.host.volumes import unmount_under
 from shim.errors import InstallError
-from shim.install.plan import INSTALL_DIR
+from shim.install.plan import INSTALL_DIR, unapply
 
 SCHEMA = 1
 JOURNAL = f"{INSTALL_DIR}/journal.json"
@@ -144,6 +150,7 @@ class Journal:
     added: list[str] = field(default_factory=list)
     created_dirs: list[str] = field(default_factory=list)  # directories that did not exist before, outermost first
     containerd_socket: str = ""
+    written: dict[str, str] = field(default_factory=dict)  # sha256 of what weft last wrote into each file it changed
     schema: int = SCHEMA
 
     @classmethod
@@ -188,17 +195,46 @@ class Journal:
             raise InstallError(f"{o.backup}: the backup of {host_path} is missing or damaged; nothing more was changed")
         return data
 
+    def rebackup(self, host: Host, host_path: str, data: bytes) -> None:
+        """``data`` is ``host_path``'s original from now on (someone else changed the file since weft's install)."""
+        o = self.originals[host_path]
+        host.write(o.backup, data, 0o600)
+        self.originals[host_path] = Original(sha256(data), o.mode, o.uid, o.gid, o.backup)
+
+    def without_weft(self, host: Host, host_path: str) -> tuple[bytes, bool]:
+        """(the file as it would be without weft, whether someone else changed it since weft wrote it).
+
+        Unchanged: the backup, byte for byte. Changed: the file as it is with weft's edit taken out. A journal
+        older than ``written`` tells by taking weft's edit out and comparing with the backup.
+        """
+        original = self.original(host, host_path)
+        current = host.read(host_path)
+        if current is None:
+            return original, False
+        if host_path in self.written:
+            if sha256(current) == self.written[host_path]:
+                return original, False
+            return unapply(host_path, current, original), True
+        bare = unapply(host_path, current, original)
+        return (original, False) if bare == original or current == original else (bare, True)
+
 
 class OriginalFiles:
-    """The host as it was before weft: backed-up originals over the current files (what plans are made from)."""
+    """The host as it would be without weft (what plans are made from): each file weft changed as backed up, or,
+    where someone else changed it since, as it is now with weft's edit taken out; every other file as it is."""
 
     def __init__(self, host: Host, journal: Journal | None) -> None:
         self.host, self.journal = host, journal
 
     def read(self, path: str) -> bytes | None:
         if self.journal is not None and path in self.journal.originals:
-            return self.journal.original(self.host, path)
+            return self.journal.without_weft(self.host, path)[0]
         return self.host.read(path)
+
+    def changed(self, path: str) -> bool:
+        """Whether someone else changed ``path`` since weft wrote it (then :meth:`read` is it without weft's edit)."""
+        return self.journal is not None and path in self.journal.originals and \
+            self.journal.without_weft(self.host, path)[1]
 
     def glob(self, pattern: str) -> list[str]:
         return self.host.glob(pattern)

@@ -130,6 +130,51 @@ def _edit_yaml(path: str, text: str, doc: dict[str, Any], changes: dict[str, str
     return new
 
 
+def unswitch(path: str, current: bytes, original: bytes, agent_socket: str) -> bytes:
+    """``current`` with kubelet's endpoints that point at the agent put back as ``original`` had them (a key or a
+    flag weft added goes), and nothing else changed: a file someone else edited since weft's install keeps their
+    edits. Refused, with the file named, where that cannot be done by editing lines in place."""
+    try:
+        text, was = current.decode(), original.decode()
+    except UnicodeDecodeError as exc:
+        raise _refuse(path, "not UTF-8 text") from exc
+    ours = socket_path(agent_socket)
+    if path == CONFIG_YAML:
+        doc, before = _yaml(path, text), _yaml(path, was)
+        new, want = text, dict(doc)
+        for key in KEYS:
+            if key not in doc or socket_path(str(doc[key])) != ours:
+                continue
+            if key in before:
+                new = _edit_yaml(path, new, _yaml(path, new), {key: str(before[key])})
+                want[key] = before[key]
+            else:
+                new = re.sub(rf"^{key}:[^\n]*\n?", "", new, flags=re.MULTILINE)
+                del want[key]
+        try:
+            ok = yaml.safe_load(new) == want
+        except yaml.YAMLError:
+            ok = False
+        if not ok:
+            raise _refuse(path, "cannot put kubelet's endpoints back by editing one line each")
+        return new.encode()
+    env, before_env = _parse_env(path, text), _parse_env(path, was)
+    new = text
+    for flag in KEYS.values():
+        used = [v for _, words in env.values() for v in _flag_values(words, flag)]
+        if not any(socket_path(v) == ours for v in used):
+            continue
+        old = [v for _, words in before_env.values() for v in _flag_values(words, flag)]
+        if old:
+            new = _edit_flags(path, new, flag, old[0], add=False)
+        else:
+            new = re.sub(rf"[ \t]*{re.escape(flag)}(?:=|[ \t]+)(\"[^\"]*\"|'[^']*'|[^\s\"']+)", "", new)
+    for _, words in _parse_env(path, new).values():
+        if any(socket_path(v) == ours for flag in KEYS.values() for v in _flag_values(words, flag)):
+            raise _refuse(path, "cannot put kubelet's endpoint flags back by editing them in place")
+    return new.encode()
+
+
 def plan(files: HostFiles, containerd_socket: str, agent_socket: str) -> KubeletPlan:
     """Switch every endpoint kubelet reads to ``unix://agent_socket``; refuse endpoints that are not containerd's."""
     agent = f"unix://{agent_socket}"

@@ -27,6 +27,8 @@ BROKER_STATE_DIR = "/var/lib/weft/broker"
 INSTALL_DIR = "/var/lib/weft/install"
 UNIT_DIR = "/etc/systemd/system"
 AGENT_UNIT = "weft-agent.service"
+# containerd's unit gains one line: weft's drop-in made again from the files it copies before each start.
+CONTAINERD_UNIT_DROPIN = f"{UNIT_DIR}/containerd.service.d/10-weft.conf"
 BROKER_UNIT = "weft-broker.service"
 BROKERS = ("nvml", "simulated", "none")
 # Node labels that choose a node's broker where --broker is auto: a label value holds no comma, so parts of a
@@ -219,6 +221,17 @@ WantedBy=multi-user.target kubelet.service
 """
 
 
+def containerd_unit_dropin() -> str:
+    return f"""# Written by `weft install`; `weft uninstall` removes it.
+# Before each start of containerd, weft's containerd drop-in is made again from the files it copies (containerd
+# 1.x: the host's whole CRI section; 2.x: the default runtime), so that another tool's later change of
+# containerd's configuration (NVIDIA's toolkit adding or changing its runtime, then restarting containerd) is
+# never hidden behind an older copy. A failure leaves the drop-in as it was ('-'): containerd starts all the same.
+[Service]
+ExecStartPre=-{BIN} containerd-dropin
+"""
+
+
 def broker_unit(backend: str, simulated_devices: str) -> str:
     sim = f" --simulated-devices {simulated_devices}" if backend == "simulated" else ""
     return f"""# Written by `weft install`; `weft uninstall` removes it.
@@ -238,6 +251,21 @@ WantedBy=multi-user.target
 """
 
 
+def unapply(path: str, current: bytes, original: bytes) -> bytes:
+    """``current`` (a host file weft changed, and someone else since) with weft's own edit taken out: its entry in
+    containerd's ``imports``, kubelet's endpoints switched to the agent. Refused naming the file where that cannot
+    be done by editing in place."""
+    if path == containerd.CONFIG:
+        try:
+            text = current.decode()
+        except UnicodeDecodeError as exc:
+            raise InstallError(f"{path}: not UTF-8 text; nothing was changed") from exc
+        return containerd.without_weft_runtime(containerd.without_import(text), path).encode()
+    if path in (kubelet.CONFIG_YAML, *kubelet.FLAG_FILES):
+        return kubelet.unswitch(path, current, original, AGENT_SOCKET)
+    return original  # weft changes no other host file: what it wrote is taken back whole
+
+
 def make(files: HostFiles, opts: Options, ctrd: containerd.Containerd) -> Plan:
     """Raises :class:`~shim.errors.UnrecognisedHost` for a host it does not understand, before anything is done.
 
@@ -251,6 +279,7 @@ def make(files: HostFiles, opts: Options, ctrd: containerd.Containerd) -> Plan:
                                                cdi_spec_dirs=ctr.cdi_spec_dirs).encode(),
         containerd.BASE_SPEC: ctr.base_spec,
         containerd.DROPIN: ctr.dropin,
+        CONTAINERD_UNIT_DROPIN: containerd_unit_dropin().encode(),
     }
     if broker:
         added[f"{UNIT_DIR}/{BROKER_UNIT}"] = broker_unit(opts.broker, opts.simulated_devices).encode()

@@ -33,7 +33,7 @@ from pathlib import Path
 from shim import failpoint
 from shim.errors import InstallError, UnrecognisedHost
 from shim.install import bundle, containerd, kubelet, services
-from shim.install.host import JOURNAL, Host, Journal, JournalState, OriginalFiles
+from shim.install.host import JOURNAL, Host, Journal, JournalState, OriginalFiles, sha256
 from shim.install.plan import AGENT_SOCKET, AGENT_UNIT, BROKER_UNIT, INSTALL_DIR, OPT, STATE_DIR, Options, Plan, make
 
 INSTALL_STEPS = ("bundle", "units", "containerd-config", "containerd-restart", "weft-start", "agent-verify",
@@ -76,6 +76,7 @@ class _Installer:
         self.s = s
         self.host = Host(s.root)
         self.say = s.say
+        self._kept: set[str] = set()  # what uninstall leaves because containerd's configuration still names it
 
     @property
     def agent_socket(self) -> Path:
@@ -93,9 +94,11 @@ class _Installer:
             if foreign:
                 raise UnrecognisedHost(f"{foreign[0]}: exists, but no weft install journal does ({JOURNAL}): "
                                        "remove what was installed by hand first; nothing was changed")
-        elif j.state is JournalState.INSTALLED and self._converged(plan, stamp):
-            self.say("weft is already installed; nothing changed")
-            return
+        else:
+            self._keep_others_changes(j, originals, plan)
+            if j.state is JournalState.INSTALLED and self._converged(plan, stamp):
+                self.say("weft is already installed; nothing changed")
+                return
         if j is None:
             self._clear_leftovers()
             j = Journal(created_dirs=_created_dirs(self.host, [*plan.added, f"{OPT}/bin", JOURNAL]))
@@ -132,6 +135,21 @@ class _Installer:
         j.save(self.host)
         self.say(f"installed: kubelet -> weft agent (unix://{AGENT_SOCKET}) -> containerd ({plan.containerd_socket})")
 
+    def _keep_others_changes(self, j: Journal, originals: OriginalFiles, plan: Plan) -> None:
+        """A file someone else changed since weft wrote it: that file without weft's edit is its original from now
+        on (what uninstall gives back), and weft's edit is made again on it."""
+        for path in plan.modified:
+            if path in j.originals and originals.changed(path):
+                j.rebackup(self.host, path, originals.read(path) or b"")
+                current = self.host.read(path)
+                if current == plan.modified[path]:  # weft's edit is still in it: nothing to write
+                    j.written[path] = sha256(current)
+                else:
+                    j.written.pop(path, None)
+                j.save(self.host)
+                self.say(f"{path} was changed since weft's install; those changes are kept" + (
+                    "" if current == plan.modified[path] else ", and weft's own edit is made again"))
+
     def _containerd(self, files: OriginalFiles) -> containerd.Containerd:
         """The node's containerd, asked before anything changes (an untested one is refused by the plan)."""
         sock = self.s.containerd_socket or self.host.path(containerd.socket(files))
@@ -154,8 +172,14 @@ class _Installer:
             o = j.originals.get(path)
             mode = o.mode if o else modes.get(path, 0o644)
             if self.host.read(path) != content or (path in modes and self.host.mode(path) != mode):
+                if o is not None:  # what weft writes into a host file, known before it is there
+                    j.written[path] = sha256(content)
+                    j.save(self.host)
                 self.host.write(path, content, mode, (o.uid, o.gid) if o else None)
                 self.say(f"wrote {path}" + (f" (mode {mode:04o})" if path in modes else ""))
+            elif o is not None and j.written.get(path) != sha256(content):
+                j.written[path] = sha256(content)
+                j.save(self.host)
 
     def _install_step(self, step: str, plan: Plan, j: Journal, files: list, stamp: str) -> None:
         sv = self.s.services
@@ -255,14 +279,24 @@ class _Installer:
                      "and runc warns that their stop hook is missing. Delete them, or install weft again.")
 
     def _restore(self, j: Journal, paths: list[str]) -> bool:
+        """Each file as it was before weft, or, where someone else changed it since weft wrote it, as it is with
+        weft's own edit taken out (their changes kept, and said)."""
         changed = False
         for path in paths:
             if path in j.originals:
-                data, o = j.original(self.host, path), j.originals[path]
-                if self.host.read(path) != data:
-                    self.host.write(path, data, o.mode, (o.uid, o.gid))
-                    self.say(f"restored {path}")
+                (data, kept), o = j.without_weft(self.host, path), j.originals[path]
+                current = self.host.read(path)
+                if current != data:
+                    mode = (self.host.mode(path) or o.mode) if kept else o.mode
+                    self.host.write(path, data, mode, (o.uid, o.gid))
+                    self.say(f"took weft's edit out of {path}, keeping the changes made to it since weft's install"
+                             if kept else f"restored {path}")
                     changed = True
+                if kept:
+                    j.rebackup(self.host, path, data)
+                if path in j.written:
+                    del j.written[path]
+                    j.save(self.host)
         return changed
 
     def _uninstall(self, j: Journal) -> list[str]:
@@ -304,8 +338,9 @@ class _Installer:
                     attempt("daemon-reload")
             elif step == "containerd-config":
                 self._restore(j, [p for p in j.originals if p.startswith("/etc/containerd/")])
+                keep = self._kept = self._scrub_copies(problems)
                 for p in ours:
-                    if p.startswith("/etc/containerd/") and self.host.remove(p):
+                    if p.startswith("/etc/containerd/") and p not in keep and self.host.remove(p):
                         self.say(f"removed {p}")
             elif step == "containerd-restart" and "containerd-config" in j.started:
                 attempt("restart", "containerd.service")
@@ -317,6 +352,35 @@ class _Installer:
                 self._remove_dirs(j)
             failpoint.hit(f"uninstall.{step}")
         return problems
+
+    def _scrub_copies(self, problems: list[str]) -> set[str]:
+        """Copies of weft's runtime handler another tool took into containerd's files (the toolkit's drop-in with
+        the whole CRI section, a config.toml written from ``containerd config dump``): taken out, or containerd
+        would not start its CRI plugin once weft's base spec is gone. Where one cannot be, the base spec stays
+        (returned), and that is said."""
+        import tomllib
+
+        raw = self.host.read(containerd.CONFIG)
+        try:
+            doc = tomllib.loads((raw or b"").decode())
+            paths = [containerd.CONFIG, *containerd.imported_files(self.host, containerd.CONFIG, doc)]
+        except (UnicodeDecodeError, tomllib.TOMLDecodeError, InstallError):
+            paths = [containerd.CONFIG]
+        for path in paths:
+            data = self.host.read(path)
+            if data is None:
+                continue
+            try:
+                new = containerd.without_weft_runtime(data.decode(), path).encode()
+            except (UnicodeDecodeError, InstallError) as exc:
+                why = exc.message if isinstance(exc, InstallError) else f"{path}: not UTF-8 text"
+                problems.append(why)
+                self.say(f"warning: {why}; {containerd.BASE_SPEC} is kept")
+                return {containerd.BASE_SPEC}
+            if new != data:
+                self.host.write(path, new, self.host.mode(path) or 0o644)
+                self.say(f"took the copy of weft's runtime handler out of {path} (another tool had copied it there)")
+        return set()
 
     def _remove_dirs(self, j: Journal) -> None:
         """The directories weft created, deepest first; the journal's own last, so a crash here is repaired too."""
@@ -336,6 +400,8 @@ class _Installer:
 
     def _remove_dir(self, d: str) -> None:
         p = self.host.path(d)
+        if any(k.startswith(d + "/") for k in self._kept):  # a file containerd still needs (_scrub_copies)
+            return
         if "weft" in os.path.basename(d):
             self.host.remove(d)
         elif p.is_dir() and not any(p.iterdir()):

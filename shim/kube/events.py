@@ -40,11 +40,14 @@ class PodRef:
         return cls(name, namespace, env.get("WEFT_POD_UID", "")) if name and namespace else None
 
 
-def report(pod: PodRef, reason: str, message: str, *, warning: bool = True) -> str | None:
-    """Create an Event on ``pod``; None when it was created, else why not."""
-    kubeconfig = os.environ.get("KUBECONFIG")
+def report(pod: PodRef, reason: str, message: str, *, warning: bool = True, kubeconfig: Path | None = None,
+           component: str = COMPONENT, field_path: str | None = "spec.initContainers{install}") -> str | None:
+    """Create an Event on ``pod``; None when it was created, else why not. ``kubeconfig`` (else ``KUBECONFIG``,
+    else in-cluster) is whose credentials; ``component`` and ``field_path`` say which part of weft speaks."""
+    if kubeconfig is None and os.environ.get("KUBECONFIG"):
+        kubeconfig = Path(os.environ["KUBECONFIG"])
     try:
-        api = access.resolve(Path(kubeconfig) if kubeconfig else None)
+        api = access.resolve(kubeconfig)
         client = api.client()
     except ConfigError as exc:
         return exc.message
@@ -52,9 +55,9 @@ def report(pod: PodRef, reason: str, message: str, *, warning: bool = True) -> s
     event = Event(
         metadata=ObjectMeta(generateName=f"{pod.name}.", namespace=pod.namespace),
         involvedObject=ObjectReference(kind="Pod", apiVersion="v1", name=pod.name, namespace=pod.namespace,
-                                       uid=pod.uid or None, fieldPath="spec.initContainers{install}"),
+                                       uid=pod.uid or None, fieldPath=field_path),
         reason=reason, message=message[:MESSAGE_LIMIT], type="Warning" if warning else "Normal",
-        source=EventSource(component=COMPONENT, host=os.environ.get("WEFT_NODE_NAME") or socket.gethostname()),
+        source=EventSource(component=component, host=os.environ.get("WEFT_NODE_NAME") or socket.gethostname()),
         firstTimestamp=now, lastTimestamp=now, count=1)
     try:
         client.create(event, namespace=pod.namespace)

@@ -84,6 +84,8 @@ def status(fabric: Fabric) -> Route:
         doc["hosted"] = _hosted_or_error(fabric)
         if isinstance(doc["hosted"], list) and fabric.mesh is not None and "cpu" in fabric.mesh.role.split(","):
             doc["shadows"] = shadows(fabric, doc["hosted"])
+        if fabric.host_config is not None:
+            doc["containerd_config"] = fabric.host_config
         doc["recent_errors"] = log.recent()[-20:]
         return json.dumps(doc).encode()
 

@@ -66,6 +66,62 @@ _GPU_NODE = re.compile(r"^/dev/(nvidia\d+|nvidiactl|nvidia-uvm(-tools)?|nvidia-m
 _VISIBLE = ("NVIDIA_VISIBLE_DEVICES", "CUDA_VISIBLE_DEVICES")
 
 
+# Where NVIDIA's runtime takes a device list from mounts (accept-nvidia-visible-devices-as-volume-mounts), and
+# the container annotations through which containerd and NVIDIA's runtime in CDI mode take CDI devices.
+_DEVICE_MOUNTS = "/var/run/nvidia-container-devices"
+_CDI_ANNOTATION = "cdi.k8s.io/"
+
+
+def _gpu_cdi_annotations(config: cri.ContainerConfig) -> list[str]:
+    """Container annotations that ask containerd or NVIDIA's runtime (CDI mode) for a GPU CDI device."""
+    return [k for k, v in config.annotations.items()
+            if k.startswith(_CDI_ANNOTATION) and any(_GPU_CDI.match(n.strip()) for n in v.split(","))]
+
+
+def rewrite_without_gpus(config: cri.ContainerConfig, claimed: Mapping[str, frozenset[str]] | None = None) -> list[
+        str]:
+    """Make a container of an opted-in pod that holds no lease see no GPU, whatever runtime runs it (pure: edits
+    the message in place); what was taken, for the log.
+
+    The ``weft`` handler copies containerd's default runtime, which on a GPU Operator's node is NVIDIA's: in its
+    legacy mode it gives a container every GPU its ``NVIDIA_VISIBLE_DEVICES`` names, and CUDA base images set
+    ``all`` in their own environment, which the CRI request does not show. A variable of the request wins over
+    the image's, so ``void`` here closes that; GPU device nodes, GPU CDI devices (a claim's too), device-list
+    mounts and CDI annotations go with it.
+    """
+    claimed = claimed or {}
+    taken: list[str] = []
+    gpu_nodes = [d.host_path for d in config.devices if _GPU_NODE.match(d.host_path)]
+    if gpu_nodes:
+        kept = [d for d in config.devices if not _GPU_NODE.match(d.host_path)]
+        del config.devices[:]
+        config.devices.extend(kept)
+        taken += gpu_nodes
+    gpu_cdi = [d.name for d in config.CDI_devices if _GPU_CDI.match(d.name) or d.name in claimed]
+    if gpu_cdi:
+        kept_cdi = [d.name for d in config.CDI_devices if d.name not in gpu_cdi]
+        del config.CDI_devices[:]
+        for name in kept_cdi:
+            config.CDI_devices.add(name=name)
+        taken += gpu_cdi
+    mounts = [m.container_path for m in config.mounts if m.container_path.startswith(_DEVICE_MOUNTS)]
+    if mounts:
+        kept_mounts = [m for m in config.mounts if not m.container_path.startswith(_DEVICE_MOUNTS)]
+        del config.mounts[:]
+        config.mounts.extend(kept_mounts)
+        taken += mounts
+    for key in _gpu_cdi_annotations(config):
+        del config.annotations[key]
+        taken.append(key)
+    asked = [f"{e.key}={e.value}" for e in config.envs if e.key == "NVIDIA_VISIBLE_DEVICES"
+             and e.value not in ("void", "")]
+    kept_env = [(e.key, e.value) for e in config.envs if e.key != "NVIDIA_VISIBLE_DEVICES"]
+    del config.envs[:]
+    for key, value in [*kept_env, ("NVIDIA_VISIBLE_DEVICES", "void")]:
+        config.envs.add(key=key, value=value)
+    return taken + asked
+
+
 def rewrite_for_lease(config: cri.ContainerConfig, lease: pb.Lease,
                       claimed: Mapping[str, frozenset[str]] | None = None) -> None:
     """Make the container see exactly its leased devices (pure: edits the message in place).
@@ -95,6 +151,15 @@ def rewrite_for_lease(config: cri.ContainerConfig, lease: pb.Lease,
     del config.envs[:]
     for key, value in [*kept_env, *sorted(replaced.items())]:
         config.envs.add(key=key, value=value)
+    listed = [m for m in config.mounts if m.container_path.startswith(_DEVICE_MOUNTS)]
+    if listed:  # the device plugin lists devices as mounts: the leased ones, and no other
+        kept_mounts = [m for m in config.mounts if not m.container_path.startswith(_DEVICE_MOUNTS)]
+        del config.mounts[:]
+        config.mounts.extend(kept_mounts)
+        for uuid in lease.device_uuids:
+            config.mounts.add(container_path=f"{_DEVICE_MOUNTS}/{uuid}", host_path="/dev/null", readonly=True)
+    for key in _gpu_cdi_annotations(config):  # the leased GPUs come by CDI_devices and the variables above
+        del config.annotations[key]
     for m in lease.mounts:
         config.mounts.add(container_path=m.container_path, host_path=m.host_path, readonly=m.readonly)
     config.annotations[LEASE_ANNOTATION] = lease.lease_id
@@ -161,6 +226,11 @@ def _create_opted_in(fabric: Fabric, req: cri.CreateContainerRequest, sandbox: S
 def _lease_and_create(fabric: Fabric, a: CreateAttempt, placement: Placement, context) -> bytes:
     req, sandbox, key, classification = a.req, a.sandbox, a.key, a.classification
     config, name, attempt = a.config, a.name, a.attempt
+    if classification.stage is not Stage.GPU:
+        taken = rewrite_without_gpus(config, a.ask.claim_gpus)
+        if taken:
+            _log.info("placement.gpu_access_removed", pod=sandbox.name, namespace=sandbox.namespace, container=name,
+                      stage=classification.stage.value, taken=taken)
     if classification.stage is Stage.CPU and fabric.origin is not None:
         remote, local = place_remote(fabric, fabric.origin, a, timeout_of(context))
         if remote is not None:

@@ -162,6 +162,47 @@ def test_rewritten_config_survives_serialisation() -> None:
     assert cri.ContainerConfig.FromString(c.SerializeToString()) == c
 
 
+# -- no lease, no GPU --------------------------------------------------------------------
+# Under the weft handler a container may run through NVIDIA's runtime (containerd's default on a GPU Operator's
+# node): one that holds no lease must ask it for nothing, whatever its image's environment says.
+def test_a_container_without_a_lease_asks_for_no_gpu_by_any_way_the_runtime_reads() -> None:
+    c = config(devices=["/dev/nvidia0", "/dev/nvidiactl", "/dev/fuse"], cdi=["nvidia.com/gpu=all", "vendor.com/net=a"],
+               envs=[("NVIDIA_VISIBLE_DEVICES", "all"), ("HOME", "/root")],
+               mounts=[("/dev/null", "/var/run/nvidia-container-devices/all"), ("/data", "/data")],
+               annotations={"cdi.k8s.io/nvidia-device-plugin_0": "nvidia.com/gpu=0", "team": "a"})
+    taken = create_container.rewrite_without_gpus(c)
+    assert [d.host_path for d in c.devices] == ["/dev/fuse"]
+    assert [d.name for d in c.CDI_devices] == ["vendor.com/net=a"]
+    assert [m.container_path for m in c.mounts] == ["/data"]
+    assert dict(c.annotations) == {"team": "a"}
+    assert envs_of(c) == [("HOME", "/root"), ("NVIDIA_VISIBLE_DEVICES", "void")]
+    assert set(taken) == {"/dev/nvidia0", "/dev/nvidiactl", "nvidia.com/gpu=all",
+                          "/var/run/nvidia-container-devices/all", "cdi.k8s.io/nvidia-device-plugin_0",
+                          "NVIDIA_VISIBLE_DEVICES=all"}
+
+
+def test_a_plain_container_without_a_lease_gets_only_the_void_over_its_image_s_variable() -> None:
+    """A CUDA base image sets NVIDIA_VISIBLE_DEVICES=all in its own environment, which the request does not show."""
+    c = config(envs=[("PORT", "9000")])
+    assert create_container.rewrite_without_gpus(c) == []
+    assert envs_of(c) == [("PORT", "9000"), ("NVIDIA_VISIBLE_DEVICES", "void")]
+
+
+def test_a_claims_cdi_devices_go_from_a_container_that_holds_no_lease() -> None:
+    c = config(cdi=["gpu.weft.test/claim=abc-gpu-0"])
+    create_container.rewrite_without_gpus(c, {"gpu.weft.test/claim=abc-gpu-0": frozenset({U0})})
+    assert list(c.CDI_devices) == []
+
+
+def test_a_leased_container_s_device_list_mounts_name_its_lease_alone_and_cdi_annotations_go() -> None:
+    c = config(mounts=[("/dev/null", f"/var/run/nvidia-container-devices/{U0}"), ("/data", "/data")],
+               annotations={"cdi.k8s.io/nvidia-device-plugin_0": f"nvidia.com/gpu={U0}"})
+    rewrite_for_lease(c, lease(uuids=[U1]))
+    assert [(m.host_path, m.container_path) for m in c.mounts] == [
+        ("/data", "/data"), ("/dev/null", f"/var/run/nvidia-container-devices/{U1}")]
+    assert "cdi.k8s.io/nvidia-device-plugin_0" not in c.annotations
+
+
 # == the verb ========================================================================================
 # What kubelet sees of CreateContainer: a pod that did not opt in is containerd's alone; a container of an
 # opted-in pod is classified, placed, leased and recorded before kubelet gets its ID, and a failure on the
@@ -238,6 +279,15 @@ def test_a_cpu_container_of_an_opted_in_pod_is_placed_here_and_recorded_before_k
 def test_a_lease_annotation_the_user_set_never_reaches_a_cpu_container(containerd, create) -> None:
     create.handle(create_request(annotations={LEASE_ANNOTATION: "someone-elses-lease"}).SerializeToString(), ctx())
     assert LEASE_ANNOTATION not in sent_config(containerd).annotations
+
+
+def test_a_cpu_container_of_an_opted_in_pod_is_sent_with_its_gpus_voided(containerd, create) -> None:
+    req = create_request(pod_annotations={"weft.io/stage.app": "cpu"}, devices=["/dev/nvidia0"])
+    req.config.envs.add(key="NVIDIA_VISIBLE_DEVICES", value="all")
+    create.handle(req.SerializeToString(), ctx())
+    sent = sent_config(containerd)
+    assert [(e.key, e.value) for e in sent.envs] == [("NVIDIA_VISIBLE_DEVICES", "void")]
+    assert list(sent.devices) == []
 
 
 def test_a_gpu_container_gets_a_lease_and_sees_only_its_leased_device(fabric, containerd, broker, create) -> None:
