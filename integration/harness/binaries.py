@@ -20,6 +20,7 @@ DRA_BUILD = REPO / "components" / "dra" / "build.sh"
 VERSIONS = REPO / "components" / "versions.env"
 NEXT_BUILD = REPO / "components" / "next" / "build.sh"
 HELM_BUILD = REPO / "components" / "helm" / "build.sh"
+TOOLKIT_BUILD = REPO / "components" / "nvidia-toolkit" / "build.sh"
 NEXT_BINARIES = ("kubelet", "kube-apiserver", "kube-scheduler", "kubectl")
 
 
@@ -55,6 +56,13 @@ def helm() -> str:
     if not path.is_file():
         raise RuntimeError(f"{path} is missing: components/helm/build.sh did not build helm")
     return str(path)
+
+
+@functools.cache
+def nvidia_toolkit(line: str) -> Path:
+    """The bin directory of NVIDIA's container toolkit ``line`` (1.17 or 1.20), built first if it is not there."""
+    builds.run(TOOLKIT_BUILD, line)
+    return Path(builds.run(TOOLKIT_BUILD, "--bin-dir", line))
 
 
 def next_release() -> bool:

@@ -179,7 +179,9 @@ def _version(path: str, doc: dict[str, Any]) -> int:
 
 
 def imported_files(files: HostFiles, path: str, doc: dict[str, Any]) -> list[str]:
-    """The files ``path``'s ``imports`` name, patterns expanded, in containerd's order; weft's drop-in left out."""
+    """The files ``path``'s ``imports`` name, patterns expanded, in containerd's order; weft's drop-in left out, and
+    each file once: containerd loads a file once, and ``containerd config dump`` lists the main file among its
+    imports (a config.toml written from a dump, as NVIDIA's toolkit can, names itself)."""
     entries = doc.get("imports", [])
     if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
         raise _refuse(path, "`imports` is not a list of paths")
@@ -191,9 +193,10 @@ def imported_files(files: HostFiles, path: str, doc: dict[str, Any]) -> list[str
         if "*" in full:
             if fnmatch.fnmatch(DROPIN, full):
                 raise _refuse(path, f"import pattern {entry!r} would also match weft's drop-in {DROPIN}")
-            out += sorted(files.glob(full))
+            found = sorted(files.glob(full))
         else:
-            out.append(full)
+            found = [full]
+        out += [f for f in found if f != path and f not in out]
     return out
 
 
