@@ -36,6 +36,7 @@ class Environment:
     kubelet_dir: Path = Path("/var/lib/kubelet")
     mps_private_shm: bool = True
     live: Any = None  # shim.gpucheck.live.LiveSettings; None: its defaults
+    host_root: Path = Path("/")  # where containerd's and NVIDIA's runtime's files are
     out: Any = field(default=None, repr=False)  # a text stream; None: sys.stdout
 
 
@@ -109,6 +110,10 @@ def gather(env: Environment, broker_socket: Path | None, skip_live: bool) -> tup
     # The broker runs its daemons with a private /dev/shm; that takes root (a mount namespace), as the broker has.
     checks += mpscheck.checks(env.mps_binary, first, private_shm=env.mps_private_shm and os.geteuid() == 0)
     checks += deviceplugin.checks(env.kubelet_dir, len(inv.devices), sum(len(d.instances) for d in inv.devices))
+    from shim.gpucheck import runtime
+
+    runtime_checks, runtime_extra = runtime.checks(env.host_root)
+    checks += runtime_checks
     # New fields are added beside the old ones, never renamed: outside checks read this line.
     extra = {"driver_version": inv.driver_version, "cuda_driver_version": inv.cuda_driver_version,
              "devices": [{"index": d.device.index, "uuid": d.device.uuid, "name": d.device.name,
@@ -121,7 +126,7 @@ def gather(env: Environment, broker_socket: Path | None, skip_live: bool) -> tup
                                              "gpu_instance_id": i.instance.gpu_instance_id,
                                              "compute_instance_id": i.instance.compute_instance_id,
                                              "multiprocessors": i.instance.multiprocessors} for i in d.instances]}
-                         for d in inv.devices]}
+                         for d in inv.devices], **runtime_extra}
     blocking = [c for c in checks if c.result is Result.FAIL and c.name in ("devices", "mps-control",
                                                                               "compute-mode", "cuda-driver")]
     if skip_live:

@@ -152,6 +152,9 @@ class ContainerdPlan:
     # The image containerd runs each pod's sandbox from, when its configuration names one: what the agent's
     # reservation pods run, so that they need no image the node would not otherwise have.
     sandbox_image: str | None = None
+    # The default runtime, as containerd merges the files: its name and its table (the weft handler's model).
+    default_runtime: str = "runc"
+    runtimes: dict[str, Any] | None = None
 
 
 def _refuse(path: str, what: str) -> UnrecognisedHost:
@@ -554,6 +557,7 @@ def plan(files: HostFiles, hook_argv: list[str], broker_socket: str, ctrd: Conta
         raise _refuse(CONFIG, f"config version {version} is not read by containerd {ctrd.version} "
                               f"({ctrd.source}), which would not start on it")
     docs = _documents(files, doc)
+    default, runtimes = effective_runtimes(docs, ctrd)
     if ctrd.merges_deeply:
         runtime = _effective_runtime_2x(docs)
         cdi_dirs = _cdi_spec_dirs(runtime)
@@ -582,7 +586,31 @@ def plan(files: HostFiles, hook_argv: list[str], broker_socket: str, ctrd: Conta
         socket=socket_address(doc),
         cdi_spec_dirs=cdi_dirs,
         sandbox_image=pause or None,
+        default_runtime=default,
+        runtimes=runtimes,
     )
+
+
+def effective_runtimes(docs: list[tuple[str, dict[str, Any]]], ctrd: Containerd) -> tuple[str, dict[str, Any]]:
+    """(the default runtime's name, every runtime handler) as ``ctrd`` merges the files (weft's drop-in left out)."""
+    section = _effective_runtime_2x(docs) if ctrd.merges_deeply else _effective_cri_1x(docs)
+    ctr = section.get("containerd", {}) if isinstance(section.get("containerd", {}), dict) else {}
+    runtimes = ctr.get("runtimes", {}) if isinstance(ctr.get("runtimes", {}), dict) else {}
+    return str(ctr.get("default_runtime_name", "runc")), copy.deepcopy(runtimes)
+
+
+def documents(files: HostFiles) -> list[tuple[str, dict[str, Any]]]:
+    """config.toml and its imports (weft's drop-in left out), read; refusals as :func:`plan`'s."""
+    _, doc = _load(files, CONFIG)
+    _version(CONFIG, doc)
+    return _documents(files, doc)
+
+
+def binary_of(runtime: dict[str, Any]) -> str:
+    """The program a runc-v2 runtime handler runs (``options.BinaryName``; "" for runc on PATH)."""
+    options = runtime.get("options", {}) if isinstance(runtime, dict) else {}
+    name = options.get("BinaryName", "") if isinstance(options, dict) else ""
+    return name if isinstance(name, str) else ""
 
 
 def _cdi_spec_dirs(section: dict[str, Any]) -> tuple[str, ...] | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
+from typing import Any
 
 from shim.broker.simulated import parse_spec
 from shim.errors import ConfigError, InstallError
@@ -186,6 +187,8 @@ class Plan:
     containerd_socket: str
     kubelet_endpoint_was: str
     modes: dict[str, int] = field(default_factory=dict)  # files weft adds with another mode than 0644
+    default_runtime: str = "runc"  # containerd's, as it merges its files
+    runtimes: dict[str, Any] | None = None  # every runtime handler, likewise
 
     def step_files(self, step: str) -> dict[str, bytes]:
         # The agent's configuration and mesh keys are written with its unit.
@@ -292,4 +295,5 @@ def make(files: HostFiles, opts: Options, ctrd: containerd.Containerd) -> Plan:
     if ctr.config != original:
         modified[containerd.CONFIG] = ctr.config
     return Plan(modified=modified, added=added, units=(BROKER_UNIT, AGENT_UNIT) if broker else (AGENT_UNIT,),
-                containerd_socket=ctr.socket, kubelet_endpoint_was=kub.endpoint_was, modes=modes)
+                containerd_socket=ctr.socket, kubelet_endpoint_was=kub.endpoint_was, modes=modes,
+                default_runtime=ctr.default_runtime, runtimes=ctr.runtimes)

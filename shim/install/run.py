@@ -87,6 +87,7 @@ class _Installer:
         j = Journal.load(self.host)
         originals = OriginalFiles(self.host, j)
         plan = make(originals, self.s.options, self._containerd(originals))
+        self._warn_runtime(plan)
         files = bundle.source_files(self.s.source)
         stamp = bundle.digest(files)
         if j is None:
@@ -134,6 +135,16 @@ class _Installer:
         j.state = JournalState.INSTALLED
         j.save(self.host)
         self.say(f"installed: kubelet -> weft agent (unix://{AGENT_SOCKET}) -> containerd ({plan.containerd_socket})")
+
+    def _warn_runtime(self, plan: Plan) -> None:
+        """The default runtime's program missing (NVIDIA's toolkit made its runtime the default, then its files
+        went): every container of the node fails to start, weft's handler's too, which copies it. Said, not
+        refused: the toolkit may be installing it right now."""
+        binary = containerd.binary_of((plan.runtimes or {}).get(plan.default_runtime, {}))
+        if binary.startswith("/") and not self.host.exists(binary):
+            self.say(f"warning: containerd's default runtime {plan.default_runtime!r} runs {binary}, which is not "
+                     "on this host; the 'weft' handler copies that runtime, so its containers will not start either "
+                     "until it is there (NVIDIA's toolkit installs it; weft gpu-check says so too)")
 
     def _keep_others_changes(self, j: Journal, originals: OriginalFiles, plan: Plan) -> None:
         """A file someone else changed since weft wrote it: that file without weft's edit is its original from now

@@ -167,6 +167,7 @@ class RuntimeHandler:
     base_runtime_spec: Path | None = None
     pod_annotations: tuple[str, ...] = ()
     container_annotations: tuple[str, ...] = ()
+    binary_name: str = ""  # the runtime binary runc v2 runs ("" runc; NVIDIA's on a GPU Operator's node)
 
 
 @dataclass
@@ -180,6 +181,7 @@ class Containerd:
 
     workdir: Path | None = None
     handlers: list[RuntimeHandler] = field(default_factory=list)
+    default_runtime: str = "runc"  # containerd's default handler (one of handlers, or runc)
     slot: int = 0
     line: str = field(default_factory=selected_line)
     # CPUs this node's containerd, shims and pods run on (``0``, ``1-3``), as a machine of its own; "": all.
@@ -387,7 +389,7 @@ oom_score = 0
   conf_dir = "{self.workdir / 'cni'}"
 
 [{cri_section}.containerd]
-  default_runtime_name = "runc"
+  default_runtime_name = "{self.default_runtime}"
   snapshotter = "overlayfs"
 {runtimes}"""
 
@@ -413,7 +415,7 @@ oom_score = 0
   conf_dir = "{self.workdir / 'cni'}"
 
 [{runtime}.containerd]
-  default_runtime_name = "runc"
+  default_runtime_name = "{self.default_runtime}"
 {runtimes}
 [{images_section}]
   snapshotter = "overlayfs"
@@ -448,7 +450,7 @@ oom_score = 0
 [{prefix}.{h.name}.options]
   Root = "{self.runc_root}"
   SystemdCgroup = false
-"""
+""" + (f'  BinaryName = "{h.binary_name}"\n' if h.binary_name else "")
 
     def start(self, timeout: float = 30.0) -> None:
         """Start containerd (again) in the node namespace and wait until it answers CRI."""

@@ -39,6 +39,7 @@ class ImageSpec:
     name: str
     cmd: tuple[str, ...]
     user: str = ""  # the config's User ("1002", "www-data:1004"); "" runs as root
+    env: tuple[str, ...] = ()  # the config's Env beside PATH ("NVIDIA_VISIBLE_DEVICES=all", as CUDA images set)
 
 
 IMAGES = (
@@ -131,7 +132,7 @@ def build_archive(spec: ImageSpec, dest: Path, layer: bytes | None = None,
     layers = [layer if layer is not None else _layer(), *extra_layers]
     image_config: dict = {
         "Cmd": list(spec.cmd),
-        "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"],
+        "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", *spec.env],
         "WorkingDir": "/",
     }
     if spec.user:

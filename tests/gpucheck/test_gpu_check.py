@@ -19,6 +19,7 @@ from shim._pb import broker_pb2 as pb
 from shim.gpucheck import cli
 from shim.gpucheck.live import pick_device
 from tests.broker.fakes import A100, GI, MIG_A, MIG_B, T4, FakeMig, FakeNvml, install_fake_mps, two_instances
+from tests.install.conftest import HOSTROOTS
 
 
 @pytest.fixture
@@ -41,9 +42,11 @@ def write_checkpoint(root: Path, registered: dict) -> None:
         {"Data": {"PodDeviceEntries": None, "RegisteredDevices": registered}, "Checksum": 1}))
 
 
-def check(nvml: FakeNvml, mps_binary: str, kubelet: Path, *, as_json: bool = True) -> tuple[int, dict | str]:
+def check(nvml: FakeNvml, mps_binary: str, kubelet: Path, *, as_json: bool = True,
+          host_root: Path = HOSTROOTS / "kubeadm") -> tuple[int, dict | str]:
     out = io.StringIO()
-    env = cli.Environment(nvml_library=nvml, mps_binary=mps_binary, kubelet_dir=kubelet, out=out)
+    env = cli.Environment(nvml_library=nvml, mps_binary=mps_binary, kubelet_dir=kubelet, out=out,
+                          host_root=host_root)
     code = cli.run(as_json, None, True, env)
     text = out.getvalue()
     return code, json.loads(text.splitlines()[-1]) if as_json else text
@@ -61,7 +64,8 @@ def test_a_node_that_can_enforce_leases(mps_binary: str, kubelet: Path) -> None:
     assert code == cli.EXIT_OK and set(results.values()) == {"ok"}, doc
     assert [c["name"] for c in doc["checks"]] == [
         "nvml", "cuda-driver", "devices", "compute-capability", "compute-mode", "mig", "persistence-mode",
-        "mps-control", "mps-server", "other-mps", "device-plugin"][:len(doc["checks"])]
+        "mps-control", "mps-server", "other-mps", "device-plugin", "containerd", "nvidia-runtime"][
+        :len(doc["checks"])]
     checks = by_name(doc)
     assert all(set(c) == {"name", "result", "detail"} for c in doc["checks"])
     assert checks["nvml"]["detail"] == "driver 550.54.15, CUDA driver 12.4"
