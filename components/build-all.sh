@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Every build the integration tests need, one after the other, in the order the tests need them: the Kubernetes
 # components (the first kube tests), containerd 1.7 and 2.x (the installer's tests and the smoke runs), NVIDIA's
-# container toolkit (the tests of weft beside the GPU Operator), the DRA binaries, Helm (the chart's tests), the newest Kubernetes release (its smoke run last) and the cluster's node
-# root (integration/nodes). Each answers at once from its cache under ${WEFT_CACHE_ROOT:-/var/cache/weft} and
+# container toolkit (the tests of weft beside the GPU Operator), the DRA binaries, Helm (the chart's tests), Kueue
+# (the tests beneath it), the newest Kubernetes release (its smoke run last) and the cluster's node root
+# (integration/nodes). Each answers at once from its cache under ${WEFT_CACHE_ROOT:-/var/cache/weft} and
 # builds under that cache's lock when it is not there, so a test that needs a binary meanwhile waits for the
 # lock (or builds the one it needs itself) and never finds half a build. scripts/setup.sh runs this in the
 # background for scripts/test.sh; WEFT_SETUP_KUBE=1 runs it in the foreground.
@@ -19,6 +20,7 @@ BUILDS=(kube:"$HERE/build.sh"
         nvidia-toolkit:"$HERE/nvidia-toolkit/build.sh"
         dra:"$HERE/dra/build.sh"
         helm:"$HERE/helm/build.sh"
+        kueue:"$HERE/kueue/build.sh"
         kube-next:"$HERE/next/build.sh"
         noderoot:"$HERE/../integration/nodes/rootfs.sh")
 if [ "${1:-}" = --cached ]; then

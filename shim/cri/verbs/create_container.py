@@ -29,14 +29,19 @@ from google.protobuf.message import DecodeError
 
 from shim import failpoint, log
 from shim._pb import broker_pb2 as pb
+from shim.core import kai
 from shim.core.cdi import GPU_CDI as _GPU_CDI
 from shim.core.cdi import claim_gpus, names_gpu_itself, resolve
 from shim.core.classify import ContainerAsk, Stage, StageAnnotationError, classify, requested_gpus
+from shim.core.kai import ShareSource
 from shim.core.placement import (
+    GPU_COMPUTE_ANNOTATION,
+    GPU_MEMORY_ANNOTATION,
     LEASE_ANNOTATION,
     LOCAL,
     PLACEMENT_ANNOTATION,
     PLACEMENT_REASON_ANNOTATION,
+    GpuAsk,
     Placement,
     PlacementReason,
     PlacementState,
@@ -245,7 +250,8 @@ def _lease_and_create(fabric: Fabric, a: CreateAttempt, placement: Placement, co
     lease: pb.Lease | None = None
     if classification.stage is Stage.GPU:
         with fabric.lease_gate:
-            lease = _acquire(fabric, a)
+            lease, share = _acquire(fabric, a)
+        placement = Placement(placement.stage, placement.target, placement.reason, f"{placement.detail}; share {share}")
         by_index = {d.index: d.uuid for d in fabric.inventory().devices}
         rewrite_for_lease(config, lease, {n: resolve(g, by_index) for n, g in a.ask.claim_gpus.items()})
     config.annotations[PLACEMENT_ANNOTATION] = placement.target
@@ -277,19 +283,38 @@ def _lease_and_create(fabric: Fabric, a: CreateAttempt, placement: Placement, co
     return response
 
 
-def _acquire(fabric: Fabric, a: CreateAttempt) -> pb.Lease:
+def _acquire(fabric: Fabric, a: CreateAttempt) -> tuple[pb.Lease, str]:
+    """The container's lease, and where its share came from (``shim.core.kai.ShareSource`` and what it read)."""
     sandbox, ask, name = a.sandbox, a.ask, a.name
     inventory = fabric.inventory()
     devices = list(inventory.devices)
     largest = max((d.memory_total for d in devices), default=None)
+    count, allowed = requested_gpus(ask, [d.uuid for d in devices], {d.index: d.uuid for d in devices})
+    envs = dict(ask.envs or {})
+    weft_share = any(k + name in a.pod_annotations for k in (GPU_MEMORY_ANNOTATION, GPU_COMPUTE_ANNOTATION))
     try:
-        gask = gpu_ask(name, a.pod_annotations, largest)
+        if not weft_share and kai.is_kai_container(name, a.pod_annotations, envs):
+            # KAI's share, on the GPU its binder reserved (weft's own annotations win where both are set).
+            given = kai.gpus(envs)
+            device = next((d for d in devices if given and d.uuid == given[0]), None)
+            ks = kai.share(f"{sandbox.namespace}/{sandbox.name}", name, a.pod_annotations, envs,
+                           device.memory_total if device is not None else (largest or 0))
+            if len(given) != 1:
+                visible = envs.get("NVIDIA_VISIBLE_DEVICES")
+                raise BadAnnotation(f"pod {sandbox.namespace}/{sandbox.name}: KAI's share for {name} names "
+                                    f"{len(given)} GPUs in NVIDIA_VISIBLE_DEVICES ({visible!r}); a share is on one GPU")
+            gask, source = GpuAsk(ks.memory_bytes, ks.compute_percent), f"{ks.source.value}: {ks.detail}"
+            count, allowed = 1, frozenset(given)
+        else:
+            gask = gpu_ask(name, a.pod_annotations, largest)
+            source = (f"{ShareSource.WEFT_ANNOTATION.value}: {gask.memory_bytes >> 20} MiB, "
+                      f"{gask.compute_percent}% compute") if gask.memory_bytes is not None or weft_share else \
+                ShareSource.WHOLE_DEVICE.value
     except AnnotationError as exc:
         raise BadAnnotation(str(exc)) from None
-    count, allowed = requested_gpus(ask, [d.uuid for d in devices], {d.index: d.uuid for d in devices})
     lease = fabric.require_broker().acquire(pb.AcquireRequest(
         key=a.key, namespace=sandbox.namespace, pod=sandbox.name, pod_uid=sandbox.uid, container=name,
         sandbox_id=sandbox.id, memory_bytes=gask.memory_bytes or 0, compute_percent=gask.compute_percent,
         count=count, allowed_uuids=sorted(allowed) if allowed else []))
     failpoint.hit("create_container.leased")
-    return lease
+    return lease, source

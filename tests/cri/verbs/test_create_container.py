@@ -302,6 +302,41 @@ def test_a_gpu_container_gets_a_lease_and_sees_only_its_leased_device(fabric, co
     assert fabric.store.placement(CONTAINER_ID).lease_id == lease.lease_id
 
 
+def _kai_request(broker, pod_annotations: dict[str, str], device: int = 1) -> cri.CreateContainerRequest:
+    """A container as KAI's binder leaves it: the reserved GPU's UUID and the portion, from its ConfigMap."""
+    req = create_request(pod_annotations={"received-resource-type": "Fraction", **pod_annotations})
+    req.config.envs.add(key="NVIDIA_VISIBLE_DEVICES", value=broker.devices[device].uuid)
+    req.config.envs.add(key="GPU_PORTION", value="0.50")
+    return req
+
+
+def test_a_kai_fraction_is_leased_on_the_gpu_kai_chose_with_its_memory_as_a_hard_limit(
+        fabric, containerd, broker, create) -> None:
+    create.handle(_kai_request(broker, {"gpu-fraction": "0.5"}).SerializeToString(), ctx())
+    [lease] = broker.leases()
+    assert lease.device_uuids == (broker.devices[1].uuid,), "the GPU KAI's binder reserved, not the emptiest"
+    assert (lease.memory_bytes, lease.compute_percent, lease.shared) == (40 << 30, 50, True)
+    rec = fabric.store.placement(CONTAINER_ID)
+    assert rec.reason == "gpu-leased" and "share kai-fraction: gpu-fraction=0.5" in rec.detail
+
+
+def test_weft_s_own_share_wins_over_kai_s(fabric, containerd, broker, create) -> None:
+    create.handle(_kai_request(broker, {"gpu-fraction": "0.5", "weft.io/gpu-memory.app": "10Gi"}).SerializeToString(),
+                  ctx())
+    [lease] = broker.leases()
+    assert lease.memory_bytes == 10 << 30 and lease.device_uuids == (broker.devices[1].uuid,)
+    assert "share weft-annotation" in fabric.store.placement(CONTAINER_ID).detail
+
+
+@pytest.mark.parametrize("annotations", [{"gpu-fraction": "1.5"}, {"gpu-memory": "90000"}], ids=["fraction", "memory"])
+def test_a_kai_share_no_lease_can_honour_is_refused_naming_the_pod_and_leases_nothing(
+        fabric, containerd, broker, create, annotations: dict[str, str]) -> None:
+    with pytest.raises(BadAnnotation) as err:
+        create.handle(_kai_request(broker, annotations).SerializeToString(), ctx())
+    assert err.value.code is grpc.StatusCode.INVALID_ARGUMENT and "pod default/infer" in err.value.message
+    assert broker.leases() == [] and containerd.calls == [] and fabric.store.placements() == []
+
+
 def test_a_gpu_container_without_a_broker_is_unavailable_and_containerd_is_not_asked(fabric, containerd,
                                                                                     create) -> None:
     with pytest.raises(BrokerUnavailable) as err:
