@@ -211,7 +211,7 @@ def agent_watch(containerd_socket: Path, node: str, namespace: str, kubeconfig: 
     host = Host(root)
 
     def version() -> containerd.Containerd | None:
-        found = services.containerd_version(containerd_socket, [])
+        found = services.containerd_version(containerd_socket, [host.path(b) for b in containerd.BINARIES])
         return containerd.Containerd.parse(*found) if found else None
 
     def report(status: Status) -> None:
