@@ -28,6 +28,7 @@ import subprocess
 import sys
 import threading
 import time
+import tomllib
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -39,6 +40,8 @@ from integration.nodes import nspawn
 from integration.nodes.cluster import Cluster
 from integration.nodes.kubeadm import NodeSpec
 from nodeimage import build
+from shim.install import containerd as ctrd_config
+from shim.localfabric.waiting import wait_for
 
 pytestmark = pytest.mark.slow
 
@@ -511,6 +514,14 @@ def on_weft(cluster: Cluster) -> Iterator[Cluster]:
     _rolled_out(c)
     yield c
     _back_out(c)
+    # Whatever another tool did to containerd's files meanwhile (NVIDIA's toolkit, last), nothing of weft's is
+    # left in them, and containerd's CRI plugin came back after the back-out's restart.
+    for name, n in c.nodes.items():
+        _default, runtimes = _runtimes_on(c, name)
+        assert "weft" not in runtimes, (name, sorted(runtimes))
+        assert not [str(f) for f in n.path("/etc/containerd").rglob("*.toml")
+                    if ctrd_config.BASE_SPEC in f.read_text()], name
+        n.run(["crictl", "info"])
     _remove_manifests(c)
 
 
@@ -1006,3 +1017,148 @@ def test_kubectl_drain_of_the_stages_host_moves_the_stage_and_uncordon_takes_sta
                                       "stage budget gone after the workload's s": budget_gone,
                                       "stage running elsewhere after the drain s": moved,
                                       "stage moved to": other}})
+
+
+# NVIDIA's toolkit on the nodes, as the GPU Operator's toolkit DaemonSet runs it: its installer (built from the
+# module: v1.20 on the 2.x GPU node, v1.17 on the 1.6 CPU node) installs the toolkit, configures containerd with
+# its `nvidia` runtime as the default, and restarts containerd through the node's systemd. The driver's own
+# programs (nvidia-container-cli, libnvidia-container) are C, not in the module: stubs stand in for them, as there
+# is no GPU (the installed runtime then runs runc, as it does on a node whose driver is not loaded).
+TOOLKIT_SOURCES = ("nvidia-ctk", "nvidia-cdi-hook", "nvidia-container-runtime", "nvidia-container-runtime.cdi",
+                   "nvidia-container-runtime.legacy", "nvidia-container-cli", "nvidia-container-runtime-hook")
+
+
+def _install_toolkit(c: Cluster, node: str, line: str) -> float:
+    """Run the toolkit's installer on ``node`` as the operator does; the seconds it took (its restart included)."""
+    n = c.nodes[node]
+    bins = binaries.nvidia_toolkit(line)
+    src = n.path("/opt/weft-test/toolkit-src")
+    (src / "usr/bin").mkdir(parents=True, exist_ok=True)
+    (src / "usr/lib/x86_64-linux-gnu").mkdir(parents=True, exist_ok=True)
+    for name in TOOLKIT_SOURCES:
+        (src / "usr/bin" / name).write_text("#!/bin/sh\nexit 0\n")
+        (src / "usr/bin" / name).chmod(0o755)
+    for lib in ("libnvidia-container.so.1", "libnvidia-container-go.so.1"):
+        (src / "usr/lib/x86_64-linux-gnu" / lib).write_bytes(b"")
+    installer = "nvidia-toolkit" if line == "1.17" else "nvidia-ctk-installer"
+    n.path("/opt/weft-test/bin").mkdir(parents=True, exist_ok=True)
+    for b in (installer, "nvidia-ctk"):
+        target = n.path(f"/opt/weft-test/bin/{b}")
+        target.write_bytes((bins / b).read_bytes())
+        target.chmod(0o755)
+    argv = [f"/opt/weft-test/bin/{installer}", "--runtime=containerd", "--no-daemon",
+            "--pid-file=/run/nvidia/toolkit/toolkit.pid", "--config=/etc/containerd/config.toml",
+            "--socket=/run/containerd/containerd.sock", "--restart-mode=systemd", "--host-root=/"]
+    if line == "1.17":  # its sources are fixed host paths: the stubs are put there, and those it misses skipped
+        for name in TOOLKIT_SOURCES:
+            if not n.path(f"/usr/bin/{name}").exists():
+                n.path(f"/usr/bin/{name}").write_text("#!/bin/sh\nexit 0\n")
+                n.path(f"/usr/bin/{name}").chmod(0o755)
+        argv += ["--root=/usr/local/nvidia", "--ignore-errors"]
+    else:
+        argv += ["--toolkit-install-dir=/usr/local/nvidia", "--toolkit-source-root=/opt/weft-test/toolkit-src"]
+    t = time.monotonic()
+    res = n.run(argv, check=False, timeout=300)
+    assert res.returncode == 0, f"the toolkit's installer on {node}: {res.stdout[-3000:]}{res.stderr[-3000:]}"
+    return time.monotonic() - t
+
+
+def _runtimes_on(c: Cluster, node: str) -> tuple[str, dict]:
+    """(default runtime, every runtime) in the node's own containerd's `config dump`."""
+    plugins = tomllib.loads(c.nodes[node].run(["containerd", "config", "dump"]).stdout)["plugins"]
+    section = plugins.get("io.containerd.cri.v1.runtime") or plugins["io.containerd.grpc.v1.cri"]
+    return section["containerd"]["default_runtime_name"], section["containerd"]["runtimes"]
+
+
+def _leases_on_gpu_node(c: Cluster) -> list[tuple[str, str]]:
+    """(lease, state) of every lease on gpu-1, as its agent's `weft status` says."""
+    doc = json.loads(c.nodes["gpu-1"].run(["/opt/weft/bin/weft", "status", "--json", "--socket",
+                                           "/run/weft/cri.sock"]).stdout)
+    return sorted((x["lease_id"], x["state"]) for x in doc["leases"])
+
+
+def _weft_pod_on(c: Cluster, node: str) -> str:
+    (pod,) = [p["metadata"]["name"] for p in json.loads(c.kubectl(
+        "-n", "weft-system", "get", "pods", "-l", "app.kubernetes.io/name=weft,app.kubernetes.io/component=node",
+        "--field-selector", f"spec.nodeName={node}", "-o", "json").stdout)["items"]]
+    return pod
+
+
+def test_nvidia_s_toolkit_installed_after_weft_keeps_every_pod_and_weft_and_a_rewrite_is_said_and_put_back(
+        on_weft: Cluster, request: pytest.FixtureRequest) -> None:
+    """The GPU Operator's toolkit after weft, on the 2.x GPU node and the 1.6 CPU node hosting the stage: its
+    containerd restarts leave every container, lease, shadow and reservation as they were and kubelet on weft;
+    containerd then has runc, nvidia (the default) and weft. Then config.toml written anew without weft's import:
+    weft says so within a minute (its status, an Event on its pod there), and its pod's next start puts it back.
+    The back-out at the end of the module then leaves the toolkit's runtime and nothing of weft's."""
+    c = on_weft
+    _mesh_up(c)
+    c.kubectl("cordon", "cpu-2")  # the stage goes to the 1.6 node, whose containerd the toolkit restarts too
+    try:
+        _two_stage(c, "beside", "weft", prep=COUNTING_PREP)
+        c.kubectl("wait", "--for=condition=Ready", "pod/beside", "--timeout=180s", timeout=210)
+    finally:
+        c.kubectl("uncordon", "cpu-2")
+    assert _stage_host(c, "beside") == "cpu-1"
+    before = _stage_state(c, "beside")
+    leases = _leases_on_gpu_node(c)
+    assert len(leases) == 1, leases
+    since = time.time()
+    took: dict[str, float] = {}
+    with Copies.of_pod(c, "beside") as copies:
+        for node, line in (("gpu-1", "1.20"), ("cpu-1", "1.17")):
+            took[node] = _install_toolkit(c, node, line)
+        c.kubectl("wait", "--for=condition=Ready", "pod/beside", "--timeout=180s", timeout=210)
+        time.sleep(2)
+    down = {n: _down_intervals(c, n, since, "containerd.service") for n in ("gpu-1", "cpu-1")}
+    assert all(down.values()), f"the toolkit restarted containerd on each node: {down}"
+    assert _stage_state(c, "beside") == before, "a container of the pod restarted, or its reservation went"
+    assert set(copies.counts()) == {1}, f"copies of the rerouted stage over time: {copies.samples}"
+    assert _leases_on_gpu_node(c) == leases, "the GPU stage's lease is as it was"
+    for node in ("gpu-1", "cpu-1"):
+        default, runtimes = _runtimes_on(c, node)
+        assert default == "nvidia" and {"runc", "nvidia", "weft"} <= set(runtimes), (node, sorted(runtimes))
+        binary = runtimes["nvidia"]["options"]["BinaryName"]
+        assert binary == "/usr/local/nvidia/toolkit/nvidia-container-runtime", binary
+        assert runtimes["weft"]["options"]["BinaryName"] == binary, "weft's handler is the default runtime's"
+        assert "unix:///run/weft/cri.sock" in c.nodes[node].path("/var/lib/kubelet/config.yaml").read_text() or \
+            "/run/weft/cri.sock" in c.nodes[node].path("/var/lib/kubelet/kubeadm-flags.env").read_text()
+        nodes = json.loads(c.kubectl("get", "node", node, "-o", "json").stdout)
+        assert any(x["type"] == "Ready" and x["status"] == "True" for x in nodes["status"]["conditions"])
+    kubelet_down = {n: _kubelet_down_s(c, n, since) for n in ("gpu-1", "cpu-1")}
+
+    # config.toml written anew without weft's import (a tool, an admin): said within a minute, not written back.
+    cfg = c.nodes["cpu-1"].path("/etc/containerd/config.toml")
+    cfg.write_text(ctrd_config.without_import(cfg.read_text()))
+    t = time.monotonic()
+    pod = _weft_pod_on(c, "cpu-1")
+    described = ""
+
+    def said() -> bool:
+        nonlocal described
+        described = c.kubectl("-n", "weft-system", "describe", "pod", pod, check=False).stdout
+        return "WeftNotImported" in described
+
+    try:
+        wait_for(said, timeout=60, what="the Event on weft's pod", every=1)
+    except AssertionError as exc:
+        raise AssertionError(f"{exc}\n{described[-3000:]}") from None
+    noticed = time.monotonic() - t
+    assert "no longer imports" in described
+    assert ctrd_config.DROPIN not in cfg.read_text(), "weft does not write another tool's rewrite back"
+    c.kubectl("-n", "weft-system", "delete", "pod", pod, "--wait=true", timeout=180)
+    _rolled_out(c)
+    assert ctrd_config.DROPIN in cfg.read_text(), "the pod's next start put weft's import back"
+    _default, runtimes = _runtimes_on(c, "cpu-1")
+    assert {"nvidia", "weft"} <= set(runtimes)
+    c.kubectl("delete", "pod", "beside", "--wait=true", timeout=180)
+    fixture.report(request.config, "day two: NVIDIA's toolkit installed after weft (v1.20 on gpu-1, 2.x; v1.17 on "
+                   f"cpu-1, 1.6): installer {took['gpu-1']:.1f} s / {took['cpu-1']:.1f} s, containerd down "
+                   + ", ".join(f"{n} {sum(b - a for a, b in d):.1f} s" for n, d in down.items())
+                   + ", kubelet restarted " + ", ".join(f"{n} {s:.1f} s" for n, s in kubelet_down.items())
+                   + f"; containers restarted 0, stage copies always 1; a rewrite without weft's import said on "
+                   f"its pod {noticed:.1f} s after",
+                   figures={"toolkit": {"installer gpu-1 s": took["gpu-1"], "installer cpu-1 s": took["cpu-1"],
+                                        **{f"containerd down {n} s": sum(b - a for a, b in d) for n, d in down.items()},
+                                        **{f"kubelet down {n} s": s for n, s in kubelet_down.items()},
+                                        "containers restarted": 0, "rewrite said after s": noticed}})

@@ -15,11 +15,23 @@ call makes which one); the engine only keeps the books those functions read
 each CPU node's own pods and hosted containers) and writes an event log that
 the tests replay to check invariants, such as that no device ever holds more
 memory than it has.
+
+It also follows the GPU memory each stage really holds over time (its
+profile's series), on the devices where that can matter: where the most the
+stages on a device ever hold adds up to more than the device, or, where the
+broker enforces leases (weft's modes), where a stage's series goes above its
+lease. There, each change of a stage's memory is an event, and an
+allocation that does not fit fails the stage that made it (out of memory):
+above its own lease where leases are enforced, else beyond what the device
+has left, whoever overran. A failed stage's container is restarted in place
+by kubelet after its back-off, keeping its pod, node and share; the pod's
+lifetime is unchanged. Elsewhere nothing can fail, and nothing is followed.
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
@@ -37,7 +49,12 @@ from shim.core.reroute import (
 from shim.sim.model import ClusterSpec, Mode, PodSpec
 from shim.sim.plan import Plan, plan_pod
 
-_FINISH, _ARRIVE = 0, 1
+# At one instant: finishes, then memory changes, then restarts, then arrivals.
+_FINISH, _MEMORY, _RESTART, _ARRIVE = 0, 1, 2, 3
+# kubelet's back-off before it restarts a container that exited: 10 s, doubling, at most 300 s, reset once the
+# container has run 10 minutes (kubernetes.io, "Pod Lifecycle", container restarts).
+BACKOFF_FIRST_S, BACKOFF_MAX_S, BACKOFF_RESET_S = 10.0, 300.0, 600.0
+OVER_LEASE, DEVICE_FULL = "over-lease", "device-full"
 # Fresh views: the simulator reads its own books, so nothing is ever stale.
 _FRESH_S = 0.0
 _CPU_SLACK = 1e-9  # as shim.core.reroute: cores that went through subtraction
@@ -47,7 +64,9 @@ _OVER_TOLERANCE = 1e-6  # vCPU over a CPU node's capacity that is only rounding 
 class LogEvent(NamedTuple):
     t: float
     event: str  # pod.started, pod.finished, pod.unplaceable, lease.acquired, lease.released, container.placed,
-    #             reservation.bound, reservation.deleted (hosted stages' reservation pods, in weft-reserved)
+    #             reservation.bound, reservation.deleted (hosted stages' reservation pods, in weft-reserved),
+    #             stage.oom (memory_bytes: what it tried to hold; reason: over-lease or device-full),
+    #             stage.restarted
     pod: str
     container: str
     node: str
@@ -66,9 +85,54 @@ class Lease(NamedTuple):
     compute_percent: int
 
 
+class Failure(NamedTuple):
+    """A GPU stage that ran out of memory: an allocation of its did not fit."""
+
+    t: float
+    pod: int
+    device: str  # "<node>/<uuid>"
+    memory_bytes: int  # what the stage tried to hold on that device
+    lease_bytes: int  # its declared share there (a whole device: the device)
+    cause: str  # OVER_LEASE: above its own lease, which the broker enforces; DEVICE_FULL: the device had no room
+
+    @property
+    def within_share(self) -> bool:
+        """The stage asked no more than its own share: it failed because others took more than theirs."""
+        return self.memory_bytes <= self.lease_bytes
+
+
+class _Stage:
+    """A running GPU stage whose memory is followed: where it holds leases, whether its container is up."""
+
+    __slots__ = ("failures_in_row", "index", "leases", "origin", "profile", "restart_at", "since", "up")
+
+    def __init__(self, index: int, origin: float, profile: GpuProfile, t: float) -> None:
+        self.index, self.origin, self.profile = index, origin, profile  # series time x is t - origin
+        self.leases: list[tuple[_GpuNode, int, int]] = []  # (node, device position, lease id)
+        self.up, self.since, self.restart_at, self.failures_in_row = True, t, 0.0, 0
+
+    def sample(self, t: float) -> int:
+        return self.profile.sample_at(t - self.origin)
+
+    def next_change(self, t: float, k: int) -> tuple[float, int] | None:
+        """When the memory next changes after sample ``k``, in force at ``t``, and the sample it changes to."""
+        profile = self.profile
+        changes = profile.memory_changes
+        if not changes:
+            return None
+        j = bisect_right(changes, k)
+        after = changes[j] if j < len(changes) else changes[0] + profile.n
+        # From the start of sample k: exact for a change found at an event (t is then the sample's start).
+        start_k = t - (t - self.origin) % profile.period + k * profile.step_s
+        if start_k > t:  # t is within the period's last sample before a wrap
+            start_k -= profile.period
+        return start_k + (after - k) * profile.step_s, after % profile.n
+
+
 class _GpuNode:
     __slots__ = ("books_cpu", "books_memory", "cap", "devices", "extra_cpu", "extra_memory", "index", "leases",
-                 "name", "position", "used_compute", "used_count", "used_exclusive", "used_memory")
+                 "level", "name", "next_change", "position", "residents", "risky", "used_compute", "used_count",
+                 "used_exclusive", "used_memory", "version")
 
     def __init__(self, index: int, cluster: ClusterSpec) -> None:
         self.index, self.name, self.cap = index, f"gpu-{index:03d}", cluster.gpu_node
@@ -84,6 +148,13 @@ class _GpuNode:
         n = len(self.devices)
         self.used_memory, self.used_compute, self.used_count = [0] * n, [0] * n, [0] * n
         self.used_exclusive = [False] * n
+        # GPU memory really held, per device: the stages leased there, and, on a device where an allocation can
+        # fail (risky), each lease's memory now and its next change (time, sample); version voids stale events.
+        self.residents: list[dict[int, _Stage]] = [{} for _ in range(n)]
+        self.risky = [False] * n
+        self.level: list[dict[int, int]] = [{} for _ in range(n)]
+        self.next_change: list[dict[int, tuple[float, int]]] = [{} for _ in range(n)]
+        self.version = [0] * n
 
     def books_fit(self, request: Resources) -> bool:
         # Resources.fits_in's rule, unrolled: this runs for every node on every try, and a Resources per call
@@ -169,6 +240,7 @@ class PodRun:
     reservations: list[tuple[_CpuNode, str, Resources]] = field(default_factory=list)
     fallback: list[Resources] = field(default_factory=list)  # beyond the booked request, on the GPU node
     placements: list[tuple[str, str, str]] = field(default_factory=list)  # (container, where, reason)
+    down: list[tuple[float, float]] = field(default_factory=list)  # GPU stage out of memory until kubelet restarts it
 
 
 @dataclass
@@ -186,6 +258,7 @@ class Run:
     cpu_node_overcommit_cpu_s: float
     rerouted: int
     fell_back: int
+    failures: list[Failure] = field(default_factory=list)
 
 
 class _Simulation:
@@ -211,36 +284,58 @@ class _Simulation:
         self.overcommit_rate = {"gpu": 0.0, "cpu": 0.0}  # vCPU over capacity right now, fleet-wide
         self.last_t = 0.0
         self.rerouted = self.fell_back = 0
+        self.heap: list[tuple[float, int, int, object]] = []
+        self.seq = 0
+        self.stages: dict[int, _Stage] = {}
+        self.failures: list[Failure] = []
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
     def run(self) -> Run:
-        heap: list[tuple[float, int, int, int]] = [(p.arrival_s, _ARRIVE, i, i) for i, p in enumerate(self.pods)]
+        heap = self.heap
+        heap[:] = [(p.arrival_s, _ARRIVE, i, i) for i, p in enumerate(self.pods)]
         heapq.heapify(heap)
-        seq = len(self.pods)
+        self.seq = len(self.pods)
         waiting: list[int] = []
         while heap:
-            t, kind, _, i = heapq.heappop(heap)
+            t, kind, _, what = heapq.heappop(heap)
+            if kind == _MEMORY:
+                node_index, pos, version = what  # type: ignore[misc]
+                node = self.gpu_nodes[node_index]
+                if node.version[pos] == version:  # else voided by a later change on the device
+                    self._advance(t)
+                    self._memory_changes(node, pos, t)
+                continue
+            i = what
+            assert isinstance(i, int)
+            if kind == _RESTART:
+                stage = self.stages.get(i)
+                if stage is not None and not stage.up and stage.restart_at == t:
+                    self._advance(t)
+                    self._restart(stage, t)
+                continue
             self._advance(t)
             if kind == _FINISH:
                 self._finish(i, t)
                 # Everything finishing at this instant first, then one pass.
                 while heap and heap[0][0] == t and heap[0][1] == _FINISH:
-                    self._finish(heapq.heappop(heap)[3], t)
+                    self._finish(heapq.heappop(heap)[3], t)  # type: ignore[arg-type]
                 started = self._drain(waiting, t)
             else:
                 started = [i] if self._arrive(i, t) else []
                 if not started and not self.outcomes[i].unplaceable:
                     waiting.append(i)
             for j in started:
-                end = t + self.pods[j].run_s
-                heapq.heappush(heap, (end, _FINISH, seq, j))
-                seq += 1
+                self._push(t + self.pods[j].run_s, _FINISH, j)
         return Run(
             self.mode, self._final_cluster(), self.pods, self.plans, self.outcomes, self.log, self.leases,
             self.held_steps, self.cpu_node_steps, self.overcommit["gpu"], self.overcommit["cpu"],
-            self.rerouted, self.fell_back,
+            self.rerouted, self.fell_back, self.failures,
         )
+
+    def _push(self, t: float, kind: int, what: object) -> None:
+        heapq.heappush(self.heap, (t, kind, self.seq, what))
+        self.seq += 1
 
     def _final_cluster(self) -> ClusterSpec:
         c = self.cluster

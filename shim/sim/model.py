@@ -29,6 +29,14 @@ class Mode(enum.Enum):
     # As WEFT, and each hosted CPU stage has a reservation pod on its host with the requests it was admitted by,
     # so the host's scheduler counts it and never binds a plain pod onto that CPU (docs/design.md).
     WEFT_RESERVED = "weft-reserved"
+    # KAI scheduler's GPU fractions: the pod stays bundled (the scheduler books it whole on the GPU node), its GPU
+    # stage shares a GPU by its declared share, packed as weft packs, and nothing enforces the share's memory.
+    KAI = "kai-fractions"
+
+    @property
+    def enforced(self) -> bool:
+        """Whether a GPU stage's memory is held to its lease (weft's broker), not only to the device it is on."""
+        return self in (Mode.WEFT, Mode.WEFT_FULL, Mode.WEFT_RESERVED)
 
 
 # What a team declares as the CPU stage's requests when it wants the
@@ -50,7 +58,8 @@ class GpuProfile:
     31 days costs the same as one that lives a minute.
     """
 
-    __slots__ = ("_busy", "_memory_sum", "_zero", "duty", "memory", "n", "name", "peak_bytes", "period", "step_s")
+    __slots__ = ("_busy", "_memory_sum", "_zero", "duty", "max_memory", "memory", "memory_changes", "n", "name",
+                 "peak_bytes", "period", "step_s")
 
     def __init__(
         self, name: str, step_s: float, duty: Sequence[float], memory: Sequence[int], *, peak_bytes: int | None = None
@@ -68,6 +77,10 @@ class GpuProfile:
         # A summary-only pod knows its peak but replays its mean: the peak
         # is kept apart so that the lease can still be sized by it.
         self.peak_bytes = max(self.memory) if peak_bytes is None else max(peak_bytes, max(self.memory))
+        # What the replay really holds at most (a summary-only pod replays its mean, below its peak), and the
+        # samples whose memory differs from the one before (cyclically): the only instants its memory changes.
+        self.max_memory = max(self.memory)
+        self.memory_changes = tuple(k for k in range(self.n) if self.memory[k] != self.memory[k - 1])
         self._busy, self._zero, self._memory_sum = [0.0], [0.0], [0.0]
         for d, m in zip(self.duty, self.memory, strict=True):
             self._busy.append(self._busy[-1] + d * self.step_s)
@@ -128,6 +141,10 @@ class GpuProfile:
 
     def duty_at(self, x: float) -> float:
         return self.duty[self._position(x)[1]]
+
+    def sample_at(self, x: float) -> int:
+        """The index of the sample in force at series time ``x``."""
+        return self._position(x)[1]
 
 
 @dataclass(frozen=True)

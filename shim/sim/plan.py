@@ -13,11 +13,16 @@ state at the time (which device, which peer) is left to the engine, which
 asks :func:`~shim.core.packing.pack` and :func:`~shim.core.reroute.decide`.
 
 A bundled pod is what Kubernetes does without weft: every container's
-requests and whole GPUs on one node.
+requests and whole GPUs on one node. A pod under KAI's GPU fractions
+(``Mode.KAI``) is bundled the same way, but its GPU stage asks for a share
+of one GPU: the share it declares, read and packed by the very code that
+sizes and packs weft's leases (:func:`gpu_share_ask`), so that the two differ
+only in what enforces the share (the engine: nothing under KAI).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 from shim.core.classify import ContainerAsk, Stage, StageAnnotationError, classify, requested_gpus
@@ -28,6 +33,7 @@ from shim.core.reroute import Resources
 from shim.sim.model import SPLIT_REQUEST, Mode, PodSpec
 
 BUNDLED_REASON = "bundled"
+KAI_REASON = "kai-fraction"
 SCHEDULED_REASON = "scheduled"
 
 
@@ -70,9 +76,23 @@ def plan_pod(pod: PodSpec, mode: Mode, device_bytes: int) -> Plan:
         stays = tuple((name, BUNDLED_REASON) for name in [c.name for c in pod.cpu] + [gpu.name])
         return Plan(True, pod.total_cpu, Ask(None, count=gpu.gpus), gpu.name, (), stays, "")
     try:
+        if mode is Mode.KAI:
+            # Bundled as the scheduler books it; the GPU stage's share as weft would lease it, unenforced.
+            stays = (*((c.name, BUNDLED_REASON) for c in pod.cpu), (gpu.name, KAI_REASON))
+            return Plan(True, pod.total_cpu, gpu_share_ask(gpu.name, pod.annotations, device_bytes, gpu.gpus),
+                        gpu.name, (), stays, "")
         return _plan_weft(pod, mode, device_bytes)
     except (StageAnnotationError, AnnotationError) as exc:
         return Plan(True, pod.total_cpu, None, gpu.name, (), (), str(exc))
+
+
+def gpu_share_ask(container: str, annotations: Mapping[str, str], device_bytes: int, count: int) -> Ask:
+    """The ask handed to ``pack()`` for a GPU stage: its declared memory share (``placement.gpu_ask``) on one GPU,
+    or ``count`` whole devices where it declares none or needs several GPUs (a share is one device's worth)."""
+    share = gpu_ask(container, annotations, device_bytes)
+    if share.memory_bytes is not None and count == 1:
+        return Ask(share.memory_bytes, share.compute_percent)
+    return Ask(None, count=count)
 
 
 def _plan_weft(pod: PodSpec, mode: Mode, device_bytes: int) -> Plan:
@@ -86,12 +106,7 @@ def _plan_weft(pod: PodSpec, mode: Mode, device_bytes: int) -> Plan:
     stays: list[tuple[str, str]] = []
     reroutes: list[tuple[str, Resources, Resources]] = []
     if classification.stage is Stage.GPU:
-        share = gpu_ask(gpu.name, annotations, device_bytes)
-        # A memory share is one device's worth at most; a multi-GPU stage keeps whole devices.
-        if share.memory_bytes is not None and count == 1:
-            ask = Ask(share.memory_bytes, share.compute_percent)
-        else:
-            ask = Ask(None, count=count)
+        ask = gpu_share_ask(gpu.name, annotations, device_bytes, count)
     elif classification.stage is Stage.LOCAL:
         ask = Ask(None, count=count)  # forwarded untouched: the device plugin's whole GPUs
     else:
