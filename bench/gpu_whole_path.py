@@ -6,13 +6,17 @@ plugin with shared replicas gave both the same device by its CDI name), and a pl
 through CDI. Each container runs weft's CUDA client (``shim/gpucheck/cuda_client.py``: the driver API through
 ctypes, a PTX kernel) from an image built here, offline, from this machine's Python; the client's answers are
 its log. Then the faults: the driver's CDI spec gone when a container is made, and an MPS daemon killed under a
-running pod.
+running pod. Last, on a containerd of its own, the node as the GPU Operator's toolkit leaves it: NVIDIA's runtime
+(``nvidia-container-runtime`` in CDI mode, injecting from the same CDI spec) the default and run by the ``weft``
+handler too, and an image whose config sets ``NVIDIA_VISIBLE_DEVICES=all``, as CUDA images do: a container of an
+opted-in pod that holds no lease sees no GPU, a leased one exactly its lease, a plain pod every GPU (the control).
 
 Everything is real but the GPU's side, which ``GpuSide`` stands for: on a GPU node (``scripts/gpu-proof.sh
 --whole-path``) NVML, the NVIDIA driver's MPS control and ``libcuda``, and the CDI spec ``nvidia-ctk cdi
 generate`` writes; in the integration test, the fakes the broker's and gpu-check's tests use.
 
     python -m bench.gpu_whole_path --out DIR [--starts 3] [--nvidia-ctk PATH] [--cdi-hook PATH] [--mps-control PATH]
+                                   [--nvidia-runtime PATH]
 
 writes DIR/whole-path.json (every check with its detail, the figures) and DIR/summary.txt; exit 0 when every
 check passed, 1 when one failed, 2 when it could not start.
@@ -22,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -44,10 +49,27 @@ from shim.gpucheck import cuda_client
 from shim.localfabric import images, pods
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.broker import weft_handler
-from shim.localfabric.containerd import Containerd
+from shim.localfabric.containerd import Containerd, RuntimeHandler
 
 CLIENT_IMAGE = "docker.io/library/weft-cuda-client:whole-path"
 CLIENT_IN_IMAGE = "/weft/cuda_client.py"
+# The same client in an image whose config asks for every GPU, as CUDA base images do (NVIDIA's runtime reads it).
+CUDA_LIKE_IMAGE = "docker.io/library/weft-cuda-client:visible-all"
+# Where that image's containers find a libcuda of their own, as a CUDA image carries one (its forward-compatibility
+# copy): the driver's, bound in by the proof, so the client can try the GPU where the runtime gave no driver.
+OWN_LIBCUDA = "/usr/local/cuda/compat/libcuda.so.1"
+# Run before the client: what the runtime put into the container (the GPU nodes under /dev; whether the driver's
+# libcuda is where the CDI spec mounts it), then the client on that libcuda, or on the image's own where it is not.
+PROBE = (
+    "import json, os, sys\n"
+    "injected, own = sys.argv[1:3]\n"
+    "nodes = sorted('/dev/' + n for n in os.listdir('/dev') if n.startswith('nvidia'))\n"
+    "lib = injected if os.path.exists(injected) else own\n"
+    "print(json.dumps({'op': 'driver', 'injected': lib == injected, 'libcuda': lib, 'nodes': nodes}), flush=True)\n"
+    f"sys.path.insert(0, {os.path.dirname(CLIENT_IN_IMAGE)!r})\n"
+    "import cuda_client\n"
+    "sys.exit(cuda_client.main(['--libcuda', lib, *sys.argv[3:]]))\n"
+)
 # How long the two shared pods hold before allocating, so both are running when their leases are read.
 HOLD_MS = 3000
 MIB = 1 << 20
@@ -67,6 +89,11 @@ class GpuSide:
     # The fake libcuda finds its MPS server by the host's PID: its pods share the host's PID namespace.
     host_pid: bool = False
     python: str = sys.executable  # whose interpreter and standard library the client's image carries
+    # NVIDIA's runtime (the toolkit's ``nvidia-container-runtime``) for the node as the GPU Operator leaves it.
+    nvidia_runtime: str = "nvidia-container-runtime"
+    # Whether libcuda is the driver's, which reaches a GPU only through its /dev/nvidia* nodes; the fake libcuda
+    # answers without them, so there a container without GPU nodes cannot show that CUDA finds no device.
+    real_driver: bool = True
 
 
 def libcuda_in(spec: dict) -> str:
@@ -78,6 +105,43 @@ def libcuda_in(spec: dict) -> str:
             if os.path.basename(path).startswith("libcuda.so"):
                 return str(Path(path).with_name("libcuda.so.1")) if path.endswith(".so.1") else path
     raise ValueError("the CDI spec mounts no libcuda.so into the container")
+
+
+def libcuda_on_host(spec: dict) -> str:
+    """The host's file the CDI spec mounts as ``libcuda.so`` (bound into a container that brings its own)."""
+    edits = [spec.get("containerEdits") or {}, *((d.get("containerEdits") or {}) for d in spec.get("devices", []))]
+    for edit in edits:
+        for mount in edit.get("mounts") or []:
+            if os.path.basename(str(mount.get("containerPath", ""))).startswith("libcuda.so"):
+                return str(mount.get("hostPath") or mount["containerPath"])
+    raise ValueError("the CDI spec mounts no libcuda.so into the container")
+
+
+def nvidia_toolkit_config(directory: Path, runtime: str, spec_dir: Path, runc: str) -> Path:
+    """NVIDIA's runtime as the GPU Operator's toolkit lays it out, in CDI mode: a config file, and a wrapper (to
+    name as containerd's ``BinaryName``) that gives the runtime that file (``NVIDIA_CTK_CONFIG_FILE_PATH`` from
+    v1.18, ``XDG_CONFIG_HOME`` before). Returns the wrapper; the runtime's debug log is beside it."""
+    config_dir = directory / "config"
+    config = config_dir / "nvidia-container-runtime" / "config.toml"
+    config.parent.mkdir(parents=True, exist_ok=True)
+    config.write_text(f"""accept-nvidia-visible-devices-envvar-when-unprivileged = true
+accept-nvidia-visible-devices-as-volume-mounts = false
+
+[nvidia-container-runtime]
+mode = "cdi"
+runtimes = ["{runc}"]
+log-level = "debug"
+debug = "{directory / 'nvidia-container-runtime.log'}"
+
+[nvidia-container-runtime.modes.cdi]
+default-kind = "nvidia.com/gpu"
+spec-dirs = ["{spec_dir}"]
+""")
+    wrapper = directory / "nvidia-container-runtime"
+    wrapper.write_text(f'#!/bin/sh\nNVIDIA_CTK_CONFIG_FILE_PATH={config} XDG_CONFIG_HOME={config_dir} '
+                       f'exec {runtime} "$@"\n')
+    wrapper.chmod(0o755)
+    return wrapper
 
 
 def nvidia_ctk_cdi(nvidia_ctk: str, cdi_hook: str, log: Path) -> Callable[[Path], Path]:
@@ -179,26 +243,42 @@ class WholePath:
         with contextlib.ExitStack() as stack:
             self.broker = Broker(cfg, backend=self.gpu.backend, mps=self.mps).start()
             stack.callback(self.broker.stop)
-            self.ctrd = stack.enter_context(Containerd(handlers=[weft_handler(self.work, cfg.socket)], line="2"))
-            self.spec_path, self.libcuda = self._cdi_spec()
-            archive = images.build_archive(
-                images.ImageSpec(CLIENT_IMAGE, ("python3",)), self.work / "client-image.tar",
-                extra_layers=(images.python_layer(self.gpu.python, {
-                    CLIENT_IN_IMAGE.lstrip("/"): Path(cuda_client.__file__).read_bytes()},
-                    libraries_of=[self.libcuda]),))
-            self.ctrd.import_image(archive, CLIENT_IMAGE)
-            self.agent = stack.enter_context(AgentProcess(self.ctrd, self.work / "agent",
-                                                          extra_args=["--broker-socket", str(cfg.socket)]))
-            self.rt = cri_grpc.RuntimeServiceStub(stack.enter_context(grpc.insecure_channel(self.agent.address)))
-            self.direct = cri_grpc.RuntimeServiceStub(stack.enter_context(self.ctrd.channel()))
-            for step in (self.plain_whole_gpu, self.two_shares, self.released, self.start_times, self.cdi_missing,
-                         self.mps_killed, self.nothing_left):
-                try:
-                    step()
-                except (Failed, grpc.RpcError, RuntimeError, ValueError, KeyError) as exc:
-                    self.check(step.__name__.replace("_", "-"), False, f"stopped: {_reason(exc)}")
-                    self._remove_all()
+            with contextlib.ExitStack() as node:
+                self.ctrd = node.enter_context(Containerd(handlers=[weft_handler(self.work, cfg.socket)], line="2"))
+                self.spec_path, self.libcuda = self._cdi_spec()
+                self.spec_text = self.spec_path.read_text()
+                self.client_layer = images.python_layer(self.gpu.python, {
+                    CLIENT_IN_IMAGE.lstrip("/"): Path(cuda_client.__file__).read_bytes()}, libraries_of=[self.libcuda])
+                archive = images.build_archive(images.ImageSpec(CLIENT_IMAGE, ("python3",)),
+                                               self.work / "client-image.tar", extra_layers=(self.client_layer,))
+                self.ctrd.import_image(archive, CLIENT_IMAGE)
+                self._open_node(node, self.work / "agent")
+                for step in (self.plain_whole_gpu, self.two_shares, self.released, self.start_times,
+                             self.cdi_missing, self.mps_killed, self.nothing_left):
+                    self._step(step)
+            # After the first node is gone (its agent and containerd with it): a node of its own, NVIDIA's runtime
+            # the default, on the same broker.
+            try:
+                self.nvidia_runtime()
+            except (Failed, grpc.RpcError, RuntimeError, ValueError, KeyError, OSError,
+                    subprocess.SubprocessError) as exc:
+                self.check("nvidia-runtime", False, f"stopped: {_reason(exc)}")
         return self.document()
+
+    def _open_node(self, stack: contextlib.ExitStack, agent_dir: Path) -> None:
+        """The agent on ``self.ctrd``, and the CRI clients the steps use: through it, and to containerd alone."""
+        self.agent = stack.enter_context(AgentProcess(self.ctrd, agent_dir,
+                                                      extra_args=["--broker-socket", str(self.broker.cfg.socket)]))
+        self.rt = cri_grpc.RuntimeServiceStub(stack.enter_context(grpc.insecure_channel(self.agent.address)))
+        self.direct = cri_grpc.RuntimeServiceStub(stack.enter_context(self.ctrd.channel()))
+
+    def _step(self, step: Callable[[], None], name: str = "") -> None:
+        """Run a step; one that cannot go on is recorded as its failed check, and what it left is removed."""
+        try:
+            step()
+        except (Failed, grpc.RpcError, RuntimeError, ValueError, KeyError) as exc:
+            self.check(name or step.__name__.replace("_", "-"), False, f"stopped: {_reason(exc)}")
+            self._remove_all()
 
     def _cdi_spec(self) -> tuple[Path, str]:
         """The driver's CDI spec and where it puts libcuda in a container. Where the toolkit cannot write one
@@ -516,7 +596,7 @@ class WholePath:
                    f"{mib * 3 // 4} MiB more ({allocs[1].get('error', 'granted' if allocs[1].get('ok') else '?')})")
         self._remove(sb)
 
-    def nothing_left(self) -> None:
+    def nothing_left(self, name: str = "nothing-left") -> None:
         self._remove_all()
         _waited, left = self._wait_no_leases()
         mps = self._wait_no_mps()
@@ -524,9 +604,120 @@ class WholePath:
         sandboxes = self.direct.ListPodSandbox(cri.ListPodSandboxRequest(), timeout=30).items
         with open("/proc/self/mountinfo") as f:
             mounts = [line.split()[4] for line in f if str(self.mps_dir) in line]
-        self.check("nothing-left", not (left or mps or containers or sandboxes or mounts),
+        self.check(name, not (left or mps or containers or sandboxes or mounts),
                    f"leases {len(left)}, MPS processes {mps}, containers {len(containers)}, "
                    f"sandboxes {len(sandboxes)}, mounts under the MPS directory {mounts}")
+
+    # -- beside the GPU Operator: NVIDIA's runtime the default ---------------
+    def nvidia_runtime(self) -> None:
+        """A node as the GPU Operator's toolkit leaves it: containerd's default runtime NVIDIA's
+        (``nvidia-container-runtime``, CDI mode: it injects what ``NVIDIA_VISIBLE_DEVICES`` names from the driver's
+        CDI spec, no libnvidia-container), and the ``weft`` handler running it too (``weft install`` copies the
+        default runtime). Every container comes from an image whose config sets ``NVIDIA_VISIBLE_DEVICES=all`` and
+        that brings a libcuda of its own, asks for no CDI device, and runs the client after a look at what the
+        runtime put into it."""
+        runtime = shutil.which(self.gpu.nvidia_runtime)
+        if runtime is None:
+            raise Failed(f"no NVIDIA runtime at {self.gpu.nvidia_runtime!r} (the toolkit's nvidia-container-runtime)")
+        runc = shutil.which("runc")
+        if runc is None:
+            raise Failed("no runc on PATH for NVIDIA's runtime to run")
+        toolkit = self.work / "nvidia"
+        toolkit.mkdir(parents=True, exist_ok=True)
+        wrapper = toolkit / "nvidia-container-runtime"  # written once containerd has its CDI directory
+        nvidia = RuntimeHandler("nvidia", binary_name=str(wrapper))
+        weft = dataclasses.replace(weft_handler(toolkit, self.broker.cfg.socket), binary_name=str(wrapper))
+        self.own_libcuda = libcuda_on_host(json.loads(self.spec_text))
+        self.figures["nvidia_runtime"] = {}
+        with contextlib.ExitStack() as node:
+            self.ctrd = node.enter_context(Containerd(handlers=[nvidia, weft], default_runtime="nvidia", line="2"))
+            # One spec directory for containerd and the runtime, as /var/run/cdi is on a GPU Operator's node.
+            (self.ctrd.cdi_spec_dir / self.spec_path.name).write_text(self.spec_text)
+            nvidia_toolkit_config(toolkit, runtime, self.ctrd.cdi_spec_dir, runc)
+            archive = images.build_archive(
+                images.ImageSpec(CUDA_LIKE_IMAGE, ("python3",), env=("NVIDIA_VISIBLE_DEVICES=all",)),
+                self.work / "cuda-like-image.tar", extra_layers=(self.client_layer,))
+            self.ctrd.import_image(archive, CUDA_LIKE_IMAGE)
+            self._open_node(node, self.work / "agent-nvidia")
+            for step in (self.nvidia_plain, self.nvidia_no_lease, self.nvidia_leased):
+                self._step(step, step.__name__.replace("nvidia_", "nvidia-runtime.").replace("_", "-"))
+            self._step(lambda: self.nothing_left("nvidia-runtime.nothing-left"), "nvidia-runtime.nothing-left")
+
+    def _probe(self, pod: str, *, weft: bool, share: int | None = None,
+               envs: dict[str, str] | None = None) -> dict[str, Any]:
+        """A container of the image that asks for every GPU, its pod made through the agent: what the runtime
+        put into it, what the client then saw, and the lease it held (removed once it exited)."""
+        sb, cfg = self._pod(pod, weft=weft, share=share)
+        argv = ["python3", "-I", "-S", "-c", PROBE, self.libcuda, OWN_LIBCUDA, "--max-seconds",
+                str(int(self.step_timeout)), "--commands", "devices; init; exit"]
+        ccfg = pods.container_config("cuda", argv, image=CUDA_LIKE_IMAGE, envs={**self.gpu.client_env, **(envs or {})},
+                                     host_network=True, host_pid=self.gpu.host_pid)
+        ccfg.linux.resources.memory_limit_in_bytes = 4 << 30
+        ccfg.mounts.add(container_path=OWN_LIBCUDA, host_path=self.own_libcuda, readonly=True)
+        cid = self.rt.CreateContainer(cri.CreateContainerRequest(pod_sandbox_id=sb, config=ccfg, sandbox_config=cfg),
+                                      timeout=self.step_timeout).container_id
+        self.rt.StartContainer(cri.StartContainerRequest(container_id=cid), timeout=self.step_timeout)
+        leases = [lease for lease in self.leases() if lease.container_id == cid]
+        code, answers = self._exited(cid)
+        tail = "" if answers else self._log_tail(cid)
+        self._remove(sb)
+        by_op = _by_op(answers)
+        driver, devices, init = by_op.get("driver", {}), by_op.get("devices", {}), by_op.get("init", {})
+        load = by_op.get("load", {})
+        seen = {"exit": code, "nodes": driver.get("nodes"), "driver_injected": driver.get("injected"),
+                "libcuda": driver.get("libcuda"), "env": devices.get("env"),
+                "init": (f"ok, {init.get('sms')} SMs" if init.get("ok") else init.get("error", "no answer")),
+                "leases": [f"{lease.lease_id} {lease.state} on {','.join(lease.device_uuids)}" for lease in leases]}
+        self.figures["nvidia_runtime"][pod] = seen
+        return {**seen, "init_ok": init.get("ok"), "load": load, "lease_list": leases, "tail": tail}
+
+    @staticmethod
+    def _said(seen: dict[str, Any]) -> str:
+        said = (f"exit {seen['exit']}; GPU nodes {seen['nodes']}; the driver's libcuda "
+                f"{'injected' if seen['driver_injected'] else 'absent'}; visible devices {seen['env']}; "
+                f"the client on {seen['libcuda']}: init {seen['init']}; leases {seen['leases'] or 'none'}")
+        if seen["load"].get("ok") is False:
+            said += f"; {seen['load'].get('error')}"
+        if seen["tail"]:
+            said += f"; the client said nothing, its log ends: {seen['tail']!r}"
+        return said
+
+    def nvidia_plain(self) -> None:
+        """The control: a plain pod's container under the default runtime gets every GPU, because of the image's
+        variable alone (it asks for no CDI device), and takes no lease."""
+        seen = self._probe("nvidia-plain", weft=False)
+        gpus = [n for n in seen["nodes"] or [] if n.removeprefix("/dev/nvidia").isdigit()]
+        self.check("nvidia-runtime.plain", seen["exit"] == 0 and bool(seen["driver_injected"]) and bool(gpus)
+                   and seen["init_ok"] is True and not seen["lease_list"],
+                   "the runtime honours the image's NVIDIA_VISIBLE_DEVICES=all: " + self._said(seen))
+
+    def nvidia_no_lease(self) -> None:
+        """An opted-in pod's container that asks for no GPU and so holds no lease: though its image asks for every
+        GPU, the runtime injects nothing (the agent set NVIDIA_VISIBLE_DEVICES=void over the image's value), so no
+        GPU node and no driver; CUDA, on the libcuda the image brings, finds no device."""
+        seen = self._probe("nvidia-no-lease", weft=True)
+        shown = (seen["exit"] == 0 and seen["nodes"] == [] and seen["driver_injected"] is False
+                 and (seen["env"] or {}).get("NVIDIA_VISIBLE_DEVICES") == "void" and not seen["lease_list"])
+        if self.gpu.real_driver:
+            self.check("nvidia-runtime.no-lease", shown and seen["init_ok"] is False, self._said(seen))
+            return
+        self.check("nvidia-runtime.no-lease", shown and seen["init_ok"] is not None,
+                   self._said(seen) + "; not shown here: that CUDA finds no device without the nodes (this libcuda "
+                   "is a stand-in that answers without /dev/nvidia* nodes; on a GPU node the driver's cuInit must "
+                   "fail for this check to pass)")
+
+    def nvidia_leased(self) -> None:
+        """An opted-in GPU container, given its GPU as NVIDIA's device plugin gives it by default (its UUID in
+        NVIDIA_VISIBLE_DEVICES, no CDI device), sees exactly its lease: that GPU's node alone, its UUID."""
+        uuid = self.device.uuid
+        seen = self._probe("nvidia-leased", weft=True, share=25, envs={"NVIDIA_VISIBLE_DEVICES": uuid})
+        env = seen["env"] or {}
+        held = seen["lease_list"]
+        self.check("nvidia-runtime.leased", seen["exit"] == 0 and len(held) == 1 and held[0].state == "bound"
+                   and list(held[0].device_uuids) == [uuid] and bool(seen["driver_injected"])
+                   and self.own_device_node(seen["nodes"] or []) and env.get("CUDA_VISIBLE_DEVICES") == uuid
+                   and env.get("NVIDIA_VISIBLE_DEVICES") in (uuid, "void") and seen["init_ok"] is True,
+                   self._said(seen) + f"; leased {uuid}")
 
 
 def _by_op(answers: list[dict]) -> dict[str, Any]:
@@ -560,6 +751,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cdi-hook", default="nvidia-cdi-hook", help="the toolkit's hook the CDI spec runs")
     p.add_argument("--mps-control", default=shutil.which("nvidia-cuda-mps-control") or "nvidia-cuda-mps-control",
                    help="the driver's MPS control binary")
+    p.add_argument("--nvidia-runtime", default="nvidia-container-runtime",
+                   help="the toolkit's nvidia-container-runtime, run in CDI mode as containerd's default runtime")
     args = p.parse_args(argv)
     from shim.broker.nvml import NvmlBackend, NvmlError
 
@@ -576,7 +769,7 @@ def main(argv: list[str] | None = None) -> int:
         fallback = None
     gpu = GpuSide(backend=backend, mps_binary=args.mps_control,
                   write_cdi=nvidia_ctk_cdi(args.nvidia_ctk, args.cdi_hook, args.out / "nvidia-ctk.log"),
-                  fallback_cdi=fallback)
+                  fallback_cdi=fallback, nvidia_runtime=args.nvidia_runtime)
     work = Path(tempfile.mkdtemp(prefix="weft-wp-"))
     try:
         doc = WholePath(gpu, work, starts=args.starts).run()
@@ -585,8 +778,12 @@ def main(argv: list[str] | None = None) -> int:
                "figures": {}}
     finally:
         backend.close()
-        with contextlib.suppress(OSError):  # the agent's log explains a failed check
-            shutil.copy(work / "agent" / "weft.log", args.out / "agent.log")
+        # The agents' logs, and NVIDIA runtime's, explain a failed check.
+        for log, kept in ((work / "agent" / "weft.log", "agent.log"),
+                          (work / "agent-nvidia" / "weft.log", "agent-nvidia.log"),
+                          (work / "nvidia" / "nvidia-container-runtime.log", "nvidia-runtime.log")):
+            with contextlib.suppress(OSError):
+                shutil.copy(log, args.out / kept)
         shutil.rmtree(work, ignore_errors=True)
     (args.out / "whole-path.json").write_text(json.dumps(doc, indent=2) + "\n")
     text = summary(doc)

@@ -7,7 +7,10 @@
 #                  CDI spec written by the NVIDIA container toolkit (nvidia-ctk, with its nvidia-cdi-hook), the
 #                  agent's CRI socket, the weft handler and OCI hook, the broker on NVML with MPS; two opted-in
 #                  pods sharing the GPU at 25 % and 50 %, a plain pod with the whole GPU, the CDI spec missing,
-#                  an MPS daemon killed under a running pod
+#                  an MPS daemon killed under a running pod; then the node as the GPU Operator's toolkit leaves it
+#                  (NVIDIA's nvidia-container-runtime, CDI mode, containerd's default and run by the weft handler):
+#                  from an image setting NVIDIA_VISIBLE_DEVICES=all, an opted-in container without a lease sees no
+#                  GPU, a leased one its lease, a plain one every GPU
 #
 #   scripts/gpu-proof.sh --prepare [--whole-path]
 #        on a machine that reaches PyPI (and, for --whole-path, the Go module proxy): download what the proof
@@ -16,7 +19,8 @@
 #        and packs dist/gpu-proof-carry.tar.xz: containerd, its runc shim and ctr (the checkout's containerd 2
 #        pin, components/containerd/build.sh), runc with its libseccomp, iproute2's ip with its libraries and
 #        busybox-static (this machine's, from Debian's packages), nvidia-ctk and nvidia-cdi-hook (built from the
-#        Go module github.com/NVIDIA/nvidia-container-toolkit at NVIDIA_CTK_VERSION), and the native OCI hook
+#        Go module github.com/NVIDIA/nvidia-container-toolkit at NVIDIA_CTK_VERSION), nvidia-container-runtime
+#        (the same module and version, components/nvidia-toolkit/build.sh 1.20), and the native OCI hook
 #        (hooks/native.py)
 #   scripts/gpu-proof.sh [--whole-path] [OUT_DIR]
 #        on the GPU machine, as root, from the source checkout with dist/ beside it; reaches no registry.
@@ -61,7 +65,7 @@ wrap() {
 }
 
 prepare_carry() {
-  local tmp out line_bin seccomp
+  local tmp out line_bin seccomp toolkit_bin
   tmp="$(mktemp -d /tmp/weft-gpu-carry.XXXXXX)"
   out="$tmp/gpu-proof-carry"
   mkdir -p "$out/bin" "$out/libexec" "$out/lib"
@@ -74,6 +78,14 @@ prepare_carry() {
     "github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-ctk@$NVIDIA_CTK_VERSION" \
     "github.com/NVIDIA/nvidia-container-toolkit/cmd/nvidia-cdi-hook@$NVIDIA_CTK_VERSION" \
     || die "building nvidia-ctk $NVIDIA_CTK_VERSION failed"
+  # NVIDIA's runtime, as the GPU Operator's toolkit installs it (the proof runs it in CDI mode: it needs no
+  # libnvidia-container), from the toolkit line the tests build, which must be the version nvidia-ctk is.
+  toolkit_bin="$(bash "$ROOT/components/nvidia-toolkit/build.sh" 1.20 | tail -n 1)" \
+    || die "components/nvidia-toolkit/build.sh 1.20 failed"
+  cp "$toolkit_bin/nvidia-container-runtime" "$out/bin/" || die "no nvidia-container-runtime in $toolkit_bin"
+  [ "$("$out/bin/nvidia-container-runtime" --version | head -n 1)" \
+    = "NVIDIA Container Runtime version ${NVIDIA_CTK_VERSION#v}" ] \
+    || die "nvidia-container-runtime is not $NVIDIA_CTK_VERSION (pinned in components/nvidia-toolkit/versions.env)"
   # Debian's runc loads libseccomp, which the GPU machine may not have: both go, runc behind a wrapper.
   cp "$(command -v runc)" "$out/libexec/runc" || die "no runc here"
   seccomp="$(ldd "$(command -v runc)" | awk '/libseccomp/ {print $3}')"
@@ -94,6 +106,7 @@ prepare_carry() {
     echo "ctr: $("$out/bin/ctr" --version)"
     echo "runc: $("$out/bin/runc" --version | head -n 1)"
     echo "nvidia-ctk: $("$out/bin/nvidia-ctk" --version | head -n 1)"
+    echo "nvidia-container-runtime: $("$out/bin/nvidia-container-runtime" --version | head -n 1)"
     echo "busybox: $("$out/bin/busybox" | head -n 1)"
     echo "ip: $("$out/bin/ip" -V)"
     echo "weft-oci-hook: native, $(find "$out/cache/hook" -name weft-oci-hook | head -n 1 | sed "s|$out/||")"
@@ -194,7 +207,8 @@ if [ "$WHOLE" -eq 1 ]; then
     WEFT_HARNESS_CACHE="$SITE/harness-cache" WEFT_CACHE_ROOT="$SITE/gpu-proof-carry/cache"
   # 4. The whole path: bench.gpu_whole_path checks, records and cleans up after itself.
   timeout 540 "$PY" -m bench.gpu_whole_path --out "$OUT" --nvidia-ctk "$BIN/nvidia-ctk" \
-    --cdi-hook "$BIN/nvidia-cdi-hook" > "$OUT/whole-path.out" 2> "$OUT/whole-path.log"
+    --cdi-hook "$BIN/nvidia-cdi-hook" --nvidia-runtime "$BIN/nvidia-container-runtime" \
+    > "$OUT/whole-path.out" 2> "$OUT/whole-path.log"
   rc=$?
   cat "$OUT/whole-path.out" >> "$OUT/summary.txt"
   cat "$OUT/whole-path.out"

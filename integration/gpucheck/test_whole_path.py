@@ -6,6 +6,10 @@ supervisor and watchdog, the client's image (built from this machine's Python) a
 NVML the broker reads, the MPS control binary, ``libcuda`` (``tests/gpucheck/fake_libcuda.c``, which holds an MPS
 client to its daemon's limits) and the driver's CDI spec, written here as ``nvidia-ctk`` would write it for two GPUs
 (their device nodes stand in by ``/dev/null``'s, the fake libcuda and its world mounted by the spec's edits).
+Beside the GPU Operator, NVIDIA's real runtime (``nvidia-container-runtime`` v1.20, the toolkit line the proof
+carries, built from the module by components/nvidia-toolkit/build.sh) runs in CDI mode from that spec; there the
+fake libcuda answers without device nodes, so only the runtime's side shows (no node, no driver injected, the
+variable ``void``), and the check says so.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import psutil
 import pynvml
 import pytest
 
-from bench.gpu_whole_path import GpuSide, WholePath, libcuda_in, own_cdi, summary
+from bench.gpu_whole_path import GpuSide, WholePath, libcuda_in, libcuda_on_host, own_cdi, summary
+from integration.harness import binaries
 from shim.broker.backend import GpuDevice
 from shim.broker.nvml import NvmlBackend
 from tests.broker.fakes import A100, T4, FakeNvml, install_fake_mps
@@ -61,7 +66,8 @@ def proof(tmp_path: Path) -> dict:
     nvml.nvmlDeviceGetMinorNumber = no_minor
     backend = NvmlBackend(library=nvml)
     gpu = GpuSide(backend=backend, mps_binary=install_fake_mps(tmp_path / "bin"),
-                  write_cdi=fake_cdi(libcuda, world), host_pid=True)
+                  write_cdi=fake_cdi(libcuda, world), host_pid=True,
+                  nvidia_runtime=str(binaries.nvidia_toolkit("1.20") / "nvidia-container-runtime"), real_driver=False)
     work = tmp_path / "work"
     try:
         doc = WholePath(gpu, work, starts=2, step_timeout=60).run()
@@ -81,7 +87,8 @@ def test_the_whole_path_is_proven_on_the_fake_gpu(proof: dict) -> None:
         "cdi.spec", "plain.whole-gpu", "shares.leases", "share-25.device", "share-25.memory", "share-25.compute",
         "share-50.device", "share-50.memory", "share-50.compute", "released", "start-times", "fault.cdi-missing",
         "fault.cdi-stale", "fault.mps-killed.client", "fault.mps-killed.released", "fault.mps-killed.next-pod",
-        "nothing-left"]
+        "nothing-left", "nvidia-runtime.plain", "nvidia-runtime.no-lease", "nvidia-runtime.leased",
+        "nvidia-runtime.nothing-left"]
     figures = proof["figures"]
     assert figures["device"]["uuid"] == A100
     # The plain pod had the whole GPU (both devices' nodes, all 132 SMs); each share ran on its part of the SMs, as
@@ -95,6 +102,21 @@ def test_the_whole_path_is_proven_on_the_fake_gpu(proof: dict) -> None:
     for fault in ("fault.cdi-missing", "fault.cdi-stale"):
         assert f"unresolvable CDI devices nvidia.com/gpu={A100}" in by_name[fault]["detail"]
     assert "CUDA_ERROR_MPS_CONNECTION_FAILED" in by_name["fault.mps-killed.client"]["detail"]
+    # NVIDIA's runtime the default, every image asking for all GPUs: the plain pod got every GPU from the runtime
+    # alone; the opted-in container without a lease got nothing, its variable void; the leased one its GPU.
+    seen = figures["nvidia_runtime"]
+    assert (seen["nvidia-plain"]["nodes"], seen["nvidia-plain"]["driver_injected"], seen["nvidia-plain"]["leases"]) \
+        == (["/dev/nvidia0", "/dev/nvidia1"], True, [])
+    assert seen["nvidia-plain"]["init"].startswith("ok")
+    no_lease = seen["nvidia-no-lease"]
+    assert (no_lease["nodes"], no_lease["driver_injected"], no_lease["env"], no_lease["leases"]) == (
+        [], False, {"NVIDIA_VISIBLE_DEVICES": "void"}, [])
+    assert no_lease["libcuda"] == "/usr/local/cuda/compat/libcuda.so.1"
+    assert "not shown here: that CUDA finds no device" in by_name["nvidia-runtime.no-lease"]["detail"]
+    leased = seen["nvidia-leased"]
+    assert (leased["nodes"], leased["driver_injected"], leased["env"]["CUDA_VISIBLE_DEVICES"]) == (
+        ["/dev/nvidia0"], True, A100)
+    assert leased["init"].startswith("ok") and leased["leases"][0].endswith(f"bound on {A100}")
 
 
 def test_where_the_spec_puts_libcuda() -> None:
@@ -103,8 +125,35 @@ def test_where_the_spec_puts_libcuda() -> None:
         {"hostPath": "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04",
          "containerPath": "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"}]}}
     assert libcuda_in(spec) == "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"
+    assert libcuda_on_host(spec) == "/usr/lib/x86_64-linux-gnu/libcuda.so.580.159.04"
+    assert libcuda_on_host({"devices": [{"containerEdits": {"mounts": [
+        {"hostPath": "/opt/fake/libcuda.so", "containerPath": "/usr/lib/libcuda.so.1"}]}}]}) == "/opt/fake/libcuda.so"
     with pytest.raises(ValueError, match=r"no libcuda\.so"):
         libcuda_in({"devices": [{"name": "0", "containerEdits": {}}]})
+    with pytest.raises(ValueError, match=r"no libcuda\.so"):
+        libcuda_on_host({})
+
+
+@pytest.mark.parametrize("real_driver", [True, False])
+def test_a_container_without_a_lease_passes_on_a_real_driver_only_where_cuda_finds_no_device(
+        real_driver: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # What the fake libcuda answers in a container with no GPU node: init ok. On a real driver that fails the check;
+    # on the fake it passes on what the runtime did, and says what it could not show.
+    proof = WholePath(GpuSide(backend=None, mps_binary="", write_cdi=lambda d: d, real_driver=real_driver), tmp_path)
+    seen = {"exit": 0, "nodes": [], "driver_injected": False, "libcuda": "/usr/local/cuda/compat/libcuda.so.1",
+            "env": {"NVIDIA_VISIBLE_DEVICES": "void"}, "init": "ok, 132 SMs", "leases": [], "init_ok": True,
+            "load": {"op": "load", "ok": True}, "lease_list": [], "tail": ""}
+    monkeypatch.setattr(proof, "_probe", lambda *a, **k: seen)
+    proof.nvidia_no_lease()
+    [check] = proof.checks
+    assert check["result"] == ("fail" if real_driver else "ok")
+    assert ("not shown here" in check["detail"]) is not real_driver
+    seen.update(init_ok=False, init="CUDA_ERROR_NO_DEVICE")
+    proof.nvidia_no_lease()
+    assert proof.checks[-1]["result"] == "ok"
+    seen.update(nodes=["/dev/nvidia0", "/dev/nvidiactl"])  # a GPU node: fails whatever CUDA says
+    proof.nvidia_no_lease()
+    assert proof.checks[-1]["result"] == "fail"
 
 
 def test_where_the_toolkit_writes_no_spec_the_proof_says_so_and_goes_on_with_its_own(tmp_path: Path) -> None:

@@ -46,7 +46,7 @@ def kube(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
                   json.dumps({"status": {"capacity": {"nvidia.com/gpu": str(GPUS)},
                                          "allocatable": {"nvidia.com/gpu": str(GPUS)}}}))
         with Kueue(c.control, tmp_path_factory.mktemp("kueue")) as kueue:
-            fixture.report(request.config, f"[weft kube] kueue started in {kueue.timings['kueue start']:.1f} s")
+            fixture.report(request.config, f"kueue started in {kueue.timings['kueue start']:.1f} s")
             apply(c,
                   {"apiVersion": API, "kind": "ResourceFlavor", "metadata": {"name": "default"}},
                   {"apiVersion": API, "kind": "ClusterQueue", "metadata": {"name": QUEUE}, "spec": {
@@ -62,8 +62,8 @@ def kube(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
             try:
                 yield c
             finally:
-                fixture.report(request.config, "[weft kube] kueue log tail:\n" + kueue.log()[-1500:]
-                               if request.session.testsfailed else "[weft kube] kueue stopped")
+                fixture.report(request.config, "kueue log tail:\n" + kueue.log()[-1500:]
+                               if request.session.testsfailed else "kueue stopped")
 
 
 def _job(name: str, *, opted_in: bool, gpus: int = 1, parallelism: int = 1, priority: str = "low") -> dict:
@@ -128,6 +128,12 @@ def _delete_jobs(kube: KubeCluster, *names: str) -> None:
     wait_for(lambda: not any(_pods(kube, n) for n in names), timeout=120, what="the jobs' pods gone")
     wait_for(lambda: not _shadows(kube) and not _reservations(kube), timeout=120,
              what="no shadow or reservation left on the host")
+    wait_for(lambda: not _workloads(kube) and not any(q != "0" for q in _queue_usage(kube).values()), timeout=120,
+             what="the jobs' workloads gone and the queue's usage released")
+
+
+def _workloads(kube: KubeCluster) -> list[dict]:
+    return json.loads(kube.kubectl("get", "workloads.kueue.x-k8s.io", "-A", "-o", "json").stdout)["items"]
 
 
 def _until_prep_runs(kube: KubeCluster, job: str, pods: int = 1) -> float:
@@ -159,7 +165,7 @@ def test_an_opted_in_job_admitted_by_kueue_is_booked_as_without_weft_and_its_cpu
         assert r["spec"]["nodeName"] == HOST
         workloads = json.loads(kube.kubectl("get", "workloads.kueue.x-k8s.io", "-A", "-o", "json").stdout)["items"]
         assert {w["metadata"]["namespace"] for w in workloads} == {"default"}, "a reservation pod is no workload"
-        fixture.report(request.config, f"[weft kube] kueue: job created to its CPU stage running, opted in "
+        fixture.report(request.config, f"kueue: job created to its CPU stage running, opted in "
                                        f"{weft_s:.1f} s vs not opted in {plain_s:.1f} s ({weft_s / plain_s:.2f}x)")
     finally:
         _delete_jobs(kube, "plain-job", "weft-job")
@@ -196,7 +202,7 @@ def test_kueue_preempting_an_opted_in_job_stops_its_shadow_before_the_preemptor_
         assert any(c["type"] == "Evicted" and c["status"] == "True" for c in evicted), evicted
         assert not _shadows(kube), "the preempted job's shadow is gone"
         assert samples["taken"] > 0 and samples["overlap"] == 0, samples
-        fixture.report(request.config, f"[weft kube] kueue preemption: {samples['overlap']} of {samples['taken']} "
+        fixture.report(request.config, f"kueue preemption: {samples['overlap']} of {samples['taken']} "
                                        f"samples with the shadow and the preemptor running; preemptor ran "
                                        f"{took:.1f} s after it was queued")
     finally:

@@ -25,7 +25,8 @@ starts a section; each ``- `` line starts an assumption.
   (kube-scheduler retries unschedulable pods; there is no head-of-line blocking). A pod that would not fit even an
   empty node is reported as never placed and left out of the time statistics.
 - Node, link and agent failures, image pulls, and the latency of the stitched localhost between a rerouted CPU stage
-  and its GPU stage are not modelled: a pod runs for the same time in every mode.
+  and its GPU stage are not modelled: a pod runs for the same time in every mode. The one failure modelled is a GPU
+  stage running out of GPU memory (see Out of memory), which restarts its container in place.
 
 ## Modes
 - bundled: the whole pod (every container's requests, and whole GPUs through ``packing.pack`` with a whole-device
@@ -48,6 +49,15 @@ starts a section; each ``- `` line starts an assumption.
   reservation is bound at the instant the stage is admitted: the gap between the two in a real cluster (where a
   plain pod bound in between makes kubelet refuse the reservation and the stage be placed afresh), preemption and
   eviction of reservations are not modelled; reservations carry no priority of their own here.
+- kai-fractions: KAI scheduler's GPU sharing (a pod's ``gpu-fraction`` or ``gpu-memory`` annotation) as KAI does it
+  by default, with no memory limit between the pods on one GPU (its documentation: "By default, KAI Scheduler does
+  not enforce memory allocation limits or perform memory isolation between processes"): the pod is bound whole to
+  a GPU node as in bundled (every container's requests on the node's books), and its GPU stage holds a share of one
+  GPU: the share it declares (``weft.io/gpu-memory.<c>``, sized by ``--lease`` as weft's lease is), read by
+  ``placement.gpu_ask`` and placed by ``packing.pack`` exactly as weft's lease, so the two differ in what enforces
+  the share alone. KAI's own choice of GPU (its binpack or spread of fractions) is not modelled; a stage that needs
+  several GPUs takes whole ones. Nothing holds a stage to its share: it may use what the others on its GPU leave
+  (see Out of memory).
 - Sharing a GPU between pods needs the device plugin to advertise shared replicas (or a DRA driver with shared
   claims): the model assumes the scheduler binds a weft pod only to a node whose broker can pack its GPU stage, and
   that the broker may use any GPU of that node.
@@ -59,7 +69,8 @@ starts a section; each ``- `` line starts an assumption.
   kernel runs, what nvidia-smi and GenTD26 call utilisation), not SM or tensor-core activity, which are lower. Held
   is a GPU with at least one pod or lease on it; GPUs nobody holds are not in the denominator (the utilisation of
   all installed GPUs is reported beside it).
-- Busy seconds are the same work in every mode: a GPU stage's series is replayed from the moment its pod starts.
+- Busy seconds are the same work in every mode: a GPU stage's series is replayed from the moment its pod starts,
+  less the time its container is down after running out of memory (see Out of memory), when it does no work.
   Sharing a GPU does not slow a stage down in the model; where the duty cycles of the stages on one GPU add up to
   more than 100 %, that share of held GPU time is reported as oversubscribed (sampled at 400 evenly spaced
   instants) instead of stretching the work.
@@ -76,6 +87,30 @@ starts a section; each ``- `` line starts an assumption.
   hosted stage, so the share is 0 by construction (the engine stops with an error if a reserved node ever ran
   over). A CPU stage that fell back to a GPU node whose books held only its token request is reported as
   vCPU-hours over that node's capacity.
+
+## Out of memory
+- A GPU stage holds, at each moment, the GPU memory its series says (replayed from its pod's start, as its duty
+  cycle is). An allocation fails, and the stage's container with it, where it does not fit: in weft's modes above
+  the stage's own lease (MPS caps each client's memory at its lease and the broker's watchdog kills a container
+  that holds more), so only the stage that overran fails; in kai-fractions and bundled beyond what its GPU has left
+  beside the memory the other stages on it hold now, whoever overran: the stage whose memory grew at that instant
+  fails, also when it asked no more than its own share (counted as within its own share: a neighbour's overrun).
+  Checked at every change of a stage's memory and at every start of its container; at one instant memory is freed
+  first, then taken in the order the leases were.
+- A failed container is restarted in place, as kubelet restarts the containers of a serving pod's Deployment
+  (restartPolicy Always): after a back-off of 10 s that doubles with each failure to at most 300 s and is reset once
+  the container has run 10 minutes. The pod keeps its node, GPU, share and lifetime (a serving pod's run time is its
+  lifetime in the trace; in weft the restarted container's new lease is taken to be the one it left). While down,
+  the stage holds its share and does no work; restarted, it holds what its series holds then, so a stage still
+  above its lease, or beside neighbours that still leave it no room, fails again at once (a crash loop). Re-placing
+  the pod instead, or re-running its whole lifetime, would count serving time as lost work. The time a restarted
+  server takes to load its model, and the requests in flight when it failed, are not modelled: the GPU-hours lost
+  are a lower bound.
+- A GenTD26 pod replayed from the summary holds its mean memory throughout, so only pods with a full series ever
+  change their memory; a share at the pod's peak (``--lease peak``) is never exceeded, in any mode.
+- Reported per mode: failures (each failed start or restart counts), those of stages within their own share, the
+  GPU stages that failed at least once, the GPU-hours their shares were held while down (a share is its memory over
+  the GPU's; a whole GPU is 1) and the busy GPU-hours their series had in that time (work not done).
 
 ## Cost
 - The fleet's cost of a mode is the GPU nodes and CPU nodes that mode needs on its own (pools that grow by one node
@@ -118,8 +153,9 @@ starts a section; each ``- `` line starts an assumption.
 - The GPU stage's memory lease (``weft.io/gpu-memory.<c>``) is the pod's peak GPU memory by default (``--lease
   peak``), rounded up to a whole GiB: MPS caps each client's device memory, so a lease below the pod's peak fails
   the pod's allocations whenever it goes above. ``--lease p99``, ``p95`` or ``mean`` size it lower, and the report
-  runs all four and says how often the pods would exceed the smaller ones; a summary-only pod has no quantiles, so
-  it keeps its peak for p99 and p95.
+  runs all four, weft and kai-fractions, and says how often the pods would exceed the smaller ones and how many
+  out-of-memory failures follow; a summary-only pod has no quantiles, so it keeps its peak for p99 and p95. KAI's
+  fractions are declared by the same sizes, so both modes hold the same shares.
 - The publishers scaled some GenTD26 metrics when anonymising them: the absolute duty cycle and memory may be scaled;
   their distribution is preserved.
 

@@ -64,10 +64,11 @@ def _epilog() -> str:
 
 def add_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     p = subparsers.add_parser(
-        "simulate", help="fleet simulation: bundled pods against weft on one workload, side by side",
-        description="Replay a workload (public traces or synthetic) through a cluster twice, as bundled pods and "
-        "as weft places them with its own decision code, and report GPU utilisation, GPUs held, completion times "
-        "and a validation of the bundled mode against published figures.",
+        "simulate", help="fleet simulation: bundled pods, KAI's GPU fractions and weft on one workload, side by side",
+        description="Replay a workload (public traces or synthetic) through a cluster once per mode: as bundled "
+        "pods, as KAI scheduler's GPU fractions share GPUs without a memory limit (kai-fractions), and as weft "
+        "places them with its own decision code, and report GPU utilisation, GPUs held, completion times, "
+        "out-of-memory failures and a validation of the bundled mode against published figures.",
         epilog=_epilog(), formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     p.add_argument("mode", nargs="?", choices=("fleet", "mesh"), default="fleet",
@@ -261,7 +262,7 @@ def _workload(args: argparse.Namespace, rng: random.Random, inputs: dict) -> tup
         raise UsageError("--dlrm: give either --dlrm FILE or --synthetic (exactly one)")
     samples: list[GpuProfile] = []
     summary: list[GpuProfile] = []
-    sections = ["Cluster", "Modes", "Metrics", "Cost"]
+    sections = ["Cluster", "Modes", "Out of memory", "Metrics", "Cost"]
     if args.genai_pods:
         samples = _read("--genai-pods", args.genai_pods, read_genai_samples)
         inputs["--genai-pods"] = _describe(args.genai_pods, f"{len(samples)} pods with full series")

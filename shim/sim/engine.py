@@ -46,7 +46,7 @@ from shim.core.reroute import (
     decide,
     free_capacity,
 )
-from shim.sim.model import ClusterSpec, Mode, PodSpec
+from shim.sim.model import ClusterSpec, GpuProfile, Mode, PodSpec
 from shim.sim.plan import Plan, plan_pod
 
 # At one instant: finishes, then memory changes, then restarts, then arrivals.
@@ -104,29 +104,28 @@ class Failure(NamedTuple):
 class _Stage:
     """A running GPU stage whose memory is followed: where it holds leases, whether its container is up."""
 
-    __slots__ = ("failures_in_row", "index", "leases", "origin", "profile", "restart_at", "since", "up")
+    __slots__ = ("down_since", "failures_in_row", "index", "leases", "origin", "profile", "restart_at", "up",
+                 "up_since")
 
     def __init__(self, index: int, origin: float, profile: GpuProfile, t: float) -> None:
         self.index, self.origin, self.profile = index, origin, profile  # series time x is t - origin
         self.leases: list[tuple[_GpuNode, int, int]] = []  # (node, device position, lease id)
-        self.up, self.since, self.restart_at, self.failures_in_row = True, t, 0.0, 0
+        self.up, self.up_since, self.down_since, self.restart_at, self.failures_in_row = True, t, 0.0, 0.0, 0
 
-    def sample(self, t: float) -> int:
-        return self.profile.sample_at(t - self.origin)
+    def now(self, t: float) -> tuple[int, int, tuple[float, int] | None]:
+        """At ``t``: the memory it holds, the sample in force, and when its memory next changes (to which sample)."""
+        k, since = self.profile.locate(t - self.origin)
+        return self.profile.memory[k], k, self.after(t - since, k)
 
-    def next_change(self, t: float, k: int) -> tuple[float, int] | None:
-        """When the memory next changes after sample ``k``, in force at ``t``, and the sample it changes to."""
+    def after(self, begun: float, k: int) -> tuple[float, int] | None:
+        """When the memory next changes after sample ``k`` (which began at ``begun``), and the sample it changes to."""
         profile = self.profile
         changes = profile.memory_changes
         if not changes:
             return None
         j = bisect_right(changes, k)
         after = changes[j] if j < len(changes) else changes[0] + profile.n
-        # From the start of sample k: exact for a change found at an event (t is then the sample's start).
-        start_k = t - (t - self.origin) % profile.period + k * profile.step_s
-        if start_k > t:  # t is within the period's last sample before a wrap
-            start_k -= profile.period
-        return start_k + (after - k) * profile.step_s, after % profile.n
+        return begun + (after - k) * profile.step_s, after % profile.n
 
 
 class _GpuNode:
@@ -300,7 +299,7 @@ class _Simulation:
         while heap:
             t, kind, _, what = heapq.heappop(heap)
             if kind == _MEMORY:
-                node_index, pos, version = what  # type: ignore[misc]
+                node_index, pos, version = what
                 node = self.gpu_nodes[node_index]
                 if node.version[pos] == version:  # else voided by a later change on the device
                     self._advance(t)
@@ -319,7 +318,7 @@ class _Simulation:
                 self._finish(i, t)
                 # Everything finishing at this instant first, then one pass.
                 while heap and heap[0][0] == t and heap[0][1] == _FINISH:
-                    self._finish(heapq.heappop(heap)[3], t)  # type: ignore[arg-type]
+                    self._finish(heapq.heappop(heap)[3], t)
                 started = self._drain(waiting, t)
             else:
                 started = [i] if self._arrive(i, t) else []
@@ -435,6 +434,7 @@ class _Simulation:
                 # The index said a device had room; pack() disagreeing is a bug in the index, not a full node.
                 raise RuntimeError(f"pack refused {pod.name} on {node.name}: {decision.detail}")
             self._lease(i, node, plan, decision, t)
+            self._stage_started(i, node, t)
         out.placements = [(name, node.name, reason) for name, reason in plan.stays]
         for name, limits, request in plan.reroutes:
             self._place_cpu_stage(i, node, name, limits, request)
@@ -511,6 +511,7 @@ class _Simulation:
     def _finish(self, i: int, t: float) -> None:
         plan, out, pod = self.plans[i], self.outcomes[i], self.pods[i]
         out.end = t
+        self._stage_finished(i, t)
         for node, lease_id in out.leases:
             held = node.leases.pop(lease_id)
             pos = node.position[held.device_uuid]
@@ -537,6 +538,152 @@ class _Simulation:
         else:
             self._set_cpu(self.cpu_by_name[out.node], own=plan.node_request, sign=-1)
         self.log.append(LogEvent(t, "pod.finished", pod.name, "", out.node, "", 0, 0, ""))
+
+    # -- GPU memory over time ---------------------------------------------------------------------------------------
+
+    def _stage_started(self, i: int, node: _GpuNode, t: float) -> None:
+        gpu = self.pods[i].gpu
+        assert gpu is not None
+        stage = _Stage(i, t - gpu.phase_s, gpu.profile, t)
+        self.stages[i] = stage
+        for _, lease_id in self.outcomes[i].leases:
+            pos = node.position[node.leases[lease_id].device_uuid]
+            stage.leases.append((node, pos, lease_id))
+            node.residents[pos][lease_id] = stage
+        for _, pos, _ in stage.leases:
+            self._recheck(node, pos, t, new=stage)
+        self._allocate(stage, t)
+
+    def _stage_finished(self, i: int, t: float) -> None:
+        stage = self.stages.pop(i, None)
+        if stage is None:
+            return
+        if not stage.up:
+            self._down(i, stage.down_since, t)
+        for node, pos, lease_id in stage.leases:
+            del node.residents[pos][lease_id]
+            node.level[pos].pop(lease_id, None)
+            node.next_change[pos].pop(lease_id, None)
+            if node.risky[pos]:
+                self._recheck(node, pos, t)
+                self._schedule(node, pos)
+
+    def _risky(self, node: _GpuNode, pos: int) -> bool:
+        """Whether an allocation on this device can ever fail with the stages on it now."""
+        residents = node.residents[pos]
+        if sum(s.profile.max_memory for s in residents.values()) > node.devices[pos].memory_bytes:
+            return True
+        return self.mode.enforced and any(s.profile.max_memory > node.leases[lease_id].memory_bytes
+                                          for lease_id, s in residents.items())
+
+    def _recheck(self, node: _GpuNode, pos: int, t: float, new: _Stage | None = None) -> None:
+        """Follow the device's memory from ``t`` where an allocation can fail on it, and stop where none can."""
+        risky = self._risky(node, pos)
+        if risky and not node.risky[pos]:
+            for lease_id, stage in node.residents[pos].items():
+                if stage is not new and stage.up:
+                    level, _, change = stage.now(t)
+                    node.level[pos][lease_id] = level
+                    if change is not None:
+                        node.next_change[pos][lease_id] = change
+        elif not risky and node.risky[pos]:
+            node.level[pos].clear()
+            node.next_change[pos].clear()
+        node.risky[pos] = risky
+
+    def _overflow(self, node: _GpuNode, pos: int, lease_id: int, level: int) -> str:
+        """Why holding ``level`` with this lease fails on the device, or "" where it fits."""
+        if self.mode.enforced and level > node.leases[lease_id].memory_bytes:
+            return OVER_LEASE
+        others = sum(held for other, held in node.level[pos].items() if other != lease_id)
+        return DEVICE_FULL if others + level > node.devices[pos].memory_bytes else ""
+
+    def _allocate(self, stage: _Stage, t: float) -> None:
+        """The stage's container starts at ``t``: it allocates what its series holds then, on each of its devices."""
+        for node, pos, lease_id in stage.leases:
+            if not node.risky[pos]:
+                continue
+            level, _, change = stage.now(t)
+            cause = self._overflow(node, pos, lease_id, level)
+            if cause:
+                self._fail(stage, node, pos, lease_id, level, t, cause)
+                return
+            node.level[pos][lease_id] = level
+            if change is not None:
+                node.next_change[pos][lease_id] = change
+        for node, pos, _ in stage.leases:
+            if node.risky[pos]:
+                self._schedule(node, pos)
+
+    def _memory_changes(self, node: _GpuNode, pos: int, t: float) -> None:
+        """The stages on a device whose memory changes at ``t``: frees first, then allocations, in lease order."""
+        changes, levels, residents = node.next_change[pos], node.level[pos], node.residents[pos]
+        growing: list[tuple[int, int]] = []
+        for lease_id in sorted(k for k, (when, _) in changes.items() if when == t):
+            stage = residents[lease_id]
+            _, k = changes[lease_id]
+            level = stage.profile.memory[k]
+            following = stage.after(t, k)
+            assert following is not None  # it changed, so its series has changes
+            changes[lease_id] = following
+            if level <= levels[lease_id]:
+                levels[lease_id] = level
+            else:
+                growing.append((lease_id, level))
+        for lease_id, level in growing:
+            stage = residents[lease_id]
+            if not stage.up:  # failed on another of its devices at this instant
+                continue
+            cause = self._overflow(node, pos, lease_id, level)
+            if cause:
+                self._fail(stage, node, pos, lease_id, level, t, cause)
+            else:
+                levels[lease_id] = level
+        self._schedule(node, pos)
+
+    def _fail(self, stage: _Stage, node: _GpuNode, pos: int, lease_id: int, level: int, t: float,
+              cause: str) -> None:
+        """The stage's allocation failed: its container exits, freeing its memory; kubelet restarts it later."""
+        i, held = stage.index, node.leases[lease_id]
+        self.failures.append(Failure(t, i, f"{node.name}/{held.device_uuid}", level, held.memory_bytes, cause))
+        self.log.append(LogEvent(t, "stage.oom", self.pods[i].name, self.plans[i].gpu_container, node.name,
+                                 held.device_uuid, level, held.compute_percent, cause))
+        if t - stage.up_since >= BACKOFF_RESET_S:
+            stage.failures_in_row = 0
+        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** min(stage.failures_in_row, 16))
+        stage.failures_in_row += 1
+        stage.up, stage.down_since, stage.restart_at = False, t, t + delay
+        for other, p, other_lease in stage.leases:
+            other.level[p].pop(other_lease, None)
+            other.next_change[p].pop(other_lease, None)
+            if other.risky[p]:
+                self._schedule(other, p)
+        self._push(stage.restart_at, _RESTART, i)
+
+    def _restart(self, stage: _Stage, t: float) -> None:
+        i = stage.index
+        self._down(i, stage.down_since, t)
+        stage.up, stage.up_since = True, t
+        node = stage.leases[0][0]
+        self.log.append(LogEvent(t, "stage.restarted", self.pods[i].name, self.plans[i].gpu_container, node.name,
+                                 "", 0, 0, f"after {t - stage.down_since:g} s"))
+        self._allocate(stage, t)
+
+    def _down(self, i: int, since: float, until: float) -> None:
+        """The GPU stage was down from ``since`` to ``until``: one span from a failure to the restart that held."""
+        down = self.outcomes[i].down
+        if down and down[-1][1] == since:  # it failed again as it restarted
+            down[-1] = (down[-1][0], until)
+        else:
+            down.append((since, until))
+
+    def _schedule(self, node: _GpuNode, pos: int) -> None:
+        """The device's next memory change, as one event; any event scheduled for it before is void."""
+        node.version[pos] += 1
+        changes = node.next_change[pos]
+        if changes:
+            when = min(w for w, _ in changes.values())
+            self._push(when, _MEMORY, (node.index, pos, node.version[pos]))
 
     # -- books that the metrics read ----------------------------------------------------------------------------
 

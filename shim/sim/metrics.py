@@ -5,7 +5,9 @@ each lease, the number of GPUs held over time); everything derived from that
 lives here, so that a figure means the same thing in the table, in
 ``results.json`` and in the validation. The definitions follow
 :mod:`shim.sim.assumptions` (section "Metrics"): GPU utilisation is busy
-(duty-cycle) GPU-seconds over held GPU-seconds.
+(duty-cycle) GPU-seconds over held GPU-seconds, where busy counts only the
+time a GPU stage's container was up (not while an out-of-memory failure had
+it waiting for kubelet to restart it).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
 from shim.core.stats import percentile
-from shim.sim.engine import Run
+from shim.sim.engine import PodRun, Run
+from shim.sim.model import PodSpec
 
 HOUR = 3600.0
 SERIES_BINS = 120
@@ -54,6 +57,13 @@ class Summary:
     gpu_node_overcommit_vcpu_h: float
     cpu_node_overcommit_vcpu_h: float
     makespan_s: float
+    # GPU stages out of memory (an allocation that did not fit: above the stage's enforced lease, or beyond what
+    # its device had left), each restarted in place after kubelet's back-off
+    oom_failures: int = 0
+    oom_failures_within_share: int = 0  # of them, stages that asked no more than their own share: a neighbour overran
+    oom_stages_failed: int = 0  # GPU stages that failed at least once
+    oom_gpu_h_lost: float = 0.0  # GPU-hours the failed stages held while down (their share of a GPU x time down)
+    oom_busy_gpu_h_lost: float = 0.0  # busy GPU-hours their series had while they were down: work not done
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -79,14 +89,39 @@ def _step_integral(steps: Sequence[tuple[float, float]], end: float) -> float:
     return total
 
 
+def up_segments(o: PodRun) -> list[tuple[float, float]]:
+    """When a placed pod's GPU stage ran: its life less the times it was down after running out of memory."""
+    assert o.start is not None and o.end is not None
+    out, t = [], o.start
+    for a, b in o.down:
+        if a > t:
+            out.append((t, a))
+        t = b
+    if o.end > t:
+        out.append((t, o.end))
+    return out
+
+
+def _busy_s(p: PodSpec, o: PodRun, segments: Sequence[tuple[float, float]]) -> float:
+    assert p.gpu is not None and o.start is not None
+    profile, phase, start = p.gpu.profile, p.gpu.phase_s, o.start
+    return p.gpu.gpus * sum(profile.integrals(phase + (a - start), b - a).busy_s for a, b in segments)
+
+
 def summarise(run: Run) -> Summary:
     pods, outcomes = run.pods, run.outcomes
     done = [(p, o) for p, o in zip(pods, outcomes, strict=True) if o.start is not None and o.end is not None]
     makespan = max((o.end for _, o in done), default=0.0)
-    busy = 0.0
+    busy = lost_busy = 0.0
     for p, o in done:
         if p.gpu is not None and o.leases:
-            busy += p.gpu.gpus * p.gpu.profile.integrals(p.gpu.phase_s, o.end - o.start).busy_s
+            busy += _busy_s(p, o, up_segments(o))
+            lost_busy += _busy_s(p, o, o.down)
+    device = run.cluster.gpu_memory_bytes
+    share: dict[int, float] = {}  # GPUs' worth each pod's leases hold
+    for lease in run.leases:
+        share[lease.pod] = share.get(lease.pod, 0.0) + lease.memory_bytes / device
+    lost_held = sum(share.get(k, 0.0) * (b - a) for k, o in enumerate(outcomes) for a, b in o.down)
     held = _step_integral(run.held_steps, makespan)
     lease_s = sum(lease.end - lease.start for lease in run.leases)
     installed = run.cluster.gpus
@@ -134,6 +169,11 @@ def summarise(run: Run) -> Summary:
         gpu_node_overcommit_vcpu_h=max(0.0, run.gpu_node_overcommit_cpu_s) / HOUR,
         cpu_node_overcommit_vcpu_h=squeezed / HOUR,
         makespan_s=makespan,
+        oom_failures=len(run.failures),
+        oom_failures_within_share=sum(1 for f in run.failures if f.within_share),
+        oom_stages_failed=len({f.pod for f in run.failures}),
+        oom_gpu_h_lost=lost_held / HOUR,
+        oom_busy_gpu_h_lost=lost_busy / HOUR,
     )
 
 
@@ -148,10 +188,13 @@ def oversubscribed_share(run: Run, makespan: float, samples: int = OVERSUBSCRIPT
         gpu = pod.gpu
         assert gpu is not None and outcome.start is not None
         first = max(0, math.ceil(lease.start / width - 0.5))
+        down = outcome.down
         for k in range(first, samples):
             t = (k + 0.5) * width
             if t >= lease.end:
                 break
+            if down and any(a <= t < b for a, b in down):
+                continue
             key = (lease.device, k)
             load[key] = load.get(key, 0.0) + gpu.profile.duty_at(t - outcome.start + gpu.phase_s)
     if not load:
@@ -179,13 +222,14 @@ def series(run: Run, makespan: float, bins: int = SERIES_BINS) -> Series:
         if p.gpu is None or o.start is None or o.end is None or not o.leases:
             continue
         profile, phase, gpus = p.gpu.profile, p.gpu.phase_s, p.gpu.gpus
-        prev = profile.busy_until(phase)
-        t, k = o.start, bin_of(o.start)
-        while t < o.end:
-            upto = min(o.end, edges[k + 1]) if k < bins - 1 else o.end
-            now = profile.busy_until(upto - o.start + phase)
-            busy[k] += gpus * (now - prev)
-            prev, t, k = now, upto, k + 1
+        for start, end in up_segments(o):
+            prev = profile.busy_until(start - o.start + phase)
+            t, k = start, bin_of(start)
+            while t < end:
+                upto = min(end, edges[k + 1]) if k < bins - 1 else end
+                now = profile.busy_until(upto - o.start + phase)
+                busy[k] += gpus * (now - prev)
+                prev, t, k = now, upto, k + 1
     held = [0.0] * bins
     steps = run.held_steps
     for (t, count), (t_next, _) in zip(steps, [*steps[1:], (makespan, 0)], strict=True):

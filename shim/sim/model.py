@@ -142,9 +142,10 @@ class GpuProfile:
     def duty_at(self, x: float) -> float:
         return self.duty[self._position(x)[1]]
 
-    def sample_at(self, x: float) -> int:
-        """The index of the sample in force at series time ``x``."""
-        return self._position(x)[1]
+    def locate(self, x: float) -> tuple[int, float]:
+        """The sample in force at series time ``x`` and how long it has been (seconds since it began)."""
+        _, k, since = self._position(x)
+        return k, since
 
 
 @dataclass(frozen=True)

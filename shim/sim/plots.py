@@ -15,7 +15,7 @@ from pathlib import Path
 from shim.sim.metrics import Series
 
 _STYLE = {"bundled": ("tab:red", "-"), "weft": ("tab:blue", "-"), "weft-full-requests": ("tab:blue", ":"),
-          "weft-reserved": ("tab:green", "--")}
+          "weft-reserved": ("tab:green", "--"), "kai-fractions": ("tab:orange", "-.")}
 
 
 class PlotError(RuntimeError):

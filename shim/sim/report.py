@@ -13,6 +13,7 @@ from collections.abc import Mapping, Sequence
 
 from shim.core.stats import percentile
 from shim.sim import assumptions
+from shim.sim.metrics import Summary
 from shim.sim.model import GIB
 from shim.sim.study import MODES, Study
 from shim.sim.validate import NOT_APPLICABLE
@@ -109,6 +110,11 @@ _ROWS = (
     ("hosted CPU stages, vCPU-h", "hosted_vcpu_h", _num, None),
     ("of which squeezed (scheduler bound plain pods on top)", "hosted_squeezed_share", _pct, None),
     ("vCPU-h over GPU-node capacity (fallbacks)", "gpu_node_overcommit_vcpu_h", _num, None),
+    ("GPU-stage OOM failures", "oom_failures", lambda x: _num(x, 0), None),
+    ("of which within own share (neighbour's overrun)", "oom_failures_within_share", lambda x: _num(x, 0), None),
+    ("GPU stages that failed at least once", "oom_stages_failed", lambda x: _num(x, 0), None),
+    ("GPU-hours held while down after OOM", "oom_gpu_h_lost", lambda x: _num(x, 2), None),
+    ("busy GPU-hours not done while down", "oom_busy_gpu_h_lost", lambda x: _num(x, 2), None),
     ("pods placed / never placed", None, None, None),
 )
 
@@ -157,6 +163,14 @@ def _md_table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]
     return out
 
 
+def _oom(s: Summary) -> str:
+    if not s.oom_failures:
+        return "no out-of-memory failure"
+    return (f"{s.oom_failures:,} out-of-memory failures of {s.oom_stages_failed:,} GPU stages, "
+            f"{s.oom_failures_within_share:,} of them of stages within their own share, "
+            f"{s.oom_gpu_h_lost:,.2f} GPU-hours held while down")
+
+
 def _verdict(met: bool) -> str:
     return "met" if met else "NOT met"
 
@@ -191,6 +205,14 @@ def markdown(st: Study, doc: Mapping, sections: Sequence[str]) -> str:
             f"{name} {n['gpu_nodes']}" for name, n in st.needed.items())
             + f" (weft/bundled {_times(st.ratios.get('gpu_nodes_needed'))}); a bundled pod needs its CPU stage's "
             "vCPU on the GPU node, which caps how many GPUs of a node it can use.")
+    kai, weft = st.summaries.get("kai-fractions"), st.summaries["weft"]
+    if kai is not None:
+        lines.append(
+            f"- GPU memory enforced or not, the same shares packed alike: weft (each lease a hard limit) "
+            f"{_oom(weft)}; kai-fractions (no limit between the stages on a GPU) {_oom(kai)}. "
+            + ("Every stage's share is at least the most its series holds, so nothing can run out here; the lease "
+               "sensitivity below shows smaller shares." if st.lease == "peak" else
+               "See the lease sensitivity below for the other sizes."))
     reserved = st.fleet.get("weft-reserved")
     if reserved is not None:
         lines.append(
@@ -222,6 +244,19 @@ def markdown(st: Study, doc: Mapping, sections: Sequence[str]) -> str:
             [[r["lease"], f"{_num(r['mean_lease_gib'])} GiB", _pct(r["share_of_time_over_lease"], 2),
               _pct(r["gpu_utilisation"]), _times(r["gpu_utilisation_ratio"]), _num(r["gpu_stages_per_held_gpu"], 2),
               _times(r["completion_p95_ratio"]), _pct(r["oversubscribed_share"], 2)] for r in st.sensitivity])
+        lines += ["", "### Out of memory: the shares enforced (weft) or not (kai-fractions)", "",
+                  "The same shares, packed alike. weft's broker holds each stage to its lease, so a stage above it "
+                  "fails alone; under KAI's fractions nothing does, so a stage may use what its neighbours leave, "
+                  "and when the stages on a GPU hold more than it has, the allocation that does not fit fails, "
+                  "whoever overran. Each failed stage is restarted in place after kubelet's back-off.", ""]
+        lines += _md_table(
+            ["lease", "weft: failures (stages)", "weft: within own share", "weft: GPU-h down",
+             "kai: failures (stages)", "kai: within own share", "kai: GPU-h down", "kai: GPU utilisation"],
+            [[r["lease"], f"{r['oom_failures']:,} ({r['oom_stages_failed']:,})",
+              f"{r['oom_failures_within_share']:,}", _num(r["oom_gpu_h_lost"], 2),
+              f"{r['kai_oom_failures']:,} ({r['kai_oom_stages_failed']:,})",
+              f"{r['kai_oom_failures_within_share']:,}", _num(r["kai_oom_gpu_h_lost"], 2),
+              _pct(r["kai_gpu_utilisation"])] for r in st.sensitivity])
     lines += ["", "## Validation of the bundled mode", ""]
     if st.validation:
         lines += _md_table(
@@ -248,7 +283,8 @@ def table(st: Study) -> str:
             f"{c.cpu_nodes} CPU nodes; leases at each pod's {st.lease} GPU memory")
     keep = {"GPU utilisation (duty cycle, busy/held)", "GPUs held, time average", "GPUs held, peak", "jobs per hour",
             "completion p50", "completion p95", "queueing p95", "CPU-node utilisation (requested)",
-            "CPU stages rerouted / fell back"}
+            "CPU stages rerouted / fell back", "GPU-stage OOM failures",
+            "of which within own share (neighbour's overrun)", "GPU-hours held while down after OOM"}
     width = max(len(label) for label in keep)
     out = [head, f"{'':{width}}  " + "  ".join(f"{m.value:>18}" for m in MODES) + f"  {'weft/bundled':>12}"]
     for label, values, ratio in _cells(st):

@@ -28,7 +28,7 @@ from shim.sim.workload import LEASE_POLICIES, with_lease
 
 UTILISATION_TARGET = 3.0
 COMPLETION_P95_TARGET = 1.1
-MODES = (Mode.BUNDLED, Mode.WEFT, Mode.WEFT_FULL, Mode.WEFT_RESERVED)
+MODES = (Mode.BUNDLED, Mode.WEFT, Mode.WEFT_FULL, Mode.WEFT_RESERVED, Mode.KAI)
 
 
 @dataclass
@@ -143,8 +143,9 @@ def study(
     rows = []
     if sensitivity:
         for policy in LEASE_POLICIES:
-            run = runs[Mode.WEFT.value] if policy == lease else simulate(with_lease(pods, policy), cluster, Mode.WEFT)
-            rows.append(_sensitivity_row(policy, run, bundled))
+            policy_runs = [runs[mode.value] if policy == lease else simulate(with_lease(pods, policy), cluster, mode)
+                           for mode in (Mode.WEFT, Mode.KAI)]
+            rows.append(_sensitivity_row(policy, *policy_runs, bundled))
     target = _judge(ratios, summaries, runs[Mode.WEFT.value], lease, cluster, rows, needed)
     return Study(
         cluster=cluster, sizing=sizing, needed=needed, lease=lease, summaries=summaries,
@@ -174,8 +175,8 @@ def _fleet(needed: dict[str, dict[str, int]], sized: dict[str, Run], cluster: Cl
         "prices below.")
 
 
-def _sensitivity_row(policy: str, run: Run, bundled: Summary) -> dict:
-    s = summarise(run)
+def _sensitivity_row(policy: str, run: Run, kai_run: Run, bundled: Summary) -> dict:
+    s, kai = summarise(run), summarise(kai_run)
     mean_lease, above = _lease_facts(run)
     return {
         "lease": policy,
@@ -186,6 +187,18 @@ def _sensitivity_row(policy: str, run: Run, bundled: Summary) -> dict:
         "gpu_stages_per_held_gpu": s.gpu_stages_per_held_gpu,
         "completion_p95_ratio": _ratio(s.completion_p95_s, bundled.completion_p95_s),
         "oversubscribed_share": s.oversubscribed_share,
+        # The same leases enforced (weft) and unenforced (KAI's fractions, packed alike): what failed, what it cost
+        "oom_failures": s.oom_failures,
+        "oom_failures_within_share": s.oom_failures_within_share,
+        "oom_stages_failed": s.oom_stages_failed,
+        "oom_gpu_h_lost": s.oom_gpu_h_lost,
+        "oom_busy_gpu_h_lost": s.oom_busy_gpu_h_lost,
+        "kai_gpu_utilisation": kai.gpu_utilisation,
+        "kai_oom_failures": kai.oom_failures,
+        "kai_oom_failures_within_share": kai.oom_failures_within_share,
+        "kai_oom_stages_failed": kai.oom_stages_failed,
+        "kai_oom_gpu_h_lost": kai.oom_gpu_h_lost,
+        "kai_oom_busy_gpu_h_lost": kai.oom_busy_gpu_h_lost,
     }
 
 
@@ -215,7 +228,8 @@ def _judge(ratios: dict[str, float | None], summaries: dict[str, Summary], weft_
             text += (f" Sized at {best['lease']} ({best['mean_lease_gib'] or 0:.1f} GiB on average) the ratio would "
                      f"be {best['gpu_utilisation_ratio']:.2f}x, but the pods would be over their lease "
                      f"{100 * (best['share_of_time_over_lease'] or 0):.1f} % of the time, when MPS fails their "
-                     "allocations.")
+                     f"allocations: {best['oom_failures']} out-of-memory failures of {best['oom_stages_failed']} "
+                     f"stages, {best['oom_gpu_h_lost']:.1f} GPU-hours held while down.")
         why.append(text)
     if not p95_met and p95 is not None:
         why.append(f"weft's p95 completion is {p95:.2f}x bundled's: queueing p95 {weft.queue_p95_s or 0:.0f} s "

@@ -57,7 +57,7 @@ def test_a_synthetic_run_writes_the_report_the_json_and_both_figures(tmp_path, c
     for name in ("report.md", "results.json", "utilisation.png", "completion_cdf.png"):
         assert (tmp_path / "out" / name).stat().st_size > 0, name
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert set(doc["modes"]) == {"bundled", "weft", "weft-full-requests", "weft-reserved"}
+    assert set(doc["modes"]) == {"bundled", "weft", "weft-full-requests", "weft-reserved", "kai-fractions"}
     assert doc["modes"]["bundled"]["placed"] == 40
     report = (tmp_path / "out" / "report.md").read_text()
     assert "(utilisation.png)" in report and "### Synthetic workload (--synthetic)" in report
@@ -72,6 +72,33 @@ def test_json_prints_only_the_results_and_the_same_seed_gives_the_same_results(c
     assert first["gpu_metric"].startswith("duty cycle")
     assert main([*SMALL[:-1], "4", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["modes"] != first["modes"]
+
+
+def test_kai_fractions_run_beside_weft_with_their_out_of_memory_figures(tmp_path, capsys):
+    # One GenTD26 pod whose memory cycles 10, 30, 60, 30 GiB: at its mean (33 GiB, rounded up) two stages share an
+    # 80 GiB GPU, and both at 60 GiB, or one at 30 beside one at 60, do not fit.
+    memory = [10, 30, 60, 30] * 10
+    rows = "".join(f"p,{57 * k},5.0,{gib * 2**30},0.5\n" for k, gib in enumerate(memory))
+    genai = write(tmp_path, "genai.csv", GENAI_HEADER + rows)
+    argv = [*SMALL, "--genai-pods", genai, "--lease", "mean", "--gpu-nodes", "2", "--cpu-nodes", "2"]
+    assert main([*argv, "--out", str(tmp_path / "out")]) == 0
+    table = capsys.readouterr().out
+    assert "kai-fractions" in table.splitlines()[1]
+    assert "GPU-stage OOM failures" in table and "of which within own share (neighbour's overrun)" in table
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    kai, weft = doc["modes"]["kai-fractions"], doc["modes"]["weft"]
+    for s in (kai, weft):
+        assert {"oom_failures", "oom_failures_within_share", "oom_stages_failed", "oom_gpu_h_lost",
+                "oom_busy_gpu_h_lost"} <= set(s)
+    # Every failure in weft is of a stage above its own lease; without the limit, stages within theirs fail too.
+    assert weft["oom_failures"] > 0 and weft["oom_failures_within_share"] == 0
+    assert kai["oom_failures_within_share"] > 0 and kai["oom_gpu_h_lost"] > 0
+    assert doc["modes"]["bundled"]["oom_failures"] == 0  # a whole 80 GiB GPU holds 60 GiB
+    mean = next(r for r in doc["lease_sensitivity"] if r["lease"] == "mean")
+    assert (mean["oom_failures"], mean["kai_oom_failures"]) == (weft["oom_failures"], kai["oom_failures"])
+    report = (tmp_path / "out" / "report.md").read_text()
+    assert "### Out of memory: the shares enforced (weft) or not (kai-fractions)" in report
+    assert "| kai-fractions |" in report
 
 
 def write(tmp_path, name, text):

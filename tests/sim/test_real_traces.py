@@ -83,7 +83,7 @@ def test_embedded_targets_match_validation_targets_json():
 def test_the_reserved_mode_squeezes_nothing_and_the_fleet_is_priced_per_mode(outcome):
     _, out = outcome
     doc = json.loads((out / "results.json").read_text())
-    assert set(doc["modes"]) == {"bundled", "weft", "weft-full-requests", "weft-reserved"}
+    assert set(doc["modes"]) == {"bundled", "weft", "weft-full-requests", "weft-reserved", "kai-fractions"}
     reserved = doc["modes"]["weft-reserved"]
     assert reserved["cpu_stages_rerouted"] > 0
     assert reserved["hosted_squeezed_share"] == 0.0  # exactly: the scheduler counts every hosted stage
@@ -107,3 +107,21 @@ def test_the_reserved_mode_squeezes_nothing_and_the_fleet_is_priced_per_mode(out
     report = (out / "report.md").read_text()
     assert "## Fleet: the nodes each mode needs, and their cost" in report and "### Cost" in report
     assert "p5.48xlarge" in report and "r7i.48xlarge" in report
+
+
+def test_kai_fractions_hold_the_shares_weft_leases_and_run_out_of_memory_only_below_each_stages_peak(outcome):
+    _, out = outcome
+    doc = json.loads((out / "results.json").read_text())
+    kai, full = doc["modes"]["kai-fractions"], doc["modes"]["weft-full-requests"]
+    # Bundled on the GPU node as weft-full-requests books it, with the same shares packed alike: the same GPUs held.
+    assert kai["gpus_held_mean"] == pytest.approx(full["gpus_held_mean"])
+    assert kai["cpu_stages_rerouted"] == 0
+    # At each stage's peak no one can run out, enforced or not: the same work in every mode.
+    for name, s in doc["modes"].items():
+        assert (s["oom_failures"], s["oom_gpu_h_lost"]) == (0, 0.0), name
+    assert kai["busy_gpu_s"] == pytest.approx(doc["modes"]["bundled"]["busy_gpu_s"])
+    rows = {r["lease"]: r for r in doc["lease_sensitivity"]}
+    assert rows["peak"]["oom_failures"] == rows["peak"]["kai_oom_failures"] == 0
+    # Below the peak: weft fails only stages above their own lease; KAI's failures are counted beside them.
+    assert rows["mean"]["oom_failures"] > 0 and all(r["oom_failures_within_share"] == 0 for r in rows.values())
+    assert rows["mean"]["kai_oom_failures"] >= rows["mean"]["kai_oom_failures_within_share"]
