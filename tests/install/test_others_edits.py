@@ -189,3 +189,17 @@ def test_a_copy_that_cannot_be_taken_out_keeps_weft_s_base_spec_so_containerd_st
     out = capsys.readouterr()
     assert "99-other.toml: holds a copy of weft's 'weft' runtime handler" in out.out + out.err
     assert (root / containerd.BASE_SPEC.lstrip("/")).exists()
+
+
+def test_install_says_when_the_default_runtime_s_program_is_not_on_the_host(
+        tmp_path: Path, source: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """NVIDIA's runtime made the default, its program not (or no longer) there: weft's handler copies it."""
+    root = copy_shape("ctrd2-eks", tmp_path / "host")
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 0
+    out = capsys.readouterr().out
+    assert "containerd's default runtime 'nvidia' runs /usr/bin/nvidia-container-runtime, which is not on this " \
+           "host" in out
+    assert main(["uninstall", "--root", str(root)]) == 0
+    (root / "usr/bin/nvidia-container-runtime").write_text("#!/bin/sh\n")
+    assert main(["install", "--root", str(root), "--source", str(source)]) == 0
+    assert "which is not on this host" not in capsys.readouterr().out
