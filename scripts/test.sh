@@ -10,8 +10,11 @@ mkdir -p "$VENV/log"
 export WEFT_BUILD_WAITS="$VENV/log/build-waits.tsv"
 : >"$WEFT_BUILD_WAITS"
 finish() {
+  set +e  # a trap that stops at its first failing command would say nothing
   # A background build ends with this script, whatever happens.
-  [ -n "${WEFT_KUBE_BUILD_PID:-}" ] && kill -- "-$WEFT_KUBE_BUILD_PID" 2>/dev/null
+  if [ -n "${WEFT_KUBE_BUILD_PID:-}" ]; then
+    kill -- "-$WEFT_KUBE_BUILD_PID" 2>/dev/null
+  fi
   if [ -n "${WEFT_KUBE_BUILD_PID:-}" ] && [ -s "$VENV/log/builds.tsv" ]; then
     echo "weft: background builds (name, seconds, exit status):"
     sed 's/^/  /' "$VENV/log/builds.tsv"
