@@ -64,9 +64,8 @@ _OVER_TOLERANCE = 1e-6  # vCPU over a CPU node's capacity that is only rounding 
 class LogEvent(NamedTuple):
     t: float
     event: str  # pod.started, pod.finished, pod.unplaceable, lease.acquired, lease.released, container.placed,
-    #             reservation.bound, reservation.deleted (hosted stages' reservation pods, in weft-reserved),
-    #             stage.oom (memory_bytes: what it tried to hold; reason: over-lease or device-full),
-    #             stage.restarted
+    #             reservation.bound, reservation.deleted (hosted stages' reservation pods, in weft-reserved);
+    #             out-of-memory failures are in Run.failures, and the spans a stage was down in PodRun.down
     pod: str
     container: str
     node: str
@@ -85,15 +84,22 @@ class Lease(NamedTuple):
     compute_percent: int
 
 
-class Failure(NamedTuple):
-    """A GPU stage that ran out of memory: an allocation of its did not fit."""
+def backoff_s(failures_in_row: int) -> float:
+    """kubelet's wait before it restarts a container that has exited ``failures_in_row`` times in a row."""
+    return min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** min(failures_in_row, 16))
 
-    t: float
+
+class Failure(NamedTuple):
+    """A GPU stage that ran out of memory (an allocation of its did not fit), and each restart of it right after
+    that failed again at once, the same way (a crash loop is one record, not thousands)."""
+
+    t: float  # the first failure
     pod: int
     device: str  # "<node>/<uuid>"
-    memory_bytes: int  # what the stage tried to hold on that device
+    memory_bytes: int  # what the stage tried to hold on that device, at the first failure
     lease_bytes: int  # its declared share there (a whole device: the device)
     cause: str  # OVER_LEASE: above its own lease, which the broker enforces; DEVICE_FULL: the device had no room
+    count: int = 1  # failures in a row: the first and each restart that failed again at once
 
     @property
     def within_share(self) -> bool:
@@ -104,27 +110,31 @@ class Failure(NamedTuple):
 class _Stage:
     """A running GPU stage whose memory is followed: where it holds leases, whether its container is up."""
 
-    __slots__ = ("down_since", "failures_in_row", "index", "leases", "origin", "profile", "restart_at", "up",
-                 "up_since")
+    __slots__ = ("down_since", "failures_in_row", "index", "last_failure", "leases", "origin", "profile",
+                 "restart_at", "up", "up_since")
 
     def __init__(self, index: int, origin: float, profile: GpuProfile, t: float) -> None:
         self.index, self.origin, self.profile = index, origin, profile  # series time x is t - origin
         self.leases: list[tuple[_GpuNode, int, int]] = []  # (node, device position, lease id)
         self.up, self.up_since, self.down_since, self.restart_at, self.failures_in_row = True, t, 0.0, 0.0, 0
+        self.last_failure: int | None = None  # its latest record in Run.failures
 
-    def now(self, t: float) -> tuple[int, int, tuple[float, int] | None]:
-        """At ``t``: the memory it holds, the sample in force, and when its memory next changes (to which sample)."""
+    def now(self, t: float) -> tuple[int, tuple[float, int] | None]:
+        """At ``t``: the memory it holds, and when it next grows (to which sample)."""
         k, since = self.profile.locate(t - self.origin)
-        return self.profile.memory[k], k, self.after(t - since, k)
+        return self.profile.memory[k], self.after(t - since, k)
+
+    def level(self, t: float) -> int:
+        return self.profile.memory[self.profile.locate(t - self.origin)[0]]
 
     def after(self, begun: float, k: int) -> tuple[float, int] | None:
-        """When the memory next changes after sample ``k`` (which began at ``begun``), and the sample it changes to."""
+        """When the memory next grows after sample ``k`` (which began at ``begun``), and the sample it grows to."""
         profile = self.profile
-        changes = profile.memory_changes
-        if not changes:
+        growths = profile.memory_growths
+        if not growths:
             return None
-        j = bisect_right(changes, k)
-        after = changes[j] if j < len(changes) else changes[0] + profile.n
+        j = bisect_right(growths, k)
+        after = growths[j] if j < len(growths) else growths[0] + profile.n
         return begun + (after - k) * profile.step_s, after % profile.n
 
 
@@ -148,7 +158,8 @@ class _GpuNode:
         self.used_memory, self.used_compute, self.used_count = [0] * n, [0] * n, [0] * n
         self.used_exclusive = [False] * n
         # GPU memory really held, per device: the stages leased there, and, on a device where an allocation can
-        # fail (risky), each lease's memory now and its next change (time, sample); version voids stale events.
+        # fail (risky), for each lease the most it can hold now (what it held at its last growth: between growths
+        # memory only falls) and its next growth (time, sample); version voids stale events.
         self.residents: list[dict[int, _Stage]] = [{} for _ in range(n)]
         self.risky = [False] * n
         self.level: list[dict[int, int]] = [{} for _ in range(n)]
@@ -287,6 +298,7 @@ class _Simulation:
         self.seq = 0
         self.stages: dict[int, _Stage] = {}
         self.failures: list[Failure] = []
+        self.entries: dict[tuple[int, int], tuple[int, ...]] = {}
 
     # -- the loop -----------------------------------------------------------------------------------------------
 
@@ -301,8 +313,8 @@ class _Simulation:
             if kind == _MEMORY:
                 node_index, pos, version = what
                 node = self.gpu_nodes[node_index]
+                # (Memory and restarts change none of the rates _advance integrates, so it waits for the next event.)
                 if node.version[pos] == version:  # else voided by a later change on the device
-                    self._advance(t)
                     self._memory_changes(node, pos, t)
                 continue
             i = what
@@ -310,7 +322,6 @@ class _Simulation:
             if kind == _RESTART:
                 stage = self.stages.get(i)
                 if stage is not None and not stage.up and stage.restart_at == t:
-                    self._advance(t)
                     self._restart(stage, t)
                 continue
             self._advance(t)
@@ -326,6 +337,7 @@ class _Simulation:
                     waiting.append(i)
             for j in started:
                 self._push(t + self.pods[j].run_s, _FINISH, j)
+        self.failures.sort(key=lambda f: (f.t, f.pod))  # where leases are enforced, each stage's came at its start
         return Run(
             self.mode, self._final_cluster(), self.pods, self.plans, self.outcomes, self.log, self.leases,
             self.held_steps, self.cpu_node_steps, self.overcommit["gpu"], self.overcommit["cpu"],
@@ -544,6 +556,9 @@ class _Simulation:
     def _stage_started(self, i: int, node: _GpuNode, t: float) -> None:
         gpu = self.pods[i].gpu
         assert gpu is not None
+        if self.mode.enforced:
+            self._enforced(i, node, t)
+            return
         stage = _Stage(i, t - gpu.phase_s, gpu.profile, t)
         self.stages[i] = stage
         for _, lease_id in self.outcomes[i].leases:
@@ -568,13 +583,57 @@ class _Simulation:
                 self._recheck(node, pos, t)
                 self._schedule(node, pos)
 
+    def _enforced(self, i: int, node: _GpuNode, t: float) -> None:
+        """A stage held to its lease fails by its own series alone (the leases on a device add up to no more than
+        it has, and each stage holds no more than its own): its failures and the spans it is down over its pod's
+        life follow from its series, its lease and kubelet's back-off, with no event and no neighbour."""
+        pod, out = self.pods[i], self.outcomes[i]
+        gpu = pod.gpu
+        assert gpu is not None
+        profile, memory = gpu.profile, gpu.profile.memory
+        held = node.leases[out.leases[0][1]]  # a share is on one device; whole devices are each the device's size
+        lease = held.memory_bytes
+        if profile.max_memory <= lease:
+            return
+        key = (id(profile), lease)
+        entries = self.entries.get(key)
+        if entries is None:  # the samples at which the series goes above the lease
+            entries = self.entries[key] = tuple(k for k in range(profile.n)
+                                                if memory[k] > lease and memory[k - 1] <= lease)
+
+        def above_from(r: float) -> tuple[float, int]:
+            """Where the series is within the lease at ``r``: when it next goes above, and to which sample."""
+            if not entries:
+                return end, 0
+            k, since = profile.locate(r - origin)
+            j = bisect_right(entries, k)
+            after = entries[j] if j < len(entries) else entries[0] + profile.n
+            return r - since + (after - k) * profile.step_s, after % profile.n
+
+        origin, end, device = t - gpu.phase_s, t + pod.run_s, f"{node.name}/{held.device_uuid}"
+        up_since, in_row = t, 0
+        first = profile.locate(gpu.phase_s)[0]
+        fail, k = (t, first) if memory[first] > lease else above_from(t)
+        while fail < end:
+            r, count = fail, 0
+            while True:  # fails, and again at each restart while its series is above its lease
+                count += 1
+                if r - up_since >= BACKOFF_RESET_S:
+                    in_row = 0
+                r, in_row = r + backoff_s(in_row), in_row + 1
+                up_since = r
+                if r >= end or memory[profile.locate(r - origin)[0]] <= lease:
+                    break
+            self.failures.append(Failure(fail, i, device, memory[k], lease, OVER_LEASE, count))
+            out.down.append((fail, min(r, end)))
+            if r >= end:
+                break
+            fail, k = above_from(r)
+
     def _risky(self, node: _GpuNode, pos: int) -> bool:
         """Whether an allocation on this device can ever fail with the stages on it now."""
         residents = node.residents[pos]
-        if sum(s.profile.max_memory for s in residents.values()) > node.devices[pos].memory_bytes:
-            return True
-        return self.mode.enforced and any(s.profile.max_memory > node.leases[lease_id].memory_bytes
-                                          for lease_id, s in residents.items())
+        return sum(s.profile.max_memory for s in residents.values()) > node.devices[pos].memory_bytes
 
     def _recheck(self, node: _GpuNode, pos: int, t: float, new: _Stage | None = None) -> None:
         """Follow the device's memory from ``t`` where an allocation can fail on it, and stop where none can."""
@@ -582,59 +641,65 @@ class _Simulation:
         if risky and not node.risky[pos]:
             for lease_id, stage in node.residents[pos].items():
                 if stage is not new and stage.up:
-                    level, _, change = stage.now(t)
+                    level, growth = stage.now(t)
                     node.level[pos][lease_id] = level
-                    if change is not None:
-                        node.next_change[pos][lease_id] = change
+                    if growth is not None:
+                        node.next_change[pos][lease_id] = growth
         elif not risky and node.risky[pos]:
             node.level[pos].clear()
             node.next_change[pos].clear()
         node.risky[pos] = risky
 
-    def _overflow(self, node: _GpuNode, pos: int, lease_id: int, level: int) -> str:
-        """Why holding ``level`` with this lease fails on the device, or "" where it fits."""
-        if self.mode.enforced and level > node.leases[lease_id].memory_bytes:
-            return OVER_LEASE
-        others = sum(held for other, held in node.level[pos].items() if other != lease_id)
-        return DEVICE_FULL if others + level > node.devices[pos].memory_bytes else ""
+    def _overflow(self, node: _GpuNode, pos: int, lease_id: int, level: int, t: float,
+                  pending: Sequence[int] = ()) -> str:
+        """Why taking ``level`` with this lease at ``t`` fails on the device, or "" where it fits. ``pending``: the
+        leases whose stages grow at ``t`` too but allocate after this one."""
+        levels, room = node.level[pos], node.devices[pos].memory_bytes - level
+        if sum(levels.values()) - levels.get(lease_id, 0) <= room:
+            return ""
+        # The others' bounds say it may not fit: what they hold now (which is also their bound until they grow),
+        # or, for those yet to allocate at this instant, what they held just before.
+        residents, growths = node.residents[pos], node.next_change[pos]
+        for other in levels:
+            if other != lease_id:
+                stage = residents[other]
+                levels[other] = (stage.profile.memory[growths[other][1] - 1] if other in pending
+                                 else stage.level(t))
+        return DEVICE_FULL if sum(levels.values()) - levels.get(lease_id, 0) > room else ""
 
     def _allocate(self, stage: _Stage, t: float) -> None:
         """The stage's container starts at ``t``: it allocates what its series holds then, on each of its devices."""
         for node, pos, lease_id in stage.leases:
             if not node.risky[pos]:
                 continue
-            level, _, change = stage.now(t)
-            cause = self._overflow(node, pos, lease_id, level)
+            level, growth = stage.now(t)
+            cause = self._overflow(node, pos, lease_id, level, t)
             if cause:
                 self._fail(stage, node, pos, lease_id, level, t, cause)
                 return
             node.level[pos][lease_id] = level
-            if change is not None:
-                node.next_change[pos][lease_id] = change
+            if growth is not None:
+                node.next_change[pos][lease_id] = growth
         for node, pos, _ in stage.leases:
             if node.risky[pos]:
                 self._schedule(node, pos)
 
     def _memory_changes(self, node: _GpuNode, pos: int, t: float) -> None:
-        """The stages on a device whose memory changes at ``t``: frees first, then allocations, in lease order."""
-        changes, levels, residents = node.next_change[pos], node.level[pos], node.residents[pos]
-        growing: list[tuple[int, int]] = []
-        for lease_id in sorted(k for k, (when, _) in changes.items() if when == t):
-            stage = residents[lease_id]
-            _, k = changes[lease_id]
-            level = stage.profile.memory[k]
-            following = stage.after(t, k)
-            assert following is not None  # it changed, so its series has changes
-            changes[lease_id] = following
-            if level <= levels[lease_id]:
-                levels[lease_id] = level
-            else:
-                growing.append((lease_id, level))
-        for lease_id, level in growing:
+        """The stages on a device whose memory grows at ``t`` allocate, in lease order (what fell at ``t`` is free)."""
+        growths, levels, residents = node.next_change[pos], node.level[pos], node.residents[pos]
+        due = [lease_id for lease_id, (when, _) in growths.items() if when == t]
+        if len(due) > 1:
+            due.sort()
+        for n, lease_id in enumerate(due):
             stage = residents[lease_id]
             if not stage.up:  # failed on another of its devices at this instant
                 continue
-            cause = self._overflow(node, pos, lease_id, level)
+            k = growths[lease_id][1]
+            level = stage.profile.memory[k]
+            cause = self._overflow(node, pos, lease_id, level, t, due[n + 1:])
+            following = stage.after(t, k)
+            assert following is not None  # it grew, so its series has growths
+            growths[lease_id] = following
             if cause:
                 self._fail(stage, node, pos, lease_id, level, t, cause)
             else:
@@ -645,12 +710,16 @@ class _Simulation:
               cause: str) -> None:
         """The stage's allocation failed: its container exits, freeing its memory; kubelet restarts it later."""
         i, held = stage.index, node.leases[lease_id]
-        self.failures.append(Failure(t, i, f"{node.name}/{held.device_uuid}", level, held.memory_bytes, cause))
-        self.log.append(LogEvent(t, "stage.oom", self.pods[i].name, self.plans[i].gpu_container, node.name,
-                                 held.device_uuid, level, held.compute_percent, cause))
+        last = self.failures[stage.last_failure] if stage.last_failure is not None else None
+        if (last is not None and t == stage.up_since and last.cause == cause
+                and last.within_share == (level <= held.memory_bytes)):  # it failed again as it restarted
+            self.failures[stage.last_failure] = last._replace(count=last.count + 1)
+        else:
+            stage.last_failure = len(self.failures)
+            self.failures.append(Failure(t, i, f"{node.name}/{held.device_uuid}", level, held.memory_bytes, cause))
         if t - stage.up_since >= BACKOFF_RESET_S:
             stage.failures_in_row = 0
-        delay = min(BACKOFF_MAX_S, BACKOFF_FIRST_S * 2 ** min(stage.failures_in_row, 16))
+        delay = backoff_s(stage.failures_in_row)
         stage.failures_in_row += 1
         stage.up, stage.down_since, stage.restart_at = False, t, t + delay
         for other, p, other_lease in stage.leases:
@@ -664,9 +733,6 @@ class _Simulation:
         i = stage.index
         self._down(i, stage.down_since, t)
         stage.up, stage.up_since = True, t
-        node = stage.leases[0][0]
-        self.log.append(LogEvent(t, "stage.restarted", self.pods[i].name, self.plans[i].gpu_container, node.name,
-                                 "", 0, 0, f"after {t - stage.down_since:g} s"))
         self._allocate(stage, t)
 
     def _down(self, i: int, since: float, until: float) -> None:
@@ -682,8 +748,7 @@ class _Simulation:
         node.version[pos] += 1
         changes = node.next_change[pos]
         if changes:
-            when = min(w for w, _ in changes.values())
-            self._push(when, _MEMORY, (node.index, pos, node.version[pos]))
+            self._push(min(changes.values())[0], _MEMORY, (node.index, pos, node.version[pos]))
 
     # -- books that the metrics read ----------------------------------------------------------------------------
 

@@ -58,7 +58,7 @@ class GpuProfile:
     31 days costs the same as one that lives a minute.
     """
 
-    __slots__ = ("_busy", "_memory_sum", "_zero", "duty", "max_memory", "memory", "memory_changes", "n", "name",
+    __slots__ = ("_busy", "_memory_sum", "_zero", "duty", "max_memory", "memory", "memory_growths", "n", "name",
                  "peak_bytes", "period", "step_s")
 
     def __init__(
@@ -78,9 +78,9 @@ class GpuProfile:
         # is kept apart so that the lease can still be sized by it.
         self.peak_bytes = max(self.memory) if peak_bytes is None else max(peak_bytes, max(self.memory))
         # What the replay really holds at most (a summary-only pod replays its mean, below its peak), and the
-        # samples whose memory differs from the one before (cyclically): the only instants its memory changes.
+        # samples whose memory is more than the one before (cyclically): the only instants it allocates more.
         self.max_memory = max(self.memory)
-        self.memory_changes = tuple(k for k in range(self.n) if self.memory[k] != self.memory[k - 1])
+        self.memory_growths = tuple(k for k in range(self.n) if self.memory[k] > self.memory[k - 1])
         self._busy, self._zero, self._memory_sum = [0.0], [0.0], [0.0]
         for d, m in zip(self.duty, self.memory, strict=True):
             self._busy.append(self._busy[-1] + d * self.step_s)
