@@ -550,8 +550,8 @@ def _image_of_version(c: Cluster, version: str, tag: str, agent_exits: bool = Fa
     init.write_text(text.replace(text.split('__version__ = "', 1)[1].split('"', 1)[0], version, 1))
     if agent_exits:
         cli = tree / "shim" / "cli.py"
-        assert "    Agent(cfg).run()\n" in cli.read_text()
-        cli.write_text(cli.read_text().replace("    Agent(cfg).run()\n",
+        assert "    Agent(cfg, host_check=check).run()\n" in cli.read_text()
+        cli.write_text(cli.read_text().replace("    Agent(cfg, host_check=check).run()\n",
                                                '    raise SystemExit("weft agent: a test build that never starts")\n'))
     image = build.build(c.workdir / f"image-{tag}", base="debian-packages", repo=tree)
     c.registry.push(image.archive, f"weft/node:{tag}")
@@ -1093,6 +1093,7 @@ def test_nvidia_s_toolkit_installed_after_weft_keeps_every_pod_and_weft_and_a_re
     The back-out at the end of the module then leaves the toolkit's runtime and nothing of weft's."""
     c = on_weft
     _mesh_up(c)
+    others = _leases_on_gpu_node(c)  # an earlier test's pod may still be going
     c.kubectl("cordon", "cpu-2")  # the stage goes to the 1.6 node, whose containerd the toolkit restarts too
     try:
         _two_stage(c, "beside", "weft", prep=COUNTING_PREP)
@@ -1102,7 +1103,8 @@ def test_nvidia_s_toolkit_installed_after_weft_keeps_every_pod_and_weft_and_a_re
     assert _stage_host(c, "beside") == "cpu-1"
     before = _stage_state(c, "beside")
     leases = _leases_on_gpu_node(c)
-    assert len(leases) == 1, leases
+    mine = set(leases) - set(others)
+    assert len(mine) == 1, (leases, others)
     since = time.time()
     took: dict[str, float] = {}
     with Copies.of_pod(c, "beside") as copies:
@@ -1114,7 +1116,7 @@ def test_nvidia_s_toolkit_installed_after_weft_keeps_every_pod_and_weft_and_a_re
     assert all(down.values()), f"the toolkit restarted containerd on each node: {down}"
     assert _stage_state(c, "beside") == before, "a container of the pod restarted, or its reservation went"
     assert set(copies.counts()) == {1}, f"copies of the rerouted stage over time: {copies.samples}"
-    assert _leases_on_gpu_node(c) == leases, "the GPU stage's lease is as it was"
+    assert mine <= set(_leases_on_gpu_node(c)), "the GPU stage's lease is as it was"
     for node in ("gpu-1", "cpu-1"):
         default, runtimes = _runtimes_on(c, node)
         assert default == "nvidia" and {"runc", "nvidia", "weft"} <= set(runtimes), (node, sorted(runtimes))
