@@ -81,10 +81,13 @@ class Meshed:
 
 
 class Agent:
-    def __init__(self, cfg: Config, host_check: Callable[[], dict[str, Any] | None] | None = None) -> None:
+    def __init__(self, cfg: Config, host_check: Callable[[], dict[str, Any] | None] | None = None,
+                 host_sandbox_image: Callable[[], str | None] | None = None) -> None:
         """``host_check``: what to look at on the host every so often (on a node weft was installed onto, its place
-        in containerd's configuration: ``shim.install.dropin.agent_watch``); its last answer is in the status."""
+        in containerd's configuration: ``shim.install.dropin.agent_watch``); its last answer is in the status.
+        ``host_sandbox_image``: the pause image containerd's files say, where its Status does not (2.x)."""
         self.cfg = cfg
+        self.host_sandbox_image = host_sandbox_image
         self.metrics = Metrics()
         self.upstream = Upstream(str(cfg.agent.containerd_socket))
         self.store = AgentStore(cfg.agent.state_dir)
@@ -139,7 +142,7 @@ class Agent:
         pods = PodCache(self.api, mesh.node) if self.api.available and k.pod_spec and "gpu" in mesh.role.split(",") \
             else None
         if self.api.available and k.reservations and "cpu" in mesh.role.split(","):
-            pause = SandboxImage(self.upstream.channel, k.reservation_image)
+            pause = SandboxImage(self.upstream.channel, k.reservation_image, from_host=self.host_sandbox_image)
             host.reserve_with(self.api, mesh.node, k.namespace, pause, grace=k.reservation_grace,
                               metrics=self.metrics, store=self.store)
             host.reservations.on_cordon = lambda on: setattr(mesh.probe, "cordoned", on)  # no new stages then

@@ -60,7 +60,8 @@ def _agent(args: argparse.Namespace) -> int:
     k = cfg.kubernetes
     check = dropin.agent_watch(Path(cfg.agent.containerd_socket), cfg.mesh.node_name or socket.gethostname(),
                                k.namespace, Path(k.kubeconfig) if k.kubeconfig else None)
-    Agent(cfg, host_check=check).run()
+    Agent(cfg, host_check=check,
+          host_sandbox_image=dropin.agent_sandbox_image(Path(cfg.agent.containerd_socket))).run()
     return 0
 
 

@@ -251,6 +251,10 @@ def test_each_lines_own_config_dump_has_the_weft_runtime_and_every_host_setting_
     theirs = (before["plugins"][ctrd_config.CRI_IMAGES]["pinned_images"]["sandbox"] if line == "2"
               else before["plugins"][ctrd_config.CRI]["sandbox_image"])
     assert ours in (None, theirs)
+    # An agent started by hand reads the same where the running containerd's Status does not say it (2.x).
+    running = ctrd_config.running_sandbox_image(Host(root), ctrd_config.Containerd.parse(subprocess.run(
+        [str(binary), "--version"], capture_output=True, text=True, timeout=60).stdout, "test"))
+    assert running == theirs if line == "2" else running in (None, theirs)
 
     res = _weft("install", root, "--source", str(_source(tmp_path)))
     assert res.returncode == 0, res.stderr
@@ -395,6 +399,18 @@ def test_uninstall_killed_after_each_step_is_repaired_by_uninstall_or_by_install
 
 
 RELEASES = ("1.6", "1.7", *RELEASE_LINES, "2")
+
+
+@pytest.mark.parametrize("line", [*RELEASE_LINES, "2"])
+def test_each_2x_releases_own_sandbox_image_where_no_file_names_one(line: str, tmp_path: Path) -> None:
+    """The pause image an agent gives reservation pods on a 2.x node whose files name none is the one that
+    release runs sandboxes from (its Status no longer says it)."""
+    binary = _containerd_binary(line)
+    root = copy_shape("kubeadm", tmp_path / "host")
+    (root / "etc/containerd/config.toml").write_text("version = 3\n")
+    said = subprocess.run([str(binary), "--version"], capture_output=True, text=True, timeout=60).stdout
+    theirs = _dump(binary, root, tmp_path / "dump")["plugins"][ctrd_config.CRI_IMAGES]["pinned_images"]["sandbox"]
+    assert ctrd_config.running_sandbox_image(Host(root), ctrd_config.Containerd.parse(said, "test")) == theirs
 
 
 @pytest.mark.parametrize("line", RELEASES)

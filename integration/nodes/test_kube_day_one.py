@@ -550,9 +550,10 @@ def _image_of_version(c: Cluster, version: str, tag: str, agent_exits: bool = Fa
     init.write_text(text.replace(text.split('__version__ = "', 1)[1].split('"', 1)[0], version, 1))
     if agent_exits:
         cli = tree / "shim" / "cli.py"
-        assert "    Agent(cfg, host_check=check).run()\n" in cli.read_text()
-        cli.write_text(cli.read_text().replace("    Agent(cfg, host_check=check).run()\n",
-                                               '    raise SystemExit("weft agent: a test build that never starts")\n'))
+        start = "    Agent(cfg, host_check=check,"
+        assert start in cli.read_text()
+        cli.write_text(cli.read_text().replace(
+            start, f'    raise SystemExit("weft agent: a test build that never starts")\n{start}', 1))
     image = build.build(c.workdir / f"image-{tag}", base="debian-packages", repo=tree)
     c.registry.push(image.archive, f"weft/node:{tag}")
 

@@ -302,6 +302,26 @@ def _effective_runtime_2x(docs: list[tuple[str, dict[str, Any]]]) -> dict[str, A
     return out
 
 
+# containerd 2.x's own sandbox image where no file names one (its internal/cri/config DefaultSandboxImage), from
+# the first release line that has it; 2.x's verbose CRI Status no longer carries the image configuration.
+DEFAULT_SANDBOX_IMAGES_2X = (((2, 0), "registry.k8s.io/pause:3.10"), ((2, 2), "registry.k8s.io/pause:3.10.1"),
+                             ((2, 3), "registry.k8s.io/pause:3.10.2"))
+
+
+def running_sandbox_image(files: HostFiles, ctrd: Containerd) -> str | None:
+    """The pause image ``ctrd`` runs sandboxes from as its files say, or on 2.x its own default where none names
+    one (None: a 1.x whose files name none, whose Status says it). Raises :class:`UnrecognisedHost` naming an
+    unreadable file."""
+    docs = documents(files)
+    if not ctrd.merges_deeply:
+        pause = _effective_cri_1x(docs).get("sandbox_image")
+        return pause if isinstance(pause, str) and pause else None
+    found = sandbox_image_2x(docs)
+    if found:
+        return found
+    return [image for since, image in DEFAULT_SANDBOX_IMAGES_2X if (ctrd.major, ctrd.minor) >= since][-1]
+
+
 def sandbox_image_2x(docs: list[tuple[str, dict[str, Any]]]) -> str | None:
     """The pause image containerd 2.x runs pods' sandboxes from, as the last file that names it says
     (``pinned_images.sandbox`` of the image service; a version 2 file's ``sandbox_image``, which 2.x migrates

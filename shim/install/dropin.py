@@ -227,6 +227,26 @@ def agent_watch(containerd_socket: Path, node: str, namespace: str, kubeconfig: 
     return check
 
 
+def agent_sandbox_image(containerd_socket: Path, root: Path = Path("/")) -> Callable[[], str | None]:
+    """For an agent whose containerd's Status names no sandbox image (2.x): the one its files name, or that
+    release's own default, as ``weft install`` reads them; None where neither can be told (said in the log)."""
+    host = Host(root)
+
+    def image() -> str | None:
+        found = services.containerd_version(containerd_socket, [host.path(b) for b in containerd.BINARIES])
+        if not found:
+            _log.warning("reservation.sandbox_image_unknown",
+                         error=f"containerd's version: neither {containerd_socket} nor its binary answers")
+            return None
+        try:
+            return containerd.running_sandbox_image(host, containerd.Containerd.parse(*found))
+        except WeftError as exc:
+            _log.warning("reservation.sandbox_image_unknown", error=str(exc))
+            return None
+
+    return image
+
+
 def _event(node: str, namespace: str, kubeconfig: Path | None, reason: str, message: str) -> None:
     """An Event on weft's DaemonSet pod on ``node`` (where ``kubectl describe pod`` shows it); best effort."""
     from lightkube.resources.core_v1 import Pod

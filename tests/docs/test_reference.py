@@ -137,7 +137,7 @@ def test_every_agent_flag_is_documented_with_the_field_it_sets(monkeypatch: pyte
     seen: list[config.Config] = []
 
     class FakeAgent:
-        def __init__(self, cfg: config.Config, host_check=None) -> None:
+        def __init__(self, cfg: config.Config, host_check=None, host_sandbox_image=None) -> None:
             seen.append(cfg)
 
         def run(self) -> None:

@@ -155,3 +155,20 @@ def test_each_config_version_needs_the_containerd_that_reads_it(config_version: 
     if older is not None:
         with pytest.raises(UnrecognisedHost, match=f"config version {config_version} is not read by containerd"):
             containerd.plan(files, ["/hook"], "", older)
+
+
+def test_the_running_sandbox_image_is_the_files_or_on_2x_the_release_s_own_default() -> None:
+    """What an agent started by hand gives its reservation pods where containerd's Status names no image (2.x)."""
+    v2_0, v2_3 = Containerd("v2.0.5", 2, 0, "test"), Containerd("v2.3.7", 2, 3, "test")
+    # the old site file imported after the main one names it last
+    assert containerd.running_sandbox_image(Files(MERGED), V2_4) == "registry.example/pause:old"
+    plain = Files({containerd.CONFIG: "version = 3\n"})
+    assert [containerd.running_sandbox_image(plain, c) for c in (v2_0, V2_2, v2_3, V2_4)] == [
+        "registry.k8s.io/pause:3.10", "registry.k8s.io/pause:3.10.1", "registry.k8s.io/pause:3.10.2",
+        "registry.k8s.io/pause:3.10.2"]
+    old = Files({containerd.CONFIG: 'version = 2\n[plugins."io.containerd.grpc.v1.cri"]\nsandbox_image = "p:1"\n'})
+    assert containerd.running_sandbox_image(old, V2_2) == "p:1"  # a version 2 file's, as 2.x migrates it
+    assert containerd.running_sandbox_image(old, V1_6) == "p:1"
+    assert containerd.running_sandbox_image(Files({containerd.CONFIG: "version = 2\n"}), V1_7) is None
+    with pytest.raises(UnrecognisedHost, match=r"config\.toml"):
+        containerd.running_sandbox_image(Files({containerd.CONFIG: "version = = 3\n"}), V2_4)

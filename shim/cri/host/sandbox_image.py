@@ -4,13 +4,15 @@ A reservation pod is bound to this node by name and must need no image the node 
 that pulls its pause image from a mirror, or has it preloaded, cannot pull ``registry.k8s.io``'s. ``weft install``
 reads it from containerd's configuration files; an agent started by hand, with no ``kubernetes.reservation_image``,
 asks the running containerd (CRI ``Status`` with ``verbose``: the configuration it runs on), as kubelet since 1.35
-leaves the sandbox image to containerd altogether.
+leaves the sandbox image to containerd altogether. containerd 2.x's Status no longer carries its image service's
+configuration, so there the agent reads containerd's files as ``weft install`` does (``from_host``).
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Callable
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
@@ -39,10 +41,12 @@ def from_status(info: dict[str, str]) -> str | None:
 
 
 class SandboxImage:
-    """``configured`` where the configuration names one; otherwise containerd's own, asked once it answers."""
+    """``configured`` where the configuration names one; otherwise containerd's own, asked once it answers;
+    ``from_host``: where its Status names none, what containerd's files say (None: unknown)."""
 
-    def __init__(self, channel: grpc.Channel, configured: str = "", timeout: float = 5.0) -> None:
-        self.channel, self.configured, self.timeout = channel, configured, timeout
+    def __init__(self, channel: grpc.Channel, configured: str = "", timeout: float = 5.0,
+                 from_host: Callable[[], str | None] | None = None) -> None:
+        self.channel, self.configured, self.timeout, self.from_host = channel, configured, timeout, from_host
         self._found: str | None = None
         self._lock = threading.Lock()
 
@@ -63,9 +67,13 @@ class SandboxImage:
                          error=f"{exc.code().name}: {exc.details()}")  # type: ignore[attr-defined]
             return None  # asked again at the next reservation
         image = from_status(dict(status.info))
+        if image is not None:
+            _log.info("reservation.sandbox_image", image=image, source="containerd")
+            return image
+        image = self.from_host() if self.from_host is not None else None
         if image is None:
             _log.warning("reservation.sandbox_image_unknown", fallback=FALLBACK,
-                         error="containerd's verbose Status names no sandbox image")
+                         error="containerd's verbose Status names no sandbox image, nor do its files")
             return FALLBACK  # this containerd will not say: its default
-        _log.info("reservation.sandbox_image", image=image, source="containerd")
+        _log.info("reservation.sandbox_image", image=image, source="containerd-config")
         return image

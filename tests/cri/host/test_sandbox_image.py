@@ -74,3 +74,19 @@ def test_containerd_away_gives_the_fallback_for_now_and_is_asked_again(runtime) 
 ])
 def test_the_image_is_read_from_what_each_release_reports(info: dict[str, str], want: str | None) -> None:
     assert from_status(info) == want
+
+
+def test_where_the_status_names_none_containerd_s_files_say_it(runtime) -> None:
+    """containerd 2.x's verbose Status carries no image configuration: the agent reads containerd's files."""
+    servicer, channel = runtime
+    servicer.info = {"config": json.dumps({"containerd": {}, "cni": {}})}
+    asked = []
+
+    def from_host() -> str | None:
+        asked.append(1)
+        return "mirror.example:5000/pause:3.10.2"
+
+    image = SandboxImage(channel, from_host=from_host)
+    assert image() == image() == "mirror.example:5000/pause:3.10.2"
+    assert (servicer.calls, len(asked)) == (1, 1)
+    assert SandboxImage(channel, from_host=lambda: None)() == FALLBACK  # neither can tell: containerd's default
