@@ -38,6 +38,7 @@ import pytest
 from integration.harness import binaries, fixture
 from integration.nodes import nspawn
 from integration.nodes.cluster import Cluster
+from integration.nodes.conftest import OUTCOME
 from integration.nodes.kubeadm import NodeSpec
 from nodeimage import build
 from shim.install import containerd as ctrd_config
@@ -523,6 +524,20 @@ def on_weft(cluster: Cluster) -> Iterator[Cluster]:
                     if ctrd_config.BASE_SPEC in f.read_text()], name
         n.run(["crictl", "info"])
     _remove_manifests(c)
+
+
+@pytest.fixture(autouse=True)
+def _left_as_found_after_a_failure(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After a day-two test that failed half way: every node uncordoned and no pod of its left in default (a
+    bare pod stops a drain, a cordoned node takes no stage), so the tests after it fail only for their own
+    reasons. A test that passes cleans up after itself, and is checked to."""
+    yield
+    report = request.node.stash.get(OUTCOME, None)
+    if "on_weft" not in request.fixturenames or report is None or report.passed:
+        return
+    c: Cluster = request.getfixturevalue("on_weft")
+    c.kubectl("uncordon", *c.nodes, check=False)
+    c.kubectl("delete", "pods", "--all", "-n", "default", "--wait=true", timeout=180, check=False)
 
 
 # Day two. The rerouted stage of the upgrade's pod counts as it runs: its log, read on the GPU node where kubelet
