@@ -61,6 +61,9 @@ NETNS_DIR = Path("/var/run/netns")
 IMAGE_CACHE = Path(os.environ.get("WEFT_HARNESS_CACHE")
                    or Path(os.environ.get("WEFT_CACHE_ROOT") or "/var/cache/weft", "harness"))
 MAX_SLOTS = 200
+# The CNI plugins (bridge, host-local, loopback, portmap): Debian's, or where WEFT_CNI_BIN says (the GPU proof
+# carries them to a machine without any).
+CNI_BIN = os.environ.get("WEFT_CNI_BIN") or "/usr/lib/cni"
 
 VERSION_ENV = "WEFT_CONTAINERD"
 BIN_ENV = "WEFT_CONTAINERD_BIN"
@@ -342,7 +345,9 @@ class Containerd:
                         "dataDir": str(self.workdir / "cni-ipam"),
                     },
                 },
-                {"type": "portmap", "capabilities": {"portMappings": True}},
+                # portmap runs iptables, even to remove nothing: left out on a machine without it (the GPU
+                # proof's, whose pods map no ports).
+                *([{"type": "portmap", "capabilities": {"portMappings": True}}] if shutil.which("iptables") else []),
             ],
         }
         (self.workdir / "cni" / "10-weft-test.conflist").write_text(json.dumps(cni, indent=2))
@@ -385,7 +390,7 @@ oom_score = 0
   config_path = "{self.registry_config_dir}"
 
 [{cri_section}.cni]
-  bin_dir = "/usr/lib/cni"
+  bin_dir = "{CNI_BIN}"
   conf_dir = "{self.workdir / 'cni'}"
 
 [{cri_section}.containerd]
@@ -411,7 +416,7 @@ oom_score = 0
   cdi_spec_dirs = ["{self.cdi_spec_dir}"]
 
 [{runtime}.cni]
-  bin_dirs = ["/usr/lib/cni"]
+  bin_dirs = ["{CNI_BIN}"]
   conf_dir = "{self.workdir / 'cni'}"
 
 [{runtime}.containerd]

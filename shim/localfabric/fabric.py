@@ -55,6 +55,10 @@ class Fabric3:
     # The origin (with its broker) on half of this machine's CPUs and the hosts on the other half, as on
     # separate machines (``shim.localfabric.cpuset``); False: every process on every CPU.
     cpusets: bool = False
+    # A broker the caller runs (one on NVML, as ``bench.gpu_value`` does), instead of one on simulated GPUs.
+    broker_socket: Path | None = None
+    # The containerd release line every node runs (``containerd.LINES``; "2" for CDI); None: ``WEFT_CONTAINERD``.
+    containerd_line: str | None = None
     cluster: Cluster | None = None
     broker: BrokerProcess | None = None
     agents: dict[str, AgentProcess] = field(default_factory=dict)
@@ -84,10 +88,12 @@ class Fabric3:
         self.pods_dir.mkdir(parents=True, exist_ok=True)
         origin_cpus, host_cpus = cpuset.split() if self.cpusets else ("", "")
         cpus = {name: origin_cpus if ROLES[name] == "gpu" else host_cpus for name in NAMES}
-        self.broker = BrokerProcess(self.workdir / "broker", cpus=origin_cpus).start()
+        if self.broker_socket is None:
+            self.broker = BrokerProcess(self.workdir / "broker", cpus=origin_cpus).start()
+        socket = self.broker_socket or self.broker.socket
         self.cluster = Cluster(n=3, names=list(NAMES),
-                               handlers_for=lambda i, d: [weft_handler(d, self.broker.socket)] if i == 0 else None,
-                               cpus_for=lambda i: cpus[NAMES[i]])
+                               handlers_for=lambda i, d: [weft_handler(d, socket)] if i == 0 else None,
+                               cpus_for=lambda i: cpus[NAMES[i]], containerd_line=self.containerd_line)
         self.cluster.open()
         certs = self.workdir / "certs"
         subprocess.run([sys.executable, "-m", "shim", "mesh-certs", "--out", str(certs), "--nodes",
@@ -109,7 +115,7 @@ class Fabric3:
                      "--mesh-address", f"{node.mesh_ip}:{MESH_PORT}", "--peers", str(peers), "--tls-dir", str(certs),
                      "--log-level", "debug"]
             if node.name == "gpu-1":
-                extra += ["--broker-socket", str(self.broker.socket)]
+                extra += ["--broker-socket", str(socket)]
             self.agents[node.name] = AgentProcess(node.containerd, self.workdir / node.name, name=node.name,
                                                   extra_args=extra, netns=node.netns, metrics_host=node.mesh_ip,
                                                   metrics_port=free_port(), cpus=cpus[node.name])

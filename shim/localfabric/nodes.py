@@ -202,7 +202,10 @@ class Cluster:
 
     def _allow_forwarding(self, on: bool) -> None:
         """Bridged traffic may pass the root namespace's FORWARD chain (br_netfilter); a host whose
-        policy is DROP (a Docker engine sets that) would silently cut the mesh, so accept ours explicitly."""
+        policy is DROP (a Docker engine sets that) would silently cut the mesh, so accept ours explicitly. A
+        machine without iptables (the GPU proof's) has no such policy to get past."""
+        if shutil.which("iptables") is None:
+            return
         for direction in ("-i", "-o"):
             rule = ["FORWARD", direction, self.bridge, "-j", "ACCEPT"]
             present = subprocess.run(["iptables", "-C", *rule], capture_output=True).returncode == 0

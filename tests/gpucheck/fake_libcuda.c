@@ -18,6 +18,10 @@
  * When FAKE_GPU_WORLD names a directory, each process writes "<bytes held> <1 if MPS client>" to
  * <world>/<pid>, which the fake NVML reads as its process list.
  *
+ * With FAKE_CUDA_KERNEL_TIME=1 a kernel takes as long as it asks (its cycles at the 1000 kHz clock shown) and,
+ * with FAKE_GPU_WORLD, appends "<start ns> <end ns>" (CLOCK_REALTIME) to <world>/<pid>.kernels, from which a
+ * fake NVML can tell how busy the device was; without it a kernel returns at once.
+ *
  * Faults: FAKE_CUDA_FAIL="cuInit=100,cuMemAlloc_v2=2" makes those calls answer those codes;
  * FAKE_CUDA_MPS_ONLY=1 refuses a context outside MPS (a GPU in EXCLUSIVE_PROCESS mode under MPS);
  * FAKE_CUDA_HANG="cuLaunchKernel" makes that call never return. FAKE_CUDA_TOTAL_MIB (81920)
@@ -28,6 +32,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 typedef int CUresult;
@@ -244,6 +249,25 @@ CUresult cuLaunchKernel(void *fn, unsigned gx, unsigned gy, unsigned gz, unsigne
     uint32_t *out = (uint32_t *)(uintptr_t)*(CUdeviceptr *)params[0];
     int allowed = allowed_sms();
     for (unsigned i = 0; i < gx; i++) out[i] = i % (unsigned)allowed;
+    const char *timed = getenv("FAKE_CUDA_KERNEL_TIME");
+    if (timed && *timed == '1') {
+        uint64_t cycles = *(uint64_t *)params[1];  /* at the 1000 kHz clock shown: one cycle a microsecond */
+        struct timespec start, end, wait = { (time_t)(cycles / 1000000), (long)(cycles % 1000000) * 1000 };
+        clock_gettime(CLOCK_REALTIME, &start);
+        while (nanosleep(&wait, &wait) != 0) {}
+        clock_gettime(CLOCK_REALTIME, &end);
+        const char *world = getenv("FAKE_GPU_WORLD");
+        if (world) {
+            char path[4096];
+            snprintf(path, sizeof path, "%s/%d.kernels", world, (int)getpid());
+            FILE *f = fopen(path, "a");
+            if (f) {
+                fprintf(f, "%lld %lld\n", (long long)start.tv_sec * 1000000000LL + start.tv_nsec,
+                        (long long)end.tv_sec * 1000000000LL + end.tv_nsec);
+                fclose(f);
+            }
+        }
+    }
     return OK;
 }
 
