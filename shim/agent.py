@@ -10,7 +10,6 @@ open streams, and removes the socket it made.
 from __future__ import annotations
 
 import os
-import signal
 import socket as socketlib
 import threading
 from collections.abc import Callable
@@ -21,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from cri_api.v1 import api_pb2
 
-from shim import log, sdnotify
+from shim import log, sdnotify, stopping
 from shim.broker.client import BrokerClient
 from shim.config import Config
 from shim.cri.cdi import CdiSpecs
@@ -265,11 +264,12 @@ class Agent:
         self._stop.set()
 
     def run(self) -> None:
-        signal.signal(signal.SIGTERM, self.request_stop)
-        signal.signal(signal.SIGINT, self.request_stop)
+        # Handlers that only note the signal, and a main thread that waits in short waits: a handler that set
+        # the Event itself could deadlock on its lock, interrupting the main thread inside it (shim.stopping).
+        signals = stopping.Signals()
         self.start()
         sdnotify.notify()  # only now may kubelet start (the unit is Type=notify, Before=kubelet.service)
         try:
-            self._stop.wait()
+            signals.wait(self._stop)
         finally:
             self.stop()

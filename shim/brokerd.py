@@ -13,12 +13,11 @@ again when it starts.
 from __future__ import annotations
 
 import os
-import signal
 import threading
 from dataclasses import dataclass
 from pathlib import Path
 
-from shim import log, sdnotify
+from shim import log, sdnotify, stopping
 from shim.broker.metrics import BrokerMetrics
 from shim.broker.server import BrokerServer
 from shim.broker.service import LeaseService
@@ -113,13 +112,11 @@ class Broker:
 
 def run(cfg: BrokerConfig) -> int:
     broker = Broker(cfg)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    signals = stopping.Signals()  # they only note the signal; this thread looks (shim.stopping)
     broker.start()
     sdnotify.notify()  # the agent's unit is ordered after this one: it starts once the broker serves
     try:
-        stop.wait()
+        signals.wait(threading.Event())
     finally:
         broker.stop()
     return 0

@@ -17,6 +17,9 @@
 
 Errors weft raises on purpose are printed as one line naming what to fix, with
 exit code 2; anything else is a bug and keeps its traceback.
+
+This module imports nothing slow at its top: the console script imports it
+before ``main`` sets how SIGTERM ends the process (``shim.stopping``).
 """
 
 from __future__ import annotations
@@ -27,12 +30,17 @@ import socket
 import sys
 from pathlib import Path
 
-from shim import __version__, log
-from shim.errors import WeftError
+from shim import __version__, stopping
+
+# The commands that run as containers' main processes (nodeimage/manifests, charts/weft). As the process's own
+# command line they end on SIGTERM and SIGINT through shim.stopping: at once until their work starts (the entry
+# point's first line sets that), then as stopping.serve ends them.
+SERVING = frozenset({"mesh-signer", "mesh-identity", "kube-credentials"})  # they call stopping.serve
+INSTALLING = frozenset({"install", "uninstall"})  # run by main under stopping.serve, ended at once by a signal
 
 
 def _agent(args: argparse.Namespace) -> int:
-    from shim import config
+    from shim import config, log
     from shim.agent import Agent
 
     cfg = config.load(
@@ -66,9 +74,8 @@ def _agent(args: argparse.Namespace) -> int:
 
 
 def _kube_credentials(args: argparse.Namespace) -> int:
-    import signal
-    import threading
-
+    from shim import log
+    from shim.errors import WeftError
     from shim.kube import credentials
 
     log.configure("info")
@@ -78,18 +85,18 @@ def _kube_credentials(args: argparse.Namespace) -> int:
             raise WeftError("kube-credentials: --namespace and --service-account go together")
         identity = credentials.Identity(args.namespace, args.service_account)
     keeper = credentials.in_cluster_keeper(args.dir, args.lifetime, args.refresh, args.kubeconfig, identity)
+    # The keeper on a thread of its own, the signal taken by the main thread: a TokenRequest that hangs does
+    # not keep the process once SIGTERM comes (shim.stopping).
     if args.once:
-        keeper.renew()
-        return 0
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
-    keeper.run(stop)
-    return 0
+        def once(_stop: object) -> None:
+            keeper.renew()
+
+        return stopping.serve(once, name="weft-kube-credentials", stopped=None) or 0
+    return stopping.serve(keeper.run, name="weft-kube-credentials") or 0
 
 
 def _broker(args: argparse.Namespace) -> int:
-    from shim import brokerd
+    from shim import brokerd, log
 
     log.configure(args.log_level or "info")
     return brokerd.run(brokerd.BrokerConfig(
@@ -237,6 +244,8 @@ def _bench(args: argparse.Namespace) -> int:
             as_json=args.json, pods=args.pods, samples=args.samples, load_seconds=args.load_seconds,
             output=args.output,
         )
+    from shim.errors import WeftError
+
     raise WeftError(f"unknown benchmark {args.what!r}")
 
 
@@ -369,13 +378,26 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
+    """weft's command line; ``argv`` None: the process's own (``sys.argv``), whose signals are then its to take."""
+    entry = argv is None
+    if entry:
+        stopping.end_at_once()  # again after nodeimage/bin/weft and python -m shim; first for the console script
+        argv = sys.argv[1:]
+        if not (argv[:1] and argv[0] in SERVING | INSTALLING):
+            stopping.as_usual()  # the other commands take signals as they always did
     if argv[:1] == ["gpu-check"]:  # before the whole parser: a driverless node's answer must come at once
         from shim.gpucheck import cli as gpucheck_cli
 
         return gpucheck_cli.main(argv)
     args = parser().parse_args(argv)
+    from shim.errors import WeftError
+
     try:
+        if entry and args.command in INSTALLING:
+            # Ended at once by SIGTERM, as any process its default action ends (which a PID 1 never is): the
+            # installer's journal makes a later run finish the job from any point, as after kill -9.
+            return stopping.serve(lambda _stop: args.fn(args), name=f"weft-{args.command}", grace_s=0.0,
+                                  stopped=None)
         return args.fn(args)
     except WeftError as exc:
         print(f"weft {args.command}: {exc.message}", file=sys.stderr)

@@ -18,6 +18,11 @@ by reading that file and doing what an engine would:
 - **the ``hook`` stage**: its one file, ``hooks/weft_oci_hook.c``, compiled on
   this host with the flags its RUN line names (``hooks.native``: static, so
   the binary needs nothing of the base); ``COPY --from=hook`` takes it.
+- **the ``init`` stage**: ``/usr/bin/tini-static`` from Debian's ``tini``
+  package, which its RUN line installs, here unpacked from the package
+  (``apt-get download``, the version apt resolves; cached under
+  ``/var/cache/weft/nodeimage/debs/``); ``COPY --from=init`` takes it, and the
+  ENTRYPOINT runs weft under it.
 - **COPY, ENV, LABEL, USER, ENTRYPOINT, CMD**: applied as the Containerfile says
   (COPY honours ``nodeimage/containerignore``).
 

@@ -36,6 +36,13 @@ HOOK_OUTPUT = "/out/weft-oci-hook"
 HOOK_RUN = ("apt-get update -q && apt-get install -y -q --no-install-recommends gcc libc6-dev && mkdir -p /out && "
             f"cc {' '.join(native.CFLAGS)} -o {HOOK_OUTPUT} {HOOK_SOURCE}")
 
+# tini, the containers' init (the ENTRYPOINT runs weft under it): Debian's package, its static binary, from an
+# "init" stage; build.py takes the same file from the same package (apt-get download) instead of that RUN line.
+INIT_STAGE = "init"
+INIT_PACKAGE = "tini"
+INIT_RUN = f"apt-get update -q && apt-get install -y -q --no-install-recommends {INIT_PACKAGE}"
+INIT_OUTPUT = "/usr/bin/tini-static"
+
 _MT_INDEX = "application/vnd.oci.image.index.v1+json"
 _MT_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
 _MT_CONFIG = "application/vnd.oci.image.config.v1+json"

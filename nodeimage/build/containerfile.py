@@ -10,7 +10,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from nodeimage.build.common import HOOK_RUN, HOOK_STAGE, IGNOREFILE, PIP_RUN, BuildError
+from nodeimage.build.common import HOOK_RUN, HOOK_STAGE, IGNOREFILE, INIT_RUN, INIT_STAGE, PIP_RUN, BuildError
 
 
 @dataclass
@@ -111,10 +111,12 @@ def parse_containerfile(text: str, build_args: dict[str, str] | None = None) -> 
     for run in plan.runs:
         if run != PIP_RUN:
             raise BuildError(f"Containerfile RUN {run!r}: build.py only runs {PIP_RUN!r}")
+    known = {HOOK_STAGE: [HOOK_RUN], INIT_STAGE: [INIT_RUN]}
     for name, stage in plan.stages.items():
-        if name != HOOK_STAGE or stage.runs != [HOOK_RUN]:
+        if known.get(name) != stage.runs or (name == INIT_STAGE and stage.copies):
             raise BuildError(f"Containerfile stage {name!r}: build.py builds only the {HOOK_STAGE!r} stage, "
-                             f"whose one RUN is {HOOK_RUN!r}")
+                             f"whose one RUN is {HOOK_RUN!r}, and the {INIT_STAGE!r} stage, which copies nothing "
+                             f"in and whose one RUN is {INIT_RUN!r}")
     return plan
 
 

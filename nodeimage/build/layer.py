@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import shutil
 import sys
@@ -16,11 +17,16 @@ from nodeimage.build.common import (
     HOOK_FROM,
     HOOK_OUTPUT,
     HOOK_SOURCE,
+    HOOK_STAGE,
+    INIT_OUTPUT,
+    INIT_PACKAGE,
+    INIT_STAGE,
     LOCKFILE,
     PIP_PLATFORM,
     REPO,
     BuildError,
     _run,
+    _run_bytes,
 )
 from nodeimage.build.containerfile import Plan, _ignored, ignore_patterns
 from nodeimage.build.layout import layer_tar
@@ -61,7 +67,7 @@ def pip_install(target: Path, lockfile: Path = LOCKFILE, cache: Path = CACHE) ->
 
 def hook_stage(plan: Plan, repo: Path, out: Path) -> dict[str, Path]:
     """The hook stage, on this host: its one file compiled as its RUN would (``hooks.native``); {path: file}."""
-    stage = next(iter(plan.stages.values()))
+    stage = plan.stages[HOOK_STAGE]
     if stage.copies != [(HOOK_FROM, HOOK_SOURCE)]:
         raise BuildError(f"Containerfile hook stage: COPY {HOOK_FROM} {HOOK_SOURCE}, nothing else")
     try:
@@ -70,13 +76,46 @@ def hook_stage(plan: Plan, repo: Path, out: Path) -> dict[str, Path]:
         raise BuildError(f"the native OCI hook: {exc} (scripts/setup.sh installs gcc)") from exc
 
 
+def init_stage(cache: Path = CACHE) -> dict[str, Path]:
+    """The init stage, on this host: tini's static binary from the Debian package its RUN line installs (the
+    version apt would install here), downloaded once into the cache; {path: file}."""
+    policy = _run(["apt-cache", "policy", INIT_PACKAGE], f"resolve the {INIT_PACKAGE} package's version").stdout
+    version = next((ln.split(":", 1)[1].strip() for ln in policy.splitlines() if ln.strip().startswith("Candidate:")),
+                   "(none)")
+    if version == "(none)":
+        raise BuildError(f"Debian package {INIT_PACKAGE} not available from apt here (run apt-get update)")
+    debs = cache / "debs"
+    debs.mkdir(parents=True, exist_ok=True)
+    pattern = f"{INIT_PACKAGE}_{version.replace(':', '%3a')}_*.deb"  # apt-get download escapes ':' as %3a
+    if not sorted(debs.glob(pattern)):
+        _run(["apt-get", "download", f"{INIT_PACKAGE}={version}"], f"download {INIT_PACKAGE} (apt-get download)",
+             cwd=debs)
+    deb = sorted(debs.glob(pattern))[0]
+    out = cache / "init" / deb.stem / Path(INIT_OUTPUT).name
+    if not out.exists():
+        data = _run_bytes(["dpkg-deb", "--fsys-tarfile", str(deb)], f"unpack {deb.name}")
+        with tarfile.open(fileobj=io.BytesIO(data)) as tar:
+            member = tar.extractfile(f".{INIT_OUTPUT}")
+            if member is None:
+                raise BuildError(f"{deb.name} holds no {INIT_OUTPUT}")
+            binary = member.read()
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(out.name + ".tmp")
+        tmp.write_bytes(binary)
+        tmp.chmod(0o755)
+        os.replace(tmp, out)
+    return {INIT_OUTPUT: out}
+
+
 def weft_layer(plan: Plan, repo: Path = REPO, cache: Path = CACHE) -> bytes:
     patterns = ignore_patterns(repo / "nodeimage" / "containerignore")
     entries: list[tuple[tarfile.TarInfo, bytes | None]] = []
     with tempfile.TemporaryDirectory(prefix="weft-image-") as tmp:
         for src, dest in plan.copies:
             entries.extend(_tree(repo / src, dest, patterns))
-        built = hook_stage(plan, repo, Path(tmp) / "hook") if plan.stages else {}
+        built = hook_stage(plan, repo, Path(tmp) / "hook") if HOOK_STAGE in plan.stages else {}
+        if INIT_STAGE in plan.stages:
+            built.update(init_stage(cache))
         for _stage, src, dest in plan.copies_from:
             if src not in built:
                 raise BuildError(f"Containerfile COPY --from: the stage makes no {src}")

@@ -37,7 +37,7 @@ from lightkube.models.authentication_v1 import TokenRequestSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import ServiceAccountToken
 
-from shim import log
+from shim import log, stopping
 from shim.errors import ConfigError, WeftError
 
 _log = log.get("weft.kube")
@@ -125,17 +125,22 @@ def renew_at(token: Token, issued: float, refresh: float) -> float:
 
 
 def write_private(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` 0600, replacing it atomically (a reader never sees half a token)."""
+    """Write ``text`` to ``path`` 0600, replacing it atomically (a reader never sees half a token).
+
+    Under ``shim.stopping.writing``: a process SIGTERM ends does not end in the middle, leaving the temporary
+    file.
+    """
     path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o600)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with stopping.writing():
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")
+        try:
+            with os.fdopen(fd, "w") as f:
+                f.write(text)
+            os.chmod(tmp, 0o600)
+            os.replace(tmp, path)
+        except BaseException:
+            Path(tmp).unlink(missing_ok=True)
+            raise
 
 
 class Keeper:
@@ -159,10 +164,11 @@ class Keeper:
         """Get and write a token (and the kubeconfig); returns when to renew next. Raises CredentialsError."""
         issued = self.clock()
         token = self.tokens.request(self.lifetime_s)
-        write_private(self.token_file, token.value + "\n")
         text = kubeconfig_text(self.server, self.ca_pem, self.token_file)
-        if not self.kubeconfig.exists() or self.kubeconfig.read_text() != text:
-            write_private(self.kubeconfig, text)
+        with stopping.writing():  # the token and the kubeconfig that names it, when SIGTERM ends the process
+            write_private(self.token_file, token.value + "\n")
+            if not self.kubeconfig.exists() or self.kubeconfig.read_text() != text:
+                write_private(self.kubeconfig, text)
         self.current = token
         _log.info("kube.credentials.renewed", expires_in_s=round(token.expires - issued), path=str(self.kubeconfig))
         return renew_at(token, issued, self.refresh)

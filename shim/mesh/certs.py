@@ -33,6 +33,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
 
+from shim import stopping
 from shim.core import meshcsr
 from shim.errors import ConfigError
 
@@ -309,17 +310,21 @@ def _key_pem(key: ec.EllipticCurvePrivateKey) -> bytes:
 
 
 def write_file(path: Path, data: bytes, mode: int) -> None:
-    """Write through a temporary file so a crash never leaves half a key; a key is never readable by others."""
+    """Write through a temporary file so a crash never leaves half a key; a key is never readable by others.
+
+    Under ``shim.stopping.writing``: a process SIGTERM ends does not end in the middle of it.
+    """
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.unlink(missing_ok=True)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
+    with stopping.writing():
         tmp.unlink(missing_ok=True)
-        raise
-    os.chmod(tmp, mode)  # umask may have narrowed it; a cert must stay readable
-    os.replace(tmp, path)
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(data)
+                f.flush()
+                os.fsync(f.fileno())
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        os.chmod(tmp, mode)  # umask may have narrowed it; a cert must stay readable
+        os.replace(tmp, path)

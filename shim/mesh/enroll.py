@@ -41,7 +41,7 @@ from lightkube.models.certificates_v1 import CertificateSigningRequestSpec
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.certificates_v1 import CertificateSigningRequest
 
-from shim import log
+from shim import log, stopping
 from shim.core.meshcsr import MIN_REQUEST_S, SIGNER_NAME, renew_at
 from shim.errors import ConfigError, WeftError
 from shim.mesh import csr
@@ -177,8 +177,9 @@ class Enroller:
         cert = x509.load_pem_x509_certificate(cert_pem)
         if cert.public_key() != csr.load_key(key).public_key() or cert_nodes(cert_pem) != [self.node]:
             raise EnrollError("the issued certificate is not for this node's key and name")
-        write_file(self.ca_path, ca_pem, 0o644)
-        write_file(self.cert_path, cert_pem, 0o644)
+        with stopping.writing():  # both or neither, when SIGTERM ends the process
+            write_file(self.ca_path, ca_pem, 0o644)
+            write_file(self.cert_path, cert_pem, 0o644)
         self.not_after = cert.not_valid_after_utc.timestamp()
         _log.info("mesh.cert.issued", node=self.node, path=str(self.cert_path),
                   expires_in_s=round(self.not_after - got))
@@ -216,20 +217,20 @@ class Enroller:
 
 def main(directory: Path, node: str, kubeconfig: Path, *, lifetime_s: int, share: float, once: bool,
          timeout_s: float) -> int:
-    """``weft mesh-identity``: keep this node's mesh certificate (``--once``: get one, then exit)."""
-    import signal
+    """``weft mesh-identity``: keep this node's mesh certificate (``--once``: get one, then exit).
 
+    The keeper runs on a thread of its own and the main thread takes SIGTERM (``shim.stopping``), so a request
+    that hangs does not keep the process; ``--once`` ended by a signal exits 128 plus its number (143).
+    """
     try:
         client = lightkube.Client(config=KubeConfig.from_file(kubeconfig))
     except (OSError, lightkube.ConfigError) as exc:
         raise ConfigError(f"mesh-identity: --kubeconfig {kubeconfig} cannot be used: {exc}") from exc
     enroller = Enroller(client, directory, node, lifetime_s=lifetime_s, share=share)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     try:
-        enroller.run(stop, once=once, timeout_s=timeout_s)
+        code = stopping.serve(lambda stop: enroller.run(stop, once=once, timeout_s=timeout_s),
+                              name="weft-mesh-identity", stopped=None if once else 0)
     except EnrollError as exc:
         print(f"weft mesh-identity: {exc.message}")
         return 2
-    return 0
+    return code or 0

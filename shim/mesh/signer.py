@@ -45,7 +45,7 @@ from lightkube.resources.certificates_v1 import (
 )
 from lightkube.resources.core_v1 import Node
 
-from shim import log
+from shim import log, stopping
 from shim.core.meshcsr import SIGNER_NAME, Decision, decide, lifetime_s, requester_node
 from shim.errors import ConfigError
 from shim.mesh import certs, csr
@@ -181,19 +181,12 @@ def init_ca(ca_dir: Path) -> int:
 
 def main(ca_dir: Path, max_lifetime_s: int, kubeconfig: Path | None = None) -> int:
     """``weft mesh-signer``: sign until SIGTERM, as the signer's service account (or ``kubeconfig``)."""
-    import signal
-
     try:
         key, cert = (Path(ca_dir) / "ca.key").read_bytes(), (Path(ca_dir) / "ca.crt").read_bytes()
     except OSError as exc:
         raise ConfigError(f"mesh-signer: the CA cannot be read from --ca-dir {ca_dir}: {exc}") from exc
     client = lightkube.Client(config=KubeConfig.from_file(kubeconfig)) if kubeconfig else lightkube.Client()
     signer = Signer(client, key, cert, max_lifetime_s=max_lifetime_s)
-    stop = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stop.set())
-    signal.signal(signal.SIGINT, lambda *_: stop.set())
     _log.info("mesh.signer.started", signer=SIGNER_NAME, max_lifetime_s=max_lifetime_s)
-    # The loop may wait in a watch; the main thread is free for the signal.
-    threading.Thread(target=signer.run, args=(stop,), name="weft-mesh-signer", daemon=True).start()
-    stop.wait()
-    return 0
+    # The loop waits in a watch, on a thread of its own; the main thread takes the signal (shim.stopping).
+    return stopping.serve(signer.run, name="weft-mesh-signer") or 0

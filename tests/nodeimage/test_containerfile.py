@@ -57,7 +57,7 @@ def test_containerfile_pins_a_python_311_slim_base_by_digest(plan):
 def test_image_config_is_the_containerfiles_user_entrypoint_env_and_labels(built, plan):
     c = built.config["config"]
     assert c["User"] == plan.user == "65532:65532"  # non-root
-    assert c["Entrypoint"] == plan.entrypoint == ["/opt/weft/bin/weft"]
+    assert c["Entrypoint"] == plan.entrypoint == ["/opt/weft/bin/tini", "-s", "--", "/opt/weft/bin/weft"]
     assert c["Cmd"] == plan.cmd
     env = dict(e.split("=", 1) for e in c["Env"])
     assert {k: env[k] for k in plan.env} == plan.env
@@ -103,9 +103,10 @@ def test_the_layer_holds_what_the_containerfile_copies_and_installs(built, plan)
 
 
 def test_the_oci_hook_is_the_native_one_from_the_hook_stage(built, plan):
-    assert plan.stages.keys() == {"hook"} and plan.stages["hook"].base == plan.base
-    assert plan.copies_from == [("hook", "/out/weft-oci-hook", "/opt/weft/bin/weft-oci-hook"),
-                                ("hook", "/out/weft-oci-hook", "/opt/weft/lib/hooks/weft-oci-hook")]
+    assert plan.stages.keys() == {"hook", "init"} and plan.stages["hook"].base == plan.base
+    assert [c for c in plan.copies_from if c[0] == "hook"] == [
+        ("hook", "/out/weft-oci-hook", "/opt/weft/bin/weft-oci-hook"),
+        ("hook", "/out/weft-oci-hook", "/opt/weft/lib/hooks/weft-oci-hook")]
     with tarfile.open(fileobj=io.BytesIO(built.layer)) as tar:
         binary = tar.extractfile("opt/weft/bin/weft-oci-hook").read()  # type: ignore[union-attr]
         beside = tar.extractfile("opt/weft/lib/hooks/weft-oci-hook").read()  # type: ignore[union-attr]
@@ -113,6 +114,29 @@ def test_the_oci_hook_is_the_native_one_from_the_hook_stage(built, plan):
     # The same program hooks/native.py builds (the same source and flags the stage's RUN line names).
     assert binary == native.build().read_bytes()
     assert " ".join(native.CFLAGS) in plan.stages["hook"].runs[0]
+
+
+def test_the_entrypoint_runs_weft_under_the_static_tini_of_debian_s_package(built, plan):
+    """The containers' PID 1 is tini, which blocks signals from its first instructions (a PID 1 ignores a SIGTERM
+    it has no handler for; Python would take milliseconds to set one): docs/operations.md, "How weft's containers
+    end"."""
+    from nodeimage.build import layer
+
+    assert plan.stages["init"].base == plan.base and plan.stages["init"].copies == []
+    assert [c for c in plan.copies_from if c[0] == "init"] == [("init", "/usr/bin/tini-static", "/opt/weft/bin/tini")]
+    members = _layer_members(built)
+    assert members["opt/weft/bin/tini"].mode & 0o111
+    with tarfile.open(fileobj=io.BytesIO(built.layer)) as tar:
+        binary = tar.extractfile("opt/weft/bin/tini").read()  # type: ignore[union-attr]
+    assert binary == layer.init_stage()["/usr/bin/tini-static"].read_bytes()
+    assert binary.startswith(b"\x7fELF") and b"tini" in binary
+    assert plan.entrypoint[:3] == ["/opt/weft/bin/tini", "-s", "--"]  # -s: no warning where it is not PID 1
+
+
+def test_the_build_refuses_an_init_stage_it_would_not_reproduce():
+    text = build.CONTAINERFILE.read_text().replace("--no-install-recommends tini", "--no-install-recommends dumb-init")
+    with pytest.raises(build.BuildError, match="and the 'init' stage"):
+        build.parse_containerfile(text)
 
 
 def test_the_hook_stage_compiles_the_build_contexts_own_source(plan, tmp_path):

@@ -223,6 +223,19 @@ def test_init_containers_and_containers_have_names_of_their_own():
         assert len(names) == len(set(names)), names
 
 
+def test_every_weft_container_runs_weft_through_the_image_s_entrypoint_under_tini():
+    """Each container that runs weft gives the image args only: the ENTRYPOINT runs weft under tini, which takes
+    SIGTERM from the container's first instructions (docs/operations.md, "How weft's containers end"), and a
+    ``command`` would replace it. The back-out's uninstall too; its idle container is ``sleep``, not weft."""
+    assert build.parse_containerfile(build.CONTAINERFILE.read_text()).entrypoint[:2] == ["/opt/weft/bin/tini", "-s"]
+    backout = yaml.safe_load((MANIFESTS.parent / "backout" / "daemonset-backout.yaml").read_text())
+    backout_init = next(op["value"] for op in backout if op["path"].endswith("/initContainers"))
+    for kind in ("DaemonSet", "Deployment"):
+        spec = (_one(kind) if kind == "DaemonSet" else _one(kind, SIGNER))["spec"]["template"]["spec"]
+        for c in [*spec.get("initContainers", []), *spec["containers"], *(backout_init if kind == "DaemonSet" else [])]:
+            assert "command" not in c and c["args"], f"{kind} {c['name']}: {c.get('command')}"
+
+
 def test_every_read_only_root_has_a_writable_tmp_of_its_own():
     """The Kubernetes client writes a kubeconfig's embedded certificates (kubeadm's kubelet.conf embeds the CA)
     to temporary files: a read-only root needs /tmp, in memory and small."""
