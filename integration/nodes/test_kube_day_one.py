@@ -536,6 +536,14 @@ def _left_as_found_after_a_failure(request: pytest.FixtureRequest) -> Iterator[N
     if "on_weft" not in request.fixturenames or report is None or report.passed:
         return
     c: Cluster = request.getfixturevalue("on_weft")
+    # What each node's weft said meanwhile, kept past the nodes' teardown (pytest keeps its last temporary dirs).
+    kept = c.workdir / f"failed-{request.node.name[:80]}"
+    kept.mkdir(exist_ok=True)
+    for name, n in c.nodes.items():
+        for unit in ("weft-agent", "weft-broker", "kubelet", "containerd"):
+            res = n.run(["journalctl", "-u", unit, "--no-pager", "-o", "short-monotonic"], check=False)
+            (kept / f"{name}-{unit}.log").write_text(res.stdout + res.stderr)
+    print(f"the nodes' logs of the failed test: {kept}")
     c.kubectl("uncordon", *c.nodes, check=False)
     c.kubectl("delete", "pods", "--all", "-n", "default", "--wait=true", timeout=180, check=False)
 
