@@ -56,6 +56,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from bench import gpu_workload
 from bench.gpu_whole_path import GpuSide, _reason, libcuda_in, libcuda_on_host, loaded_library, nvidia_ctk_cdi, own_cdi
+from shim.config import MeshConfig
 from shim.gpucheck import cuda_client
 from shim.localfabric import cpuset, images, pods
 from shim.localfabric.containerd import CGROUP_FS, cgroup_hierarchies
@@ -158,27 +159,32 @@ class GpuReader:
         nv = self.nv
         util = nv.nvmlDeviceGetUtilizationRates(self.handle)
         memory = nv.nvmlDeviceGetMemoryInfo(self.handle)
-        return {"util_percent": float(util.gpu), "fb_used_bytes": float(memory.used), "sm_active": self._sm_active()}
+        return {"util_percent": float(util.gpu), "fb_used_bytes": float(memory.used),
+                "fb_free_bytes": float(memory.free), **self._gpm()}
 
-    def _sm_active(self) -> float | None:
+    def _gpm(self) -> dict[str, float | None]:
+        """Since the last read: SM activity (what DCGM_FI_PROF_SM_ACTIVE is) and the graphics/compute engine's
+        (DCGM_FI_PROF_GR_ENGINE_ACTIVE), as ratios; None where the GPU has no GPM."""
         if self.gpm is None:
-            return None
+            return {"sm_active": None, "gr_engine_active": None}
         nv = self.nv
         try:
             newer = nv.nvmlGpmSampleGet(self.handle, nv.nvmlGpmSampleAlloc())
             metrics = nv.c_nvmlGpmMetricsGet_t()
             metrics.version = nv.NVML_GPM_METRICS_GET_VERSION
-            metrics.numMetrics = 1
+            metrics.numMetrics = 2
             metrics.sample1, metrics.sample2 = self.gpm, newer
             metrics.metrics[0].metricId = nv.NVML_GPM_METRIC_SM_UTIL
+            metrics.metrics[1].metricId = nv.NVML_GPM_METRIC_GRAPHICS_UTIL
             nv.nvmlGpmMetricsGet(metrics)
         except Exception as exc:  # noqa: BLE001 - one failed read is a gap in the samples, said once
             self.gpm_note = f"SM activity: a GPM read failed ({_reason(exc)})"
-            return None
+            return {"sm_active": None, "gr_engine_active": None}
         with contextlib.suppress(Exception):
             nv.nvmlGpmSampleFree(self.gpm)
         self.gpm = newer
-        return round(float(metrics.metrics[0].value) / 100, 4)
+        return {"sm_active": round(float(metrics.metrics[0].value) / 100, 4),
+                "gr_engine_active": round(float(metrics.metrics[1].value) / 100, 4)}
 
     def close(self) -> None:
         if self.gpm is not None:
@@ -192,9 +198,11 @@ class Sampler:
     pods hold the GPU now (``holders()``), each sample tagged with the window it falls in."""
 
     def __init__(self, reader: GpuReader, leases: Callable[[], list], metrics_text: Callable[[], str],
-                 cgroups: dict[str, str], holders: Callable[[], tuple[str, list[str]]], interval: float) -> None:
+                 cgroups: dict[str, str], holders: Callable[[], tuple[str, list[str]]], interval: float,
+                 containers: Callable[[], dict[str, tuple[str, str]]] = dict) -> None:
         self.reader, self.leases, self.metrics_text = reader, leases, metrics_text
         self.cgroups, self.holders, self.interval = cgroups, holders, interval
+        self.containers = containers  # "pod/container" -> (node, its cgroup), as cAdvisor reads them
         self.samples: list[dict] = []
         self.errors: list[str] = []
         self._stop = threading.Event()
@@ -208,6 +216,8 @@ class Sampler:
                 sample: dict[str, Any] = {"t": round(t, 3), "window": window, "holders": holding,
                                           **self.reader.read(),
                                           "cpu_s": {node: cgroup_cpu_s(cg) for node, cg in self.cgroups.items()},
+                                          "containers": {key: [node, cgroup_cpu_s(cg)]
+                                                         for key, (node, cg) in self.containers().items()},
                                           "leases": [{"lease": x.lease_id, "pod": x.pod, "namespace": x.namespace,
                                                       "container": x.container, "memory_bytes": x.memory_bytes,
                                                       "compute_percent": x.compute_percent, "state": x.state.value,
@@ -248,6 +258,8 @@ class PodRun:
     gpu_log: list[dict] = field(default_factory=list)
     cpu_log: list[dict] = field(default_factory=list)
     killed: dict[str, Any] = field(default_factory=dict)
+    cgroups: dict[str, tuple[str, str]] = field(default_factory=dict)  # container -> (node, cgroup)
+    tails: dict[str, str] = field(default_factory=dict)  # container -> its log's end, where it said no last line
 
 
 def _answers(log: Path) -> list[dict]:
@@ -291,7 +303,8 @@ class GpuValue:
                 "running": r.running, "removed": r.removed, "placements": r.placements, "lease": r.lease,
                 "killed": r.killed, "gpu_end": next((a for a in r.gpu_log if a.get("op") == "end"), None),
                 "cpu_end": next((a for a in r.cpu_log if a.get("op") == "end"), None),
-                "uid": r.config.metadata.uid if r.config else ""}
+                "uid": r.config.metadata.uid if r.config else "",
+                "ready": next((a for a in r.gpu_log if a.get("op") == "ready"), None), "log_tails": r.tails}
 
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> dict:
@@ -318,8 +331,9 @@ class GpuValue:
             self.broker = Broker(cfg, backend=self.gpu.backend, mps=mps).start()
             stack.callback(self.broker.stop)
             os.sched_setaffinity(0, everything)
-            self.fabric = Fabric3(self.work / "fabric", fence_s=30.0, loss_s=60.0, cpusets=True,
-                                  broker_socket=cfg.socket, containerd_line="2")
+            defaults = MeshConfig()  # the fence and loss timeouts a user gets, as weft bench e2e runs them
+            self.fabric = Fabric3(self.work / "fabric", fence_s=defaults.fence_timeout, loss_s=defaults.loss_timeout,
+                                  cpusets=True, broker_socket=cfg.socket, containerd_line="2")
             stack.callback(self.fabric.close)
             self.say("starting the GPU node and two CPU nodes (containerd 2, agents, mesh)")
             self.fabric.open()
@@ -336,9 +350,11 @@ class GpuValue:
             cgroups = {name: self.fabric.node(name).containerd.cgroup_root for name in (ORIGIN, *HOSTS)}
             from prometheus_client import generate_latest
 
+            self.figures["device"] = {"index": self.device.index, "uuid": self.device.uuid, "name": self.device.name,
+                                      "memory_mib": self.device.memory_total // MIB}
             sampler = Sampler(reader, self.broker.service.leases,
                               lambda: generate_latest(self.broker.metrics.registry).decode(), cgroups,
-                              lambda: (self.window, list(self.holding)), self.plan.sample_s)
+                              lambda: (self.window, list(self.holding)), self.plan.sample_s, self._container_cgroups)
             try:
                 with sampler:
                     for window in (self.bundled, self.weft):
@@ -420,7 +436,7 @@ class GpuValue:
         gpu = pods.container_config("gpu", ["python3", "-I", "-S", WORKLOAD_IN_IMAGE, "gpu", "--port", str(PORT),
                                             "--kernel-ms", str(self.kernel_ms), "--alloc-mib", str(alloc),
                                             "--libcuda", self.libcuda], image=IMAGE, envs=self.gpu.client_env,
-                                    labels={"app": APP}, host_pid=self.gpu.host_pid)
+                                    labels={"app": APP})
         gpu.linux.resources.memory_limit_in_bytes = 4 << 30  # libcuda maps far more than a shell's 64 MiB
         gpu.CDI_devices.add(name=f"nvidia.com/gpu={self.device.index}")
         cpu = pods.container_config("cpu", ["python3", "-I", "-S", WORKLOAD_IN_IMAGE, "cpu", "--port", str(PORT),
@@ -449,6 +465,32 @@ class GpuValue:
                                        f" {status.reason} {status.message}; its log ends {tail!r}")
                 time.sleep(0.1)
         run.running = time.time()
+        self._locate(run)
+
+    def _locate(self, run: PodRun) -> None:
+        """Each stage's node and cgroup (a rerouted one's on its CPU node), read for its CPU as cAdvisor reads it."""
+        from shim.cri.labels import ORIGIN_LABEL, SANDBOX_LABEL
+
+        def cgroup(rt: cri_grpc.RuntimeServiceStub, cid: str) -> str:
+            info = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=True),
+                                      timeout=RPC_TIMEOUT).info
+            return str(json.loads(info["info"])["runtimeSpec"]["linux"]["cgroupsPath"])
+
+        for name in ("gpu", "cpu"):
+            if not run.placements.get(name, "").startswith("remote:"):
+                run.cgroups[name] = (ORIGIN, cgroup(self.direct, getattr(run, f"{name}_id")))
+        for host in HOSTS:
+            if not any(p == f"remote:{host}" for p in run.placements.values()):
+                continue
+            with self.fabric.node(host).containerd.channel() as ch:
+                rt = cri_grpc.RuntimeServiceStub(ch)
+                for c in rt.ListContainers(cri.ListContainersRequest(filter=cri.ContainerFilter(label_selector={
+                        ORIGIN_LABEL: ORIGIN, SANDBOX_LABEL: run.sandbox_id})), timeout=RPC_TIMEOUT).containers:
+                    run.cgroups[c.metadata.name] = (host, cgroup(rt, c.id))
+
+    def _container_cgroups(self) -> dict[str, tuple[str, str]]:
+        return {f"{r.name}/{name}": where for r in list(self.runs) if r.running and not r.removed
+                for name, where in list(r.cgroups.items())}
 
     def _end(self, run: PodRun) -> None:
         """As kubelet ends a pod: each container stopped (SIGTERM, a grace period), its logs read, then removed."""
@@ -458,11 +500,19 @@ class GpuValue:
                     self.rt.StopContainer(cri.StopContainerRequest(container_id=cid, timeout=10), timeout=RPC_TIMEOUT)
         for name in ("gpu", "cpu"):
             cid = getattr(run, f"{name}_id")
-            if cid:
+            # Each stage's last line says what it did; a rerouted one's log reaches the origin a moment later.
+            deadline = time.monotonic() + (0 if name == "gpu" and run.killed else 5)
+            while cid:
                 with contextlib.suppress(grpc.RpcError):
                     status = self.rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid),
                                                      timeout=RPC_TIMEOUT).status
                     setattr(run, f"{name}_log", _answers(Path(status.log_path)))
+                    if not any(a.get("op") == "end" for a in getattr(run, f"{name}_log")):
+                        with contextlib.suppress(OSError):  # why it ended without its last line (stderr too)
+                            run.tails[name] = Path(status.log_path).read_text(errors="replace")[-1500:]
+                if any(a.get("op") == "end" for a in getattr(run, f"{name}_log")) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.1)
         if run.sandbox_id:
             self.rt.StopPodSandbox(cri.StopPodSandboxRequest(pod_sandbox_id=run.sandbox_id), timeout=RPC_TIMEOUT)
             self.rt.RemovePodSandbox(cri.RemovePodSandboxRequest(pod_sandbox_id=run.sandbox_id), timeout=RPC_TIMEOUT)
@@ -522,7 +572,7 @@ class GpuValue:
                              "state": lease.state.value, "created_at": lease.created_at}
         placed = {r.name: r.placements for r in started}
         self.check("weft.placed", all(r.lease.get("state") == "bound" and r.lease.get("shared")
-                                      and r.placements.get("gpu", "").startswith("gpu")
+                                      and r.placements.get("gpu") == "local"
                                       and r.placements.get("cpu", "").startswith("remote:") for r in started),
                    f"placements {placed}; leases " + "; ".join(
                        f"{r.name}: {r.lease.get('lease')} {r.lease.get('state')} "
@@ -541,9 +591,12 @@ class GpuValue:
     def kill_gpu_stage(self, run: PodRun) -> None:
         """The fault: a pod's GPU stage killed (SIGKILL, as the OOM killer would) while it runs. Its lease must be
         released (the hook's poststop, the watchdog); what the pod then could not do is in its figures."""
-        info = self.direct.ContainerStatus(cri.ContainerStatusRequest(container_id=run.gpu_id, verbose=True),
-                                           timeout=RPC_TIMEOUT).info
-        pid = int(json.loads(info["info"])["pid"])
+        answer = self.direct.ContainerStatus(cri.ContainerStatusRequest(container_id=run.gpu_id, verbose=True),
+                                             timeout=RPC_TIMEOUT)
+        pid = int(json.loads(answer.info.get("info", "{}")).get("pid") or 0)
+        if answer.status.state != cri.CONTAINER_RUNNING or pid <= 0:  # kill(0) would be this process's own group
+            raise RuntimeError(f"{run.name}'s GPU stage is not running to be killed: "
+                               f"{cri.ContainerState.Name(answer.status.state)} {answer.status.reason}, pid {pid}")
         lease_id = run.lease.get("lease", "")
         killed_at = time.time()
         os.kill(pid, signal.SIGKILL)
@@ -623,7 +676,8 @@ def figures(value: GpuValue) -> dict:
         for r in runs:
             kernel_s = sum(float(a.get("kernel_s", 0)) for a in r.gpu_log if a.get("op") == "batch")
             held_until = r.killed.get("at", 0) + (r.killed.get("lease_released_s") or 0) if r.killed else r.removed
-            life = max(0.0, (held_until or end) - r.started)
+            # From the lease (weft) or the pod's start (bundled: the device plugin's GPU is the pod's from then).
+            life = max(0.0, (held_until or end) - (r.lease.get("created_at") or r.started))
             share = (r.lease["memory_bytes"] / value.device.memory_total) if r.lease else 1.0
             cpu_end = next((a for a in r.cpu_log if a.get("op") == "end"), {})
             per_pod[r.name] = {
@@ -631,7 +685,10 @@ def figures(value: GpuValue) -> dict:
                 "held_wall_s": round(life, 2), "gpu_active_s": round(kernel_s, 3),
                 "active_over_held": round(kernel_s / (life * share), 4) if life else None,
                 "placements": r.placements, "cpu_made": cpu_end.get("made"), "cpu_lost": cpu_end.get("lost"),
-                "cpu_in_flight": cpu_end.get("in_flight")}
+                "cpu_in_flight": cpu_end.get("in_flight"),
+                # Made and never sent: held while no GPU stage took them (and the batch being made at the end).
+                "cpu_unsent": (cpu_end["made"] - cpu_end["acked"] - cpu_end["lost"] - cpu_end["in_flight"])
+                if cpu_end else None}
             if r.killed:
                 per_pod[r.name]["killed"] = {**r.killed, "items_before": _done(r),
                                              "seconds_without_gpu_stage": round(end - r.killed["at"], 2)}
@@ -641,10 +698,10 @@ def figures(value: GpuValue) -> dict:
         cpu = {}
         if len(samples) >= 2:
             for node in samples[0]["cpu_s"]:
-                a, b = samples[0]["cpu_s"][node], samples[-1]["cpu_s"][node]
+                # A node's cgroup is made with its first pod: none yet is none used.
+                a, b = samples[0]["cpu_s"][node] or 0.0, samples[-1]["cpu_s"][node] or 0.0
                 span = samples[-1]["t"] - samples[0]["t"]
-                cpu[node] = {"cpu_s": round(b - a, 2), "cores": round((b - a) / span, 3)} \
-                    if a is not None and b is not None and span > 0 else None
+                cpu[node] = {"cpu_s": round(b - a, 2), "cores": round((b - a) / span, 3)} if span > 0 else None
         sm = [s["sm_active"] for s in samples if s["sm_active"] is not None]
         out[window] = {
             "seconds": round(seconds, 1), "pods": len(runs), "items": items,
@@ -669,6 +726,154 @@ def figures(value: GpuValue) -> dict:
             else None
         out["weft_over_bundled"] = ratios
     return out
+
+
+# -- the record: what a cluster's Prometheus would hold of both windows -------------------------------------
+def _labels(labels: dict[str, Any]) -> str:
+    return ",".join(f'{k}="{str(v).replace(chr(92), chr(92) * 2).replace(chr(34), chr(92) + chr(34))}"'
+                    for k, v in labels.items())
+
+
+# The broker's series the report and a dashboard read (counters as the scrape shows them, with _total).
+BROKER_SERIES = ("weft_gpu_lease_bytes", "weft_gpu_device_memory_bytes", "weft_gpu_leases",
+                 "weft_gpu_held_seconds_total", "weft_gpu_active_seconds_total", "weft_gpu_lease_held_seconds_total",
+                 "weft_gpu_lease_active_seconds_total")
+
+
+def record(doc: dict) -> str:
+    """The samples as timestamped OpenMetrics, each series named as its exporter names it: dcgm-exporter's
+    fields with its pod mapping (every pod the device is allocated to, as with shared replicas), the broker's
+    lease metrics as it was scraped, kube-state-metrics' pod and node series, and cAdvisor's CPU per container
+    (its cgroup, on the node it ran on). ``promtool tsdb create-blocks-from openmetrics`` takes it as it is."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    device = doc["figures"]["device"]
+    pods = {p["name"]: p for p in doc["pods"]}
+    series: dict[str, dict[str, list[tuple[float, float]]]] = {}
+
+    def add(name: str, labels: dict[str, Any], t: float, value: float) -> None:
+        series.setdefault(name, {}).setdefault(_labels(labels), []).append((t, float(value)))
+
+    gpu = {"gpu": device["index"], "UUID": device["uuid"], "device": f"nvidia{device['index']}",
+           "modelName": device["name"], "Hostname": ORIGIN}
+    fields = (("DCGM_FI_DEV_GPU_UTIL", "util_percent", 1), ("DCGM_FI_DEV_FB_USED", "fb_used_bytes", 1 / MIB),
+              ("DCGM_FI_DEV_FB_FREE", "fb_free_bytes", 1 / MIB), ("DCGM_FI_PROF_SM_ACTIVE", "sm_active", 1),
+              ("DCGM_FI_PROF_GR_ENGINE_ACTIVE", "gr_engine_active", 1))
+    for sample in doc["samples"]:
+        t = sample["t"]
+        holders = [pods[name] for name in sample["holders"] if name in pods]
+        windows = {p["window"] for p in holders} or {sample["window"]}
+        add("kube_node_status_capacity", {"node": ORIGIN, "resource": "nvidia_com_gpu", "unit": "integer"}, t, 1)
+        # A device plugin handing out shared replicas while the pods share the GPU (weft's window), whole GPUs before.
+        replicas = {"label_nvidia_com_gpu_replicas": str(doc["plan"]["pods"])} if "weft" in windows else {}
+        add("kube_node_labels", {"node": ORIGIN, **replicas}, t, 1)
+        for name, key, scale in fields:
+            if sample.get(key) is None:
+                continue
+            value = round(sample[key] * scale, 4)
+            add(name, {**gpu, "container": "", "namespace": "", "pod": ""}, t, value)
+            for p in holders:
+                add(name, {**gpu, "container": "gpu", "namespace": NAMESPACE, "pod": p["name"]}, t, value)
+        for p in holders:
+            pod = {"namespace": NAMESPACE, "pod": p["name"], "uid": p["uid"]}
+            add("kube_pod_info", {**pod, "node": ORIGIN, "created_by_kind": "", "created_by_name": ""}, t, 1)
+            add("kube_pod_labels", {**pod, "label_app": APP}, t, 1)
+            add("kube_pod_status_phase", {**pod, "phase": "Running"}, t, 1)
+            add("kube_pod_created", pod, t, round(p["started"], 3))
+            add("kube_pod_container_resource_requests", {**pod, "container": "gpu", "node": ORIGIN,
+                                                         "resource": "nvidia_com_gpu", "unit": "integer"}, t, 1)
+            for container in ("gpu", "cpu"):
+                add("kube_pod_container_state_started", {**pod, "container": container}, t, round(p["running"], 3))
+                add("kube_pod_container_status_restarts_total", {**pod, "container": container}, t, 0)
+        for key, (node, cpu_s) in sample.get("containers", {}).items():
+            pod, container = key.split("/")
+            if cpu_s is not None:
+                add("container_cpu_usage_seconds_total", {"namespace": NAMESPACE, "pod": pod, "container": container,
+                                                          "node": node, "cpu": "total"}, t, round(cpu_s, 4))
+        for family in text_string_to_metric_families(sample.get("broker_metrics", "")):
+            for s in family.samples:
+                if s.name in BROKER_SERIES:
+                    add(s.name, s.labels, t, s.value)
+    lines = []
+    for name, by_labels in series.items():
+        lines.append(f"# TYPE {name} gauge")  # PromQL does not care; OpenMetrics counters need a _total family
+        for labels, points in by_labels.items():
+            lines += [f"{name}{{{labels}}} {v!r} {t:.3f}" for t, v in sorted(points)]
+    lines.append("# EOF")
+    return "\n".join(lines) + "\n"
+
+
+def report(out: Path, say: Callable[[str], None] = print) -> int:
+    """Fill a Prometheus of its own from ``out/record.om`` (promtool's backfill) and run ``weft report`` on the
+    pods, the bundled window before and weft's after: ``out/report.md`` and ``out/report.json``. Returns the
+    report's exit code; 2 where Prometheus or promtool is missing (it says which)."""
+    doc = json.loads((out / "value.json").read_text())
+    missing = [tool for tool in ("prometheus", "promtool") if shutil.which(tool) is None]
+    if missing:
+        say(f"no {' or '.join(missing)} here: run `python -m bench.gpu_value --report {out}` where Prometheus is "
+            "(Debian's prometheus package)")
+        return 2
+    if "bundled" not in doc["windows"] or "weft" not in doc["windows"]:
+        say("the run has no bundled and weft windows to compare")
+        return 2
+    from shim.localfabric.agent import free_port
+
+    work = Path(tempfile.mkdtemp(prefix="weft-value-prom-"))
+    proc = None
+    try:
+        tsdb = work / "tsdb"
+        res = subprocess.run(["promtool", "tsdb", "create-blocks-from", "openmetrics", str(out / "record.om"),
+                              str(tsdb)], capture_output=True, text=True, timeout=300)
+        if res.returncode != 0:
+            say(f"promtool could not backfill record.om: {res.stderr.strip()[-1500:]}")
+            return 2
+        step = float(doc["plan"]["sample_s"])
+        (work / "prometheus.yml").write_text(f"global:\n  scrape_interval: {max(1, round(step))}s\n")
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        with open(work / "prometheus.log", "wb") as log:
+            proc = subprocess.Popen(["prometheus", f"--config.file={work / 'prometheus.yml'}",
+                                     f"--storage.tsdb.path={tsdb}", f"--web.listen-address=127.0.0.1:{port}",
+                                     "--storage.tsdb.retention.time=100y",
+                                     # Backfilled series carry no staleness markers: a gone pod lingers no
+                                     # longer than a couple of samples.
+                                     f"--query.lookback-delta={max(1, round(step * 2))}s"],
+                                    stdout=log, stderr=subprocess.STDOUT)
+        _wait_ready(url, proc, work / "prometheus.log")
+        (b0, b1), (a0, a1) = doc["windows"]["bundled"], doc["windows"]["weft"]
+        argv = [sys.executable, "-m", "shim", "report", f"app={APP}", "-n", NAMESPACE, "--prometheus", url,
+                "--before", f"{int(b0) + 1}..{int(b1)}", "--after", f"{int(a0) + 1}..{int(a1)}",
+                "--now", str(int(a1) + 1), "--lookback", "1d"]
+        code = 0
+        for flag, name in (("--markdown", "report.md"), ("--json", "report.json")):
+            res = subprocess.run([*argv, flag], capture_output=True, text=True, timeout=300)
+            (out / name).write_text(res.stdout if res.stdout else res.stderr)
+            code = res.returncode
+        say(f"weft report (exit {code}): {out / 'report.md'}")
+        return code
+    finally:
+        if proc is not None:
+            proc.terminate()
+            try:
+                proc.wait(15)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
+
+
+def _wait_ready(url: str, proc: subprocess.Popen, log: Path) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"prometheus exited: {log.read_text(errors='replace')[-2000:]}")
+        with contextlib.suppress(OSError), urllib.request.urlopen(f"{url}/-/ready", timeout=2) as r:
+            if r.status == 200:
+                return
+        time.sleep(0.2)
+    raise RuntimeError("prometheus did not become ready in 60 s")
 
 
 # -- output -------------------------------------------------------------------------------------------------
@@ -723,7 +928,7 @@ def summary(doc: dict) -> str:
                     k = p["killed"]
                     extra = (f"; GPU stage killed, lease released {_fmt(k.get('lease_released_s'), ' s', 2)} later, "
                              f"{k['seconds_without_gpu_stage']:.0f} s without its GPU stage: items lost in flight "
-                             f"{p.get('cpu_lost')}, held back {p.get('cpu_in_flight')}")
+                             f"{p.get('cpu_lost')}, made and held with no GPU stage to take them {p.get('cpu_unsent')}")
                 lines.append(f"  {name}: {p['gpu_held_s']:.1f} / {p['gpu_active_s']:.1f} (share {p['share']:.3f}), "
                              f"{p['items']} items{extra}")
     return "\n".join(lines) + "\n"
@@ -732,6 +937,8 @@ def summary(doc: dict) -> str:
 def write(out: Path, doc: dict, logs: dict[str, str] | None = None) -> str:
     out.mkdir(parents=True, exist_ok=True)
     (out / "value.json").write_text(json.dumps(doc, indent=1) + "\n")
+    if doc["samples"] and "device" in doc["figures"]:
+        (out / "record.om").write_text(record(doc))
     text = summary(doc)
     (out / "summary.txt").write_text(text)
     for name, body in (logs or {}).items():
@@ -741,7 +948,9 @@ def write(out: Path, doc: dict, logs: dict[str, str] | None = None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.gpu_value", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", type=Path, required=True, help="where value.json, summary.txt and record.om go")
+    p.add_argument("--out", type=Path, help="where value.json, summary.txt and record.om go")
+    p.add_argument("--report", type=Path, metavar="DIR",
+                   help="instead of a run: fill a Prometheus from DIR/record.om and run weft report on it")
     p.add_argument("--pods", type=int, default=4, help="N, the pods each way (default 4)")
     p.add_argument("--window", type=float, default=120.0, help="seconds each way (default 120)")
     p.add_argument("--busy", type=float, default=0.2,
@@ -752,12 +961,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mps-control", default=shutil.which("nvidia-cuda-mps-control") or "nvidia-cuda-mps-control",
                    help="the driver's MPS control binary")
     args = p.parse_args(argv)
+    if args.report is not None:
+        return report(args.report, lambda msg: print(f"gpu_value: {msg}", file=sys.stderr, flush=True))
+    if args.out is None:
+        p.error("--out DIR (or --report DIR) is needed")
     plan = Plan(pods=args.pods, window_s=args.window, busy=args.busy, kill_one=args.kill_one)
     try:
         plan.check()
     except ValueError as exc:
         p.error(str(exc))
     from shim.broker.nvml import NvmlBackend, NvmlError
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)  # through every clean-up on the way out: nothing of the run is left
+
+    signal.signal(signal.SIGTERM, stop)
 
     def say(msg: str) -> None:
         print(f"gpu_value: {msg}", file=sys.stderr, flush=True)

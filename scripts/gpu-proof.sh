@@ -11,27 +11,40 @@
 #                  (NVIDIA's nvidia-container-runtime, CDI mode, containerd's default and run by the weft handler):
 #                  from an image setting NVIDIA_VISIBLE_DEVICES=all, an opted-in container without a lease sees no
 #                  GPU, a leased one its lease, a plain one every GPU
+#   --value        the founding promise (python -m bench.gpu_value): the same N two-stage pods (a CPU stage that
+#                  decodes and resizes images, a GPU stage running CUDA work per batch) for the same wall time
+#                  each way on this GPU, bundled (not opted in, the whole GPU each, one after another) and split
+#                  by weft (opted in, each GPU stage a share of the GPU, each CPU stage rerouted to a CPU node: two
+#                  test nodes on CPUs apart from the GPU node's); items per GPU-hour, the GPU's activity (NVML, and
+#                  SM activity by GPM where the GPU has it), memory, GPU-seconds held and active per pod and the
+#                  GPU node's CPU, side by side, and record.om, the samples in dcgm-exporter's and the broker's
+#                  names. WEFT_VALUE_ARGS adds bench.gpu_value's flags (default "--pods 4 --window 120"; add
+#                  --kill-one for the fault). Where Prometheus is (not on the GPU machine, as a rule):
+#                  python -m bench.gpu_value --report OUT_DIR backfills one from record.om and runs weft report
 #
-#   scripts/gpu-proof.sh --prepare [--whole-path]
-#        on a machine that reaches PyPI (and, for --whole-path, the Go module proxy): download what the proof
-#        imports into dist/gpu-proof-wheels (WEFT_PROOF_PYTHONS="3.11 3.12" adds wheels for other Python
-#        versions, default: this machine's). --whole-path adds every runtime dependency of weft (the agent runs)
+#   scripts/gpu-proof.sh --prepare [--whole-path | --value]
+#        on a machine that reaches PyPI (and, for --whole-path and --value, the Go module proxy): download what the
+#        proof imports into dist/gpu-proof-wheels (WEFT_PROOF_PYTHONS="3.11 3.12" adds wheels for other Python
+#        versions, default: this machine's). --whole-path (or --value, the same carry) adds every runtime
+#        dependency of weft (the agent runs)
 #        and packs dist/gpu-proof-carry.tar.xz: containerd, its runc shim and ctr (the checkout's containerd 2
 #        pin, components/containerd/build.sh), runc with its libseccomp, iproute2's ip with its libraries and
 #        busybox-static (this machine's, from Debian's packages), nvidia-ctk and nvidia-cdi-hook (built from the
 #        Go module github.com/NVIDIA/nvidia-container-toolkit at NVIDIA_CTK_VERSION), nvidia-container-runtime
-#        (the same module and version, components/nvidia-toolkit/build.sh 1.20), and the native OCI hook
-#        (hooks/native.py)
-#   scripts/gpu-proof.sh [--whole-path] [OUT_DIR]
+#        (the same module and version, components/nvidia-toolkit/build.sh 1.20), the native OCI hook
+#        (hooks/native.py), and the CNI plugins the test nodes' pods need (bridge, host-local, loopback, portmap:
+#        this machine's, Debian's containernetworking-plugins)
+#   scripts/gpu-proof.sh [--whole-path | --value] [OUT_DIR]
 #        on the GPU machine, as root, from the source checkout with dist/ beside it; reaches no registry.
-#        OUT_DIR defaults to bench/results/gpu-proof-<UTC time> (gpu-whole-path-<UTC time> with --whole-path)
+#        OUT_DIR defaults to bench/results/gpu-proof-<UTC time> (gpu-whole-path-<UTC time> with --whole-path,
+#        gpu-value-<UTC time> with --value)
 #
 # It installs nothing system-wide: the wheels go into a temporary directory on PYTHONPATH, the carried binaries
 # into another on PATH, and weft runs from this checkout. Every step has a time limit (a run stays under ten
 # minutes); a failed step is recorded in OUT_DIR/summary.txt and the others still run. Exit 0 when the mode's
 # checks all passed (gpu-check failed no check and the contract suite passed with the NVML backend run, not
-# skipped; or every whole-path check passed), else 1; 2 when it cannot start (no Python 3.11+, no wheels, no
-# carry).
+# skipped; or every whole-path check passed; or the value run measured both windows and left nothing), else 1;
+# 2 when it cannot start (no Python 3.11+, no wheels, no carry; for --value also a GPU missing or busy).
 set -uo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -98,6 +111,11 @@ prepare_carry() {
     case "$(basename "$lib")" in libc.so.*|ld-linux*) ;; *) cp -L "$lib" "$out/lib/" ;; esac
   done
   wrap ip
+  # The CNI plugins the value run's test nodes give their pods a network with (WEFT_CNI_BIN points at them).
+  mkdir -p "$out/cni"
+  for plugin in bridge host-local loopback portmap; do
+    cp "/usr/lib/cni/$plugin" "$out/cni/" || die "no /usr/lib/cni/$plugin here (Debian's containernetworking-plugins)"
+  done
   # The native OCI hook (static), where hooks.native looks for it once WEFT_CACHE_ROOT names the carry's cache.
   WEFT_CACHE_ROOT="$out/cache" "$PY" -c 'import sys; sys.path.insert(0, sys.argv[1]); from hooks import native; native.build()' \
     "$ROOT" || die "building the native OCI hook failed (it needs a C compiler: gcc, libc6-dev)"
@@ -110,6 +128,7 @@ prepare_carry() {
     echo "busybox: $("$out/bin/busybox" | head -n 1)"
     echo "ip: $("$out/bin/ip" -V)"
     echo "weft-oci-hook: native, $(find "$out/cache/hook" -name weft-oci-hook | head -n 1 | sed "s|$out/||")"
+    echo "cni: $("$out/cni/bridge" 2>&1 | head -n 1)"
   } > "$out/VERSIONS" || die "a carried binary does not run"
   mkdir -p "$(dirname "$CARRY")"
   tar -C "$tmp" -cf - gpu-proof-carry | xz -6 -T0 > "$CARRY.tmp" || die "packing $CARRY failed"
@@ -121,7 +140,7 @@ prepare_carry() {
 
 if [ "${1:-}" = "--prepare" ]; then
   whole=0
-  [ "${2:-}" = "--whole-path" ] && whole=1
+  case "${2:-}" in --whole-path|--value) whole=1 ;; esac
   mkdir -p "$WHEELS"
   wanted=("${PACKAGES[@]}")
   if [ "$whole" -eq 1 ]; then
@@ -148,23 +167,33 @@ if [ "${1:-}" = "--prepare" ]; then
 fi
 
 WHOLE=0
+VALUE=0
+MODE=proof
 if [ "${1:-}" = "--whole-path" ]; then
   WHOLE=1
+  MODE=whole-path
+  shift
+elif [ "${1:-}" = "--value" ]; then
+  WHOLE=1  # the same carry, wheels and checks before it starts
+  VALUE=1
+  MODE=value
   shift
 fi
-OUT="${1:-$ROOT/bench/results/gpu-$([ "$WHOLE" -eq 1 ] && echo whole-path || echo proof)-$(date -u +%Y%m%dT%H%M%SZ)}"
+OUT="${1:-$ROOT/bench/results/gpu-$MODE-$(date -u +%Y%m%dT%H%M%SZ)}"
 "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null \
   || die "$PY is not Python 3.11 or newer (weft needs it); set PYTHON=/path/to/python3.11+"
 ls "$WHEELS"/pip-*.whl >/dev/null 2>&1 || die "no wheels in $WHEELS: run scripts/gpu-proof.sh --prepare first"
 if [ "$WHOLE" -eq 1 ]; then
-  [ -f "$CARRY" ] || die "no $CARRY: run scripts/gpu-proof.sh --prepare --whole-path first"
-  [ "$(id -u)" -eq 0 ] || die "the whole path runs containerd, runc and the broker: run it as root"
+  [ -f "$CARRY" ] || die "no $CARRY: run scripts/gpu-proof.sh --prepare --$MODE first"
+  [ "$(id -u)" -eq 0 ] || die "the $MODE run runs containerd, runc and the broker: run it as root"
   # What the carry does not bring and the harness runs: entering the node's network namespace (nsenter; ip is
   # carried), the MPS daemons' private /dev/shm (unshare, mount), the client image's libraries (ldd), the carry
-  # itself (tar, xz).
+  # itself (tar, xz); for the value run's test nodes, their CPUs (taskset) and forwarding (sysctl).
+  tools=(nsenter unshare mount ldd tar xz)
+  [ "$VALUE" -eq 1 ] && tools+=(taskset sysctl)
   missing=()
-  for tool in nsenter unshare mount ldd tar xz; do command -v "$tool" >/dev/null || missing+=("$tool"); done
-  [ "${#missing[@]}" -eq 0 ] || die "the whole path needs ${missing[*]} on PATH, which this machine lacks"
+  for tool in "${tools[@]}"; do command -v "$tool" >/dev/null || missing+=("$tool"); done
+  [ "${#missing[@]}" -eq 0 ] || die "the $MODE run needs ${missing[*]} on PATH, which this machine lacks"
   mapfile -t DEPS < <(runtime_dependencies)
 else
   [ "$(id -u)" -eq 0 ] || echo "gpu-proof: not root: gpu-check's live test will fail (it needs cgroups and mount namespaces)" >&2
@@ -177,7 +206,7 @@ summary() { echo "$*" | tee -a "$OUT/summary.txt"; }
 : > "$OUT/summary.txt"
 # WEFT_PROOF_COMMIT: the commit the tree is, where it was copied without its history (a GPU machine reached
 # through a file copy may carry an older .git beside a newer tree).
-summary "weft GPU proof$([ "$WHOLE" -eq 1 ] && echo ", whole path"), $(date -u +%FT%TZ), commit ${WEFT_PROOF_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}"
+summary "weft GPU proof$([ "$MODE" != proof ] && echo ", $MODE"), $(date -u +%FT%TZ), commit ${WEFT_PROOF_COMMIT:-$(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown)}"
 
 # 1. What the proof runs with.
 {
@@ -205,6 +234,33 @@ if [ "$WHOLE" -eq 1 ]; then
   cp "$SITE/gpu-proof-carry/VERSIONS" "$OUT/carried-versions.txt"
   export PATH="$BIN:$PATH" WEFT_CONTAINERD_BIN="$BIN" WEFT_BUSYBOX="$BIN/busybox" \
     WEFT_HARNESS_CACHE="$SITE/harness-cache" WEFT_CACHE_ROOT="$SITE/gpu-proof-carry/cache"
+  if [ "$VALUE" -eq 1 ]; then
+    [ -x "$SITE/gpu-proof-carry/cni/bridge" ] || die "$CARRY has no CNI plugins: run scripts/gpu-proof.sh --prepare --value again"
+    export WEFT_CNI_BIN="$SITE/gpu-proof-carry/cni"
+    # 4. The value run: bench.gpu_value measures both windows, records and cleans up after itself.
+    read -r -a value_args <<< "${WEFT_VALUE_ARGS:---pods 4 --window 120}"
+    timeout -k 60 480 "$PY" -m bench.gpu_value --out "$OUT" "${value_args[@]}" --nvidia-ctk "$BIN/nvidia-ctk" \
+      --cdi-hook "$BIN/nvidia-cdi-hook" > "$OUT/value.out" 2> "$OUT/value.log"
+    rc=$?
+    cat "$OUT/value.out" >> "$OUT/summary.txt"
+    cat "$OUT/value.out"
+    if [ "$rc" -eq 2 ]; then
+      summary "result: the value run could not start: $(tail -n 1 "$OUT/value.log") (nothing was made)"
+      exit 2
+    fi
+    if command -v prometheus >/dev/null && command -v promtool >/dev/null && [ -f "$OUT/record.om" ]; then
+      timeout 120 "$PY" -m bench.gpu_value --report "$OUT" >> "$OUT/value.log" 2>&1
+      summary "weft report on the record: exit $? (report.md)"
+    else
+      summary "no Prometheus here: run python -m bench.gpu_value --report $OUT where it is (the record is record.om)"
+    fi
+    if [ "$rc" -eq 0 ]; then
+      summary "result: measured on this machine (see $OUT)"
+      exit 0
+    fi
+    summary "result: the value run NOT measured: exit $rc (see $OUT, value.log)"
+    exit 1
+  fi
   # 4. The whole path: bench.gpu_whole_path checks, records and cleans up after itself.
   timeout 540 "$PY" -m bench.gpu_whole_path --out "$OUT" --nvidia-ctk "$BIN/nvidia-ctk" \
     --cdi-hook "$BIN/nvidia-cdi-hook" --nvidia-runtime "$BIN/nvidia-container-runtime" \

@@ -302,7 +302,7 @@ def _alive(pid: int) -> bool:
 
 
 FAKE_MPS = f"""#!{sys.executable}
-import json, os, re, sys
+import fcntl, json, os, re, sys
 
 pipe = os.environ.get("CUDA_MPS_PIPE_DIRECTORY", "/tmp/nvidia-mps")
 logs = os.environ.get("CUDA_MPS_LOG_DIRECTORY", "/var/log/nvidia-mps")
@@ -321,6 +321,10 @@ if sys.argv[1:] == ["-f"]:
         sys.exit(3)
     if not os.path.exists(control):
         os.mkfifo(control)
+    # Held for this daemon's life (named by its PID, so a daemon started again in its place is another): what
+    # tells a client in a PID namespace of its own that its server lives.
+    lock = os.open(os.path.join(pipe, "fake-daemon-%d.lock" % os.getpid()), os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(lock, fcntl.LOCK_EX)
     with open(os.path.join(pipe, "fake-daemon.pid"), "w") as f:  # the fake libcuda's "server"
         f.write("%d\\n" % os.getpid())
     # Read-write, so the daemon holds a writer too and never sees end-of-file

@@ -13,10 +13,13 @@
  *
  * An MPS client keeps the daemon it found (<pipe>/fake-daemon.pid, standing in for its server): once
  * that process is gone, its allocations and launches fail with CUDA_ERROR_MPS_CONNECTION_FAILED, as a
- * real client's do when its server dies.
+ * real client's do when its server dies. Where that daemon holds a lock on <pipe>/fake-daemon-<pid>.lock,
+ * the lock is what says it lives, so a client in a PID namespace of its own (a pod's) tells too.
  *
  * When FAKE_GPU_WORLD names a directory, each process writes "<bytes held> <1 if MPS client>" to
- * <world>/<pid>, which the fake NVML reads as its process list.
+ * <world>/<pid>, which the fake NVML reads as its process list. With FAKE_GPU_WORLD_LIVE=1 it also keeps
+ * "<bytes held>" in <world>/live-<hostname>-<pid>, locked for its life: a pod's processes, whose PIDs
+ * are their PID namespace's and may be the same in two pods, are told apart and known alive by it.
  *
  * With FAKE_CUDA_KERNEL_TIME=1 a kernel takes as long as it asks (its cycles at the 1000 kHz clock shown) and,
  * with FAKE_GPU_WORLD, appends "<start ns> <end ns>" (CLOCK_REALTIME) to <world>/<pid>.kernels, from which a
@@ -27,10 +30,12 @@
  * FAKE_CUDA_HANG="cuLaunchKernel" makes that call never return. FAKE_CUDA_TOTAL_MIB (81920)
  * and FAKE_CUDA_SMS (132) describe the device.
  */
+#include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -43,7 +48,8 @@ enum { OK = 0, INVALID_VALUE = 1, OUT_OF_MEMORY = 2, NOT_INITIALIZED = 3, NO_DEV
        DEVICES_UNAVAILABLE = 46, INVALID_DEVICE = 101, INVALID_PTX = 218, NOT_FOUND = 500,
        MPS_CONNECTION_FAILED = 805 };
 
-static int initialised, mps, sms = 132, pct = 100, server_pid;
+static int initialised, mps, sms = 132, pct = 100, server_pid, live_fd = -1;
+static char server_lock[4200];
 static long long total_bytes = 81920LL << 20, limit_bytes, used_bytes;
 
 #define MAX_ALLOCS 256
@@ -77,6 +83,14 @@ static int allowed_sms(void) {
 }
 
 static int server_alive(void) {
+    if (server_lock[0]) {
+        int fd = open(server_lock, O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) {
+            int held = flock(fd, LOCK_SH | LOCK_NB) != 0;  /* the daemon's lock, or nobody's: it is gone */
+            close(fd);
+            return held;
+        }
+    }
     if (!server_pid) return 1;
     char path[64], buf[512];
     snprintf(path, sizeof path, "/proc/%d/stat", server_pid);
@@ -100,6 +114,19 @@ static void record(void) {
     fprintf(f, "%lld %d\n", used_bytes, mps);
     fclose(f);
     rename(tmp, path);
+    const char *live = getenv("FAKE_GPU_WORLD_LIVE");
+    if (!live || *live != '1') return;
+    if (live_fd < 0) {
+        char host[256] = "";
+        gethostname(host, sizeof host - 1);
+        snprintf(path, sizeof path, "%s/live-%s-%d", world, host, (int)getpid());
+        live_fd = open(path, O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+        if (live_fd < 0) return;
+        if (flock(live_fd, LOCK_EX) != 0) {}
+    }
+    char buf[64];
+    int n = snprintf(buf, sizeof buf, "%lld\n", used_bytes);
+    if (ftruncate(live_fd, 0) != 0 || pwrite(live_fd, buf, (size_t)n, 0) < 0) {}
 }
 
 CUresult cuInit(unsigned flags) {
@@ -162,6 +189,8 @@ CUresult cuDevicePrimaryCtxRetain(void **ctx, CUdevice dev) {
             if (fscanf(f, "%d", &server_pid) != 1) server_pid = 0;
             fclose(f);
         }
+        snprintf(server_lock, sizeof server_lock, "%s/fake-daemon-%d.lock", pipe, server_pid);
+        if (!server_pid || stat(server_lock, &st) != 0) server_lock[0] = '\0';
         const char *own = getenv("CUDA_MPS_PINNED_DEVICE_MEM_LIMIT");
         if (own && strncmp(own, "0=", 2) == 0 && atoll(own + 2) > 0 && (atoll(own + 2) << 20) < limit_bytes)
             limit_bytes = atoll(own + 2) << 20;

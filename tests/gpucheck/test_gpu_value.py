@@ -196,3 +196,46 @@ def test_calibration_reports_the_cpu_time_of_one_batch() -> None:
                           "--out-side", "8", "--seconds", "0.2"], capture_output=True, text=True, check=True)
     cal = json.loads(res.stdout)
     assert cal["batch_cpu_ms"] > 0 and cal["batches"] >= 3 and (cal["batch_items"], cal["side"]) == (2, 16)
+
+
+def test_the_record_names_each_sample_as_its_exporter_would() -> None:
+    broker = ('# TYPE weft_gpu_lease_bytes gauge\nweft_gpu_lease_bytes{gpu="0",UUID="GPU-1",pod="weft-0",'
+              'namespace="gpu-value",container="gpu",lease="l1"} 4.0e+10\n# TYPE weft_gpu_lease_held_seconds counter\n'
+              'weft_gpu_lease_held_seconds_total{gpu="0",UUID="GPU-1",pod="weft-0",namespace="gpu-value",'
+              'container="gpu"} 1.5\n# TYPE weft_gpu_other gauge\nweft_gpu_other 1\n')
+    pods = [{"name": "bundled-0", "window": "bundled", "uid": "u0", "started": 100.0, "running": 101.0},
+            {"name": "weft-0", "window": "weft", "uid": "u1", "started": 200.0, "running": 201.5}]
+    samples = [{"t": 102.0, "window": "bundled", "holders": ["bundled-0"], "util_percent": 20.0,
+                "fb_used_bytes": 2048 * (1 << 20), "fb_free_bytes": 1024 * (1 << 20), "sm_active": None,
+                "gr_engine_active": None, "containers": {"bundled-0/cpu": ["gpu-1", 3.5]}, "broker_metrics": ""},
+               {"t": 150.0, "window": "", "holders": [], "util_percent": 0.0, "fb_used_bytes": 0.0,
+                "fb_free_bytes": 3072 * (1 << 20), "sm_active": None, "gr_engine_active": None, "containers": {},
+                "broker_metrics": ""},
+               {"t": 202.0, "window": "weft", "holders": ["weft-0"], "util_percent": 55.0, "fb_used_bytes": 0.0,
+                "fb_free_bytes": 3072 * (1 << 20), "sm_active": 0.25, "gr_engine_active": 0.5,
+                "containers": {"weft-0/cpu": ["cpu-2", 1.25], "weft-0/gpu": ["gpu-1", None]},
+                "broker_metrics": broker}]
+    doc = {"figures": {"device": {"index": 0, "uuid": "GPU-1", "name": "NVIDIA H100 80GB HBM3", "memory_mib": 3072}},
+           "plan": {"pods": 4}, "pods": pods, "samples": samples}
+    lines = gpu_value.record(doc).splitlines()
+    assert lines[-1] == "# EOF"
+    gpu = 'gpu="0",UUID="GPU-1",device="nvidia0",modelName="NVIDIA H100 80GB HBM3",Hostname="gpu-1"'
+    assert f'DCGM_FI_DEV_GPU_UTIL{{{gpu},container="gpu",namespace="gpu-value",pod="bundled-0"}} 20.0 102.000' in lines
+    assert f'DCGM_FI_DEV_FB_USED{{{gpu},container="gpu",namespace="gpu-value",pod="bundled-0"}} 2048.0 102.000' \
+        in lines
+    assert f'DCGM_FI_DEV_GPU_UTIL{{{gpu},container="",namespace="",pod=""}} 0.0 150.000' in lines  # no pod holds it
+    assert f'DCGM_FI_PROF_SM_ACTIVE{{{gpu},container="gpu",namespace="gpu-value",pod="weft-0"}} 0.25 202.000' in lines
+    assert not any(line.startswith("DCGM_FI_PROF_SM_ACTIVE") and line.endswith(" 102.000") for line in lines)
+    assert ('container_cpu_usage_seconds_total{namespace="gpu-value",pod="weft-0",container="cpu",node="cpu-2",'
+            'cpu="total"} 1.25 202.000') in lines
+    assert not any('container="gpu",node="gpu-1",cpu="total"} ' in line and "weft-0" in line for line in lines)
+    assert ('weft_gpu_lease_bytes{gpu="0",UUID="GPU-1",pod="weft-0",namespace="gpu-value",container="gpu",'
+            'lease="l1"} 40000000000.0 202.000') in lines
+    assert any(line.startswith("weft_gpu_lease_held_seconds_total{") for line in lines)
+    assert not any(line.startswith("weft_gpu_other") for line in lines)
+    # Whole GPUs from the device plugin before; shared replicas while weft's pods share it.
+    assert 'kube_node_labels{node="gpu-1"} 1.0 102.000' in lines
+    assert 'kube_node_labels{node="gpu-1",label_nvidia_com_gpu_replicas="4"} 1.0 202.000' in lines
+    assert 'kube_pod_labels{namespace="gpu-value",pod="weft-0",uid="u1",label_app="gpu-value"} 1.0 202.000' in lines
+    families = [line for line in lines if line.startswith("# TYPE ")]
+    assert len(families) == len(set(families))  # each family once, its samples together
