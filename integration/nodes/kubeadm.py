@@ -20,7 +20,9 @@ from __future__ import annotations
 
 import base64
 import json
+import re
 import shutil
+import subprocess
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +82,15 @@ class NodeSpec:
     role: str  # the weft.io/role label: gpu or cpu
     containerd: str  # "1.6" (Debian's, in the root) or a line components/containerd/build.sh builds ("2")
     pod_subnet: str
+
+
+def _minor(kubelet: Path) -> int:
+    """The minor release of a kubelet binary ("Kubernetes v1.36.3" -> 36)."""
+    said = subprocess.run([str(kubelet), "--version"], capture_output=True, text=True, check=True).stdout
+    m = re.search(r"v1\.(\d+)\.", said)
+    if m is None:
+        raise RuntimeError(f"{kubelet} --version: {said.strip()!r} is not a kubelet version")
+    return int(m.group(1))
 
 
 def kubelet_config() -> dict:
@@ -189,9 +200,11 @@ def lay_out(node: Node, spec: NodeSpec, *, pki: Pki, server: str, registry: str,
     _write(node, "/etc/systemd/system/kubelet.service", KUBELET_UNIT)
     _write(node, "/etc/systemd/system/kubelet.service.d/10-kubeadm.conf", KUBEADM_DROPIN)
     _write(node, "/var/lib/kubelet/config.yaml", yaml.safe_dump(kubelet_config(), sort_keys=True))
+    # kubelet 1.35 dropped --pod-infra-container-image (the sandbox image is containerd's alone), and kubeadm with it.
+    pause = f"--pod-infra-container-image={registry}/{PAUSE} " if _minor(kubelet) < 35 else ""
     _write(node, "/var/lib/kubelet/kubeadm-flags.env",
            f'KUBELET_KUBEADM_ARGS="--container-runtime-endpoint={CONTAINERD_SOCKET} '
-           f'--pod-infra-container-image={registry}/{PAUSE} --node-ip={node.address}"\n')
+           f'{pause}--node-ip={node.address}"\n')
     _write(node, "/etc/default/kubelet", f'KUBELET_EXTRA_ARGS="--node-labels=weft.io/role={spec.role}"\n')
     ca = pki.ca_cert.read_bytes()
     _write(node, "/etc/kubernetes/pki/ca.crt", ca)
