@@ -239,7 +239,7 @@ if [ "$WHOLE" -eq 1 ]; then
     export WEFT_CNI_BIN="$SITE/gpu-proof-carry/cni"
     # 4. The value run: bench.gpu_value measures both windows, records and cleans up after itself.
     read -r -a value_args <<< "${WEFT_VALUE_ARGS:---pods 4 --window 120}"
-    timeout -k 60 480 "$PY" -m bench.gpu_value --out "$OUT" "${value_args[@]}" --nvidia-ctk "$BIN/nvidia-ctk" \
+    timeout -k 30 400 "$PY" -m bench.gpu_value --out "$OUT" "${value_args[@]}" --nvidia-ctk "$BIN/nvidia-ctk" \
       --cdi-hook "$BIN/nvidia-cdi-hook" > "$OUT/value.out" 2> "$OUT/value.log"
     rc=$?
     cat "$OUT/value.out" >> "$OUT/summary.txt"
