@@ -157,8 +157,9 @@ def preempt(kube: KubeCluster, origin: str, host: str, index: int = 0) -> Preemp
                 live = len(shadows(kube, origin, host))
                 prep = container_status(get_pod(kube, STAGED), "prep")
                 copies.append(live + (1 if prep.get("state", {}).get("running") and live == 0 else 0))
+                # lastState too: on a busy machine kubelet may show the restart a sync before the ended attempt
                 return (prep.get("restartCount", 0) >= 1 and "running" in prep.get("state", {})
-                        and overlap.preemptor_running is not None)
+                        and "terminated" in prep.get("lastState", {}) and overlap.preemptor_running is not None)
 
             wait_for(settled, timeout=120, what=f"preemption {index + 1}: prep restarted and the preemptor running",
                      every=0.2)
