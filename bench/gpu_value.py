@@ -55,7 +55,17 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from bench import gpu_workload
-from bench.gpu_whole_path import GpuSide, _reason, libcuda_in, libcuda_on_host, loaded_library, nvidia_ctk_cdi, own_cdi
+from bench.gpu_whole_path import (
+    GpuSide,
+    _reason,
+    client_answers,
+    libcuda_in,
+    libcuda_on_host,
+    loaded_library,
+    nvidia_ctk_cdi,
+    own_cdi,
+)
+from integration.harness import prometheus
 from shim.config import MeshConfig
 from shim.gpucheck import cuda_client
 from shim.localfabric import cpuset, images, pods
@@ -260,17 +270,6 @@ class PodRun:
     killed: dict[str, Any] = field(default_factory=dict)
     cgroups: dict[str, tuple[str, str]] = field(default_factory=dict)  # container -> (node, cgroup)
     tails: dict[str, str] = field(default_factory=dict)  # container -> its log's end, where it said no last line
-
-
-def _answers(log: Path) -> list[dict]:
-    out = []
-    with contextlib.suppress(OSError):
-        for line in log.read_text(errors="replace").splitlines():
-            parts = line.split(" ", 3)  # CRI log lines: time, stream, tag, text
-            if len(parts) == 4 and parts[1] == "stdout":
-                with contextlib.suppress(ValueError):
-                    out.append(json.loads(parts[3]))
-    return out
 
 
 class GpuValue:
@@ -506,7 +505,7 @@ class GpuValue:
                 with contextlib.suppress(grpc.RpcError):
                     status = self.rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid),
                                                      timeout=RPC_TIMEOUT).status
-                    setattr(run, f"{name}_log", _answers(Path(status.log_path)))
+                    setattr(run, f"{name}_log", client_answers(Path(status.log_path)))
                     if not any(a.get("op") == "end" for a in getattr(run, f"{name}_log")):
                         with contextlib.suppress(OSError):  # why it ended without its last line (stderr too)
                             run.tails[name] = Path(status.log_path).read_text(errors="replace")[-1500:]
@@ -794,13 +793,7 @@ def record(doc: dict) -> str:
             for s in family.samples:
                 if s.name in BROKER_SERIES:
                     add(s.name, s.labels, t, s.value)
-    lines = []
-    for name, by_labels in series.items():
-        lines.append(f"# TYPE {name} gauge")  # PromQL does not care; OpenMetrics counters need a _total family
-        for labels, points in by_labels.items():
-            lines += [f"{name}{{{labels}}} {v!r} {t:.3f}" for t, v in sorted(points)]
-    lines.append("# EOF")
-    return "\n".join(lines) + "\n"
+    return prometheus.render(series, time_digits=3)
 
 
 def report(out: Path, say: Callable[[str], None] = print) -> int:

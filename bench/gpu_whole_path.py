@@ -75,6 +75,18 @@ HOLD_MS = 3000
 MIB = 1 << 20
 
 
+def client_answers(log: Path) -> list[dict]:
+    """The CUDA client's answers in a container's CRI log (one JSON object per stdout line)."""
+    out = []
+    with contextlib.suppress(OSError):
+        for line in log.read_text(errors="replace").splitlines():
+            parts = line.split(" ", 3)  # CRI log lines: time, stream, tag, text
+            if len(parts) == 4 and parts[1] == "stdout":
+                with contextlib.suppress(ValueError):
+                    out.append(json.loads(parts[3]))
+    return out
+
+
 @dataclass
 class GpuSide:
     """What stands for the GPU: NVML (a broker backend), the MPS control binary, and the driver's CDI spec."""
@@ -333,7 +345,7 @@ class WholePath:
         while True:
             status = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid), timeout=30).status
             if status.state == cri.CONTAINER_EXITED:
-                return status.exit_code, self._answers(Path(status.log_path))
+                return status.exit_code, client_answers(Path(status.log_path))
             if time.monotonic() > deadline:
                 raise Failed(f"container {cid[:12]} still runs after {self.step_timeout:.0f} s")
             time.sleep(0.2)
@@ -345,22 +357,11 @@ class WholePath:
             return Path(status.log_path).read_text(errors="replace")[-chars:]
         return ""
 
-    @staticmethod
-    def _answers(log: Path) -> list[dict]:
-        out = []
-        with contextlib.suppress(OSError):
-            for line in log.read_text(errors="replace").splitlines():
-                parts = line.split(" ", 3)  # CRI log lines: time, stream, tag, text
-                if len(parts) == 4 and parts[1] == "stdout":
-                    with contextlib.suppress(ValueError):
-                        out.append(json.loads(parts[3]))
-        return out
-
     def _wait_answer(self, cid: str, op: str, count: int = 1) -> None:
         deadline = time.monotonic() + self.step_timeout
         while time.monotonic() < deadline:
             status = self.rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid), timeout=30).status
-            if sum(a.get("op") == op for a in self._answers(Path(status.log_path))) >= count:
+            if sum(a.get("op") == op for a in client_answers(Path(status.log_path))) >= count:
                 return
             if status.state == cri.CONTAINER_EXITED:
                 break

@@ -83,11 +83,16 @@ def openmetrics(data: Path = DATA, interval: float = 30.0, history: History | No
                         points.append((t, float(int(value)) if counter and s.name.endswith("restarts_total")
                                        else value))
                         t += interval
+    return render(series)
+
+
+def render(series: dict[str, dict[str, list[tuple[float, float]]]], time_digits: int = 0) -> str:
+    """Series (name -> label text -> [(time, value)]) as the OpenMetrics text promtool backfills from."""
     lines = []
     for name, by_labels in series.items():
         lines.append(f"# TYPE {name} gauge")  # PromQL does not care; OpenMetrics counters need a _total family
         for labels, points in by_labels.items():
-            lines += [f"{name}{{{labels}}} {v!r} {t:.0f}" for t, v in sorted(points)]
+            lines += [f"{name}{{{labels}}} {v!r} {t:.{time_digits}f}" for t, v in sorted(points)]
     lines.append("# EOF")
     return "\n".join(lines) + "\n"
 
