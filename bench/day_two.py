@@ -5,7 +5,9 @@ cluster's components built (``WEFT_SETUP_KUBE=1 scripts/setup.sh``), as root. It
 ``integration/nodes/test_kube_day_one.py`` that do these things (the nodes booted under systemd-nspawn, weft
 installed from its image and manifests, a two-stage pod with its CPU stage rerouted), so every figure comes
 with the checks that the operation did what it must: no container restarted, one copy of the stage, its log
-whole. The scenarios write their figures as values (``integration.harness.fixture.report``); this gathers them.
+whole; and NVIDIA's toolkit installed after weft as the GPU Operator installs it, its containerd restart beside
+weft's pods. The scenarios write their figures as values (``integration.harness.fixture.report``); this gathers
+them (``bench.scenarios``).
 There is no other side to take turns with: each figure is a duration of one operation on this machine.
 Exit codes as ``weft bench``: 0 measured, 1 a scenario failed (its output is printed), 130/143 stopped.
 """
@@ -13,53 +15,25 @@ Exit codes as ``weft bench``: 0 measured, 1 a scenario failed (its output is pri
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from integration.harness.fixture import BENCH_FIGURES_ENV
+from bench.scenarios import gather
 from shim.bench.running import report
 
-REPO = Path(__file__).resolve().parents[1]
 SCENARIOS = "integration/nodes/test_kube_day_one.py"
-# The tests whose figures these are: upgrade and rollback, reboot of the stage's host and of the GPU node, drain.
-SELECT = "upgrades_and_rolls_back or rebooted_cpu_host or kubectl_drain_of_the_stages_host"
+# The tests whose figures these are: upgrade and rollback, reboot of the stage's host and of the GPU node, drain,
+# and NVIDIA's toolkit installed after weft (its containerd restart beside weft's pods).
+SELECT = ("upgrades_and_rolls_back or rebooted_cpu_host or kubectl_drain_of_the_stages_host "
+          "or nvidia_s_toolkit_installed_after_weft")
 
 
 def measure(say) -> tuple[int, dict | None]:
-    with tempfile.TemporaryDirectory(prefix="weft-bench-day-two-") as tmp:
-        out = Path(tmp) / "figures.jsonl"
-        env = {**os.environ, BENCH_FIGURES_ENV: str(out)}
-        started = time.monotonic()
-        run = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-p", "no:xdist", "-q",
-                              "-rA", SCENARIOS, "-k", SELECT], cwd=REPO, env=env, capture_output=True, text=True)
-        took = time.monotonic() - started
-        if run.returncode != 0:
-            say(f"a scenario failed (pytest exit {run.returncode}):\n{run.stdout[-8000:]}\n{run.stderr[-2000:]}")
-            return 1, None
-        records = [json.loads(line) for line in out.read_text().splitlines()] if out.exists() else []
-    figures: dict = {}
-    for r in records:
-        say(r["line"])
-        figures.update(r["figures"])
-    missing = {"upgrade", "rollback", "reboot", "drain"} - set(figures)
-    if missing:
-        say(f"the scenarios ran but reported no {', '.join(sorted(missing))}")
-        return 1, None
-    return 0, {"benchmark": "day-two", "when": time.strftime("%Y-%m-%d %H:%M"), "run_s": round(took, 1),
-               **_rounded(figures)}
-
-
-def _rounded(value):
-    if isinstance(value, float):
-        return round(value, 2)
-    if isinstance(value, dict):
-        return {k: _rounded(v) for k, v in value.items()}
-    return value
+    code, figures, took = gather(SCENARIOS, SELECT, {"upgrade", "rollback", "reboot", "drain", "toolkit"}, say)
+    if figures is None:
+        return code, None
+    return 0, {"benchmark": "day-two", "when": time.strftime("%Y-%m-%d %H:%M"), "run_s": round(took, 1), **figures}
 
 
 def _table(f: dict) -> str:
@@ -94,6 +68,14 @@ def _table(f: dict) -> str:
         rows.append(f"| reboot of {node}: clean poweroff to the node Ready / to the pod Ready | "
                     f"{r[f'{node} Ready']:.1f} s / {r[f'{node} pod Ready']:.1f} s |")
     rows.append(f"| copies of the stage across the reboots, most at once | {r['most stage copies']} |")
+    t = f["toolkit"]
+    rows.append(f"| NVIDIA's toolkit installed after weft: its installer on gpu-1 / cpu-1 | "
+                f"{t['installer gpu-1 s']:.1f} s / {t['installer cpu-1 s']:.1f} s |")
+    rows += [f"| NVIDIA's toolkit installed after weft: {k.removesuffix(' s')} | {v:.1f} s |"
+             for k, v in sorted(t.items()) if k.startswith(("containerd down", "kubelet down"))]
+    rows += [f"| NVIDIA's toolkit installed after weft: containers restarted | {t['containers restarted']} |",
+             f"| a rewrite of containerd's config without weft's import, said on weft's pod after | "
+             f"{t['rewrite said after s']:.1f} s |"]
     return "\n".join(rows) + f"\n\nwhole run {f['run_s']:.0f} s"
 
 

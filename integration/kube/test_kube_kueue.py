@@ -166,7 +166,9 @@ def test_an_opted_in_job_admitted_by_kueue_is_booked_as_without_weft_and_its_cpu
         workloads = json.loads(kube.kubectl("get", "workloads.kueue.x-k8s.io", "-A", "-o", "json").stdout)["items"]
         assert {w["metadata"]["namespace"] for w in workloads} == {"default"}, "a reservation pod is no workload"
         fixture.report(request.config, f"kueue: job created to its CPU stage running, opted in "
-                                       f"{weft_s:.1f} s vs not opted in {plain_s:.1f} s ({weft_s / plain_s:.2f}x)")
+                                       f"{weft_s:.1f} s vs not opted in {plain_s:.1f} s ({weft_s / plain_s:.2f}x)",
+                       figures={"admission": {"opted in s": weft_s, "not opted in s": plain_s,
+                                              "booked as without weft": True}})
     finally:
         _delete_jobs(kube, "plain-job", "weft-job")
 
@@ -204,16 +206,19 @@ def test_kueue_preempting_an_opted_in_job_stops_its_shadow_before_the_preemptor_
         assert samples["taken"] > 0 and samples["overlap"] == 0, samples
         fixture.report(request.config, f"kueue preemption: {samples['overlap']} of {samples['taken']} "
                                        f"samples with the shadow and the preemptor running; preemptor ran "
-                                       f"{took:.1f} s after it was queued")
+                                       f"{took:.1f} s after it was queued",
+                       figures={"preemption": {"samples": samples["taken"], "samples overlapping": samples["overlap"],
+                                               "preemptor running after s": took}})
     finally:
         stop.set()
         _delete_jobs(kube, "batch", "urgent")
 
 
-def test_a_job_of_parallelism_two_admitted_as_one_gang_runs_both_pods_rerouted(kube: KubeCluster) -> None:
+def test_a_job_of_parallelism_two_admitted_as_one_gang_runs_both_pods_rerouted(
+        kube: KubeCluster, request: pytest.FixtureRequest) -> None:
     try:
         apply(kube, _job("gang", opted_in=True, parallelism=2))
-        _until_prep_runs(kube, "gang", pods=2)
+        took = _until_prep_runs(kube, "gang", pods=2)
         [assignment] = _workload(kube, "gang")["status"]["admission"]["podSetAssignments"]
         assert assignment["count"] == 2, "one workload for both pods"
         remote = [x for x in kube.agent_status(ORIGIN)["placements"] if x["name"] == "prep"
@@ -221,5 +226,8 @@ def test_a_job_of_parallelism_two_admitted_as_one_gang_runs_both_pods_rerouted(k
         assert len(remote) == 2, kube.agent_status(ORIGIN)["placements"]
         wait_for(lambda: len(_reservations(kube)) == 2, timeout=60, what="two reservation pods")
         assert len(_shadows(kube)) == 2
+        fixture.report(request.config, f"kueue gang: a Job of parallelism 2 admitted as one workload, both CPU "
+                                       f"stages rerouted and running {took:.1f} s after its creation",
+                       figures={"gang": {"pods": 2, "workloads": 1, "both stages running after s": took}})
     finally:
         _delete_jobs(kube, "gang")
