@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 from cri_api.v1 import api_pb2
 
-from shim import log, sdnotify, stopping
+from shim import failpoint, log, sdnotify, stopping
 from shim.broker.client import BrokerClient
 from shim.config import Config
 from shim.cri.cdi import CdiSpecs
@@ -93,8 +93,9 @@ class Agent:
         self.broker = BrokerClient(cfg.agent.broker_socket) if cfg.agent.broker_socket else None
         self.api = access.resolve(Path(cfg.kubernetes.kubeconfig) if cfg.kubernetes.kubeconfig else None)
         # Every node knows its own mark, hosting or not (a node that hosted before keeps its key): the list verbs
-        # hide only what bears it, never a pod that merely carries a shadow's labels.
-        self.shadows = ShadowsSeen(ShadowMark.load(Path(cfg.agent.state_dir)))
+        # hide only what bears it, never a pod that merely carries a shadow's labels. Hidden from the first
+        # answer: kubelet kills a running pod it does not know, and lists as soon as the agent serves it.
+        self.shadows = ShadowsSeen(ShadowMark.load(Path(cfg.agent.state_dir)), present=True)
         # Where this node is on the mesh: its host side, the mesh, the tunnels (_mesh), and the origin side.
         self.meshed: Meshed | None = None
         origin = self._mesh(cfg) if cfg.mesh.address else None
@@ -200,6 +201,7 @@ class Agent:
     def start(self) -> None:
         access.announce(self.api)
         self.server.start()
+        failpoint.pause("agent.serving")  # kubelet answered before the rest is up, as on a loaded node (tests)
         self.reconciler.start()
         meshed, origin = self.meshed, self.fabric.origin
         if meshed is not None:

@@ -345,6 +345,30 @@ def _restart_host_agent(kube: KubeCluster, failpoint: str = "") -> None:
              timeout=60, what=f"{ORIGIN} to see {HOST} healthy again")
 
 
+def test_a_restarted_host_agent_hides_its_shadows_from_kubelet_before_its_first_reconciliation(
+        kube: KubeCluster, infer) -> None:
+    """The host's kubelet would take a shadow for an unknown pod and kill it; the list verbs hide shadows from
+    the restarted agent's first answer, not from when its reconciler first looks (late on a loaded node, as
+    in a DaemonSet rollout under load, where this restarted the rerouted stage)."""
+    (shadow,) = wait_for(lambda: _shadows(kube), timeout=30, what="the shadow running")
+    (r,) = wait_for(lambda: _reservations(kube), timeout=30, what="the reservation")
+    agent = kube.agents[HOST]
+    delays = agent.env.get("WEFT_FAILPOINT_DELAYS", "")
+    # The agent serves kubelet 8 s before it opens its host side and its reconciler looks: a loaded node's
+    # moment between the two, made long enough that kubelet surely lists and cleans up inside it.
+    agent.env["WEFT_FAILPOINT_DELAYS"] = ",".join(filter(None, [delays, "agent.serving=8", "recovery.settle=8"]))
+    try:
+        _restart_host_agent(kube)
+        time.sleep(3)  # what kubelet did inside that moment, seen by the origin
+    finally:
+        agent.env["WEFT_FAILPOINT_DELAYS"] = delays
+        _restart_host_agent(kube)
+    assert [s.id for s in _shadows(kube)] == [shadow.id], "the shadow is the one that ran before the restart"
+    prep = container_status(get_pod(kube, "infer"), "prep")
+    assert prep["restartCount"] == 0 and "running" in prep["state"], prep
+    assert [x["metadata"]["uid"] for x in _reservations(kube)] == [r["metadata"]["uid"]], "the reservation kept"
+
+
 def _killed_at_its_failpoint(kube: KubeCluster) -> None:
     proc = kube.agents[HOST].proc
     assert proc is not None

@@ -18,6 +18,7 @@ import hashlib
 import hmac
 import os
 import secrets
+import threading
 from pathlib import Path
 
 from shim.cri.labels import KEY_LABEL, ORIGIN_LABEL
@@ -75,8 +76,31 @@ class ShadowsSeen:
     """This node's mark, and whether its containerd holds shadows now: the host side sets ``present`` when it
     makes one (the reconciler when it finds one), and the list verbs, on every call, hide what bears the mark
     only while it is set. One object, shared by both, made with the agent; ``mark`` None (a fabric made
-    without one, as unit tests make it): the origin label alone says shadow."""
+    without one, as unit tests make it): the origin label alone says shadow. The agent makes it ``present``:
+    a restarted agent hides its shadows from its first answer to kubelet, before anything has looked (kubelet
+    kills a running pod it does not know, and a shadow is one), until the reconciler finds there are none."""
 
     def __init__(self, mark: ShadowMark | None = None, present: bool = False) -> None:
         self.mark = mark
         self.present = present
+        self._made = 0  # shadows begun: a look at containerd older than the newest says nothing of it
+        self._lock = threading.Lock()
+
+    def making(self) -> None:
+        """A shadow is about to be made: hidden from now, before containerd has it and kubelet could list it."""
+        with self._lock:
+            self._made += 1
+            self.present = True
+
+    def looking(self) -> int:
+        """Before listing containerd: the token ``looked`` takes."""
+        with self._lock:
+            return self._made
+
+    def looked(self, found: bool, since: int) -> bool:
+        """What a list of containerd begun at ``since`` found; ``present`` is cleared only if no shadow was
+        begun meanwhile (that list may have been taken before it existed). Whether ``present`` changed."""
+        with self._lock:
+            present = found or (self.present and self._made != since)
+            changed, self.present = present != self.present, present
+            return changed

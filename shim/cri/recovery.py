@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from cri_api.v1 import api_pb2 as cri
 
-from shim import log
+from shim import failpoint, log
 from shim.core.placement import PlacementState
 from shim.cri.fabric import Fabric
 from shim.cri.labels import ORIGIN_LABEL
@@ -31,16 +31,17 @@ def find_shadows(fabric: Fabric) -> None:
     list_sandboxes = fabric.upstream.channel.unary_unary(
         "/runtime.v1.RuntimeService/ListPodSandbox", request_serializer=cri.ListPodSandboxRequest.SerializeToString,
         response_deserializer=cri.ListPodSandboxResponse.FromString)
+    since = fabric.shadows.looking()
     items = list_sandboxes(cri.ListPodSandboxRequest(), timeout=10).items
     mark = fabric.shadows.mark  # a tenant's pod may carry the label: only what this node marked counts
     present = any(ORIGIN_LABEL in sb.labels and (mark is None or mark.is_sandbox(sb.labels, sb.metadata.uid))
                   for sb in items)
-    if present != fabric.shadows.present:
-        _log.info("shadows.present" if present else "shadows.none")
-    fabric.shadows.present = present
+    if fabric.shadows.looked(present, since):
+        _log.info("shadows.present" if fabric.shadows.present else "shadows.none")
 
 
 def settle(fabric: Fabric) -> None:
+    failpoint.pause("recovery.settle")  # a reconciler that comes late, as on a loaded node (tests)
     find_shadows(fabric)
     inflight = fabric.inflight()
     pending = [p for p in fabric.store.placements() if p.state is PlacementState.PENDING and p.key not in inflight]

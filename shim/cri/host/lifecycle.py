@@ -261,11 +261,11 @@ class Lifecycle:
                                                      else HOSTED_CPU_SHARES)
                 config.annotations[CPU_SHARES_ANNOTATION] = str(config.linux.resources.cpu_shares)
                 cpu_limit.defer(config)  # set once it runs: runc's setup is not the tenant's to be throttled for
+                self.ctx.shadows.making()  # this host's kubelet must never list it
                 created = self.rt.call(RT + "CreateContainer", cri.CreateContainerRequest(
                     pod_sandbox_id=sandbox_id, config=config, sandbox_config=shadow_sandbox),
                     cri.CreateContainerResponse)
                 made = time.perf_counter()
-                self.ctx.shadows.present = True
                 if learn:
                     self.profiles.learn(self.rt, created.container_id, sc)
                 failpoint.hit("run_shadow.created")
@@ -388,6 +388,7 @@ class Lifecycle:
         origin had prepared before its sandbox ID was known
         (``shim.cri.host.prepare``).
         """
+        self.ctx.shadows.making()  # this host's kubelet must never list it
         found: dict[str, cri.PodSandbox] = {}
         for key in (SANDBOX_LABEL, POD_LABEL):
             if origin_labels.get(key):

@@ -76,7 +76,6 @@ class Preparer:
         with lc.lock:
             shadow = lc._shadow_sandbox(origin, req, sandbox, labels)
             sandbox_id = lc._sandbox(shadow, labels)
-            lc.ctx.shadows.present = True  # this host's kubelet must not see it either
         _log.info("shadow.sandbox_prepared", origin=origin, sandbox_id=sandbox_id, pod=sandbox.metadata.name,
                   namespace=sandbox.metadata.namespace, ms=round((time.monotonic() - t0) * 1000, 1))
         return pb.ShadowState(key=req.key, shadow_sandbox_id=sandbox_id)
