@@ -93,7 +93,13 @@ def _minor(kubelet: Path) -> int:
     return int(m.group(1))
 
 
-def kubelet_config() -> dict:
+def kubelet_config(minor: int) -> dict:
+    """kubelet's config.yaml for a kubelet of release 1.``minor``.
+
+    From 1.35 the in-place resize gate is GA and locked on (kubelet refuses a config that sets it) and kubelet
+    refuses cgroup v1, which these machines run, unless told not to.
+    """
+    newer = {"failCgroupV1": False} if minor >= 35 else {"featureGates": {"InPlacePodVerticalScaling": False}}
     return {
         "apiVersion": "kubelet.config.k8s.io/v1beta1", "kind": "KubeletConfiguration",
         "authentication": {"anonymous": {"enabled": True}, "webhook": {"enabled": False},
@@ -106,7 +112,7 @@ def kubelet_config() -> dict:
         "localStorageCapacityIsolation": False, "makeIPTablesUtilChains": False, "protectKernelDefaults": False,
         "resolvConf": "", "rotateCertificates": False, "serializeImagePulls": False, "syncFrequency": "10s",
         "staticPodPath": "/etc/kubernetes/manifests",
-        "featureGates": {"InPlacePodVerticalScaling": False},
+        **newer,
     }
 
 
@@ -199,9 +205,10 @@ def lay_out(node: Node, spec: NodeSpec, *, pki: Pki, server: str, registry: str,
     shutil.copy2(kubelet, node.path("/usr/bin/kubelet"))
     _write(node, "/etc/systemd/system/kubelet.service", KUBELET_UNIT)
     _write(node, "/etc/systemd/system/kubelet.service.d/10-kubeadm.conf", KUBEADM_DROPIN)
-    _write(node, "/var/lib/kubelet/config.yaml", yaml.safe_dump(kubelet_config(), sort_keys=True))
+    minor = _minor(kubelet)
+    _write(node, "/var/lib/kubelet/config.yaml", yaml.safe_dump(kubelet_config(minor), sort_keys=True))
     # kubelet 1.35 dropped --pod-infra-container-image (the sandbox image is containerd's alone), and kubeadm with it.
-    pause = f"--pod-infra-container-image={registry}/{PAUSE} " if _minor(kubelet) < 35 else ""
+    pause = f"--pod-infra-container-image={registry}/{PAUSE} " if minor < 35 else ""
     _write(node, "/var/lib/kubelet/kubeadm-flags.env",
            f'KUBELET_KUBEADM_ARGS="--container-runtime-endpoint={CONTAINERD_SOCKET} '
            f'{pause}--node-ip={node.address}"\n')
