@@ -1,4 +1,4 @@
-"""``python -m nodeimage.build``: build the image, or rewrite the lock file."""
+"""``python -m nodeimage.build``: build the image, or rewrite the lock file or the Debian pins."""
 
 from __future__ import annotations
 
@@ -6,21 +6,30 @@ import argparse
 import sys
 from pathlib import Path
 
-from nodeimage.build.common import DEFAULT_NAME, REPO, BuildError
+from nodeimage.build.common import CONTAINERFILE_BASE, DEFAULT_BASE, DEFAULT_NAME, REPO, BuildError
 from nodeimage.build.image import build
 from nodeimage.build.lock import write_lock
+from nodeimage.build.pins import write_pins
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nodeimage.build", description=__doc__.split("\n\n")[0])
-    p.add_argument("command", nargs="?", choices=("image", "lock"), default="image")
+    p.add_argument("command", nargs="?", choices=("image", "lock", "pins"), default="image",
+                   help="image (the default), lock (rewrite nodeimage/requirements.lock from the venv's versions) or "
+                        "pins (rewrite nodeimage/debian-packages.pins from apt's candidates: run apt-get update first)")
     p.add_argument("--out", type=Path, default=REPO / "nodeimage" / "out", help="output directory")
-    p.add_argument("--base", help="debian-packages, oci:DIR or a registry ref by digest (default: the Containerfile's)")
+    p.add_argument("--base", default=DEFAULT_BASE,
+                   help=f"{DEFAULT_BASE} (the default: Debian's packages at the pinned versions, the base the tests "
+                        f"use), {CONTAINERFILE_BASE} (the Containerfile's ARG BASE, from Docker Hub: not tested "
+                        "here), oci:DIR, or a registry reference pinned by digest")
     p.add_argument("--name", default=DEFAULT_NAME, help="image name recorded for ctr import")
     args = p.parse_args(argv)
     try:
         if args.command == "lock":
             print(f"wrote {write_lock()}")
+            return 0
+        if args.command == "pins":
+            print(f"wrote {write_pins()}")
             return 0
         built = build(args.out, base=args.base, name=args.name)
     except BuildError as exc:

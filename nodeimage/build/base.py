@@ -12,6 +12,7 @@ from pathlib import Path
 
 from nodeimage.build.common import _MT_LAYER, CACHE, BuildError, _digest, _run, _run_bytes
 from nodeimage.build.layout import Layout, layer_tar, write_layout
+from nodeimage.build.pins import REFRESH, Pins, read_pins
 
 
 def fetch_registry_base(ref: str, cache: Path = CACHE) -> Layout:
@@ -72,20 +73,44 @@ def debian_closure() -> list[tuple[str, str]]:
     return [(n, versions[n]) for n in names]
 
 
-def build_debian_base(cache: Path = CACHE) -> Layout:
-    """A Python 3.11 base from Debian's packages (no registry needed), cached by package versions."""
-    pkgs = debian_closure()
-    key = hashlib.sha256("\n".join(f"{n}={v}" for n, v in pkgs).encode()).hexdigest()[:16]
+# Bump when what build_debian_base makes of the same packages changes (what it drops, adds or how it unpacks):
+# the cached base is keyed by this and the pinned versions.
+_RECIPE = 2
+
+
+def download_debs(pins: dict[str, str], debs: Path) -> list[Path]:
+    """The ``.deb`` of each pinned ``package=version``, from ``debs`` or, for those it lacks, ``apt-get download``
+    (apt checks each file against its index's hash)."""
+    debs.mkdir(parents=True, exist_ok=True)
+    missing = [f"{n}={v}" for n, v in sorted(pins.items()) if _find_deb(debs, n, v) is None]
+    if missing:
+        try:
+            _run(["apt-get", "download", *missing], "download the pinned Debian packages (apt-get download)",
+                 cwd=debs)
+        except BuildError as exc:
+            raise BuildError(
+                f"{exc}\nThe pins (nodeimage/debian-packages.pins) name versions apt cannot download here: "
+                f"run apt-get update, or, where Debian's mirror no longer carries them (a point release or "
+                f"security update replaced them), refresh the pins ({REFRESH}), or put those .deb files in "
+                f"{debs}") from None
+    found = {n: _find_deb(debs, n, v) for n, v in sorted(pins.items())}
+    lost = [f"{n}={pins[n]}" for n, f in found.items() if f is None]
+    if lost:
+        raise BuildError(f"apt-get download left no .deb for {lost} in {debs}")
+    return [f for f in found.values() if f is not None]
+
+
+def build_debian_base(cache: Path = CACHE, pins: Pins | None = None) -> Layout:
+    """A Python 3.11 base from Debian's packages at the pinned versions (no registry needed), cached by them."""
+    pkgs = sorted((pins or read_pins()).base.items())
+    want = [f"{n}={v}" for n, v in pkgs]
+    key = hashlib.sha256("\n".join([f"recipe={_RECIPE}", *want]).encode()).hexdigest()[:16]
     dest = cache / "bases" / f"debian-python3.11-{key}"
     if (dest / "index.json").exists():
         return Layout(dest)
-    debs = cache / "debs"
-    debs.mkdir(parents=True, exist_ok=True)
-    want = [f"{n}={v}" for n, v in pkgs]
-    _run(["apt-get", "download", *want], "download Debian packages (apt-get download)", cwd=debs)
+    files = download_debs(dict(pkgs), cache / "debs")
     entries: dict[str, tuple[tarfile.TarInfo, bytes | None]] = {}
-    for name, version in pkgs:
-        deb = _find_deb(debs, name, version)
+    for deb in files:
         data = _run_bytes(["dpkg-deb", "--fsys-tarfile", str(deb)], f"unpack {deb.name}")
         with tarfile.open(fileobj=io.BytesIO(data)) as tar:
             for m in tar.getmembers():
@@ -133,13 +158,11 @@ def build_debian_base(cache: Path = CACHE) -> Layout:
     return Layout(dest)
 
 
-def _find_deb(debs: Path, name: str, version: str) -> Path:
+def _find_deb(debs: Path, name: str, version: str) -> Path | None:
     # apt-get download names files NAME_VERSION_ARCH.deb with ':' in the version escaped as %3a.
     v = version.replace(":", "%3a")
-    found = sorted(debs.glob(f"{name}_{v}_*.deb"))
-    if not found:
-        raise BuildError(f"apt-get download left no {name}_{v}_*.deb in {debs}")
-    return found[0]
+    found = sorted(debs.glob(f"{name}_{v}_amd64.deb")) or sorted(debs.glob(f"{name}_{v}_all.deb"))
+    return found[0] if found else None
 
 
 def _merged_usr(name: str) -> str:
@@ -150,9 +173,9 @@ def _merged_usr(name: str) -> str:
     return path
 
 
-def resolve_base(base: str, cache: Path = CACHE) -> Layout:
+def resolve_base(base: str, cache: Path = CACHE, pins: Pins | None = None) -> Layout:
     if base == "debian-packages":
-        return build_debian_base(cache)
+        return build_debian_base(cache, pins)
     if base.startswith("oci:"):
         return Layout(Path(base[4:]))
     return fetch_registry_base(base.removeprefix("docker://"), cache)

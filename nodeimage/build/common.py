@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
@@ -14,8 +15,14 @@ REPO = Path(__file__).resolve().parents[2]
 CONTAINERFILE = REPO / "nodeimage" / "Containerfile"
 IGNOREFILE = REPO / "nodeimage" / "containerignore"
 LOCKFILE = REPO / "nodeimage" / "requirements.lock"
+PINFILE = REPO / "nodeimage" / "debian-packages.pins"
 CACHE = Path(os.environ.get("WEFT_CACHE_ROOT") or "/var/cache/weft") / "nodeimage"
 DEFAULT_NAME = "localhost/weft/node:0.1.0"
+# The base the build uses unless told otherwise: made from Debian bookworm's packages at the versions
+# nodeimage/debian-packages.pins names (the base every test builds on). "containerfile" takes the
+# Containerfile's ARG BASE instead (what a container engine would use; not fetched or tested here).
+DEFAULT_BASE = "debian-packages"
+CONTAINERFILE_BASE = "containerfile"
 ARCHIVE_NAME = "weft-image.oci.tar"
 
 # Wheels the base's Python (CPython 3.11, glibc 2.36 on bookworm) can load.
@@ -62,12 +69,12 @@ def _json(obj: object) -> bytes:
     return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
 
 
-def _run(argv: list[str], what: str, **kw) -> subprocess.CompletedProcess[str]:
+def _run(argv: list[str], what: str, check: bool = True, **kw) -> subprocess.CompletedProcess[str]:
     try:
         res = subprocess.run(argv, capture_output=True, text=True, **kw)
     except FileNotFoundError as exc:
         raise BuildError(f"{what}: {argv[0]} is not installed (scripts/setup.sh installs it)") from exc
-    if res.returncode != 0:
+    if check and res.returncode != 0:
         raise BuildError(f"{what}: {' '.join(argv[:3])} ... failed: {(res.stderr or res.stdout).strip()[-2000:]}")
     return res
 
@@ -77,3 +84,27 @@ def _run_bytes(argv: list[str], what: str) -> bytes:
     if res.returncode != 0:
         raise BuildError(f"{what}: {res.stderr.decode(errors='replace').strip()}")
     return res.stdout
+
+
+def source_date_epoch(repo: Path) -> int:
+    """The image's one date (its config's ``created``, its layer's file times): ``$SOURCE_DATE_EPOCH`` where set
+    (the reproducible-builds convention), else the time of ``repo``'s last commit where ``repo`` is a git work
+    tree's top, else 0. Never the time of the build: the same tree and pins give the same image."""
+    env = os.environ.get("SOURCE_DATE_EPOCH", "").strip()
+    if env:
+        if not env.isdigit():
+            raise BuildError(f"SOURCE_DATE_EPOCH={env!r} is not a number of seconds since 1970")
+        return int(env)
+    git = ["git", "-c", f"safe.directory={repo}", "-C", str(repo)]
+    try:
+        top = subprocess.run([*git, "rev-parse", "--show-toplevel"], capture_output=True, text=True, timeout=30)
+        if top.returncode != 0 or Path(top.stdout.strip()).resolve() != repo.resolve():
+            return 0
+        when = subprocess.run([*git, "log", "-1", "--format=%ct"], capture_output=True, text=True, timeout=30)
+    except (FileNotFoundError, subprocess.TimeoutExpired):
+        return 0
+    return int(when.stdout.strip()) if when.returncode == 0 and when.stdout.strip().isdigit() else 0
+
+
+def rfc3339(epoch: int) -> str:
+    return datetime.datetime.fromtimestamp(epoch, datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

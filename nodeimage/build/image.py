@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import shutil
@@ -11,14 +10,30 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from nodeimage.build.base import resolve_base
-from nodeimage.build.common import _MT_LAYER, ARCHIVE_NAME, CACHE, DEFAULT_NAME, REPO, _digest, _json
+from nodeimage.build.common import (
+    _MT_LAYER,
+    ARCHIVE_NAME,
+    CACHE,
+    CONTAINERFILE_BASE,
+    DEFAULT_BASE,
+    DEFAULT_NAME,
+    PINFILE,
+    REPO,
+    BuildError,
+    _digest,
+    _json,
+    rfc3339,
+    source_date_epoch,
+)
 from nodeimage.build.containerfile import Plan, parse_containerfile
 from nodeimage.build.layer import weft_layer
 from nodeimage.build.layout import write_layout
+from nodeimage.build.pins import read_pins
 
 
-def image_config(base_config: dict, plan: Plan, layer: bytes) -> dict:
-    """The base's config with the Containerfile's ENV/LABEL/USER/ENTRYPOINT/CMD and one more layer."""
+def image_config(base_config: dict, plan: Plan, layer: bytes, created: int = 0) -> dict:
+    """The base's config with the Containerfile's ENV/LABEL/USER/ENTRYPOINT/CMD and one more layer, dated
+    ``created`` (seconds since 1970: the source's date, never the build's)."""
     cfg = json.loads(json.dumps(base_config))
     c = cfg.setdefault("config", {})
     env = dict(e.split("=", 1) for e in c.get("Env") or [])
@@ -34,21 +49,39 @@ def image_config(base_config: dict, plan: Plan, layer: bytes) -> dict:
     elif plan.cmd:
         c["Cmd"] = plan.cmd
     cfg["rootfs"] = {"type": "layers", "diff_ids": [*cfg["rootfs"]["diff_ids"], _digest(layer)]}
-    cfg["created"] = "1970-01-01T00:00:00Z"
+    cfg["created"] = rfc3339(created)
     cfg["history"] = [*(cfg.get("history") or []),
-                      {"created": "1970-01-01T00:00:00Z", "created_by": "nodeimage/build.py (nodeimage/Containerfile)"}]
+                      {"created": rfc3339(created), "created_by": "nodeimage/build.py (nodeimage/Containerfile)"}]
     return cfg
 
 
 def _archive(layout: Path, dest: Path) -> None:
+    """The layout as one tar, its bytes fixed by the layout's names and contents alone: sorted, owner root,
+    mtime 0, modes 0644/0755 (not the umask's), no extended headers."""
     tmp = dest.with_name(dest.name + ".tmp")
     with tarfile.open(tmp, "w", format=tarfile.PAX_FORMAT) as tar:
-        for p in sorted(layout.rglob("*")):
-            info = tar.gettarinfo(str(p), p.relative_to(layout).as_posix())
+        for p in sorted(layout.rglob("*"), key=lambda p: p.relative_to(layout).as_posix()):
+            info = tarfile.TarInfo(p.relative_to(layout).as_posix())
             info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "root", "root"
-            with (open(p, "rb") if p.is_file() else io.BytesIO()) as f:
-                tar.addfile(info, f if p.is_file() else None)
+            if p.is_dir():
+                info.type, info.mode = tarfile.DIRTYPE, 0o755
+                tar.addfile(info)
+            else:
+                info.mode, info.size = 0o644, p.stat().st_size
+                with open(p, "rb") as f:
+                    tar.addfile(info, f)
     os.replace(tmp, dest)
+
+
+def archive_digest(archive: Path) -> str:
+    """The image's digest as the archive records it (its ``index.json``'s manifest): what ``skopeo copy
+    oci-archive:...`` pushes and ``ctr images import`` names."""
+    with tarfile.open(archive) as tar:
+        member = tar.extractfile("index.json")
+        if member is None:
+            raise BuildError(f"{archive} holds no index.json")
+        (desc,) = json.loads(member.read())["manifests"]
+    return desc["digest"]
 
 
 @dataclass(frozen=True)
@@ -61,15 +94,23 @@ class Built:
     layer: bytes
 
 
-def build(out: Path, *, base: str | None = None, name: str = DEFAULT_NAME, repo: Path = REPO,
+def build(out: Path, *, base: str | None = DEFAULT_BASE, name: str = DEFAULT_NAME, repo: Path = REPO,
           cache: Path = CACHE) -> Built:
-    """Build the image into ``out`` (``out/layout/`` and ``out/weft-image.oci.tar``)."""
+    """Build the image into ``out`` (``out/layout/`` and ``out/weft-image.oci.tar``).
+
+    ``base``: ``debian-packages`` (the default, also for None: Debian's packages at the versions
+    ``nodeimage/debian-packages.pins`` names), ``containerfile`` (the Containerfile's ``ARG BASE``, a registry
+    image, not tested here), ``oci:DIR`` or a registry reference pinned by digest. The same tree (``repo``),
+    pins and base give the same image, byte for byte; its date is ``common.source_date_epoch(repo)``."""
+    base = base or DEFAULT_BASE
+    pins = read_pins(repo / "nodeimage" / PINFILE.name)
     plan = parse_containerfile((repo / "nodeimage" / "Containerfile").read_text(),
-                               {"BASE": base} if base else None)
-    base_layout = resolve_base(plan.base, cache)
+                               None if base == CONTAINERFILE_BASE else {"BASE": base})
+    base_layout = resolve_base(plan.base, cache, pins)
     base_manifest, base_config = base_layout.image()
-    layer = weft_layer(plan, repo, cache)
-    config = image_config(base_config, plan, layer)
+    epoch = source_date_epoch(repo)
+    layer = weft_layer(plan, repo, cache, pins, mtime=epoch)
+    config = image_config(base_config, plan, layer, created=epoch)
     layout = out / "layout"
     shutil.rmtree(layout, ignore_errors=True)
     manifest = write_layout(layout, [(_MT_LAYER, layer)], config, name, base_layout, base_manifest["layers"])

@@ -12,6 +12,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from hooks import native
+from nodeimage.build.base import download_debs
 from nodeimage.build.common import (
     CACHE,
     HOOK_FROM,
@@ -30,6 +31,7 @@ from nodeimage.build.common import (
 )
 from nodeimage.build.containerfile import Plan, _ignored, ignore_patterns
 from nodeimage.build.layout import layer_tar
+from nodeimage.build.pins import Pins, check_host, read_pins
 
 
 def _tree(src: Path, dest: str, patterns: list[str]) -> Iterator[tuple[tarfile.TarInfo, bytes | None]]:
@@ -48,7 +50,7 @@ def _tree(src: Path, dest: str, patterns: list[str]) -> Iterator[tuple[tarfile.T
             info.type, info.mode = tarfile.DIRTYPE, 0o755
             yield info, None
         else:
-            info.mode = 0o755 if os.access(p, os.X_OK) else 0o644
+            info.mode = 0o755 if p.stat().st_mode & 0o111 else 0o644
             yield info, p.read_bytes()
 
 
@@ -63,34 +65,38 @@ def pip_install(target: Path, lockfile: Path = LOCKFILE, cache: Path = CACHE) ->
     _run([*pip, "install", "--no-index", "--find-links", str(wheels), "--no-cache-dir", "--no-compile",
           "--target", str(target), *common], "install the locked wheels (pip install --target)")
     shutil.rmtree(target / "bin", ignore_errors=True)
+    _drop_outside_records(target)
 
 
-def hook_stage(plan: Plan, repo: Path, out: Path) -> dict[str, Path]:
-    """The hook stage, on this host: its one file compiled as its RUN would (``hooks.native``); {path: file}."""
+def _drop_outside_records(target: Path) -> None:
+    """pip lists the scripts it wrote to ``bin/`` (``../../bin/NAME`` in a RECORD), with the hash of each, whose
+    first line names this host's interpreter: that path would make the image differ from one checkout (or venv)
+    to another. The RUN line removes those scripts, so their lines go too: a RECORD lists what is there."""
+    for record in sorted(target.glob("*.dist-info/RECORD")):
+        lines = record.read_text().splitlines(keepends=True)
+        kept = [ln for ln in lines if not ln.startswith("../")]
+        if kept != lines:
+            record.write_text("".join(kept))
+
+
+def hook_stage(plan: Plan, repo: Path, out: Path, pins: Pins | None = None) -> dict[str, Path]:
+    """The hook stage, on this host: its one file compiled as its RUN would (``hooks.native``), with the toolchain
+    the pins' ``[host]`` names (a static binary carries the host's C library); {path: file}."""
     stage = plan.stages[HOOK_STAGE]
     if stage.copies != [(HOOK_FROM, HOOK_SOURCE)]:
         raise BuildError(f"Containerfile hook stage: COPY {HOOK_FROM} {HOOK_SOURCE}, nothing else")
+    check_host(pins or read_pins())
     try:
         return {HOOK_OUTPUT: native.compile_to(out / "weft-oci-hook", repo / HOOK_FROM)}
     except native.NativeHookUnavailable as exc:
         raise BuildError(f"the native OCI hook: {exc} (scripts/setup.sh installs gcc)") from exc
 
 
-def init_stage(cache: Path = CACHE) -> dict[str, Path]:
-    """The init stage, on this host: tini's static binary from the Debian package its RUN line installs (the
-    version apt would install here), downloaded once into the cache; {path: file}."""
-    policy = _run(["apt-cache", "policy", INIT_PACKAGE], f"resolve the {INIT_PACKAGE} package's version").stdout
-    version = next((ln.split(":", 1)[1].strip() for ln in policy.splitlines() if ln.strip().startswith("Candidate:")),
-                   "(none)")
-    if version == "(none)":
-        raise BuildError(f"Debian package {INIT_PACKAGE} not available from apt here (run apt-get update)")
-    debs = cache / "debs"
-    debs.mkdir(parents=True, exist_ok=True)
-    pattern = f"{INIT_PACKAGE}_{version.replace(':', '%3a')}_*.deb"  # apt-get download escapes ':' as %3a
-    if not sorted(debs.glob(pattern)):
-        _run(["apt-get", "download", f"{INIT_PACKAGE}={version}"], f"download {INIT_PACKAGE} (apt-get download)",
-             cwd=debs)
-    deb = sorted(debs.glob(pattern))[0]
+def init_stage(cache: Path = CACHE, pins: Pins | None = None) -> dict[str, Path]:
+    """The init stage, on this host: tini's static binary from the Debian package its RUN line installs, at the
+    version the pins' ``[init]`` names, downloaded once into the cache; {path: file}."""
+    version = (pins or read_pins()).init[INIT_PACKAGE]
+    (deb,) = download_debs({INIT_PACKAGE: version}, cache / "debs")
     out = cache / "init" / deb.stem / Path(INIT_OUTPUT).name
     if not out.exists():
         data = _run_bytes(["dpkg-deb", "--fsys-tarfile", str(deb)], f"unpack {deb.name}")
@@ -107,15 +113,18 @@ def init_stage(cache: Path = CACHE) -> dict[str, Path]:
     return {INIT_OUTPUT: out}
 
 
-def weft_layer(plan: Plan, repo: Path = REPO, cache: Path = CACHE) -> bytes:
+def weft_layer(plan: Plan, repo: Path = REPO, cache: Path = CACHE, pins: Pins | None = None,
+               mtime: int = 0) -> bytes:
+    """The one layer the build adds: what COPY, COPY --from and the pip RUN put in, every file's time ``mtime``."""
+    pins = pins or read_pins()
     patterns = ignore_patterns(repo / "nodeimage" / "containerignore")
     entries: list[tuple[tarfile.TarInfo, bytes | None]] = []
     with tempfile.TemporaryDirectory(prefix="weft-image-") as tmp:
         for src, dest in plan.copies:
             entries.extend(_tree(repo / src, dest, patterns))
-        built = hook_stage(plan, repo, Path(tmp) / "hook") if HOOK_STAGE in plan.stages else {}
+        built = hook_stage(plan, repo, Path(tmp) / "hook", pins) if HOOK_STAGE in plan.stages else {}
         if INIT_STAGE in plan.stages:
-            built.update(init_stage(cache))
+            built.update(init_stage(cache, pins))
         for _stage, src, dest in plan.copies_from:
             if src not in built:
                 raise BuildError(f"Containerfile COPY --from: the stage makes no {src}")
@@ -124,4 +133,4 @@ def weft_layer(plan: Plan, repo: Path = REPO, cache: Path = CACHE) -> bytes:
             lock = next(repo / src for src, dest in plan.copies if dest == "/opt/weft/requirements.lock")
             pip_install(Path(tmp) / "lib", lock, cache)
             entries.extend(_tree(Path(tmp) / "lib", "/opt/weft/lib", []))
-        return layer_tar(entries)
+        return layer_tar(entries, mtime)

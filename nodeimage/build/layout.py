@@ -65,8 +65,10 @@ class Layout:
         raise BuildError(f"OCI layout {self.root} has no linux/amd64 image")
 
 
-def layer_tar(entries: Iterable[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
-    """A layer tar: sorted, parents first, owner root, mtime 0."""
+def layer_tar(entries: Iterable[tuple[tarfile.TarInfo, bytes | None]], mtime: int = 0) -> bytes:
+    """A layer tar that depends on nothing but the entries' names, types, modes, link targets and contents:
+    sorted by name (parents first, added where missing), owner root, every time ``mtime``, no extended headers
+    (a pax header carries times and owners of its own)."""
     by_name = {info.name: (info, data) for info, data in entries}
     for name in list(by_name):
         parts = name.split("/")
@@ -80,7 +82,7 @@ def layer_tar(entries: Iterable[tuple[tarfile.TarInfo, bytes | None]]) -> bytes:
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as tar:
         for name in sorted(by_name):
             info, data = by_name[name]
-            info.mtime, info.uid, info.gid, info.uname, info.gname = 0, 0, 0, "root", "root"
+            info.mtime, info.uid, info.gid, info.uname, info.gname = mtime, 0, 0, "root", "root"
             info.pax_headers = {}
             if info.isfile():
                 info.size = len(data or b"")
