@@ -4,10 +4,12 @@
 loads it as it would be on a node; then kubelet's calls run its entrypoint
 (``weft --version``), the OCI hook's entrypoint, and check the image's user.
 
-The base is Debian's packages (``--base debian-packages``) unless
-``WEFT_NODEIMAGE_BASE`` names another (for example the Containerfile's pinned
-``docker.io/library/python:3.11-slim-bookworm@sha256:...``, which needs Docker
-Hub once and is cached under /var/cache/weft/nodeimage/bases after).
+The base is the build's default, Debian's packages at the versions
+``nodeimage/debian-packages.pins`` names (``--base debian-packages``: the
+shipped image), unless ``WEFT_NODEIMAGE_BASE`` names another (for example
+``containerfile``, the Containerfile's registry base, which needs Docker Hub
+once and is cached under /var/cache/weft/nodeimage/bases after; not tested
+here).
 """
 
 from __future__ import annotations
