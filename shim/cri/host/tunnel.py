@@ -36,7 +36,7 @@ origin as a problem.
 from __future__ import annotations
 
 import contextlib
-import errno
+import functools
 import os
 import queue
 import socket
@@ -55,6 +55,7 @@ from shim.cri.kernel_path import KernelForwards, forget_connections
 from shim.cri.netns import Netns, owner_of, sandbox_netns
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, TunnelServer
+from shim.mesh.tunnel.accept import accept_loop, closed
 
 _log = log.get("weft.stitch")
 
@@ -122,27 +123,21 @@ class Mirrors:
         return problems
 
     def _accept(self, sock: socket.socket, port: int) -> None:
-        backoff = 0.05
-        while True:
-            try:
-                conn, _ = sock.accept()
-            except OSError as exc:
-                if sock.fileno() < 0 or exc.errno in (errno.EBADF, errno.EINVAL):
-                    return  # closed
-                # Out of descriptors or memory: wait it out, the listener stays.
-                _log.warning("stitch.accept_failed", container=self.name, port=port, side="shadow", error=str(exc))
-                time.sleep(backoff)
-                backoff = min(1.0, backoff * 2)
-                continue
-            backoff = 0.05
+        def handle(conn: socket.socket, _peer: tuple) -> None:
             q = self.subscriber
             if q is None:
                 conn.close()
-                continue
+                return
             tls = self.net.tunnel_tls
             token = self.net.tunnel.grants.add(self.origin, lambda c=conn: c, tls=tls,
                                                what=f"{self.name} <- :{port}", on_expire=conn.close)
             q.put(pb.StitchEvent(accepted_port=port, token=token, address=self.net.tunnel.address, tls=tls))
+
+        # Out of descriptors or memory: waited out, the listener stays.
+        def failed(exc: Exception) -> None:
+            _log.warning("stitch.accept_failed", container=self.name, port=port, side="shadow", error=str(exc))
+
+        accept_loop(sock.accept, handle, failed, ended=functools.partial(closed, sock))
 
     def ports(self) -> list[int]:
         with self._lock:

@@ -38,12 +38,11 @@ the local process holding it.
 from __future__ import annotations
 
 import contextlib
-import errno
+import functools
 import os
 import socket
 import ssl
 import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -60,6 +59,7 @@ from shim.cri.origin.context import OriginSettings
 from shim.cri.remote import Remote, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipe, SocketEnd, dial, tune
+from shim.mesh.tunnel.accept import NotTaken, accept_loop, closed
 from shim.periodic import Periodic
 
 # Connections to stitched ports being opened to their hosts at once (each holds a thread until its tunnel
@@ -241,33 +241,25 @@ class PodNet:
                           f"{held}{f' ({holder})' if holder else ''} already listens on it")
 
     def _accept(self, sock: socket.socket, port: int, link: Link) -> None:
-        backoff = 0.05
-        while True:
+        def handle(conn: socket.socket, _peer: tuple) -> None:
+            if not _OPENING.acquire(blocking=False):
+                # As many connections as may be are being opened to hosts: this one is closed at once.
+                _log.warning("stitch.busy", container=link.name, port=port)
+                conn.close()
+                return
             try:
-                conn, _ = sock.accept()
-            except OSError as exc:
-                if sock.fileno() < 0 or exc.errno in (errno.EBADF, errno.EINVAL):
-                    return  # closed
-                error = str(exc)
-            else:
-                if not _OPENING.acquire(blocking=False):
-                    # As many connections as may be are being opened to hosts: this one is closed at once.
-                    _log.warning("stitch.busy", container=link.name, port=port)
-                    conn.close()
-                    continue
-                try:
-                    threading.Thread(target=self._forward, args=(conn, port, link), name="weft-stitch-out",
-                                     daemon=True).start()
-                    backoff = 0.05
-                    continue
-                except RuntimeError as exc:  # no thread to be had: this connection is dropped
-                    _OPENING.release()
-                    conn.close()
-                    error = str(exc)
-            # Out of descriptors, memory or threads: wait it out, the listener stays.
-            _log.warning("stitch.accept_failed", container=link.name, port=port, side="origin", error=error)
-            time.sleep(backoff)
-            backoff = min(1.0, backoff * 2)
+                threading.Thread(target=self._forward, args=(conn, port, link), name="weft-stitch-out",
+                                 daemon=True).start()
+            except RuntimeError as exc:  # no thread to be had: this connection is dropped
+                _OPENING.release()
+                conn.close()
+                raise NotTaken(str(exc)) from exc
+
+        # Out of descriptors, memory or threads: waited out, the listener stays.
+        def failed(exc: Exception) -> None:
+            _log.warning("stitch.accept_failed", container=link.name, port=port, side="origin", error=str(exc))
+
+        accept_loop(sock.accept, handle, failed, ended=functools.partial(closed, sock))
 
     def _forward(self, conn: socket.socket, port: int, link: Link) -> None:
         """A connection to a shadow's port here: a tunnel to that port in the shadow."""

@@ -25,7 +25,6 @@ handshake at once from one address.
 from __future__ import annotations
 
 import contextlib
-import errno
 import socket
 import ssl
 import threading
@@ -35,6 +34,7 @@ from pathlib import Path
 
 from shim import log
 from shim.errors import WeftError
+from shim.mesh.tunnel.accept import RESOURCE_ERRNOS, NotTaken, accept_loop
 from shim.mesh.tunnel.ends import HANDSHAKE_TIMEOUT_S, End, SocketEnd, TlsEnd, TunnelError, contexts, tune
 from shim.mesh.tunnel.grants import Grants
 from shim.mesh.tunnel.pipe import Pipe
@@ -47,9 +47,6 @@ _MAX_LINE = 512
 MAX_HANDSHAKES = 64
 # Of those, from one address that is not a mesh peer's (the tunnel port only).
 MAX_PER_SOURCE = 8
-# After a failed accept or thread start: wait this long, doubling up to the most, before the next accept.
-_BACKOFF_S = (0.05, 1.0)
-_RESOURCE_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
 
 class Deadline:
@@ -142,34 +139,26 @@ class PipeServer:
             _log.error("tunnel.accept_loop_died", server=self.thread_name, error=f"{type(exc).__name__}: {exc}")
 
     def _accept_until_stopped(self) -> None:
-        backoff = _BACKOFF_S[0]
-        while not self._stop.is_set():
-            try:
-                conn, peer = self._sock.accept()
-            except OSError as exc:
-                if self._stop.is_set():
-                    return
-                if exc.errno in _RESOURCE_ERRNOS:
-                    _log.warning("tunnel.accept_failed", server=self.thread_name, error=str(exc))
-                self._stop.wait(backoff)
-                backoff = min(_BACKOFF_S[1], backoff * 2)
-                continue
-            release = self._slot(peer)
-            if release is None:
-                _log.warning("tunnel.busy", server=self.thread_name, peer=_peer(peer))
-                _drop(conn)
-                continue
-            try:
-                threading.Thread(target=self._handshake, args=(conn, peer, release), name=f"{self.thread_name}-conn",
-                                 daemon=True).start()
-            except RuntimeError as exc:  # no thread to be had (a task limit): this connection waits for none
-                release()
-                _log.warning("tunnel.accept_failed", server=self.thread_name, error=str(exc))
-                _drop(conn)
-                self._stop.wait(backoff)
-                backoff = min(_BACKOFF_S[1], backoff * 2)
-                continue
-            backoff = _BACKOFF_S[0]
+        # Only a stop ends it: an accept that fails otherwise is waited out (the socket is this server's alone).
+        accept_loop(lambda: self._sock.accept(), self._take, self._failed, stop=self._stop)
+
+    def _take(self, conn: socket.socket, peer: tuple) -> None:
+        release = self._slot(peer)
+        if release is None:
+            _log.warning("tunnel.busy", server=self.thread_name, peer=_peer(peer))
+            _drop(conn)
+            return
+        try:
+            threading.Thread(target=self._handshake, args=(conn, peer, release), name=f"{self.thread_name}-conn",
+                             daemon=True).start()
+        except RuntimeError as exc:  # no thread to be had (a task limit): this connection waits for none
+            release()
+            _drop(conn)
+            raise NotTaken(str(exc)) from exc
+
+    def _failed(self, exc: OSError | NotTaken) -> None:
+        if isinstance(exc, NotTaken) or exc.errno in RESOURCE_ERRNOS:
+            _log.warning("tunnel.accept_failed", server=self.thread_name, error=str(exc))
 
     def _slot(self, peer: tuple) -> Callable[[], None] | None:
         """A handshake slot for a connection from ``peer``, as the function that gives it back; None: none free."""

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from shim.cri.origin import stitch
+from shim.mesh.tunnel import accept
 
 
 class _Pod:
@@ -65,4 +66,4 @@ def test_connections_beyond_those_being_opened_are_closed_at_once(monkeypatch) -
 
 @pytest.fixture(autouse=True)
 def _quiet(monkeypatch) -> None:
-    monkeypatch.setattr(stitch.time, "sleep", lambda s: None)
+    monkeypatch.setattr(accept.time, "sleep", lambda s: None)  # the accept loop's back-off
