@@ -16,8 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from bench.scenarios import gather
-from shim.bench.running import report
+from bench.scenarios import gather, run
 
 SCENARIOS = "integration/kube/test_kube_kueue.py"
 
@@ -52,18 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--output", type=Path, help="also write the JSON here")
     args = ap.parse_args(argv)
-
-    def say(line: str) -> None:
-        print(f"[kueue] {line}", file=sys.stderr, flush=True)
-
-    try:
-        code, figures = measure(say)
-    except KeyboardInterrupt:
-        say("interrupted")
-        return 130
-    if figures is None:
-        return code
-    return report(figures, args.json, args.output, _table)
+    return run("kueue", lambda say: measure(say), args.json, args.output, _table)
 
 
 if __name__ == "__main__":

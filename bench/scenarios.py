@@ -16,6 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from integration.harness.fixture import BENCH_FIGURES_ENV
+from shim.bench.running import report
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -55,3 +56,21 @@ def rounded(value):
     if isinstance(value, dict):
         return {k: rounded(v) for k, v in value.items()}
     return value
+
+
+def run(tag: str, measure: Callable[[Callable[[str], None]], tuple[int, dict | None]], as_json: bool,
+        output: Path | None, table: Callable[[dict], str]) -> int:
+    """A scenario benchmark's run: its progress on stderr as ``[tag] ...``, its figures reported as ``weft
+    bench`` reports them; exit codes as ``weft bench`` (0 measured, 1 failed, 130 stopped)."""
+
+    def say(line: str) -> None:
+        print(f"[{tag}] {line}", file=sys.stderr, flush=True)
+
+    try:
+        code, figures = measure(say)
+    except KeyboardInterrupt:
+        say("interrupted")
+        return 130
+    if figures is None:
+        return code
+    return report(figures, as_json, output, table)
