@@ -1,4 +1,4 @@
-"""ListContainerStats: shadows left out; each remote container's usage measured on its host, under kubelet's ID.
+"""ListContainerStats: each remote container's usage measured on its host, under kubelet's ID.
 
 A host away for a moment, or a container lost with its host, leaves that
 container in the list with its attributes alone: kubelet's summary keeps
@@ -39,22 +39,6 @@ def listed(answer: bytes) -> list[cri.ContainerStats]:
 def route(fabric, containerd):
     containerd.answer("ListContainerStats", cri.ListContainerStatsResponse(stats=[LOCAL, SHADOW]))
     return list_container_stats.route(fabric)
-
-
-def test_not_intercepted_on_a_node_without_shadows_or_remote_containers(fabric, mesh, route) -> None:
-    assert not route.applies()
-    fabric.shadows.present = True
-    assert route.applies()
-    fabric.shadows.present = False
-    add_remote(fabric)
-    assert route.applies()
-
-
-def test_a_hosts_shadows_are_left_out(fabric, containerd, route) -> None:
-    fabric.shadows.present = True
-    answer = route.handle(body(), ctx())
-    assert containerd.only_request("ListContainerStats") == body()
-    assert [s.attributes.id for s in listed(answer)] == ["local-1"]
 
 
 def test_a_remote_containers_usage_is_measured_on_its_host_and_shown_under_kubelets_attributes(

@@ -1,4 +1,4 @@
-"""ListContainers: a host's shadows are left out; an origin's remote containers are added under kubelet's IDs.
+"""ListContainers: an origin's remote containers are added under kubelet's IDs (shadows: ``test_list_verbs``).
 
 Remote containers pass kubelet's filter as containerd applies it to its own:
 ID or sandbox ID (a unique prefix), state, and labels.
@@ -30,29 +30,6 @@ def ids(answer: bytes) -> list[str]:
 def route(fabric, containerd):
     containerd.answer("ListContainers", cri.ListContainersResponse(containers=[LOCAL, SHADOW]))
     return list_containers.route(fabric)
-
-
-def test_not_intercepted_on_a_node_without_shadows_or_remote_containers(fabric, mesh, route) -> None:
-    assert not route.applies()
-    fabric.shadows.present = True
-    assert route.applies()
-    fabric.shadows.present = False
-    add_remote(fabric)
-    assert route.applies()
-
-
-def test_a_hosts_shadows_are_left_out(fabric, containerd, route) -> None:
-    fabric.shadows.present = True
-    answer = route.handle(body(), ctx())
-    assert containerd.only_request("ListContainers") == body()
-    assert ids(answer) == ["local-1"]
-
-
-def test_a_list_without_shadows_or_remote_containers_comes_back_byte_for_byte(fabric, containerd, route) -> None:
-    fabric.shadows.present = True
-    plain = cri.ListContainersResponse(containers=[LOCAL]).SerializeToString()
-    containerd.answer("ListContainers", plain)
-    assert route.handle(body(label_selector={"app": "web"}), ctx()) == plain
 
 
 def test_remote_containers_are_added_after_containerds_in_kubelets_terms(fabric, containerd, host, route,

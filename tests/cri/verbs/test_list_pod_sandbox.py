@@ -1,7 +1,6 @@
-"""ListPodSandbox: a host's shadow sandboxes are left out, so its kubelet never sees (or kills) them.
+"""ListPodSandbox: an origin's remote containers live in its own sandboxes, so none is added.
 
-Intercepted only while this node hosts shadows or has remote containers; an
-origin's remote containers live in its own sandboxes, so none is added.
+Shadows left out, as in every list verb: ``test_list_verbs``.
 """
 
 from __future__ import annotations
@@ -11,7 +10,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.labels import ORIGIN_LABEL
 from shim.cri.verbs import list_pod_sandbox
-from tests.cri.verbs.fakes import SANDBOX, add_remote, ctx
+from tests.cri.verbs.fakes import SANDBOX, ctx
 
 REQUEST = cri.ListPodSandboxRequest(filter=cri.PodSandboxFilter(label_selector={"app": "web"})).SerializeToString()
 
@@ -32,32 +31,6 @@ def route(fabric, containerd):
 
 def ids(answer: bytes) -> list[str]:
     return [s.id for s in cri.ListPodSandboxResponse.FromString(answer).items]
-
-
-def test_not_intercepted_on_a_node_without_shadows_or_remote_containers(fabric, mesh, route) -> None:
-    assert not route.applies()
-    fabric.shadows.present = True
-    assert route.applies()
-    fabric.shadows.present = False
-    add_remote(fabric)
-    assert route.applies()
-
-
-def test_a_hosts_shadow_sandboxes_are_left_out_and_the_rest_kept_in_order(fabric, containerd, route) -> None:
-    fabric.shadows.present = True
-    answer = route.handle(REQUEST, ctx(("x-request-id", "3")))
-    assert containerd.only_request("ListPodSandbox") == REQUEST, "kubelet's filter reaches containerd unchanged"
-    assert containerd.calls[0].metadata["x-request-id"] == "3"
-    assert ids(answer) == ["own-1", "own-2"]
-    kept = cri.ListPodSandboxResponse.FromString(answer).items[0]
-    assert kept == MIXED.items[0], "what is kept is kept whole"
-
-
-def test_a_list_without_shadows_comes_back_byte_for_byte(fabric, containerd, route) -> None:
-    fabric.shadows.present = True
-    plain = listed(("own-1", {"app": "web"}))
-    containerd.answer("ListPodSandbox", plain)
-    assert route.handle(REQUEST, ctx()) == plain.SerializeToString()
 
 
 def test_an_origins_remote_containers_add_no_sandbox(fabric, route, remote) -> None:
