@@ -7,12 +7,13 @@ import hashlib
 import io
 import os
 import shutil
+import sys
 import tarfile
 from pathlib import Path
 
 from nodeimage.build.common import _MT_LAYER, CACHE, BuildError, _digest, _run, _run_bytes
 from nodeimage.build.layout import Layout, layer_tar, write_layout
-from nodeimage.build.pins import REFRESH, Pins, read_pins
+from nodeimage.build.pins import REFRESH, Pins, candidate, read_pins
 
 
 def fetch_registry_base(ref: str, cache: Path = CACHE) -> Layout:
@@ -78,37 +79,62 @@ def debian_closure() -> list[tuple[str, str]]:
 _RECIPE = 2
 
 
-def download_debs(pins: dict[str, str], debs: Path) -> list[Path]:
-    """The ``.deb`` of each pinned ``package=version``, from ``debs`` or, for those it lacks, ``apt-get download``
-    (apt checks each file against its index's hash)."""
+def download_debs(pins: dict[str, str], debs: Path) -> dict[str, Path]:
+    """The ``.deb`` of each pinned ``package=version`` (by package), from ``debs`` or, for those it lacks, ``apt-get
+    download`` (apt checks each file against its index's hash).
+
+    Debian's mirror carries only the newest version of a package: once a point release or a security update
+    replaced a pinned one, and ``debs`` does not hold it, that package is taken at apt's version instead, said
+    on stderr with the refresh to run. The build then goes on (a fresh machine's tests must), as a different
+    image from the pinned one; refreshing the pins makes it the pinned one again."""
     debs.mkdir(parents=True, exist_ok=True)
-    missing = [f"{n}={v}" for n, v in sorted(pins.items()) if _find_deb(debs, n, v) is None]
+    missing = [n for n in sorted(pins) if _find_deb(debs, n, pins[n]) is None]
     if missing:
         try:
-            _run(["apt-get", "download", *missing], "download the pinned Debian packages (apt-get download)",
-                 cwd=debs)
-        except BuildError as exc:
-            raise BuildError(
-                f"{exc}\nThe pins (nodeimage/debian-packages.pins) name versions apt cannot download here: "
-                f"run apt-get update, or, where Debian's mirror no longer carries them (a point release or "
-                f"security update replaced them), refresh the pins ({REFRESH}), or put those .deb files in "
-                f"{debs}") from None
+            _run(["apt-get", "download", *(f"{n}={pins[n]}" for n in missing)],
+                 "download the pinned Debian packages (apt-get download)", cwd=debs)
+        except BuildError:
+            _download_each(pins, missing, debs)
     found = {n: _find_deb(debs, n, v) for n, v in sorted(pins.items())}
     lost = [f"{n}={pins[n]}" for n, f in found.items() if f is None]
     if lost:
         raise BuildError(f"apt-get download left no .deb for {lost} in {debs}")
-    return [f for f in found.values() if f is not None]
+    return {n: f for n, f in found.items() if f is not None}
+
+
+def _download_each(pins: dict[str, str], names: list[str], debs: Path) -> None:
+    """One by one; a pinned version the mirror no longer carries is replaced in ``pins`` by apt's."""
+    gone = []
+    for n in names:
+        try:
+            _run(["apt-get", "download", f"{n}={pins[n]}"], f"download {n}={pins[n]}", cwd=debs)
+        except BuildError:
+            now = candidate(n)
+            _run(["apt-get", "download", f"{n}={now}"], f"download {n}={now}", cwd=debs)
+            gone.append(f"{n} {pins[n]} -> {now}")
+            pins[n] = now
+    if gone:
+        print(f"nodeimage.build: warning: Debian's mirror no longer carries these pinned versions, built with "
+              f"apt's instead, so this image is not the pinned one: {'; '.join(gone)}. Refresh the pins "
+              f"({REFRESH}) and commit them, or put the pinned .deb files in {debs}", file=sys.stderr)
+
+
+def _base_dir(cache: Path, versions: dict[str, str]) -> Path:
+    want = [f"{n}={v}" for n, v in sorted(versions.items())]
+    key = hashlib.sha256("\n".join([f"recipe={_RECIPE}", *want]).encode()).hexdigest()[:16]
+    return cache / "bases" / f"debian-python3.11-{key}"
 
 
 def build_debian_base(cache: Path = CACHE, pins: Pins | None = None) -> Layout:
     """A Python 3.11 base from Debian's packages at the pinned versions (no registry needed), cached by them."""
-    pkgs = sorted((pins or read_pins()).base.items())
-    want = [f"{n}={v}" for n, v in pkgs]
-    key = hashlib.sha256("\n".join([f"recipe={_RECIPE}", *want]).encode()).hexdigest()[:16]
-    dest = cache / "bases" / f"debian-python3.11-{key}"
+    versions = dict((pins or read_pins()).base)
+    dest = _base_dir(cache, versions)
     if (dest / "index.json").exists():
         return Layout(dest)
-    files = download_debs(dict(pkgs), cache / "debs")
+    files = list(download_debs(versions, cache / "debs").values())  # versions: as downloaded
+    dest = _base_dir(cache, versions)
+    if (dest / "index.json").exists():
+        return Layout(dest)
     entries: dict[str, tuple[tarfile.TarInfo, bytes | None]] = {}
     for deb in files:
         data = _run_bytes(["dpkg-deb", "--fsys-tarfile", str(deb)], f"unpack {deb.name}")
@@ -150,7 +176,8 @@ def build_debian_base(cache: Path = CACHE, pins: Pins | None = None) -> Layout:
     config = {"architecture": "amd64", "os": "linux", "config": {"Env": env, "Cmd": ["python3"]},
               "rootfs": {"type": "layers", "diff_ids": [_digest(layer)]},
               "history": [{"created": "1970-01-01T00:00:00Z",
-                           "created_by": "nodeimage/build.py: Debian bookworm " + " ".join(want)}]}
+                           "created_by": "nodeimage/build.py: Debian bookworm " + " ".join(
+                               f"{n}={v}" for n, v in sorted(versions.items()))}]}
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     write_layout(tmp, [(_MT_LAYER, layer)], config, name=None)

@@ -96,7 +96,7 @@ def init_stage(cache: Path = CACHE, pins: Pins | None = None) -> dict[str, Path]
     """The init stage, on this host: tini's static binary from the Debian package its RUN line installs, at the
     version the pins' ``[init]`` names, downloaded once into the cache; {path: file}."""
     version = (pins or read_pins()).init[INIT_PACKAGE]
-    (deb,) = download_debs({INIT_PACKAGE: version}, cache / "debs")
+    (deb,) = download_debs({INIT_PACKAGE: version}, cache / "debs").values()
     out = cache / "init" / deb.stem / Path(INIT_OUTPUT).name
     if not out.exists():
         data = _run_bytes(["dpkg-deb", "--fsys-tarfile", str(deb)], f"unpack {deb.name}")
