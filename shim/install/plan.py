@@ -190,12 +190,6 @@ class Plan:
     default_runtime: str = "runc"  # containerd's, as it merges its files
     runtimes: dict[str, Any] | None = None  # every runtime handler, likewise
 
-    def step_files(self, step: str) -> dict[str, bytes]:
-        # The agent's configuration and mesh keys are written with its unit.
-        prefix = {"units": (UNIT_DIR, "/etc/weft/"), "containerd-config": ("/etc/containerd/",),
-                  "kubelet-config": (kubelet.CONFIG_YAML, *kubelet.FLAG_FILES)}[step]
-        return {p: c for p, c in {**self.modified, **self.added}.items() if p.startswith(prefix)}
-
 
 def agent_unit(containerd_socket: str, broker: bool, config: bool = False,
                cdi_spec_dirs: tuple[str, ...] | None = None) -> str:
