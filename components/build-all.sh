@@ -22,6 +22,7 @@ BUILDS=(kube:"$HERE/build.sh"
         helm:"$HERE/helm/build.sh"
         kueue:"$HERE/kueue/build.sh"
         kube-next:"$HERE/next/build.sh"
+        syft:"$HERE/syft/build.sh"
         noderoot:"$HERE/../integration/nodes/rootfs.sh")
 if [ "${1:-}" = --cached ]; then
   for b in "${BUILDS[@]}"; do

@@ -10,6 +10,7 @@ from nodeimage.build.common import CONTAINERFILE_BASE, DEFAULT_BASE, DEFAULT_NAM
 from nodeimage.build.image import build
 from nodeimage.build.lock import write_lock
 from nodeimage.build.pins import write_pins
+from nodeimage.build.sbom import make_sbom
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
                         f"use), {CONTAINERFILE_BASE} (the Containerfile's ARG BASE, from Docker Hub: not tested "
                         "here), oci:DIR, or a registry reference pinned by digest")
     p.add_argument("--name", default=DEFAULT_NAME, help="image name recorded for ctr import")
+    p.add_argument("--sbom", action="store_true",
+                   help="also write the image's CycloneDX SBOM beside the archive (weft-image.cdx.json), made with "
+                        "syft (components/syft/build.sh builds it if it is not built)")
     args = p.parse_args(argv)
     try:
         if args.command == "lock":
@@ -32,11 +36,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"wrote {write_pins()}")
             return 0
         built = build(args.out, base=args.base, name=args.name)
+        sbom = make_sbom(built.archive) if args.sbom else None
     except BuildError as exc:
         print(f"nodeimage.build: {exc}", file=sys.stderr)
         return 2
     print(f"{built.archive}\n{built.name} {built.manifest_digest}\n"
           f"import: ctr -n k8s.io images import {built.archive}")
+    if sbom is not None:
+        print(f"sbom: {sbom}")
     return 0
 
 
