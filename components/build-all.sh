@@ -23,6 +23,8 @@ BUILDS=(kube:"$HERE/build.sh"
         kueue:"$HERE/kueue/build.sh"
         kube-next:"$HERE/next/build.sh"
         syft:"$HERE/syft/build.sh"
+        cosign:"$HERE/cosign/build.sh"
+        oras:"$HERE/oras/build.sh"
         noderoot:"$HERE/../integration/nodes/rootfs.sh")
 if [ "${1:-}" = --cached ]; then
   for b in "${BUILDS[@]}"; do
