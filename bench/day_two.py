@@ -25,10 +25,9 @@ import threading
 import time
 from pathlib import Path
 
-from bench.scenarios import gather
+from bench.scenarios import gather, run
 from integration.harness import binaries
 from integration.nodes.test_kube_day_one import ROUNDS_ENV
-from shim.bench.running import report
 
 SCENARIOS = "integration/nodes/test_kube_day_one.py"
 # The tests whose figures these are: upgrade and rollback, reboot of the stage's host and of the GPU node, drain,
@@ -149,18 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print one JSON object")
     ap.add_argument("--output", type=Path, help="also write the JSON here")
     args = ap.parse_args(argv)
-
-    def say(line: str) -> None:
-        print(f"[day-two] {line}", file=sys.stderr, flush=True)
-
-    try:
-        code, figures = measure(say, args.rounds, args.load)
-    except KeyboardInterrupt:
-        say("interrupted")
-        return 130
-    if figures is None:
-        return code
-    return report(figures, args.json, args.output, _table)
+    return run("day-two", lambda say: measure(say, args.rounds, args.load), args.json, args.output, _table)
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import socket as socketlib
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -77,6 +78,25 @@ class Meshed:
     mesh: MeshNode
     tunnel: TunnelServer
     pods: PodCache | None
+
+
+class _StopTimer:
+    """Each part of a stop timed; a slow one said as it ends (a stop that waits out systemd's timeout at a
+    node's poweroff must say where it waited)."""
+
+    def __init__(self) -> None:
+        self.took: dict[str, float] = {}
+
+    def __call__(self, name: str, stop: Callable[[], object]) -> None:
+        t = time.monotonic()
+        stop()
+        self.took[name] = time.monotonic() - t
+        if self.took[name] >= 1.0:
+            _log.warning("agent.stop_slow", part=name, s=round(self.took[name], 3))
+
+    def slowest(self) -> str:
+        name = max(self.took, key=self.took.__getitem__, default="")
+        return f"{name} {self.took[name]:.3f} s" if name else ""
 
 
 class Agent:
@@ -235,32 +255,34 @@ class Agent:
 
     def stop(self, grace: float = 5.0) -> None:
         _log.info("agent.stopping", grace_s=grace)
+        started = time.monotonic()
+        timed = _StopTimer()
         if self._host_check is not None:
-            self._host_check.stop()
+            timed("host-check", self._host_check.stop)
         if self.http is not None:
-            self.http.stop()
-        self.server.stop(grace)
+            timed("http", self.http.stop)
+        timed("cri-server", lambda: self.server.stop(grace))
         meshed, origin = self.meshed, self.fabric.origin
         if origin is not None:
-            for part in (origin.stitch, origin.streams):
+            for name, part in (("stitch", origin.stitch), ("stream-relay", origin.streams)):
                 if part is not None:
-                    part.stop()
+                    timed(name, part.stop)
         if meshed is not None:
-            meshed.tunnel.stop()
-            meshed.host.net.close()
+            timed("tunnel", meshed.tunnel.stop)
+            timed("host-net", meshed.host.net.close)
         if self.supervisor is not None:
-            self.supervisor.stop()
+            timed("supervisor", self.supervisor.stop)
         if meshed is not None:
             if meshed.pods is not None:
-                meshed.pods.stop()
-            meshed.mesh.stop()
-            meshed.host.close()
-        self.reconciler.stop()
+                timed("pod-watch", meshed.pods.stop)
+            timed("mesh", meshed.mesh.stop)
+            timed("host", meshed.host.close)
+        timed("reconciler", self.reconciler.stop)
         self.upstream.close()
         if self.broker is not None:
             self.broker.close()
         self.store.close()
-        _log.info("agent.stopped")
+        _log.info("agent.stopped", s=round(time.monotonic() - started, 3), slowest=timed.slowest())
 
     def request_stop(self, *_: object) -> None:
         self._stop.set()

@@ -242,6 +242,7 @@ class Node:
         self._pidns: int | None = None
         self._launched = 0.0
         self.clean_stop: bool | None = None  # the last stop: systemd powered off (True) or was killed (False)
+        self.stop_killed: bool | None = None  # the last stop: ended by SIGKILL at its deadline (whatever the code)
         self.record = REGISTRY / f"{self.name}.json"
         self._cgroups = self._own_groups()
 
@@ -435,6 +436,7 @@ class Node:
         is still there after ``timeout``."""
         started = time.monotonic()
         deadline = started + timeout
+        self.stop_killed = False
         while self.proc is not None and self.proc.poll() is None:
             # Again each second: a PID 1 that has not installed its handler yet (early in the boot) drops the
             # signal, as the kernel drops any signal a namespace's init does not handle.
@@ -445,6 +447,7 @@ class Node:
             except subprocess.TimeoutExpired:
                 if time.monotonic() >= deadline:
                     self.clean_stop = False
+                    self.stop_killed = True
                     break
         self._kill_all()  # also what a node of a killed run still runs (sweep_stale): no nspawn child of ours
         if self.proc is not None:
