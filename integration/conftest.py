@@ -29,7 +29,9 @@ from shim.localfabric.containerd import Containerd
 # scripts/test.sh starts in the background has the whole run before them to finish in. The nodes booted with
 # systemd go with them (the cluster's are kube modules anyway): each runs a whole node's services, which beside
 # the throughput-bound tests of the rest (a fast writer's log against its cap) starve them of the two cores.
-_KUBE_MODULES = ("test_kube_", "test_critest", "test_nodes")
+# Modules that need the background builds (Kubernetes, the nodes' root, syft and cosign): run last, so that on a
+# fresh machine the builds have the rest of the suite's time to finish.
+_KUBE_MODULES = ("test_kube_", "test_critest", "test_nodes", "test_image_supply_chain")
 _FIGURES = pytest.StashKey[str]()
 
 
