@@ -7,6 +7,7 @@ against a real kube-apiserver. The cluster of real nodes installs with it too
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -100,6 +101,27 @@ def test_the_charts_values_reach_every_object_they_name() -> None:
     default_install = next(c for c in _pod_spec(_rendered(), "DaemonSet", "weft")["initContainers"]
                            if c["name"] == "install")
     assert not {"WEFT_GPU_NODES", "WEFT_CPU_NODES"} & {e["name"] for e in default_install["env"]}
+
+
+DIGEST = "sha256:" + "3f" * 32
+
+
+def test_image_digest_names_the_image_by_digest_as_a_kustomize_overlay_does(tmp_path: Path) -> None:
+    """What was verified is what runs: with image.digest every container names the image by it, and a
+    kustomize overlay's ``images: digest`` gives the same objects; a value that is no digest is refused."""
+    node = _pod_spec(_rendered(f"image.digest={DIGEST}", "image.tag=0.2.0"), "DaemonSet", "weft")
+    assert {c["image"] for c in node["initContainers"] + node["containers"]} == {f"localhost/weft/node@{DIGEST}"}
+    overlay = tmp_path / "overlay"
+    overlay.mkdir()
+    (overlay / "kustomization.yaml").write_text(
+        f"resources: [{os.path.relpath(REPO / 'nodeimage' / 'manifests', overlay)}]\n"  # kustomize: relative only
+        f"images: [{{name: localhost/weft/node, digest: '{DIGEST}'}}]\n")
+    ours, theirs = _rendered(f"image.digest={DIGEST}"), _kustomized(overlay)
+    assert sorted(ours) == sorted(theirs)
+    for key, obj in theirs.items():
+        assert ours[key] == obj, key
+    res = _helm("template", "weft", str(CHART), "--set", "image.digest=0.2.0", check=False)
+    assert res.returncode != 0 and 'image.digest "0.2.0" is not a digest' in res.stderr, res.stderr
 
 
 @pytest.fixture(scope="module")

@@ -1,10 +1,17 @@
-{{/* The node image: <registry>/<repository>:<tag>, the tag the chart's appVersion unless set. */}}
+{{/* The node image: <registry>/<repository>:<tag>, the tag the chart's appVersion unless set; with image.digest,
+<registry>/<repository>@<digest>: what was verified is what runs, whatever the tag points at later. */}}
 {{- define "weft.image" -}}
-{{- $tag := .Values.image.tag | default .Chart.AppVersion -}}
+{{- $repo := .Values.image.repository -}}
 {{- if .Values.image.registry -}}
-{{ printf "%s/%s:%s" .Values.image.registry .Values.image.repository $tag }}
+{{- $repo = printf "%s/%s" .Values.image.registry .Values.image.repository -}}
+{{- end -}}
+{{- with .Values.image.digest -}}
+{{- if not (regexMatch "^sha256:[0-9a-f]{64}$" .) -}}
+{{- fail (printf "image.digest %q is not a digest: sha256: and 64 lowercase hex digits, as the registry gives it" .) -}}
+{{- end -}}
+{{ printf "%s@%s" $repo . }}
 {{- else -}}
-{{ printf "%s:%s" .Values.image.repository $tag }}
+{{ printf "%s:%s" $repo ($.Values.image.tag | default $.Chart.AppVersion) }}
 {{- end -}}
 {{- end -}}
 
