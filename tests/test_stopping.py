@@ -12,7 +12,9 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
+import time
 from pathlib import Path
 
 import pytest
@@ -30,19 +32,29 @@ log.configure("info")
 
 def _run(body: str, *, signals: int = 1) -> tuple[int, list[dict]]:
     """Run ``body`` in a Python of its own; once it prints ``ready``, SIGTERM it (``signals`` times): its exit
-    status and the log events it wrote."""
-    p = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    assert p.stdout is not None
-    assert p.stdout.readline().strip() == "ready", p.stderr.read() if p.stderr else ""
-    for _ in range(signals):
-        p.send_signal(signal.SIGTERM)
-    try:
-        _, err = p.communicate(timeout=30)  # a guard against a hang, not a measure: it ends well before
-    except subprocess.TimeoutExpired:
-        p.kill()
-        pytest.fail(f"still running 30 s after SIGTERM: {p.communicate()[1]}")
-    events = [json.loads(ln) for ln in err.splitlines() if ln.startswith("{")]
+    status and the log events it wrote.
+
+    Its output goes to files, not pipes: a pipe's end can be inherited by a process another thread of this test
+    run forks meanwhile, and reading to its end would then wait for that process, not for this one."""
+    with tempfile.TemporaryDirectory(prefix="weft-stopping-") as tmp:
+        out, err = Path(tmp) / "out", Path(tmp) / "err"
+        with open(out, "wb") as o, open(err, "wb") as e:
+            p = subprocess.Popen([sys.executable, "-c", PRELUDE + textwrap.dedent(body)], stdout=o, stderr=e)
+        deadline = time.monotonic() + 30
+        while not out.read_text().startswith("ready"):
+            if p.poll() is not None or time.monotonic() > deadline:
+                p.kill()
+                pytest.fail(f"never ready (exit {p.wait()}): {err.read_text()}")
+            time.sleep(0.01)
+        for _ in range(signals):
+            p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=30)  # a guard against a hang, not a measure: it ends well before
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+            pytest.fail(f"still running 30 s after SIGTERM: {err.read_text()}")
+        events = [json.loads(ln) for ln in err.read_text().splitlines() if ln.startswith("{")]
     return p.returncode, events
 
 
