@@ -1,4 +1,5 @@
 # What the build scripts (components/build.sh, components/containerd/build.sh, components/dra/build.sh, components/next/build.sh,
+# components/cosign/build.sh, components/oras/build.sh, components/syft/build.sh,
 # components/helm/build.sh) share: a cache directory per set of pins, built under a lock by one checkout at a time,
 # into a temporary directory moved into place whole.
 # Sourced, not run. Each script names itself in SCRIPT (for its messages) before using these.
@@ -73,4 +74,39 @@ publish() {
   touch "$tmp/bin/.complete"
   rm -rf "$dir"
   mv "$tmp" "$dir"
+}
+
+# One Go tool from its released module (the components named after it: cosign, oras, syft), the way each of
+# their build.sh asks: NAME MODULE VERSION BUILD_REVISION PACKAGE LDFLAGS [--bin-dir|--cached]. Cached in
+# $CACHE_ROOT/NAME/NAME-VERSION-<hash of versions.env, go.mod, go.sum, tools.go>/bin; prints that bin dir last.
+build_go_tool() {
+  local name="$1" module="$2" version="$3" revision="$4" package="$5" ldflags="$6" mode="${7:-}"
+  local here script="components/$name/build.sh"
+  here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$name"
+  local hash cache dir have started tmp upper
+  hash="$(cat "$here/versions.env" "$here/go.mod" "$here/go.sum" "$here/tools.go" | sha256sum | cut -c1-12)"
+  cache="$CACHE_ROOT/$name"
+  dir="$cache/$name-$version-$hash"
+  serve_cached "$dir" "$cache" "$mode"  # answers --bin-dir and --cached; exits if built
+  need_go "$name"
+  cd "$here"
+  have="$(go list -m -f '{{.Version}}' "$module")"
+  if [ "$have" != "$version" ]; then
+    echo "$script: go.mod has $module $have, versions.env says $version (run components/$name/gen.sh)" >&2
+    exit 1
+  fi
+  started=$(date +%s)
+  tmp="$dir.tmp.$$"
+  rm -rf "$tmp"
+  mkdir -p "$tmp/bin"
+  # shellcheck disable=SC2064 # the path now, not at exit
+  trap "rm -rf '$tmp'" EXIT
+  echo "$script: building $name $version into $dir"
+  go build -trimpath -ldflags "$ldflags" -o "$tmp/bin/$name" "$package"
+  upper="$(echo "$name" | tr '[:lower:]' '[:upper:]')"
+  printf '%s_VERSION=%s\n%s_BUILD_REVISION=%s\n' "$upper" "$version" "$upper" "$revision" |
+    publish "$tmp" "$dir" "$started" "$name"
+  trap - EXIT
+  echo "$script: built in $(( $(date +%s) - started )) s, $(du -sh "$dir" | cut -f1) in $dir"
+  echo "$dir/bin"
 }

@@ -16,29 +16,5 @@ SCRIPT=components/cosign/build.sh
 # shellcheck source=versions.env
 source "$HERE/versions.env"
 
-hash="$(cat "$HERE/versions.env" "$HERE/go.mod" "$HERE/go.sum" "$HERE/tools.go" | sha256sum | cut -c1-12)"
-CACHE="$CACHE_ROOT/cosign"
-DIR="$CACHE/cosign-$COSIGN_VERSION-$hash"
-
-serve_cached "$DIR" "$CACHE" "${1:-}"  # answers --bin-dir and --cached; exits if built
-need_go "cosign"
-
-cd "$HERE"
-have="$(go list -m -f '{{.Version}}' "$COSIGN_MODULE")"
-if [ "$have" != "$COSIGN_VERSION" ]; then
-  echo "$SCRIPT: go.mod has $COSIGN_MODULE $have, versions.env says $COSIGN_VERSION (run components/cosign/gen.sh)" >&2
-  exit 1
-fi
-started=$(date +%s)
-TMP="$DIR.tmp.$$"
-rm -rf "$TMP"
-mkdir -p "$TMP/bin"
-trap 'rm -rf "$TMP"' EXIT
-echo "$SCRIPT: building cosign $COSIGN_VERSION into $DIR"
-go build -trimpath -ldflags "-s -w -X sigs.k8s.io/release-utils/version.gitVersion=${COSIGN_VERSION} -X sigs.k8s.io/release-utils/version.gitTreeState=clean" -o "$TMP/bin/cosign" github.com/sigstore/cosign/v2/cmd/cosign
-
-printf 'COSIGN_VERSION=%s\nCOSIGN_BUILD_REVISION=%s\n' "$COSIGN_VERSION" "$COSIGN_BUILD_REVISION" |
-  publish "$TMP" "$DIR" "$started" cosign
-trap - EXIT
-echo "$SCRIPT: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
-echo "$DIR/bin"
+build_go_tool cosign "$COSIGN_MODULE" "$COSIGN_VERSION" "$COSIGN_BUILD_REVISION" github.com/sigstore/cosign/v2/cmd/cosign \
+  "-s -w -X sigs.k8s.io/release-utils/version.gitVersion=${COSIGN_VERSION} -X sigs.k8s.io/release-utils/version.gitTreeState=clean" "${1:-}"

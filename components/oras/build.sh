@@ -16,29 +16,5 @@ SCRIPT=components/oras/build.sh
 # shellcheck source=versions.env
 source "$HERE/versions.env"
 
-hash="$(cat "$HERE/versions.env" "$HERE/go.mod" "$HERE/go.sum" "$HERE/tools.go" | sha256sum | cut -c1-12)"
-CACHE="$CACHE_ROOT/oras"
-DIR="$CACHE/oras-$ORAS_VERSION-$hash"
-
-serve_cached "$DIR" "$CACHE" "${1:-}"  # answers --bin-dir and --cached; exits if built
-need_go "oras"
-
-cd "$HERE"
-have="$(go list -m -f '{{.Version}}' "$ORAS_MODULE")"
-if [ "$have" != "$ORAS_VERSION" ]; then
-  echo "$SCRIPT: go.mod has $ORAS_MODULE $have, versions.env says $ORAS_VERSION (run components/oras/gen.sh)" >&2
-  exit 1
-fi
-started=$(date +%s)
-TMP="$DIR.tmp.$$"
-rm -rf "$TMP"
-mkdir -p "$TMP/bin"
-trap 'rm -rf "$TMP"' EXIT
-echo "$SCRIPT: building oras $ORAS_VERSION into $DIR"
-go build -trimpath -ldflags "-s -w -X oras.land/oras/internal/version.GitTreeState=clean" -o "$TMP/bin/oras" oras.land/oras/cmd/oras
-
-printf 'ORAS_VERSION=%s\nORAS_BUILD_REVISION=%s\n' "$ORAS_VERSION" "$ORAS_BUILD_REVISION" |
-  publish "$TMP" "$DIR" "$started" oras
-trap - EXIT
-echo "$SCRIPT: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
-echo "$DIR/bin"
+build_go_tool oras "$ORAS_MODULE" "$ORAS_VERSION" "$ORAS_BUILD_REVISION" oras.land/oras/cmd/oras \
+  "-s -w -X oras.land/oras/internal/version.GitTreeState=clean" "${1:-}"

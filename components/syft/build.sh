@@ -16,29 +16,5 @@ SCRIPT=components/syft/build.sh
 # shellcheck source=versions.env
 source "$HERE/versions.env"
 
-hash="$(cat "$HERE/versions.env" "$HERE/go.mod" "$HERE/go.sum" "$HERE/tools.go" | sha256sum | cut -c1-12)"
-CACHE="$CACHE_ROOT/syft"
-DIR="$CACHE/syft-$SYFT_VERSION-$hash"
-
-serve_cached "$DIR" "$CACHE" "${1:-}"  # answers --bin-dir and --cached; exits if built
-need_go "syft"
-
-cd "$HERE"
-have="$(go list -m -f '{{.Version}}' "$SYFT_MODULE")"
-if [ "$have" != "$SYFT_VERSION" ]; then
-  echo "$SCRIPT: go.mod has $SYFT_MODULE $have, versions.env says $SYFT_VERSION (run components/syft/gen.sh)" >&2
-  exit 1
-fi
-started=$(date +%s)
-TMP="$DIR.tmp.$$"
-rm -rf "$TMP"
-mkdir -p "$TMP/bin"
-trap 'rm -rf "$TMP"' EXIT
-echo "$SCRIPT: building syft $SYFT_VERSION into $DIR"
-go build -trimpath -ldflags "-s -w -X main.version=${SYFT_VERSION#v} -X main.gitDescription=${SYFT_VERSION}" -o "$TMP/bin/syft" github.com/anchore/syft/cmd/syft
-
-printf 'SYFT_VERSION=%s\nSYFT_BUILD_REVISION=%s\n' "$SYFT_VERSION" "$SYFT_BUILD_REVISION" |
-  publish "$TMP" "$DIR" "$started" syft
-trap - EXIT
-echo "$SCRIPT: built in $(( $(date +%s) - started )) s, $(du -sh "$DIR" | cut -f1) in $DIR"
-echo "$DIR/bin"
+build_go_tool syft "$SYFT_MODULE" "$SYFT_VERSION" "$SYFT_BUILD_REVISION" github.com/anchore/syft/cmd/syft \
+  "-s -w -X main.version=${SYFT_VERSION#v} -X main.gitDescription=${SYFT_VERSION}" "${1:-}"
