@@ -27,7 +27,7 @@ from pathlib import Path
 
 from bench.scenarios import gather, run
 from integration.harness import binaries
-from integration.nodes.test_kube_day_one import ROUNDS_ENV
+from integration.harness.fixture import ROUNDS_ENV
 
 SCENARIOS = "integration/nodes/test_kube_day_one.py"
 # The tests whose figures these are: upgrade and rollback, reboot of the stage's host and of the GPU node, drain,

@@ -710,9 +710,6 @@ def _agent_version(c: Cluster, node: str) -> str:
     return res.stdout.strip().removeprefix("weft ") if res.returncode == 0 else ""
 
 
-# Upgrade and roll-back rounds in a row, one cluster (``python -m bench.day_two --rounds N`` sets it): a fault
-# that shows once in a few rounds, as on a loaded node, needs many.
-ROUNDS_ENV = "WEFT_DAY_TWO_ROUNDS"
 
 
 def test_weft_upgrades_and_rolls_back_through_its_daemonset_while_a_rerouted_stage_runs_on(
@@ -721,7 +718,7 @@ def test_weft_upgrades_and_rolls_back_through_its_daemonset_while_a_rerouted_sta
     its CPU stage rerouted: no container of it restarts, one copy of the stage runs throughout, its log has
     every line once, its reservation stays, and a pod created during the rollout is placed as usual."""
     c = on_weft
-    rounds = int(os.environ.get(ROUNDS_ENV) or 1)
+    rounds = int(os.environ.get(fixture.ROUNDS_ENV) or 1)  # a fault seen once in a few rounds needs many
     t = time.monotonic()
     _image_of_version(c, UPGRADE_VERSION, "0.2.0-test")
     built = time.monotonic() - t
