@@ -7,7 +7,7 @@ root (``WEFT_KUBE=next``: on the newest Kubernetes release, ``components/next``)
 installed from its image and manifests, a two-stage pod with its CPU stage rerouted), so every figure comes
 with the checks that the operation did what it must: no container restarted, one copy of the stage, its log
 whole; and NVIDIA's toolkit installed after weft as the GPU Operator installs it, its containerd restart beside
-weft's pods. The scenarios write their figures as values (``integration.harness.fixture.report``); this gathers
+weft's pods. The scenarios write their figures as values (``harness.fixture.report``); this gathers
 them (``bench.scenarios``). ``--rounds N`` upgrades and rolls back N times in a row in the one cluster;
 ``--load CPUS`` runs ``stress-ng --cpu CPUS`` beside the whole run, as a node busy with its pods is.
 There is no other side to take turns with: each figure is a duration of one operation on this machine.
@@ -26,8 +26,8 @@ import time
 from pathlib import Path
 
 from bench.scenarios import gather, run
-from integration.harness import binaries
-from integration.harness.fixture import ROUNDS_ENV
+from harness import binaries
+from harness.fixture import ROUNDS_ENV
 
 SCENARIOS = "integration/nodes/test_kube_day_one.py"
 # The tests whose figures these are: upgrade and rollback, reboot of the stage's host and of the GPU node, drain,

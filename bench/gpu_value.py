@@ -65,7 +65,7 @@ from bench.gpu_whole_path import (
     nvidia_ctk_cdi,
     own_cdi,
 )
-from integration.harness import prometheus
+from harness import prometheus
 from shim.config import MeshConfig
 from shim.gpucheck import cuda_client
 from shim.localfabric import cpuset, images, pods

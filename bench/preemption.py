@@ -2,11 +2,11 @@
 
 ``python -m bench.preemption [--rounds 10] [--watch-late S] [--json] [--output FILE]``, from a checkout after
 ``scripts/setup.sh`` with the test cluster's Kubernetes components built (``WEFT_SETUP_KUBE=1
-scripts/setup.sh``), as root. One real cluster (``integration/harness``): an origin ``gpu-1`` and two CPU hosts,
+scripts/setup.sh``), as root. One real cluster (``harness``): an origin ``gpu-1`` and two CPU hosts,
 ``cpu-1`` whose reservations carry the preStop hook (the default) and ``cpu-2`` whose agent has
 ``kubernetes.reservation_stop_hook = false``. Each round preempts the stage once on each host, taking turns
 (the other host cordoned, so the stage can go only there), with the steps and samples of the test that says
-what preemption must do (``integration.harness.preemption``): the preemptor's creation to its container running,
+what preemption must do (``harness.preemption``): the preemptor's creation to its container running,
 and how long it ran beside the shadow. Exit codes as ``weft bench``: 0 measured, 1 failed, 130/143 stopped.
 """
 
@@ -19,9 +19,9 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from integration.harness import preemption
-from integration.harness.cluster import KubeCluster, NodeSpec
-from integration.harness.workloads import apply
+from harness import preemption
+from harness.cluster import KubeCluster, NodeSpec
+from harness.workloads import apply
 from shim.bench.running import guarded, report
 from shim.core.stats import percentile
 from shim.localfabric.waiting import wait_for

@@ -1,6 +1,6 @@
 """Figures gathered from integration scenarios: the tests run as they run in CI, their figures collected.
 
-A scenario writes its figures as values (``integration.harness.fixture.report``) to the file a benchmark names
+A scenario writes its figures as values (``harness.fixture.report``) to the file a benchmark names
 in ``BENCH_FIGURES_ENV``; so every figure comes with the checks that the operation it times did what it must.
 """
 
@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from integration.harness.fixture import BENCH_FIGURES_ENV
+from harness.fixture import BENCH_FIGURES_ENV
 from shim.bench.running import report
 
 REPO = Path(__file__).resolve().parents[1]

@@ -25,7 +25,7 @@ BUILDS=(kube:"$HERE/build.sh"
         syft:"$HERE/syft/build.sh"
         cosign:"$HERE/cosign/build.sh"
         oras:"$HERE/oras/build.sh"
-        noderoot:"$HERE/../integration/nodes/rootfs.sh")
+        noderoot:"$HERE/../harness/nodes/rootfs.sh")
 if [ "${1:-}" = --cached ]; then
   for b in "${BUILDS[@]}"; do
     bash "${b#*:}" --cached >/dev/null 2>&1 || exit 1

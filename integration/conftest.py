@@ -19,9 +19,9 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration.harness import binaries
-from integration.harness.fixture import FIGURES_ENV
-from integration.harness.leaks import leaked_node_namespaces, netns
+from harness import binaries
+from harness.fixture import FIGURES_ENV
+from harness.leaks import leaked_node_namespaces, netns
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd
 

@@ -2,7 +2,7 @@
 # Builds kubelet, kube-apiserver, kube-scheduler and kubectl of the newest release (versions.env here), once
 # per set of pins, into ${WEFT_CACHE_ROOT:-/var/cache/weft}/kube/<key>/bin as ../build.sh does for the pinned
 # release (same flags: static, providerless, stripped, --version set). The smoke subset runs them with the
-# pinned set's etcd, crictl and critest (integration/harness/binaries.py, WEFT_KUBE=next).
+# pinned set's etcd, crictl and critest (harness/binaries.py, WEFT_KUBE=next).
 #
 # Usage: components/next/build.sh             build if not cached; prints the bin directory last
 #        components/next/build.sh --bin-dir   print the bin directory only (built or not)

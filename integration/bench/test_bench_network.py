@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
+from harness.leaks import leaked_node_namespaces, netns
 from integration.bench.test_bench_mesh import _positive, _run
-from integration.harness.leaks import leaked_node_namespaces, netns
 from shim.config import AgentConfig
 
 pytestmark = pytest.mark.slow

@@ -27,7 +27,7 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration.harness import binaries
+from harness import binaries
 from shim.broker.simulated import simulated_uuid
 from shim.localfabric import images, pods
 from shim.localfabric.agent import AgentProcess

@@ -5,7 +5,7 @@ and the other through a ``weft agent`` (what kubelet would talk to). The specs c
 fails here (the baseline: this machine, the containerd release ``WEFT_CONTAINERD`` chose, stand-in
 images) must fail through the agent too, and every other spec must pass through it: weft changes
 nothing for a pod that did not opt in. The offline image set comes from a local registry
-(``integration.harness.critest``). The figures name the containerd release, one line per run.
+(``harness.critest``). The figures name the containerd release, one line per run.
 """
 
 from __future__ import annotations
@@ -17,9 +17,9 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration.harness import fixture
-from integration.harness.critest import REGISTRY_HOSTS, critest_images, repository_path, start_critest
-from integration.harness.registry import Registry
+from harness import fixture
+from harness.critest import REGISTRY_HOSTS, critest_images, repository_path, start_critest
+from harness.registry import Registry
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import IMAGE_CACHE
 from shim.localfabric.nodes import Cluster

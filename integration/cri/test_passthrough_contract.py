@@ -19,7 +19,7 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from integration.harness import recording_upstream as rec
+from harness import recording_upstream as rec
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd
 from shim.localfabric.waiting import wait_for
@@ -156,7 +156,7 @@ def test_upstream_killed_mid_stream_ends_the_call_clearly(tmp_path: Path) -> Non
     child = subprocess.Popen([sys.executable, "-c", (
         "import sys, time\n"
         "from pathlib import Path\n"
-        "from integration.harness import recording_upstream as rec\n"
+        "from harness import recording_upstream as rec\n"
         "from cri_api.v1 import api_pb2 as cri\n"
         "up = rec.RecordingUpstream(Path(sys.argv[1])).__enter__()\n"
         "up.events.put(rec.container_event('c1', cri.CONTAINER_CREATED_EVENT))\n"

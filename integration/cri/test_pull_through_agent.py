@@ -14,7 +14,7 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration.harness.registry import Registry
+from harness.registry import Registry
 from shim.localfabric import images
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import IMAGE_CACHE, Containerd

@@ -6,7 +6,7 @@ container that is containerd's own server, for a rerouted one the origin's
 relay, which tunnels to the host's containerd.
 
 - a WebSocket client (``shim.localfabric.streams``, ``v4.channel.k8s.io``);
-- kubectl 1.20 over SPDY (``integration.harness.kubectl``: its API server and
+- kubectl 1.20 over SPDY (``harness.kubectl``: its API server and
   kubelet played by the test, which redirects it to the CRI's URL): ``exec
   -it`` on a terminal with a resize, exec with separate stdout and stderr,
   ``attach``, and ``port-forward`` to the rerouted container's HTTP server
@@ -31,7 +31,7 @@ from typing import NamedTuple
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from integration.harness.kubectl import KubeApi, Terminal
+from harness.kubectl import KubeApi, Terminal
 from shim.cri.netns import Netns
 from shim.localfabric import pods
 from shim.localfabric.fabric import Fabric3

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.harness import binaries
+from harness import binaries
 from shim.install import containerd as ctrd_config
 from shim.localfabric.containerd import bin_dir
 from tests.install.conftest import copy_shape

@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from integration.harness import binaries
-from integration.harness.controlplane import ControlPlane
+from harness import binaries
+from harness.controlplane import ControlPlane
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "weft"

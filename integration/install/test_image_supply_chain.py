@@ -34,8 +34,8 @@ from pathlib import Path
 
 import pytest
 
-from integration.harness.fixture import report
-from integration.harness.registry import Registry
+from harness.fixture import report
+from harness.registry import Registry
 from nodeimage import build
 from nodeimage.build import sbom as image_sbom
 from shim.localfabric import builds, images

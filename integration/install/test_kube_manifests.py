@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.harness.controlplane import ControlPlane
+from harness.controlplane import ControlPlane
 from tests.install.conftest import HOSTROOTS, snapshot
 
 REPO = Path(__file__).resolve().parents[2]

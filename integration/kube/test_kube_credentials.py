@@ -27,7 +27,7 @@ from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.core_v1 import Pod, Secret
 from lightkube.resources.policy_v1 import PodDisruptionBudget
 
-from integration.harness.controlplane import ControlPlane
+from harness.controlplane import ControlPlane
 from shim.kube import access
 from shim.localfabric.agent import AgentProcess, free_port
 from shim.localfabric.containerd import Containerd

@@ -26,10 +26,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from integration.harness import fixture
-from integration.harness.cluster import KubeCluster, NodeSpec
-from integration.harness.dra import DraDriver, claim_template, device_class, with_claim
-from integration.harness.workloads import apply, container, container_status, delete, pod, wait_ready
+from harness import fixture
+from harness.cluster import KubeCluster, NodeSpec
+from harness.dra import DraDriver, claim_template, device_class, with_claim
+from harness.workloads import apply, container, container_status, delete, pod, wait_ready
 from shim._pb import broker_pb2 as pb
 from shim.localfabric.waiting import wait_for
 

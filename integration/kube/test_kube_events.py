@@ -25,9 +25,9 @@ from collections.abc import Iterator
 import pytest
 from cri_api.v1.api_pb2 import CONTAINER_EXITED
 
-from integration.harness import fixture
-from integration.harness.cluster import KubeCluster, NodeSpec
-from integration.harness.workloads import apply, container, container_status, delete, get_pod, pod, sandbox_of
+from harness import fixture
+from harness.cluster import KubeCluster, NodeSpec
+from harness.workloads import apply, container, container_status, delete, get_pod, pod, sandbox_of
 from shim.localfabric.waiting import wait_for
 
 pytestmark = pytest.mark.slow

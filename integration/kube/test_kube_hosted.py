@@ -18,9 +18,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from integration.harness import fixture, preemption
-from integration.harness.cluster import KubeCluster, NodeSpec
-from integration.harness.workloads import (
+from harness import fixture, preemption
+from harness.cluster import KubeCluster, NodeSpec
+from harness.workloads import (
     apply,
     container,
     container_status,

@@ -1,6 +1,6 @@
 """weft beneath Kueue: Jobs queued and admitted by Kueue v0.17.0 on a real cluster, their CPU stages rerouted.
 
-Kueue's controller manager (built from ``sigs.k8s.io/kueue``, ``integration/harness/kueue.py``) runs against the
+Kueue's controller manager (built from ``sigs.k8s.io/kueue``, ``harness/kueue.py``) runs against the
 test cluster's API server with kube-controller-manager's Job controller; a ClusterQueue holds CPU, memory and
 ``nvidia.com/gpu`` quota (the GPU node advertises two, as a device plugin would) and a LocalQueue in ``default``
 points at it. What must hold:
@@ -23,10 +23,10 @@ from collections.abc import Iterator
 import pytest
 from cri_api.v1.api_pb2 import CONTAINER_RUNNING
 
-from integration.harness import fixture
-from integration.harness.cluster import KubeCluster, NodeSpec
-from integration.harness.kueue import API, PRIORITY_LABEL, QUEUE_LABEL, Kueue
-from integration.harness.workloads import apply, container
+from harness import fixture
+from harness.cluster import KubeCluster, NodeSpec
+from harness.kueue import API, PRIORITY_LABEL, QUEUE_LABEL, Kueue
+from harness.workloads import apply, container
 from shim.localfabric.waiting import wait_for
 
 pytestmark = pytest.mark.slow

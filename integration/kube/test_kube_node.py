@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import pytest
 from cri_api.v1.api_pb2 import CONTAINER_RUNNING
 
-from integration.harness import fixture
-from integration.harness.cluster import KubeCluster, NodeSpec
-from integration.harness.workloads import (
+from harness import fixture
+from harness.cluster import KubeCluster, NodeSpec
+from harness.workloads import (
     Terminal,
     apply,
     container,

@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from integration.harness.controlplane import ControlPlane
+from harness.controlplane import ControlPlane
 from shim.core.podspec import spec_facts
 from shim.kube import access
 from shim.kube.pods import PodCache

@@ -26,9 +26,9 @@ from dataclasses import dataclass
 import pytest
 from cri_api.v1.api_pb2 import CONTAINER_RUNNING
 
-from integration.harness import fixture
-from integration.harness.cluster import KubeCluster, NodeSpec
-from integration.harness.workloads import (
+from harness import fixture
+from harness.cluster import KubeCluster, NodeSpec
+from harness.workloads import (
     Terminal,
     apply,
     container,

@@ -19,9 +19,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from integration.harness import fixture
-from integration.harness.cluster import KubeCluster, NodeSpec
-from integration.harness.workloads import apply, get_pod
+from harness import fixture
+from harness.cluster import KubeCluster, NodeSpec
+from harness.workloads import apply, get_pod
 from shim.core.reservation import LossReason, ReservationState, Stage, Verdict, name_of
 from shim.cri.host.reservations import ApiUnreachable, ReservationRefused, Reservations
 from shim.kube import access

@@ -1,7 +1,7 @@
 """Day one on a real cluster: weft installed from its image and manifests onto nodes run by systemd, and
 backed out, as a platform team does it.
 
-The cluster (``integration/nodes/cluster.py``): the control plane on this machine (etcd, kube-apiserver,
+The cluster (``harness/nodes/cluster.py``): the control plane on this machine (etcd, kube-apiserver,
 kube-scheduler, kube-controller-manager with a cluster's workload controllers), three nodes booted with
 systemd under systemd-nspawn and laid out as kubeadm lays out workers (containerd and kubelet as units,
 the kubelet's own client certificate), Debian's containerd 1.6 on ``cpu-1`` and 2.4 on ``gpu-1`` and
@@ -35,11 +35,11 @@ from pathlib import Path
 
 import pytest
 
-from integration.harness import binaries, fixture
-from integration.nodes import nspawn
-from integration.nodes.cluster import Cluster
+from harness import binaries, fixture
+from harness.nodes import nspawn
+from harness.nodes.cluster import Cluster
+from harness.nodes.kubeadm import NodeSpec
 from integration.nodes.conftest import OUTCOME
-from integration.nodes.kubeadm import NodeSpec
 from nodeimage import build
 from shim.install import containerd as ctrd_config
 from shim.localfabric.waiting import wait_for

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 
-from integration.harness import fixture
-from integration.nodes.nspawn import REGISTRY, Bridge, Node, NodeError, Root, boot, build_root, sweep_stale
+from harness import fixture
+from harness.nodes.nspawn import REGISTRY, Bridge, Node, NodeError, Root, boot, build_root, sweep_stale
 from shim.localfabric import images
 from shim.localfabric.waiting import wait_for
 
@@ -299,7 +299,7 @@ def test_a_node_whose_owner_was_killed_is_swept(root: Root, bridge: Bridge, work
                                    bridge.network.prefixlen))
     code = ("import sys, time\n"
             "from pathlib import Path\n"
-            "from integration.nodes.nspawn import Bridge, boot\n"
+            "from harness.nodes.nspawn import Bridge, boot\n"
             f"node = boot({name!r}, Path({str(root.path)!r}), Path({str(workdir)!r}), "
             f"Bridge({bridge_name!r}, {str(subnet)!r}), timeout=120)\n"
             "print(node.pid1, flush=True)\n"

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from integration.harness.prometheus import T0, History, PrometheusServer
+from harness.prometheus import T0, History, PrometheusServer
 from shim.cli import main
 
 NOW = "2025-03-03T15:05:00Z"
@@ -32,7 +32,7 @@ PRICES = ["--price", "p5.48xlarge=6.88,0.04", "--price", "c7i.16xlarge=0,0.05"]
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# Stories written sample by sample beside the recorded scrapes (integration.harness.prometheus.History): what a
+# Stories written sample by sample beside the recorded scrapes (harness.prometheus.History): what a
 # real cluster holds around a rollout. All opt in at T0 (12:00Z) and run from 06:00Z to 15:00Z, scraped every 30 s.
 
 H = 3600.0

@@ -25,8 +25,8 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
+from harness.registry import Registry
 from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
-from integration.harness.registry import Registry
 from shim._pb import mesh_pb2 as pb
 from shim.localfabric import images, pods
 from shim.localfabric.agent import AgentProcess

@@ -38,7 +38,7 @@ from lightkube.models.certificates_v1 import CertificateSigningRequestCondition,
 from lightkube.models.meta_v1 import ObjectMeta
 from lightkube.resources.certificates_v1 import CertificateSigningRequest, CertificateSigningRequestApproval
 
-from integration.harness.controlplane import ControlPlane
+from harness.controlplane import ControlPlane
 from shim._pb import mesh_pb2 as pb
 from shim.core.meshcsr import Reason
 from shim.localfabric.agent import AgentProcess, free_port

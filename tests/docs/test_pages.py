@@ -21,7 +21,7 @@ DOCS = ROOT / "docs"
 PAGES = [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
 # Pages other documents own: linked from here, written there.
 OWNED_ELSEWHERE = {DOCS / "report.md", DOCS / "gpu.md", DOCS / "kubernetes.md"}
-TOP = ("shim/", "hooks/", "proto/", "nodeimage/", "tests/", "integration/", "bench/", "scripts/", "docs/")
+TOP = ("shim/", "hooks/", "proto/", "nodeimage/", "tests/", "integration/", "harness/", "bench/", "scripts/", "docs/")
 
 _OUTSIDE = re.compile(r"\.\./shared|/work/shared|DESIGN\.md|ENVIRONMENT\.md|\bDESIGN \d|\bseeds/")
 _ISSUE = re.compile(r"\bissues? #?\d+|(?<![\w&])#\d+\b", re.IGNORECASE)

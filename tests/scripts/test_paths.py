@@ -196,7 +196,7 @@ def test_the_reading_finds_what_the_scripts_run() -> None:
     scripts = _reachable()
     named = {p.relative_to(ROOT).as_posix() for s in scripts.values() for _, p in s.named if _in_tree(p)}
     for want in ("scripts/setup.sh", "scripts/test.sh", "components/build-all.sh", "components/helm/build.sh",
-                 "components/buildlib.sh", "integration/nodes/rootfs.sh", "integration/cri/test_critest.py",
+                 "components/buildlib.sh", "harness/nodes/rootfs.sh", "integration/cri/test_critest.py",
                  "components/dra/gpudriver", "pyproject.toml"):
         assert want in named, f"{want} not found among the paths the scripts name"
 

@@ -32,7 +32,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-DATA = Path(__file__).resolve().parents[2] / "tests" / "data" / "report"
+DATA = Path(__file__).resolve().parents[1] / "tests" / "data" / "report"
 T0 = 1741003200.0  # 2025-03-03T12:00:00Z: the recorded workloads opted in here
 PHASE_S = 3 * 3600.0
 PHASES = {"before": (T0 - PHASE_S, T0), "after": (T0, T0 + PHASE_S)}

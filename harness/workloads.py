@@ -21,8 +21,8 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
-from integration.harness import binaries
-from integration.harness.cluster import KubeCluster
+from harness import binaries
+from harness.cluster import KubeCluster
 from shim.localfabric.images import BUSYBOX_IMAGE
 from shim.localfabric.waiting import wait_for
 

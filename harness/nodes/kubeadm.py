@@ -11,9 +11,9 @@ per node with its own subnet, and a oneshot unit that routes every other node's 
 and, standing in for kube-proxy, sends the ``kubernetes`` Service's address to the API server.
 
 The KubeletConfiguration is kubeadm's with what this kind of machine needs (as the local harness's
-kubelets have it, ``integration/harness/kubelet.py``): cgroupfs, no per-QoS cgroups, no swap check, no
+kubelets have it, ``harness/kubelet.py``): cgroupfs, no per-QoS cgroups, no swap check, no
 eviction thresholds, and kernel defaults left alone (the machine's settings are put back after the
-cluster by :class:`integration.harness.kubelet.KernelSettings`).
+cluster by :class:`harness.kubelet.KernelSettings`).
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from pathlib import Path
 
 import yaml
 
-from integration.harness.pki import Pki
-from integration.nodes.nspawn import Node
+from harness.nodes.nspawn import Node
+from harness.pki import Pki
 
 CONTAINERD_SOCKET = "unix:///var/run/containerd/containerd.sock"
 KUBERNETES_SERVICE_IP = "10.96.0.1"  # the first address of the control plane's service range

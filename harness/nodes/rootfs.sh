@@ -1,16 +1,16 @@
 #!/usr/bin/env bash
 # Builds the root filesystem of a test node (what kind's node image is, without Docker): Debian bookworm
 # with systemd as PID 1, containerd, runc, the CNI plugins and what kubelet needs, set up to boot under
-# systemd-nspawn (integration/nodes/nspawn.py). Built once into a cache outside the checkout:
+# systemd-nspawn (harness/nodes/nspawn.py). Built once into a cache outside the checkout:
 # ${WEFT_CACHE_ROOT:-/var/cache/weft}/noderoot/<key>/rootfs, where <key> is a hash of this script, so a
 # change here builds a new root. Built under a lock into a temporary directory renamed into place: a reader
 # never sees half a root, and two runs never build at once.
 #
-# Usage: integration/nodes/rootfs.sh             build if not cached; prints the root's path last
-#        integration/nodes/rootfs.sh --bin-dir   print the root's path only (built or not), as components/*/build.sh do
-#        integration/nodes/rootfs.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
+# Usage: harness/nodes/rootfs.sh             build if not cached; prints the root's path last
+#        harness/nodes/rootfs.sh --bin-dir   print the root's path only (built or not), as components/*/build.sh do
+#        harness/nodes/rootfs.sh --cached    exit 0 if it is built already, 1 if not (builds nothing)
 set -euo pipefail
-SCRIPT=integration/nodes/rootfs.sh
+SCRIPT=harness/nodes/rootfs.sh
 SELF="$(readlink -f "${BASH_SOURCE[0]}")"
 KEY="$(sha256sum "$SELF" | cut -c1-12)"
 CACHE="${WEFT_CACHE_ROOT:-/var/cache/weft}/noderoot"
@@ -107,7 +107,7 @@ debootstrap --variant=minbase --include="$PACKAGES" "$SUITE" "$TMP" "$MIRROR" >&
 # not make: link it to the console as kind does.
 install -D -m 0755 /dev/stdin "$TMP/usr/local/sbin/weft-node-init" <<'EOF'
 #!/bin/sh
-# The test node's entrypoint (integration/nodes/rootfs.sh): cgroups writable, /dev/kmsg, then systemd.
+# The test node's entrypoint (harness/nodes/rootfs.sh): cgroups writable, /dev/kmsg, then systemd.
 set -e
 for d in /sys/fs/cgroup/*/; do
   mount -o remount,bind,rw "$d"

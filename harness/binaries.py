@@ -14,7 +14,7 @@ from pathlib import Path
 
 from shim.localfabric import builds
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 BUILD = REPO / "components" / "build.sh"
 DRA_BUILD = REPO / "components" / "dra" / "build.sh"
 VERSIONS = REPO / "components" / "versions.env"

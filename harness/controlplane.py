@@ -21,9 +21,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from integration.harness import binaries
-from integration.harness.pki import Pki, make_pki
-from integration.harness.procs import Daemon, free_port
+from harness import binaries
+from harness.pki import Pki, make_pki
+from harness.procs import Daemon, free_port
 
 SERVICE_CIDR = "10.96.0.0/24"
 ISSUER = "https://kubernetes.default.svc.cluster.local"

@@ -18,7 +18,7 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from integration.harness import binaries
+from harness import binaries
 from shim.localfabric import images
 
 E2E = "registry.k8s.io/e2e-test-images/"

@@ -35,8 +35,8 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration.harness.controlplane import ControlPlane
-from integration.harness.kubelet import KernelSettings, Kubelet, share_root_dir
+from harness.controlplane import ControlPlane
+from harness.kubelet import KernelSettings, Kubelet, share_root_dir
 from shim.localfabric.agent import AgentProcess, free_port
 from shim.localfabric.broker import BrokerProcess, weft_handler
 from shim.localfabric.containerd import lock_held
@@ -184,7 +184,7 @@ class KubeCluster:
         """weft's namespace, account and RBAC as shipped, and the agents' kubeconfig as that account: the
         agents started before it existed, and read it once it is written (as from the DaemonSet's keeper)."""
         assert self.control is not None
-        manifests = Path(__file__).resolve().parents[2] / "nodeimage" / "manifests"
+        manifests = Path(__file__).resolve().parents[1] / "nodeimage" / "manifests"
         for name in ("namespace.yaml", "serviceaccount.yaml", "rbac.yaml"):
             self.control.kubectl("apply", "-f", str(manifests / name))
         # No controller-manager: the default account of weft's namespace, which reservation pods run as.

@@ -13,8 +13,8 @@ import contextlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from integration.harness import binaries
-from integration.harness.procs import Daemon, tail
+from harness import binaries
+from harness.procs import Daemon, tail
 
 DRIVER = "gpu.weft.test"
 REGISTERED = "weft-test-dra-driver: registered with kubelet"

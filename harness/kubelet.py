@@ -25,8 +25,8 @@ import subprocess
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from integration.harness import binaries
-from integration.harness.procs import Daemon, tail
+from harness import binaries
+from harness.procs import Daemon, tail
 from shim.localfabric.containerd import SLOT_DIR
 from shim.localfabric.nodes import Node
 

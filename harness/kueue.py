@@ -19,10 +19,10 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from integration.harness import binaries
-from integration.harness.controlplane import ControlPlane
-from integration.harness.pki import make_pki
-from integration.harness.procs import Daemon, free_port
+from harness import binaries
+from harness.controlplane import ControlPlane
+from harness.pki import make_pki
+from harness.procs import Daemon, free_port
 from shim.localfabric import builds
 
 KUEUE_BUILD = binaries.REPO / "components" / "kueue" / "build.sh"

@@ -17,11 +17,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from integration.harness import binaries
-from integration.harness.controlplane import ControlPlane
-from integration.harness.kubelet import KernelSettings
-from integration.nodes import kubeadm, nspawn
-from integration.nodes.kubeadm import NodeSpec
+from harness import binaries
+from harness.controlplane import ControlPlane
+from harness.kubelet import KernelSettings
+from harness.nodes import kubeadm, nspawn
+from harness.nodes.kubeadm import NodeSpec
 from shim.localfabric import images
 from shim.localfabric.containerd import bin_dir
 

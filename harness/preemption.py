@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from cri_api.v1.api_pb2 import CONTAINER_RUNNING
 
-from integration.harness.cluster import KubeCluster
-from integration.harness.workloads import apply, container, container_status, delete, get_pod, pod, wait_ready
+from harness.cluster import KubeCluster
+from harness.workloads import apply, container, container_status, delete, get_pod, pod, wait_ready
 from shim.localfabric.waiting import wait_for
 
 PREEMPTOR = "important"

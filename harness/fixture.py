@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from integration.harness.cluster import KubeCluster, NodeSpec
+from harness.cluster import KubeCluster, NodeSpec
 
 FIGURES_ENV = "WEFT_TEST_FIGURES"
 # Where a benchmark that runs a scenario's test (``bench/day_two.py``) has its figures written as JSON lines.
