@@ -468,7 +468,7 @@ class GpuValue:
 
     def _locate(self, run: PodRun) -> None:
         """Each stage's node and cgroup (a rerouted one's on its CPU node), read for its CPU as cAdvisor reads it."""
-        from shim.cri.labels import ORIGIN_LABEL, SANDBOX_LABEL
+        from shim.crishared.labels import ORIGIN_LABEL, SANDBOX_LABEL
 
         def cgroup(rt: cri_grpc.RuntimeServiceStub, cid: str) -> str:
             info = rt.ContainerStatus(cri.ContainerStatusRequest(container_id=cid, verbose=True),

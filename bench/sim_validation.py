@@ -80,7 +80,7 @@ SCENARIOS = ("burst", "full", "spread")
 ROOMS_BURST = (4, 3, 2)
 SPREAD_S = 3 * HELLO_S
 STAGE_NAME = "stage"
-ORIGIN_LABEL = "weft.io/origin-node"  # what marks a host's shadows (shim.cri.labels)
+ORIGIN_LABEL = "weft.io/origin-node"  # what marks a host's shadows (shim.crishared.labels)
 PLACEMENT_REASON = "weft.io/placement-reason"
 RPC_TIMEOUT = 120.0
 # A real figure agrees when it lies within the simulation's range over the seeds, widened by this much. Set before

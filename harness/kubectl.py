@@ -40,7 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 import grpc
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.netns import Netns
+from shim.crishared.netns import Netns
 
 KUBECTL = Path(sys.prefix) / "opt" / "kubernetes-client" / "usr" / "bin" / "kubectl"
 NAMESPACE = "default"

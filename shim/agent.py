@@ -29,7 +29,6 @@ from shim.cri.fabric import Fabric
 from shim.cri.host.context import HostContext
 from shim.cri.host.sandbox_image import SandboxImage
 from shim.cri.instrument import Instrument
-from shim.cri.mark import ShadowMark, ShadowsSeen
 from shim.cri.origin.context import Origin, OriginSettings
 from shim.cri.origin.prepare import Prepared
 from shim.cri.origin.supervisor import RemoteSupervisor
@@ -37,6 +36,7 @@ from shim.cri.passthrough import Upstream
 from shim.cri.recovery import Reconciler
 from shim.cri.relay.server import RelayServer
 from shim.cri.verbs import routes
+from shim.crishared.mark import ShadowMark, ShadowsSeen
 from shim.httpd import HttpEndpoint
 from shim.kube import access
 from shim.kube.pods import PodCache

@@ -43,7 +43,7 @@ gRPC status, so the mapping lives here and nowhere else::
     │   ├── VolumesTooLarge        over the per-container cap (shim.cri.host.volumes; RESOURCE_EXHAUSTED)
     │   └── VolumesChanged         changed while being copied (shim.cri.host.volumes; FAILED_PRECONDITION)
     ├── VolumesUnwritable          no tmpfs can be made for a copied volume (shim.cri.host.volumes; UNAVAILABLE)
-    ├── NetnsError                 a pod's network namespace cannot be entered (shim.cri.netns; UNKNOWN)
+    ├── NetnsError                 a pod's network namespace cannot be entered (shim.crishared.netns; UNKNOWN)
     ├── DiscoveryError             peers cannot be found through Kubernetes (shim.mesh.discovery.base;
     │   │                          FAILED_PRECONDITION)
     │   └── DiscoveryUnavailable   the API server cannot be reached now (shim.mesh.discovery.base;

@@ -2,7 +2,7 @@
 
 Shadows are made here directly through containerd with the ``weft.io/origin-node``
 label and the agent's own mark (as a host's agent makes them for another
-node's pod, ``shim.cri.mark``, with the key in its state directory); kubelet's
+node's pod, ``shim.crishared.mark``, with the key in its state directory); kubelet's
 view is the agent's socket.
 """
 
@@ -15,8 +15,8 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from shim.cri.labels import KEY_LABEL
-from shim.cri.mark import MARK_LABEL, ShadowMark
+from shim.crishared.labels import KEY_LABEL
+from shim.crishared.mark import MARK_LABEL, ShadowMark
 from shim.localfabric import pods
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd

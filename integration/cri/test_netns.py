@@ -1,4 +1,4 @@
-"""``shim.cri.netns`` in a namespace of its own: the loopback listeners the shadow side of the stitch uses."""
+"""``shim.crishared.netns`` in a namespace of its own: the loopback listeners the shadow side of the stitch uses."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from shim.cri.netns import Netns
+from shim.crishared.netns import Netns
 
 
 @pytest.fixture

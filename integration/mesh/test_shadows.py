@@ -24,7 +24,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim._pb import mesh_pb2 as pb
 from shim.cri.host.seccomp import NATIVE_ARCH
-from shim.cri.labels import CPU_MAX_ANNOTATION
+from shim.crishared.labels import CPU_MAX_ANNOTATION
 from shim.errors import WeftError
 from shim.localfabric import pods
 from shim.localfabric.agent import AgentProcess, free_port

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.netns import Netns, sandbox_netns
+from shim.crishared.netns import Netns, sandbox_netns
 from shim.localfabric import pods
 from shim.localfabric.fabric import Fabric3
 from shim.localfabric.pods import PLACEMENT, cpu_container, create, run_pod, status

@@ -30,7 +30,7 @@ from collections.abc import Iterator
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.netns import Netns
+from shim.crishared.netns import Netns
 from shim.localfabric import pods
 from shim.localfabric.fabric import Fabric3
 from shim.localfabric.pods import PLACEMENT, cpu_container, create, run_pod, status

@@ -51,7 +51,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim.config import AgentConfig
 from shim.core.stats import percentile
-from shim.cri.netns import Netns, sandbox_netns
+from shim.crishared.netns import Netns, sandbox_netns
 from shim.localfabric import pods
 from shim.localfabric.fabric import Fabric3
 from shim.localfabric.pods import PLACEMENT, cpu_container, create, run_pod, status

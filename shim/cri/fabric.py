@@ -16,9 +16,9 @@ from shim import log
 from shim._pb import broker_pb2 as pb
 from shim.broker.client import BrokerClient
 from shim.cri.cdi import CdiSpecs
-from shim.cri.mark import ShadowsSeen
 from shim.cri.passthrough import Upstream
-from shim.cri.remote import RemoteContainers
+from shim.crishared.mark import ShadowsSeen
+from shim.crishared.remote import RemoteContainers
 from shim.errors import BrokerUnavailable, WeftError
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore, SandboxRecord

@@ -18,7 +18,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim import failpoint, log
 from shim.core.placement import PlacementState
 from shim.cri.fabric import Fabric
-from shim.cri.labels import ORIGIN_LABEL
+from shim.crishared.labels import ORIGIN_LABEL
 from shim.errors import WeftError
 from shim.periodic import Periodic
 

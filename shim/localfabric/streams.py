@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 from websockets.exceptions import ConnectionClosed
 from websockets.sync.client import connect
 
-from shim.cri.netns import Netns
+from shim.crishared.netns import Netns
 
 PROTOCOL = "v4.channel.k8s.io"
 

@@ -24,7 +24,7 @@ from shim.cri.host.capacity import HostedCapacity, limits, shares_of
 from shim.cri.host.cpu_limit import Limiter
 from shim.cri.host.lifecycle import HOSTED_CPU_SHARES, HOSTED_OOM_SCORE_ADJ
 from shim.cri.host.runtime import RT, ShadowRuntime
-from shim.cri.labels import CPU_LIMIT_ANNOTATION, MEMORY_LIMIT_ANNOTATION
+from shim.crishared.labels import CPU_LIMIT_ANNOTATION, MEMORY_LIMIT_ANNOTATION
 from shim.errors import BadAnnotation, WeftError
 
 _log = log.get("weft.shadows")

@@ -20,7 +20,7 @@ from shim import log
 from shim.core.reroute import ZERO, Resources
 from shim.cri.host.group_weight import ShadowGroupWeight
 from shim.cri.host.runtime import RT, ShadowRuntime
-from shim.cri.labels import CPU_LIMIT_ANNOTATION, CPU_SHARES_ANNOTATION, MEMORY_LIMIT_ANNOTATION, ORIGIN_LABEL
+from shim.crishared.labels import CPU_LIMIT_ANNOTATION, CPU_SHARES_ANNOTATION, MEMORY_LIMIT_ANNOTATION, ORIGIN_LABEL
 from shim.errors import UpstreamError, WeftError
 from shim.metrics import Metrics
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shim.cri.mark import ShadowMark, ShadowsSeen
 from shim.cri.passthrough import Upstream
+from shim.crishared.mark import ShadowMark, ShadowsSeen
 from shim.metrics import Metrics
 
 

@@ -26,7 +26,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.cri.host.runtime import RT, ShadowRuntime
-from shim.cri.labels import CPU_MAX_ANNOTATION, ORIGIN_LABEL
+from shim.crishared.labels import CPU_MAX_ANNOTATION, ORIGIN_LABEL
 from shim.errors import UpstreamError, WeftError
 
 _log = log.get("weft.shadows")

@@ -24,7 +24,7 @@ from shim import log
 from shim.config import FENCE_TICK_S
 from shim.cri.host.context import HostContext
 from shim.cri.host.runtime import ShadowRuntime
-from shim.cri.labels import KEY_ANNOTATION, ORIGIN_LABEL
+from shim.crishared.labels import KEY_ANNOTATION, ORIGIN_LABEL
 from shim.errors import UpstreamError, WeftError
 from shim.periodic import Periodic
 

@@ -11,7 +11,7 @@ the limits it was admitted by ride along as annotations. A host never runs
 what is unsafe to reroute (privileged, host namespaces, host paths,
 devices) or what a baseline pod may not run (``shim.core.baseline``),
 whatever the origin asks, and it builds the configs it gives containerd from
-an allowlist of fields (``shim.cri.baseline``), never by passing the
+an allowlist of fields (``shim.crishared.baseline``), never by passing the
 origin's through. The pod's read-only volumes come copied (``volumes``), in
 parts (``RunShadowChunked``): ``receiving`` reads them under the caps as they
 arrive, and nothing is written before the last part is in.
@@ -35,7 +35,6 @@ from google.protobuf.message import DecodeError
 from shim import failpoint, log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reservation import Stage
-from shim.cri import baseline
 from shim.cri.host import cpu_limit
 from shim.cri.host import seccomp as host_seccomp
 from shim.cri.host import volumes as shadow_volumes
@@ -44,7 +43,8 @@ from shim.cri.host.cgroup_driver import HostCgroupDriver
 from shim.cri.host.context import HostContext
 from shim.cri.host.reservations import ApiUnreachable, ReservationRefused, Reservations
 from shim.cri.host.runtime import IMG, RT, ShadowRuntime, label
-from shim.cri.labels import (
+from shim.crishared import baseline
+from shim.crishared.labels import (
     CPU_LIMIT_ANNOTATION,
     CPU_SHARES_ANNOTATION,
     KEY_ANNOTATION,
@@ -54,7 +54,7 @@ from shim.cri.labels import (
     POD_LABEL,
     SANDBOX_LABEL,
 )
-from shim.cri.mark import MARK_LABEL
+from shim.crishared.mark import MARK_LABEL
 from shim.errors import BadAnnotation, UpstreamError, WeftError
 from shim.mesh import upload
 

@@ -24,7 +24,7 @@ from google.protobuf.message import DecodeError
 from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.cri.host.runtime import RT, label
-from shim.cri.labels import ORIGIN_LABEL, POD_LABEL
+from shim.crishared.labels import ORIGIN_LABEL, POD_LABEL
 from shim.errors import BadAnnotation, UpstreamError, WeftError
 from shim.periodic import Periodic
 

@@ -11,7 +11,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.cri.host.context import HostContext
-from shim.cri.labels import KEY_LABEL, ORIGIN_LABEL
+from shim.crishared.labels import KEY_LABEL, ORIGIN_LABEL
 from shim.errors import UnknownContainer, UpstreamError
 
 _log = log.get("weft.shadows")

@@ -1,7 +1,7 @@
 """The seccomp profile a host gives a rerouted container that asked for none.
 
 A host never runs a tenant's container unconfined: one that asks for no
-profile gets the runtime's default all the same (``shim.cri.baseline``). That
+profile gets the runtime's default all the same (``shim.crishared.baseline``). That
 default lists the node's own architecture and its 32-bit ones (x86 and x32
 beside x86_64), and runc compiles the filter for each of them at every
 start: the larger part of what a rerouted start paid over an unconfined one

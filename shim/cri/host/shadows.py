@@ -41,7 +41,7 @@ from shim.cri.host.prepare import Preparer
 from shim.cri.host.reservations import Reservations, ReservationStore
 from shim.cri.host.runtime import RT, ShadowRuntime, label
 from shim.cri.host.watch import Watcher
-from shim.cri.labels import KEY_ANNOTATION, KEY_LABEL
+from shim.crishared.labels import KEY_ANNOTATION, KEY_LABEL
 from shim.errors import UpstreamError, WeftError
 from shim.kube.access import ApiAccess
 from shim.periodic import Periodic

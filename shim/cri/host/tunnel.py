@@ -19,7 +19,7 @@
   host's own listeners left out by inode), which of them listen on loopback
   alone (the origin mirrors those on its loopback alone), with the shadow's
   pod IP, where the origin's kernel path forwards
-  (``shim.cri.kernel_path``). The
+  (``shim.crishared.kernel_path``). The
   listeners go when the last
   stream of the shadow ends; a connection the origin never claims is closed
   when its token expires.
@@ -51,8 +51,8 @@ from cri_api.v1 import api_pb2 as cri
 from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core.stitch import loopback_only
-from shim.cri.kernel_path import KernelForwards, forget_connections
-from shim.cri.netns import Netns, owner_of, sandbox_netns
+from shim.crishared.kernel_path import KernelForwards, forget_connections
+from shim.crishared.netns import Netns, owner_of, sandbox_netns
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, TunnelServer
 from shim.mesh.tunnel.accept import accept_loop, closed
@@ -266,7 +266,7 @@ class ShadowNet:
 
     def forward(self, sandbox_id: str) -> None:
         """The pod's ports mirrored in a shadow sandbox, through the kernel to the origin pod's IP where it accepts
-        them (``shim.cri.kernel_path``, the origin's way, the other way round); all gone with its last
+        them (``shim.crishared.kernel_path``, the origin's way, the other way round); all gone with its last
         stream, and their connections then end with a reset."""
         with self._kernel_lock:
             with self._lock:

@@ -39,7 +39,7 @@ from shim.core.tracking import room_moved
 from shim.cri.host.lifecycle import Lifecycle
 from shim.cri.host.logs import STATE_EVERY_S, Life, follow
 from shim.cri.host.runtime import ShadowRuntime, label
-from shim.cri.labels import KEY_ANNOTATION, KEY_LABEL, ORIGIN_LABEL
+from shim.crishared.labels import KEY_ANNOTATION, KEY_LABEL, ORIGIN_LABEL
 from shim.errors import UnknownContainer, WeftError
 
 HEARTBEAT_BOUNDS_S = (0.2, 5.0)

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from shim.cri.remote import PulledImages, Remote
+from shim.crishared.remote import PulledImages, Remote
 
 if TYPE_CHECKING:
     from shim.cri.origin.prepare import Prepared
@@ -36,7 +36,7 @@ class OriginSettings:
     peer_max_age_s: float = 30.0
     # Ask a host for an opted-in pod's shadow sandbox as RunPodSandbox arrives (shim.cri.origin.prepare).
     prepare_shadow_sandbox: bool = False
-    # Carry a remote container's ports through the kernel where both ends allow it (shim.cri.kernel_path).
+    # Carry a remote container's ports through the kernel where both ends allow it (shim.crishared.kernel_path).
     stitch_kernel_path: bool = False
     # Dial the pod network's tunnels in TLS even where the host does not ask (mesh.tunnel_tls).
     encrypt_pod_tunnels: bool = True

@@ -43,11 +43,11 @@ from shim.core.reroute import (
     classify_mounts,
     decide,
 )
-from shim.cri import baseline
-from shim.cri.attempt import CreateAttempt
 from shim.cri.fabric import Fabric
 from shim.cri.origin.context import Origin
-from shim.cri.remote import REMOTE_PREFIX, Remote, new_id
+from shim.crishared import baseline
+from shim.crishared.attempt import CreateAttempt
+from shim.crishared.remote import REMOTE_PREFIX, Remote, new_id
 from shim.errors import WeftError
 from shim.mesh.client import PeerUnavailable
 from shim.mesh.wire import MAX_MESSAGE_BYTES

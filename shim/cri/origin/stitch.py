@@ -4,7 +4,7 @@ For every origin sandbox with running remote containers (one thread looks
 every ``POLL_S``, and at once when a host reports a change):
 
 * what listens in the origin sandbox's namespace is read by sock_diag
-  (``shim.cri.netns``), weft's own listeners left out by inode, unless the
+  (``shim.crishared.netns``), weft's own listeners left out by inode, unless the
   pod declares its local containers' ports (``weft.io/ports.<name>``);
 * each host says, over a ``Stitch`` stream per remote container, what its
   shadow listens on (or the declared ports of that container);
@@ -52,11 +52,11 @@ from cri_api.v1 import api_pb2 as cri
 from shim import log
 from shim.core.stitch import PORTS_ANNOTATION, Collision, HeldBy, attribute, declared_ports, plan
 from shim.cri.fabric import Fabric
-from shim.cri.kernel_path import KernelForwards
-from shim.cri.kernel_path import sweep as sweep_kernel_rules
-from shim.cri.netns import Netns, owner_of, sandbox_netns
 from shim.cri.origin.context import OriginSettings
-from shim.cri.remote import Remote, host_client
+from shim.crishared.kernel_path import KernelForwards
+from shim.crishared.kernel_path import sweep as sweep_kernel_rules
+from shim.crishared.netns import Netns, owner_of, sandbox_netns
+from shim.crishared.remote import Remote, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipe, SocketEnd, dial, tune
 from shim.mesh.tunnel.accept import NotTaken, accept_loop, closed

@@ -31,7 +31,7 @@ from urllib.parse import urlsplit
 from shim import log
 from shim.core.annotations import parse_host_port
 from shim.core.streams import BadRequest, StreamTokens, head_end, parse_head
-from shim.cri.remote import Remote, host_client
+from shim.crishared.remote import Remote, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import Deadline, PipeServer, SocketEnd, dial, tune
 

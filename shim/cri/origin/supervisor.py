@@ -46,7 +46,7 @@ from shim.core.reroute import classify_mounts
 from shim.cri.fabric import Fabric
 from shim.cri.origin.context import Origin
 from shim.cri.origin.place import read_volumes
-from shim.cri.remote import Remote
+from shim.crishared.remote import Remote
 from shim.errors import WeftError
 from shim.periodic import Periodic
 

@@ -24,8 +24,8 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.cri.fabric import Fabric
-from shim.cri.labels import KEY_ANNOTATION, ORIGIN_LABEL
 from shim.cri.route import Route
+from shim.crishared.labels import KEY_ANNOTATION, ORIGIN_LABEL
 from shim.errors import ConfigError, MalformedRequest, UnknownContainer, WeftError
 from shim.state import report
 

@@ -1,6 +1,6 @@
 """ContainerStatus: a remote container's status comes from what its host pushed, with kubelet's own fields.
 
-Answered without a call to the host (``shim.cri.remote.Remote.kubelet_status``);
+Answered without a call to the host (``shim.crishared.remote.Remote.kubelet_status``);
 a local container's request passes to containerd unchanged.
 """
 

@@ -49,14 +49,14 @@ from shim.core.placement import (
     place,
 )
 from shim.core.quantity import AnnotationError
-from shim.cri.attempt import CreateAttempt
 from shim.cri.fabric import Fabric
 from shim.cri.instrument import note_pod
 from shim.cri.origin.place import place_remote
 from shim.cri.passthrough import timeout_of
-from shim.cri.remote import REMOTE_PREFIX as PLACEMENT_REMOTE
 from shim.cri.route import Route
 from shim.cri.wire import string_field
+from shim.crishared.attempt import CreateAttempt
+from shim.crishared.remote import REMOTE_PREFIX as PLACEMENT_REMOTE
 from shim.errors import BadAnnotation, CreateInProgress, MalformedRequest
 from shim.state.agent import PlacementRecord, SandboxRecord
 from shim.state.db import StateError

@@ -35,11 +35,11 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim.cri.fabric import Fabric
-from shim.cri.labels import ORIGIN_LABEL
 from shim.cri.passthrough import Within
-from shim.cri.remote import Remote
 from shim.cri.route import Route
 from shim.cri.verbs.remote_calls import with_remote_statuses
+from shim.crishared.labels import ORIGIN_LABEL
+from shim.crishared.remote import Remote
 from shim.errors import UpstreamError, WeftError
 
 PATH = "/runtime.v1.RuntimeService/GetContainerEvents"

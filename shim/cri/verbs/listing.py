@@ -2,7 +2,7 @@
 
 A shadow sandbox or container (one this node runs for another node's pod) is
 labelled ``weft.io/origin-node``, and marked by the host that made it
-(``shim.cri.mark``): only what bears this host's mark is hidden, so a pod
+(``shim.crishared.mark``): only what bears this host's mark is hidden, so a pod
 that carries the label itself stays in kubelet's view. kubelet would take it for an unknown pod and
 kill it, so the agent leaves shadows out of what the four list verbs
 (``list_pod_sandbox``, ``list_containers``, ``list_container_stats``,
@@ -25,11 +25,11 @@ from cri_api.v1 import api_pb2 as cri
 from google.protobuf.message import DecodeError
 
 from shim.cri.fabric import Fabric
-from shim.cri.labels import ORIGIN_LABEL
-from shim.cri.mark import ShadowMark
-from shim.cri.remote import matches
 from shim.cri.route import Route
 from shim.cri.verbs.remote_calls import stats_of
+from shim.crishared.labels import ORIGIN_LABEL
+from shim.crishared.mark import ShadowMark
+from shim.crishared.remote import matches
 from shim.errors import WeftError
 
 # path -> (response type, repeated field, how to reach an item's labels, whether an item is a sandbox)

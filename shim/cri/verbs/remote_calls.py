@@ -20,8 +20,8 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim.cri.fabric import Fabric
-from shim.cri.remote import Remote, host_client
 from shim.cri.route import Route
+from shim.crishared.remote import Remote, host_client
 from shim.errors import CannotStart, NoStreamServer, WeftError
 from shim.mesh.client import PeerClient
 

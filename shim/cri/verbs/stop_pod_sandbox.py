@@ -17,9 +17,9 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim.cri.fabric import Fabric
-from shim.cri.remote import Remote
 from shim.cri.route import Route
 from shim.cri.verbs.remote_calls import call_host, refresh
+from shim.crishared.remote import Remote
 from shim.errors import RemoteStopFailed, WeftError
 
 PATH = "/runtime.v1.RuntimeService/StopPodSandbox"

@@ -1,7 +1,7 @@
 from cri_api.v1 import api_pb2 as cri
 
 from shim.core.baseline import DEFAULT_MASKED_PATHS, DEFAULT_READONLY_PATHS
-from shim.cri.baseline import hosted_container, hosted_sandbox
+from shim.crishared.baseline import hosted_container, hosted_sandbox
 
 UNCONFINED = cri.SecurityProfile(profile_type=cri.SecurityProfile.Unconfined)
 DEFAULT = cri.SecurityProfile(profile_type=cri.SecurityProfile.RuntimeDefault)
@@ -92,7 +92,7 @@ def test_an_update_keeps_a_reserved_shadow_s_weight_at_most_what_it_was_made_wit
 
 
 def test_only_what_bears_this_hosts_mark_is_a_shadow(tmp_path) -> None:
-    from shim.cri.mark import MARK_LABEL, ShadowMark
+    from shim.crishared.mark import MARK_LABEL, ShadowMark
 
     mark = ShadowMark.load(tmp_path)
     assert (tmp_path / "shadow-mark.key").stat().st_mode & 0o777 == 0o600

@@ -12,7 +12,7 @@ from shim.cri.host.lifecycle import _unsafe, sandbox_to_use
 from shim.cri.host.runtime import RT, ShadowRuntime
 from shim.cri.host.runtime import label as _label
 from shim.cri.host.watch import Pulse, heartbeat_s, idle_heartbeat_s, orphans
-from shim.cri.labels import KEY_LABEL
+from shim.crishared.labels import KEY_LABEL
 from shim.errors import UpstreamError
 
 

@@ -18,10 +18,10 @@ from shim._pb import mesh_pb2 as pb
 from shim.core.classify import Classification, ContainerAsk, Stage, StageReason
 from shim.core.placement import PlacementReason, PlacementState
 from shim.core.reroute import PeerView, Resources
-from shim.cri.attempt import CreateAttempt
 from shim.cri.fabric import Fabric
 from shim.cri.origin.context import Origin, OriginSettings
 from shim.cri.origin.place import place_remote, read_volumes
+from shim.crishared.attempt import CreateAttempt
 from shim.errors import WeftError
 from shim.mesh.client import PeerUnavailable
 from shim.metrics import Metrics

@@ -25,7 +25,7 @@ from shim.broker.simulated import SimulatedBackend
 from shim.cri.fabric import Fabric
 from shim.cri.origin.context import Origin
 from shim.cri.passthrough import Upstream
-from shim.cri.remote import Remote
+from shim.crishared.remote import Remote
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore
 from shim.state.leases import LeaseStore

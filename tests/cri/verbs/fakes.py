@@ -34,9 +34,9 @@ from shim._pb import mesh_pb2 as mpb
 from shim.core.placement import PlacementState
 from shim.core.reroute import PeerView, Resources
 from shim.cri.fabric import Fabric
-from shim.cri.labels import ORIGIN_LABEL
 from shim.cri.relay.context import RelayContext
-from shim.cri.remote import Remote, new_id
+from shim.crishared.labels import ORIGIN_LABEL
+from shim.crishared.remote import Remote, new_id
 from shim.state.agent import PlacementRecord, SandboxRecord
 
 ORIGIN = "gpu-1"  # this node

@@ -15,9 +15,9 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim.cri import methods
-from shim.cri.labels import ORIGIN_LABEL
 from shim.cri.origin.context import Origin
 from shim.cri.verbs import admin, routes
+from shim.crishared.labels import ORIGIN_LABEL
 from shim.errors import ConfigError, MalformedRequest, UnknownContainer
 from tests.cri.verbs.fakes import HOST, SANDBOX, FakeMesh, ctx, lease_for, opt_in, placed_local
 

@@ -10,8 +10,8 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.labels import ORIGIN_LABEL
 from shim.cri.verbs import container_stats
+from shim.crishared.labels import ORIGIN_LABEL
 from shim.mesh.client import PeerUnavailable
 from tests.cri.verbs.fakes import ORIGIN, ctx
 

@@ -16,10 +16,10 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.labels import ORIGIN_LABEL
-from shim.cri.mark import MARK_LABEL, ShadowMark
 from shim.cri.origin.context import Origin
 from shim.cri.verbs import get_container_events
+from shim.crishared.labels import ORIGIN_LABEL
+from shim.crishared.mark import MARK_LABEL, ShadowMark
 from shim.errors import UpstreamError
 from tests.cri.verbs.fakes import SANDBOX, FakeMesh, Refusal, StreamEnd, add_remote, ctx
 

@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.labels import ORIGIN_LABEL
 from shim.cri.verbs import list_containers
+from shim.crishared.labels import ORIGIN_LABEL
 from tests.cri.verbs.fakes import SANDBOX, add_remote, ctx
 
 OTHER = "07" * 32

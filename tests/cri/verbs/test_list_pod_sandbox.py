@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.labels import ORIGIN_LABEL
 from shim.cri.verbs import list_pod_sandbox
+from shim.crishared.labels import ORIGIN_LABEL
 from tests.cri.verbs.fakes import SANDBOX, ctx
 
 REQUEST = cri.ListPodSandboxRequest(filter=cri.PodSandboxFilter(label_selector={"app": "web"})).SerializeToString()

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.labels import ORIGIN_LABEL
 from shim.cri.verbs import list_container_stats, list_containers, list_pod_sandbox, list_pod_sandbox_stats
+from shim.crishared.labels import ORIGIN_LABEL
 from tests.cri.verbs.fakes import add_remote, ctx
 
 Items = list[tuple[str, dict]]

@@ -3,8 +3,8 @@
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.labels import ORIGIN_LABEL
 from shim.cri.verbs.listing import PATHS, without_shadows
+from shim.crishared.labels import ORIGIN_LABEL
 
 _SHADOW = {ORIGIN_LABEL: "gpu-1"}
 

@@ -49,7 +49,7 @@ from typing import Any
 
 from shim import log
 from shim.core.datapath import PathDecision, choose_path, needs_probe
-from shim.cri.netns import Netns
+from shim.crishared.netns import Netns
 
 _log = log.get("weft.stitch")
 

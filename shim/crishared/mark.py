@@ -21,7 +21,7 @@ import secrets
 import threading
 from pathlib import Path
 
-from shim.cri.labels import KEY_LABEL, ORIGIN_LABEL
+from shim.crishared.labels import KEY_LABEL, ORIGIN_LABEL
 
 MARK_LABEL = "weft.io/shadow-mark"
 KEY_FILE = "shadow-mark.key"

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from shim.cri.mark import ShadowsSeen
+from shim.crishared.mark import ShadowsSeen
 
 
 def test_a_shadow_being_made_is_hidden_before_containerd_has_it() -> None:

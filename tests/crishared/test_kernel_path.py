@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from shim.core.datapath import PathReason
-from shim.cri import kernel_path
-from shim.cri.kernel_path import KernelForwards
+from shim.crishared import kernel_path
+from shim.crishared.kernel_path import KernelForwards
 
 
 class FakeNs:
