@@ -17,7 +17,8 @@ APT_PACKAGES=(containerd runc containernetworking-plugins busybox-static iproute
               docker-registry skopeo apache2-utils prometheus faketime
               systemd-container debootstrap  # the test cluster's nodes: systemd booted under systemd-nspawn
               python3 python3-venv python3-pip
-              gcc libc6-dev)  # the unit tests build a fake libcuda to drive weft gpu-check without a GPU
+              gcc libc6-dev  # the unit tests build a fake libcuda to drive weft gpu-check without a GPU
+              gcc-aarch64-linux-gnu libc6-dev-arm64-cross qemu-user-static)  # the image's arm64 build, run emulated
 missing=()
 for p in "${APT_PACKAGES[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

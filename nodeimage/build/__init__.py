@@ -55,6 +55,7 @@ from nodeimage.build.common import (
     PINFILE,
     REPO,
     BuildError,
+    parse_platforms,
     rfc3339,
     source_date_epoch,
 )
@@ -68,5 +69,5 @@ from nodeimage.build.pins import Pins, read_pins, write_pins
 __all__ = ["ARCHIVE_NAME", "CACHE", "CONTAINERFILE", "CONTAINERFILE_BASE", "DEFAULT_BASE", "DEFAULT_NAME",
            "IGNOREFILE", "LOCKFILE", "PINFILE", "REPO", "BuildError", "Built", "Layout", "Pins", "Plan",
            "archive_digest", "build", "build_debian_base", "debian_closure", "fetch_registry_base", "ignore_patterns",
-           "image_config", "parse_containerfile", "pip_install", "read_pins", "resolve_base", "rfc3339",
-           "runtime_closure", "source_date_epoch", "weft_layer", "write_lock", "write_pins"]
+           "image_config", "parse_containerfile", "parse_platforms", "pip_install", "read_pins", "resolve_base",
+           "rfc3339", "runtime_closure", "source_date_epoch", "weft_layer", "write_lock", "write_pins"]

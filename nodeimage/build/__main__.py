@@ -6,7 +6,14 @@ import argparse
 import sys
 from pathlib import Path
 
-from nodeimage.build.common import CONTAINERFILE_BASE, DEFAULT_BASE, DEFAULT_NAME, REPO, BuildError
+from nodeimage.build.common import (
+    CONTAINERFILE_BASE,
+    DEFAULT_BASE,
+    DEFAULT_NAME,
+    DEFAULT_PLATFORMS,
+    REPO,
+    BuildError,
+)
 from nodeimage.build.image import build
 from nodeimage.build.lock import write_lock
 from nodeimage.build.pins import write_pins
@@ -24,9 +31,14 @@ def main(argv: list[str] | None = None) -> int:
                         f"use), {CONTAINERFILE_BASE} (the Containerfile's ARG BASE, from Docker Hub: not tested "
                         "here), oci:DIR, or a registry reference pinned by digest")
     p.add_argument("--name", default=DEFAULT_NAME, help="image name recorded for ctr import")
+    p.add_argument("--platform", default=",".join(DEFAULT_PLATFORMS),
+                   help="linux/amd64 (the default: the image the tests import and run), linux/arm64, or both "
+                        "(linux/amd64,linux/arm64: one multi-architecture image, an index of the two, each the "
+                        "same as a build of it alone)")
     p.add_argument("--sbom", action="store_true",
-                   help="also write the image's CycloneDX SBOM beside the archive (weft-image.cdx.json), made with "
-                        "syft (components/syft/build.sh builds it if it is not built)")
+                   help="also write the image's CycloneDX SBOM beside the archive (weft-image.cdx.json; for arm64 "
+                        "weft-image.arm64.cdx.json), made with syft (components/syft/build.sh builds it if it is not "
+                        "built)")
     args = p.parse_args(argv)
     try:
         if args.command == "lock":
@@ -35,14 +47,17 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "pins":
             print(f"wrote {write_pins()}")
             return 0
-        built = build(args.out, base=args.base, name=args.name)
-        sbom = make_sbom(built.archive) if args.sbom else None
+        built = build(args.out, base=args.base, name=args.name, platforms=args.platform)
+        sboms = [make_sbom(built.archive, arch=i.arch) for i in built.images] if args.sbom else []
     except BuildError as exc:
         print(f"nodeimage.build: {exc}", file=sys.stderr)
         return 2
     print(f"{built.archive}\n{built.name} {built.manifest_digest}\n"
           f"import: ctr -n k8s.io images import {built.archive}")
-    if sbom is not None:
+    if len(built.images) > 1:
+        for image in built.images:
+            print(f"linux/{image.arch} {image.manifest_digest}")
+    for sbom in sboms:
         print(f"sbom: {sbom}")
     return 0
 

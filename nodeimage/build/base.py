@@ -11,23 +11,24 @@ import sys
 import tarfile
 from pathlib import Path
 
+from nodeimage.build import apt
 from nodeimage.build.common import _MT_LAYER, CACHE, BuildError, _digest, _run, _run_bytes
 from nodeimage.build.layout import Layout, layer_tar, write_layout
 from nodeimage.build.pins import REFRESH, Pins, candidate, read_pins
 
 
-def fetch_registry_base(ref: str, cache: Path = CACHE) -> Layout:
-    """``ref`` (``docker.io/...@sha256:...``) as an OCI layout, from the cache or with skopeo."""
+def fetch_registry_base(ref: str, cache: Path = CACHE, arch: str = "amd64") -> Layout:
+    """``ref`` (``docker.io/...@sha256:...``) for ``arch`` as an OCI layout, from the cache or with skopeo."""
     if "@sha256:" not in ref:
         raise BuildError(f"base {ref!r} is not pinned by digest (NAME@sha256:...)")
-    dest = cache / "bases" / ref.rsplit("@sha256:", 1)[1]
+    dest = cache / "bases" / (ref.rsplit("@sha256:", 1)[1] + ("" if arch == "amd64" else f"-{arch}"))
     if (dest / "index.json").exists():
         return Layout(dest)
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
     try:
-        _run(["skopeo", "copy", "--override-os", "linux", "--override-arch", "amd64",
+        _run(["skopeo", "copy", "--override-os", "linux", "--override-arch", arch,
               f"docker://{ref}", f"oci:{tmp}:base"], f"fetch base image {ref}", timeout=900)
     except BuildError as exc:
         raise BuildError(
@@ -55,13 +56,15 @@ _DROP_PREFIXES = ("usr/share/doc/", "usr/share/man/", "usr/share/info/", "usr/sh
 _MERGED = {"bin": "usr/bin", "sbin": "usr/sbin", "lib": "usr/lib", "lib64": "usr/lib64"}
 
 
-def debian_closure() -> list[tuple[str, str]]:
-    """``(package, version)`` for the roots and their Depends/Pre-Depends, as apt resolves them here."""
-    res = _run(["apt-cache", "depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
+def debian_closure(arch: str = "amd64") -> list[tuple[str, str]]:
+    """``(package, version)`` for the roots and their Depends/Pre-Depends, as apt resolves them here (``arch``'s
+    packages)."""
+    opts = apt.options(arch)
+    res = _run(["apt-cache", *opts, "depends", "--recurse", "--no-recommends", "--no-suggests", "--no-conflicts",
                 "--no-breaks", "--no-replaces", "--no-enhances", *DEBIAN_ROOTS], "resolve Debian packages")
-    names = sorted({ln.strip() for ln in res.stdout.splitlines()
+    names = sorted({ln.strip().split(":", 1)[0] for ln in res.stdout.splitlines()
                     if ln and not ln.startswith((" ", "<")) and ln.strip() not in DEBIAN_EXCLUDE})
-    pol = _run(["apt-cache", "policy", *names], "resolve Debian package versions").stdout
+    pol = _run(["apt-cache", *opts, "policy", *names], "resolve Debian package versions").stdout
     versions, current = {}, ""
     for ln in pol.splitlines():
         if ln and not ln.startswith(" "):
@@ -79,38 +82,39 @@ def debian_closure() -> list[tuple[str, str]]:
 _RECIPE = 2
 
 
-def download_debs(pins: dict[str, str], debs: Path) -> dict[str, Path]:
-    """The ``.deb`` of each pinned ``package=version`` (by package), from ``debs`` or, for those it lacks, ``apt-get
-    download`` (apt checks each file against its index's hash).
+def download_debs(pins: dict[str, str], debs: Path, arch: str = "amd64") -> dict[str, Path]:
+    """The ``.deb`` of each pinned ``package=version`` (by package; ``arch``'s), from ``debs`` or, for those it
+    lacks, ``apt-get download`` (apt checks each file against its index's hash).
 
     Debian's mirror carries only the newest version of a package: once a point release or a security update
     replaced a pinned one, and ``debs`` does not hold it, that package is taken at apt's version instead, said
     on stderr with the refresh to run. The build then goes on (a fresh machine's tests must), as a different
     image from the pinned one; refreshing the pins makes it the pinned one again."""
     debs.mkdir(parents=True, exist_ok=True)
-    missing = [n for n in sorted(pins) if _find_deb(debs, n, pins[n]) is None]
+    missing = [n for n in sorted(pins) if _find_deb(debs, n, pins[n], arch) is None]
     if missing:
+        opts = apt.options(arch, debs.parent)
         try:
-            _run(["apt-get", "download", *(f"{n}={pins[n]}" for n in missing)],
+            _run(["apt-get", *opts, "download", *(f"{n}={pins[n]}" for n in missing)],
                  "download the pinned Debian packages (apt-get download)", cwd=debs)
         except BuildError:
-            _download_each(pins, missing, debs)
-    found = {n: _find_deb(debs, n, v) for n, v in sorted(pins.items())}
+            _download_each(pins, missing, debs, arch, opts)
+    found = {n: _find_deb(debs, n, v, arch) for n, v in sorted(pins.items())}
     lost = [f"{n}={pins[n]}" for n, f in found.items() if f is None]
     if lost:
         raise BuildError(f"apt-get download left no .deb for {lost} in {debs}")
     return {n: f for n, f in found.items() if f is not None}
 
 
-def _download_each(pins: dict[str, str], names: list[str], debs: Path) -> None:
+def _download_each(pins: dict[str, str], names: list[str], debs: Path, arch: str, opts: list[str]) -> None:
     """One by one; a pinned version the mirror no longer carries is replaced in ``pins`` by apt's."""
     gone = []
     for n in names:
         try:
-            _run(["apt-get", "download", f"{n}={pins[n]}"], f"download {n}={pins[n]}", cwd=debs)
+            _run(["apt-get", *opts, "download", f"{n}={pins[n]}"], f"download {n}={pins[n]}", cwd=debs)
         except BuildError:
-            now = candidate(n)
-            _run(["apt-get", "download", f"{n}={now}"], f"download {n}={now}", cwd=debs)
+            now = candidate(n) if arch == "amd64" else candidate(n, arch)
+            _run(["apt-get", *opts, "download", f"{n}={now}"], f"download {n}={now}", cwd=debs)
             gone.append(f"{n} {pins[n]} -> {now}")
             pins[n] = now
     if gone:
@@ -119,20 +123,22 @@ def _download_each(pins: dict[str, str], names: list[str], debs: Path) -> None:
               f"({REFRESH}) and commit them, or put the pinned .deb files in {debs}", file=sys.stderr)
 
 
-def _base_dir(cache: Path, versions: dict[str, str]) -> Path:
+def _base_dir(cache: Path, versions: dict[str, str], arch: str = "amd64") -> Path:
     want = [f"{n}={v}" for n, v in sorted(versions.items())]
-    key = hashlib.sha256("\n".join([f"recipe={_RECIPE}", *want]).encode()).hexdigest()[:16]
+    key = hashlib.sha256("\n".join([f"recipe={_RECIPE}", *([] if arch == "amd64" else [f"arch={arch}"]), *want])
+                         .encode()).hexdigest()[:16]
     return cache / "bases" / f"debian-python3.11-{key}"
 
 
-def build_debian_base(cache: Path = CACHE, pins: Pins | None = None) -> Layout:
-    """A Python 3.11 base from Debian's packages at the pinned versions (no registry needed), cached by them."""
-    versions = dict((pins or read_pins()).base)
-    dest = _base_dir(cache, versions)
+def build_debian_base(cache: Path = CACHE, pins: Pins | None = None, arch: str = "amd64") -> Layout:
+    """A Python 3.11 base for ``arch`` from Debian's packages at the pinned versions (no registry needed), cached
+    by them."""
+    versions = dict((pins or read_pins()).of("base", arch))
+    dest = _base_dir(cache, versions, arch)
     if (dest / "index.json").exists():
         return Layout(dest)
-    files = list(download_debs(versions, cache / "debs").values())  # versions: as downloaded
-    dest = _base_dir(cache, versions)
+    files = list(download_debs(versions, cache / "debs", arch).values())  # versions: as downloaded
+    dest = _base_dir(cache, versions, arch)
     if (dest / "index.json").exists():
         return Layout(dest)
     entries: dict[str, tuple[tarfile.TarInfo, bytes | None]] = {}
@@ -173,22 +179,22 @@ def build_debian_base(cache: Path = CACHE, pins: Pins | None = None) -> Layout:
             entries[path] = (info, arg)  # type: ignore[assignment]
     layer = layer_tar(entries.values())
     env = ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin", "LANG=C.UTF-8"]
-    config = {"architecture": "amd64", "os": "linux", "config": {"Env": env, "Cmd": ["python3"]},
+    config = {"architecture": arch, "os": "linux", "config": {"Env": env, "Cmd": ["python3"]},
               "rootfs": {"type": "layers", "diff_ids": [_digest(layer)]},
               "history": [{"created": "1970-01-01T00:00:00Z",
                            "created_by": "nodeimage/build.py: Debian bookworm " + " ".join(
                                f"{n}={v}" for n, v in sorted(versions.items()))}]}
     tmp = dest.with_name(dest.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
-    write_layout(tmp, [(_MT_LAYER, layer)], config, name=None)
+    write_layout(tmp, [(_MT_LAYER, layer)], config, name=None, arch=arch)
     os.replace(tmp, dest)
     return Layout(dest)
 
 
-def _find_deb(debs: Path, name: str, version: str) -> Path | None:
+def _find_deb(debs: Path, name: str, version: str, arch: str = "amd64") -> Path | None:
     # apt-get download names files NAME_VERSION_ARCH.deb with ':' in the version escaped as %3a.
     v = version.replace(":", "%3a")
-    found = sorted(debs.glob(f"{name}_{v}_amd64.deb")) or sorted(debs.glob(f"{name}_{v}_all.deb"))
+    found = sorted(debs.glob(f"{name}_{v}_{arch}.deb")) or sorted(debs.glob(f"{name}_{v}_all.deb"))
     return found[0] if found else None
 
 
@@ -200,9 +206,10 @@ def _merged_usr(name: str) -> str:
     return path
 
 
-def resolve_base(base: str, cache: Path = CACHE, pins: Pins | None = None) -> Layout:
+def resolve_base(base: str, cache: Path = CACHE, pins: Pins | None = None, arch: str = "amd64") -> Layout:
+    """The base layout that holds ``arch``'s image (``Layout.image(arch)`` picks it from an index)."""
     if base == "debian-packages":
-        return build_debian_base(cache, pins)
+        return build_debian_base(cache, pins, arch)
     if base.startswith("oci:"):
         return Layout(Path(base[4:]))
-    return fetch_registry_base(base.removeprefix("docker://"), cache)
+    return fetch_registry_base(base.removeprefix("docker://"), cache, arch)

@@ -25,11 +25,38 @@ DEFAULT_BASE = "debian-packages"
 CONTAINERFILE_BASE = "containerfile"
 ARCHIVE_NAME = "weft-image.oci.tar"
 
-# Wheels the base's Python (CPython 3.11, glibc 2.36 on bookworm) can load.
-PIP_PLATFORM = ["--implementation", "cp", "--python-version", "3.11", "--abi", "cp311", "--abi", "abi3",
-                "--abi", "none", "--platform", "manylinux_2_36_x86_64", "--platform", "manylinux_2_34_x86_64",
-                "--platform", "manylinux_2_28_x86_64", "--platform", "manylinux_2_17_x86_64",
-                "--platform", "manylinux2014_x86_64", "--platform", "any"]
+# The image's architectures, by OCI's names; a build makes one or several (an index of them). amd64 is the
+# default: the image every test builds, imports and runs.
+ARCHES = ("amd64", "arm64")
+DEFAULT_PLATFORMS = ("linux/amd64",)
+_MANYLINUX = ("manylinux_2_36", "manylinux_2_34", "manylinux_2_28", "manylinux_2_17", "manylinux2014")
+
+
+def pip_platform(arch: str = "amd64") -> list[str]:
+    """pip's options for the wheels the base's Python (CPython 3.11, glibc 2.36 on bookworm) loads on ``arch``."""
+    machine = native.ARCHES[arch][0]
+    return ["--implementation", "cp", "--python-version", "3.11", "--abi", "cp311", "--abi", "abi3", "--abi", "none",
+            *(a for tag in _MANYLINUX for a in ("--platform", f"{tag}_{machine}")), "--platform", "any"]
+
+
+PIP_PLATFORM = pip_platform("amd64")
+
+
+def parse_platforms(text: str) -> tuple[str, ...]:
+    """``linux/amd64,linux/arm64`` -> the architectures, in that order; anything else refused by name."""
+    arches = []
+    for item in filter(None, (p.strip() for p in text.split(","))):
+        os_, _, arch = item.partition("/")
+        if os_ != "linux" or arch not in ARCHES:
+            raise BuildError(f"platform {item!r}: the image is built for {', '.join(f'linux/{a}' for a in ARCHES)}")
+        if arch in arches:
+            raise BuildError(f"platform {item!r} named twice")
+        arches.append(arch)
+    if not arches:
+        raise BuildError("no platform named (for example --platform linux/amd64,linux/arm64)")
+    return tuple(arches)
+
+
 # The one RUN line build.py knows how to do; the Containerfile must say exactly this.
 PIP_RUN = ("pip install --no-cache-dir --no-deps --no-compile --only-binary=:all: --require-hashes "
            "--target /opt/weft/lib -r /opt/weft/requirements.lock && rm -rf /opt/weft/lib/bin")

@@ -17,17 +17,19 @@ from nodeimage.build.common import (
     CONTAINERFILE_BASE,
     DEFAULT_BASE,
     DEFAULT_NAME,
+    DEFAULT_PLATFORMS,
     PINFILE,
     REPO,
     BuildError,
     _digest,
     _json,
+    parse_platforms,
     rfc3339,
     source_date_epoch,
 )
 from nodeimage.build.containerfile import Plan, parse_containerfile
 from nodeimage.build.layer import weft_layer
-from nodeimage.build.layout import write_layout
+from nodeimage.build.layout import write_image, write_index
 from nodeimage.build.pins import read_pins
 
 
@@ -74,8 +76,8 @@ def _archive(layout: Path, dest: Path) -> None:
 
 
 def archive_digest(archive: Path) -> str:
-    """The image's digest as the archive records it (its ``index.json``'s manifest): what ``skopeo copy
-    oci-archive:...`` pushes and ``ctr images import`` names."""
+    """The image's digest as the archive records it (its ``index.json``'s manifest, or the index of a
+    multi-architecture image): what ``skopeo copy oci-archive:...`` pushes and ``ctr images import`` names."""
     with tarfile.open(archive) as tar:
         member = tar.extractfile("index.json")
         if member is None:
@@ -85,35 +87,55 @@ def archive_digest(archive: Path) -> str:
 
 
 @dataclass(frozen=True)
-class Built:
-    archive: Path
-    layout: Path
-    name: str
+class Image:
+    """One architecture's image of a build."""
+
+    arch: str
     manifest_digest: str
     config: dict
     layer: bytes
 
 
+@dataclass(frozen=True)
+class Built:
+    archive: Path
+    layout: Path
+    name: str
+    manifest_digest: str  # what index.json names: the one image's manifest, or the index of several
+    config: dict  # the first platform's (amd64's by default), as ``layer``
+    layer: bytes
+    images: tuple[Image, ...] = ()
+
+
 def build(out: Path, *, base: str | None = DEFAULT_BASE, name: str = DEFAULT_NAME, repo: Path = REPO,
-          cache: Path = CACHE) -> Built:
+          cache: Path = CACHE, platforms: tuple[str, ...] | str = DEFAULT_PLATFORMS) -> Built:
     """Build the image into ``out`` (``out/layout/`` and ``out/weft-image.oci.tar``).
 
     ``base``: ``debian-packages`` (the default, also for None: Debian's packages at the versions
     ``nodeimage/debian-packages.pins`` names), ``containerfile`` (the Containerfile's ``ARG BASE``, a registry
-    image, not tested here), ``oci:DIR`` or a registry reference pinned by digest. The same tree (``repo``),
+    image, not tested here), ``oci:DIR`` or a registry reference pinned by digest. ``platforms``: ``linux/amd64``
+    (the default) and/or ``linux/arm64``; several make one multi-architecture image (an index), each
+    architecture's image in it the same, byte for byte, as a build of that one alone. The same tree (``repo``),
     pins and base give the same image, byte for byte; its date is ``common.source_date_epoch(repo)``."""
     base = base or DEFAULT_BASE
+    arches = parse_platforms(platforms if isinstance(platforms, str) else ",".join(platforms))
     pins = read_pins(repo / "nodeimage" / PINFILE.name)
     plan = parse_containerfile((repo / "nodeimage" / "Containerfile").read_text(),
                                None if base == CONTAINERFILE_BASE else {"BASE": base})
-    base_layout = resolve_base(plan.base, cache, pins)
-    base_manifest, base_config = base_layout.image()
     epoch = source_date_epoch(repo)
-    layer = weft_layer(plan, repo, cache, pins, mtime=epoch)
-    config = image_config(base_config, plan, layer, created=epoch)
     layout = out / "layout"
     shutil.rmtree(layout, ignore_errors=True)
-    manifest = write_layout(layout, [(_MT_LAYER, layer)], config, name, base_layout, base_manifest["layers"])
+    images, descs = [], []
+    for arch in arches:
+        base_layout = resolve_base(plan.base, cache, pins, arch)
+        base_manifest, base_config = base_layout.image(arch)
+        layer = weft_layer(plan, repo, cache, pins, mtime=epoch, arch=arch)
+        config = image_config(base_config, plan, layer, created=epoch)
+        manifest, desc = write_image(layout, [(_MT_LAYER, layer)], config, base_layout, base_manifest["layers"],
+                                     arch)
+        images.append(Image(arch, _digest(_json(manifest)), config, layer))
+        descs.append(desc)
+    top = write_index(layout, descs, name)
     archive = out / ARCHIVE_NAME
     _archive(layout, archive)
-    return Built(archive, layout, name, _digest(_json(manifest)), config, layer)
+    return Built(archive, layout, name, top["digest"], images[0].config, images[0].layer, tuple(images))

@@ -23,11 +23,11 @@ from nodeimage.build.common import (
     INIT_PACKAGE,
     INIT_STAGE,
     LOCKFILE,
-    PIP_PLATFORM,
     REPO,
     BuildError,
     _run,
     _run_bytes,
+    pip_platform,
 )
 from nodeimage.build.containerfile import Plan, _ignored, ignore_patterns
 from nodeimage.build.layout import layer_tar
@@ -54,12 +54,13 @@ def _tree(src: Path, dest: str, patterns: list[str]) -> Iterator[tuple[tarfile.T
             yield info, p.read_bytes()
 
 
-def pip_install(target: Path, lockfile: Path = LOCKFILE, cache: Path = CACHE) -> None:
-    """The Containerfile's RUN, on this host: the locked wheels for the base's Python into ``target``."""
+def pip_install(target: Path, lockfile: Path = LOCKFILE, cache: Path = CACHE, arch: str = "amd64") -> None:
+    """The Containerfile's RUN, on this host: the locked wheels for the base's Python on ``arch`` into
+    ``target``."""
     wheels = cache / "wheels"
     wheels.mkdir(parents=True, exist_ok=True)
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check", "-q"]
-    common = ["--no-deps", "--only-binary=:all:", "--require-hashes", *PIP_PLATFORM, "-r", str(lockfile)]
+    common = ["--no-deps", "--only-binary=:all:", "--require-hashes", *pip_platform(arch), "-r", str(lockfile)]
     # Download only what the cache lacks (pip checks each wheel's hash against the lock either way).
     _run([*pip, "download", "-d", str(wheels), *common], "download the locked wheels (pip download)")
     _run([*pip, "install", "--no-index", "--find-links", str(wheels), "--no-cache-dir", "--no-compile",
@@ -79,24 +80,25 @@ def _drop_outside_records(target: Path) -> None:
             record.write_text("".join(kept))
 
 
-def hook_stage(plan: Plan, repo: Path, out: Path, pins: Pins | None = None) -> dict[str, Path]:
-    """The hook stage, on this host: its one file compiled as its RUN would (``hooks.native``), with the toolchain
-    the pins' ``[host]`` names (a static binary carries the host's C library); {path: file}."""
+def hook_stage(plan: Plan, repo: Path, out: Path, pins: Pins | None = None, arch: str = "amd64") -> dict[str, Path]:
+    """The hook stage, on this host: its one file compiled as its RUN would (``hooks.native``; for another
+    architecture with Debian's cross compiler for it), with the toolchain the pins' ``[host]`` names (a static
+    binary carries the host's C library); {path: file}."""
     stage = plan.stages[HOOK_STAGE]
     if stage.copies != [(HOOK_FROM, HOOK_SOURCE)]:
         raise BuildError(f"Containerfile hook stage: COPY {HOOK_FROM} {HOOK_SOURCE}, nothing else")
-    check_host(pins or read_pins())
+    check_host(pins or read_pins(), arch)
     try:
-        return {HOOK_OUTPUT: native.compile_to(out / "weft-oci-hook", repo / HOOK_FROM)}
+        return {HOOK_OUTPUT: native.compile_to(out / "weft-oci-hook", repo / HOOK_FROM, arch=arch)}
     except native.NativeHookUnavailable as exc:
         raise BuildError(f"the native OCI hook: {exc} (scripts/setup.sh installs gcc)") from exc
 
 
-def init_stage(cache: Path = CACHE, pins: Pins | None = None) -> dict[str, Path]:
-    """The init stage, on this host: tini's static binary from the Debian package its RUN line installs, at the
-    version the pins' ``[init]`` names, downloaded once into the cache; {path: file}."""
-    version = (pins or read_pins()).init[INIT_PACKAGE]
-    (deb,) = download_debs({INIT_PACKAGE: version}, cache / "debs").values()
+def init_stage(cache: Path = CACHE, pins: Pins | None = None, arch: str = "amd64") -> dict[str, Path]:
+    """The init stage, on this host: tini's static binary from the Debian package its RUN line installs (``arch``'s),
+    at the version the pins' ``[init]`` names, downloaded once into the cache; {path: file}."""
+    version = (pins or read_pins()).of("init", arch)[INIT_PACKAGE]
+    (deb,) = download_debs({INIT_PACKAGE: version}, cache / "debs", arch).values()
     out = cache / "init" / deb.stem / Path(INIT_OUTPUT).name
     if not out.exists():
         data = _run_bytes(["dpkg-deb", "--fsys-tarfile", str(deb)], f"unpack {deb.name}")
@@ -114,23 +116,24 @@ def init_stage(cache: Path = CACHE, pins: Pins | None = None) -> dict[str, Path]
 
 
 def weft_layer(plan: Plan, repo: Path = REPO, cache: Path = CACHE, pins: Pins | None = None,
-               mtime: int = 0) -> bytes:
-    """The one layer the build adds: what COPY, COPY --from and the pip RUN put in, every file's time ``mtime``."""
+               mtime: int = 0, arch: str = "amd64") -> bytes:
+    """The one layer the build adds for ``arch``: what COPY, COPY --from and the pip RUN put in, every file's time
+    ``mtime``."""
     pins = pins or read_pins()
     patterns = ignore_patterns(repo / "nodeimage" / "containerignore")
     entries: list[tuple[tarfile.TarInfo, bytes | None]] = []
     with tempfile.TemporaryDirectory(prefix="weft-image-") as tmp:
         for src, dest in plan.copies:
             entries.extend(_tree(repo / src, dest, patterns))
-        built = hook_stage(plan, repo, Path(tmp) / "hook", pins) if HOOK_STAGE in plan.stages else {}
+        built = hook_stage(plan, repo, Path(tmp) / "hook", pins, arch) if HOOK_STAGE in plan.stages else {}
         if INIT_STAGE in plan.stages:
-            built.update(init_stage(cache, pins))
+            built.update(init_stage(cache, pins, arch))
         for _stage, src, dest in plan.copies_from:
             if src not in built:
                 raise BuildError(f"Containerfile COPY --from: the stage makes no {src}")
             entries.extend(_tree(built[src], dest, []))
         if plan.runs:
             lock = next(repo / src for src, dest in plan.copies if dest == "/opt/weft/requirements.lock")
-            pip_install(Path(tmp) / "lib", lock, cache)
+            pip_install(Path(tmp) / "lib", lock, cache, arch)
             entries.extend(_tree(Path(tmp) / "lib", "/opt/weft/lib", []))
         return layer_tar(entries, mtime)

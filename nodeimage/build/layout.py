@@ -47,22 +47,26 @@ class Layout:
             os.replace(tmp, p)
         return {"digest": d, "size": len(data)}
 
-    def image(self) -> tuple[dict, dict]:
-        """The linux/amd64 image manifest and its config."""
+    def image(self, arch: str = "amd64") -> tuple[dict, dict]:
+        """The linux/``arch`` image manifest and its config (through an index of several, if that is what the
+        layout holds)."""
         index = json.loads((self.root / "index.json").read_text())
-        desc = self._pick(index.get("manifests") or [])
+        desc = self._pick(index.get("manifests") or [], arch)
         doc = json.loads(self.read_blob(desc["digest"]))
         while doc.get("mediaType") in (_MT_INDEX, _DOCKER_LIST) or "manifests" in doc:
-            desc = self._pick(doc["manifests"])
+            desc = self._pick(doc["manifests"], arch)
             doc = json.loads(self.read_blob(desc["digest"]))
-        return doc, json.loads(self.read_blob(doc["config"]["digest"]))
+        config = json.loads(self.read_blob(doc["config"]["digest"]))
+        if config.get("architecture", arch) != arch:
+            raise BuildError(f"OCI layout {self.root} holds a linux/{config['architecture']} image, not linux/{arch}")
+        return doc, config
 
-    def _pick(self, manifests: list[dict]) -> dict:
+    def _pick(self, manifests: list[dict], arch: str) -> dict:
         for m in manifests:
             plat = m.get("platform")
-            if plat is None or (plat.get("os"), plat.get("architecture")) == ("linux", "amd64"):
+            if plat is None or (plat.get("os"), plat.get("architecture")) == ("linux", arch):
                 return m
-        raise BuildError(f"OCI layout {self.root} has no linux/amd64 image")
+        raise BuildError(f"OCI layout {self.root} has no linux/{arch} image")
 
 
 def layer_tar(entries: Iterable[tuple[tarfile.TarInfo, bytes | None]], mtime: int = 0) -> bytes:
@@ -91,7 +95,17 @@ def layer_tar(entries: Iterable[tuple[tarfile.TarInfo, bytes | None]], mtime: in
 
 
 def write_layout(root: Path, layers: list[tuple[str, bytes]], config: dict, name: str | None,
-                  base: Layout | None = None, base_layers: list[dict] | None = None) -> dict:
+                  base: Layout | None = None, base_layers: list[dict] | None = None, arch: str = "amd64") -> dict:
+    """A layout of one image: its manifest, named in ``index.json``."""
+    manifest, desc = write_image(root, layers, config, base, base_layers, arch)
+    write_index(root, [desc], name)
+    return manifest
+
+
+def write_image(root: Path, layers: list[tuple[str, bytes]], config: dict, base: Layout | None = None,
+                base_layers: list[dict] | None = None, arch: str = "amd64") -> tuple[dict, dict]:
+    """One image's blobs (the base's layers, ``layers``, config, manifest) into the layout at ``root``:
+    (manifest, its descriptor with its platform)."""
     out = Layout(root)
     root.mkdir(parents=True, exist_ok=True)
     descs = []
@@ -104,14 +118,25 @@ def write_layout(root: Path, layers: list[tuple[str, bytes]], config: dict, name
     cfg_desc = {"mediaType": _MT_CONFIG, **out.write_blob(_json(config))}
     manifest = {"schemaVersion": 2, "mediaType": _MT_MANIFEST, "config": cfg_desc, "layers": descs}
     man_desc = {"mediaType": _MT_MANIFEST, **out.write_blob(_json(manifest)),
-                "platform": {"architecture": "amd64", "os": "linux"}}
+                "platform": {"architecture": arch, "os": "linux"}}
+    return manifest, man_desc
+
+
+def write_index(root: Path, images: list[dict], name: str | None) -> dict:
+    """``index.json``, naming the image: one image's manifest itself, several through an image index of them (a
+    multi-architecture image, as registries and ``ctr images import`` take it); the descriptor it names."""
+    if len(images) == 1:
+        desc = dict(images[0])
+    else:
+        index = {"schemaVersion": 2, "mediaType": _MT_INDEX, "manifests": images}
+        desc = {"mediaType": _MT_INDEX, **Layout(root).write_blob(_json(index))}
     if name:
-        man_desc["annotations"] = {"io.containerd.image.name": name,
-                                   "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1]}
+        desc["annotations"] = {"io.containerd.image.name": name,
+                               "org.opencontainers.image.ref.name": name.rsplit(":", 1)[-1]}
     (root / "oci-layout").write_text('{"imageLayoutVersion":"1.0.0"}')
     (root / "index.json").write_text(json.dumps({"schemaVersion": 2, "mediaType": _MT_INDEX,
-                                                 "manifests": [man_desc]}, sort_keys=True))
-    return manifest
+                                                 "manifests": [desc]}, sort_keys=True))
+    return desc
 
 
 def _oci_media_type(mt: str) -> str:

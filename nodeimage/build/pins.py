@@ -1,16 +1,18 @@
 """nodeimage/debian-packages.pins: every Debian package version the image is made of, so that the same tree and
 pins build the same image, whatever apt's mirror offers on the day.
 
-Three sections, each ``package=version`` lines:
+Three sections per architecture, each ``package=version`` lines (amd64's named plainly, another's with its
+name after a dash: ``[base-arm64]``, ``[init-arm64]``, ``[host-arm64]``):
 
 - ``[base]``: what the Debian-packages base installs (the roots in ``base.DEBIAN_ROOTS`` and their
   Depends/Pre-Depends closure), downloaded at exactly these versions with ``apt-get download``;
 - ``[init]``: the init stage's package (tini), downloaded the same way;
-- ``[host]``: the build host's C toolchain the native OCI hook is compiled (statically) with; not downloaded,
-  checked: a host with other versions makes another hook binary, which the build says (and goes on).
+- ``[host]``: the build host's C toolchain the native OCI hook is compiled (statically) with (for another
+  architecture, Debian's cross toolchain for it); not downloaded, checked: a host with other versions makes
+  another hook binary, which the build says (and goes on).
 
 ``python -m nodeimage.build pins`` rewrites the file from apt's candidates (after ``apt-get update``) and the
-host's installed toolchain.
+host's installed toolchains.
 """
 
 from __future__ import annotations
@@ -22,12 +24,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from hooks import native
-from nodeimage.build.common import INIT_PACKAGE, PINFILE, BuildError, _run
+from nodeimage.build import apt
+from nodeimage.build.common import ARCHES, INIT_PACKAGE, PINFILE, BuildError, _run
 
-SECTIONS = ("base", "init", "host")
+KINDS = ("base", "init", "host")
+SECTIONS = tuple(k if a == "amd64" else f"{k}-{a}" for a in ARCHES for k in KINDS)
 # What decides the hook's bytes besides its source and flags: the compiler, assembler and linker, and the
-# static C library, start files and kernel headers it links and includes.
+# static C library, start files and kernel headers it links and includes (for arm64, Debian's cross toolchain).
 HOST_TOOLCHAIN = ("binutils", "cpp-12", "gcc-12", "libc6-dev", "libgcc-12-dev", "linux-libc-dev")
+HOST_TOOLCHAINS = {"amd64": HOST_TOOLCHAIN,
+                   "arm64": ("binutils-aarch64-linux-gnu", "cpp-12-aarch64-linux-gnu", "gcc-12-aarch64-linux-gnu",
+                             "libc6-dev-arm64-cross", "libgcc-12-dev-arm64-cross", "linux-libc-dev-arm64-cross")}
 REFRESH = "apt-get update && python -m nodeimage.build pins"
 
 
@@ -36,9 +43,27 @@ class Pins:
     base: dict[str, str] = field(default_factory=dict)
     init: dict[str, str] = field(default_factory=dict)
     host: dict[str, str] = field(default_factory=dict)
+    # Another architecture's three sections, by architecture: {"arm64": {"base": {...}, "init": ..., "host": ...}}.
+    other: dict[str, dict[str, dict[str, str]]] = field(
+        default_factory=lambda: {a: {k: {} for k in KINDS} for a in ARCHES if a != "amd64"})
+
+    def section(self, name: str) -> dict[str, str]:
+        kind, _, arch = name.partition("-")
+        if not arch:
+            return getattr(self, kind)
+        if arch not in self.other or kind not in KINDS:
+            raise BuildError(f"no pin section [{name}] (known: {', '.join(SECTIONS)})")
+        return self.other[arch][kind]
+
+    def of(self, kind: str, arch: str = "amd64") -> dict[str, str]:
+        """``kind``'s pins for ``arch``; refused where the file has none for it."""
+        pinned = self.section(kind if arch == "amd64" else f"{kind}-{arch}")
+        if not pinned and kind != "host":
+            raise BuildError(f"the pins name no {kind} packages for {arch} (refresh them: {REFRESH})")
+        return pinned
 
     def lines(self, section: str) -> list[str]:
-        return [f"{n}={v}" for n, v in sorted(getattr(self, section).items())]
+        return [f"{n}={v}" for n, v in sorted(self.section(section).items())]
 
 
 def parse_pins(text: str, where: str = "pins") -> Pins:
@@ -47,7 +72,7 @@ def parse_pins(text: str, where: str = "pins") -> Pins:
         line = raw.split("#", 1)[0].strip()
         if not line:
             continue
-        if m := re.fullmatch(r"\[(\w+)\]", line):
+        if m := re.fullmatch(r"\[([\w-]+)\]", line):
             if m[1] not in SECTIONS:
                 raise BuildError(f"{where}:{num}: unknown section [{m[1]}] (known: {', '.join(SECTIONS)})")
             section = m[1]
@@ -55,7 +80,7 @@ def parse_pins(text: str, where: str = "pins") -> Pins:
         name, sep, version = line.partition("=")
         if section is None or not sep or not name or not version or " " in line:
             raise BuildError(f"{where}:{num}: expected PACKAGE=VERSION under a [section], got {raw!r}")
-        getattr(pins, section)[name] = version
+        pins.section(section)[name] = version
     if not pins.base or INIT_PACKAGE not in pins.init:
         raise BuildError(f"{where}: needs a [base] section and {INIT_PACKAGE} under [init] (refresh: {REFRESH})")
     return pins
@@ -76,13 +101,19 @@ def format_pins(pins: Pins) -> str:
              "init": "the init stage: tini's static binary, from this package (apt-get download)",
              "host": "the build host's toolchain the native OCI hook is compiled with (checked, not downloaded)"}
     for section in SECTIONS:
-        out += [f"# {notes[section]}", f"[{section}]", *pins.lines(section), ""]
+        kind, _, arch = section.partition("-")
+        if arch and not any(pins.section(f"{k}-{arch}") for k in KINDS):
+            continue
+        note = notes[kind] if not arch else f"{arch}: {notes[kind]}".replace("the build host's toolchain",
+                                                                             "the build host's cross toolchain")
+        out += [f"# {note}", f"[{section}]", *pins.lines(section), ""]
     return "\n".join(out)
 
 
-def candidate(package: str) -> str:
-    """The version apt would install here."""
-    policy = _run(["apt-cache", "policy", package], f"resolve the {package} package's version").stdout
+def candidate(package: str, arch: str = "amd64") -> str:
+    """The version apt would install here (of ``arch``'s package)."""
+    policy = _run(["apt-cache", *apt.options(arch), "policy", package],
+                  f"resolve the {package} package's version").stdout
     version = next((ln.split(":", 1)[1].strip() for ln in policy.splitlines() if ln.strip().startswith("Candidate:")),
                    "(none)")
     if version == "(none)":
@@ -102,43 +133,58 @@ def installed(packages: tuple[str, ...] | list[str]) -> dict[str, str]:
     return out
 
 
-def compiler_package() -> str | None:
-    """The Debian package the hook's compiler (``hooks.native.compiler()``, ``cc`` or ``$CC``) comes from."""
-    cc = native.compiler()
+def compiler_package(arch: str | None = None) -> str | None:
+    """The Debian package the hook's compiler (``hooks.native.compiler()``, ``cc`` or ``$CC``; for another
+    architecture its cross compiler) comes from."""
+    cc = native.compiler(arch)
     if cc is None:
         return None
     res = _run(["dpkg-query", "-S", os.path.realpath(cc)], "find the C compiler's package", check=False)
     return (res.stdout.split(":", 1)[0].strip() or None) if res.returncode == 0 else None
 
 
-def check_host(pins: Pins) -> None:
+def check_host(pins: Pins, arch: str = "amd64") -> None:
     """Say so when the hook is compiled with a toolchain other than the pinned one: it makes another binary,
     so another image (a fresh machine whose apt has newer ones still builds and tests; what ships is built
     with the pinned toolchain)."""
-    if not pins.host:
+    pinned = pins.of("host", arch)
+    if not pinned:
         return
-    have = installed(sorted(pins.host))
+    other = arch != "amd64"
+    have = installed(sorted(pinned))
     wrong = [f"{n}={v} (here: {have.get(n, 'not installed')})"
-             for n, v in sorted(pins.host.items()) if have.get(n) != v]
-    cc_pkg = compiler_package()
-    if cc_pkg not in pins.host:
-        wrong.append(f"the C compiler {native.compiler()} comes from {cc_pkg or 'no Debian package'}, "
-                     f"not from a pinned one ({', '.join(sorted(pins.host))})")
+             for n, v in sorted(pinned.items()) if have.get(n) != v]
+    cc_pkg = compiler_package(arch) if other else compiler_package()
+    if cc_pkg not in pinned:
+        wrong.append(f"the C compiler {native.compiler(arch)} comes from {cc_pkg or 'no Debian package'}, "
+                     f"not from a pinned one ({', '.join(sorted(pinned))})")
     if wrong:
-        print("nodeimage.build: warning: the native OCI hook is compiled with another toolchain than nodeimage/"
-              f"debian-packages.pins [host] names, so this image is not the pinned one: {'; '.join(wrong)}. "
-              f"Install those versions, or refresh the pins ({REFRESH}) and commit them", file=sys.stderr)
+        section = f"host-{arch}" if other else "host"
+        print(f"nodeimage.build: warning: the native OCI hook{f' for {arch}' if other else ''} is compiled with "
+              f"another toolchain than nodeimage/debian-packages.pins [{section}] names, so this image is not the "
+              f"pinned one: {'; '.join(wrong)}. Install those versions, or refresh the pins ({REFRESH}) and commit "
+              "them", file=sys.stderr)
 
 
 def current_pins() -> Pins:
-    """Pins as apt resolves them here now (after ``apt-get update``), and the host's toolchain as installed."""
+    """Pins as apt resolves them here now (after ``apt-get update``; another architecture's index is fetched
+    again), and the host's toolchains as installed."""
     from nodeimage.build.base import debian_closure
 
-    host = installed(list(HOST_TOOLCHAIN))
-    missing = [p for p in HOST_TOOLCHAIN if p not in host]
-    if missing:
-        raise BuildError(f"the hook's toolchain is not installed here: {missing} (scripts/setup.sh installs gcc)")
-    return Pins(base=dict(debian_closure()), init={INIT_PACKAGE: candidate(INIT_PACKAGE)}, host=host)
+    pins = Pins()
+    for arch in ARCHES:
+        host = installed(list(HOST_TOOLCHAINS[arch]))
+        missing = [p for p in HOST_TOOLCHAINS[arch] if p not in host]
+        if missing:
+            raise BuildError(f"the hook's toolchain for {arch} is not installed here: {missing} "
+                             "(scripts/setup.sh installs it)")
+        if arch != "amd64":
+            apt.options(arch, refresh=True)
+        suffix = "" if arch == "amd64" else f"-{arch}"
+        pins.section(f"base{suffix}").update(debian_closure(arch))
+        pins.section(f"init{suffix}")[INIT_PACKAGE] = candidate(INIT_PACKAGE, arch)
+        pins.section(f"host{suffix}").update(host)
+    return pins
 
 
 def write_pins(path: Path = PINFILE) -> Path:

@@ -31,6 +31,7 @@ import sys
 import tarfile
 from pathlib import Path
 
+from hooks import native
 from nodeimage.build.common import ARCHIVE_NAME, CACHE, LOCKFILE, PINFILE, REPO, BuildError
 from nodeimage.build.pins import read_pins
 
@@ -44,10 +45,17 @@ _DISTROS = {"bookworm": "debian-12", "trixie": "debian-13"}  # purl's distro qua
 _LOCK_LINE = re.compile(r"^([A-Za-z0-9_.-]+)==(\S+)((?:\s+--hash=sha256:[0-9a-f]{64})+)")
 
 
-def sbom_path(archive: Path) -> Path:
-    """Where the SBOM of ``archive`` goes: beside it, ``weft-image.cdx.json`` for ``weft-image.oci.tar``."""
+def sbom_path(archive: Path, arch: str = "amd64") -> Path:
+    """Where the SBOM of ``archive`` goes: beside it, ``weft-image.cdx.json`` for ``weft-image.oci.tar``'s amd64
+    image, ``weft-image.arm64.cdx.json`` for its arm64 one."""
     stem = archive.name.removesuffix(".oci.tar") if archive.name.endswith(".oci.tar") else archive.stem
-    return archive.with_name(SBOM_NAME if archive.name == ARCHIVE_NAME else f"{stem}.cdx.json")
+    stem = "weft-image" if archive.name == ARCHIVE_NAME else stem
+    return archive.with_name(f"{stem}.cdx.json" if arch == "amd64" else f"{stem}.{arch}.cdx.json")
+
+
+def archive_arches(archive: Path) -> list[str]:
+    """The architectures ``archive`` holds an image for (one, or those of its index)."""
+    return _Archive(archive).arches
 
 
 def syft_binary(timeout: float = 3600) -> Path:
@@ -74,16 +82,27 @@ def locked_wheels(lockfile: Path = LOCKFILE) -> dict[str, tuple[str, str, list[s
 
 
 class _Archive:
-    """An OCI archive's image: its config and the files of its layers, read without unpacking it."""
+    """An OCI archive's image for ``arch`` (through the index of a multi-architecture one; None: its first, or its
+    one): its config and the files of its layers, read without unpacking it."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, arch: str | None = None) -> None:
         self.path = path
         with tarfile.open(path) as tar:
-            index = json.loads(self._member(tar, "index.json"))
-            (desc,) = index["manifests"]
+            (desc,) = json.loads(self._member(tar, "index.json"))["manifests"]
+            doc = json.loads(self._blob(tar, desc["digest"]))
+            if "manifests" in doc:  # an index of several architectures' images
+                self.arches = [(d.get("platform") or {}).get("architecture", "") for d in doc["manifests"]]
+                if (arch or self.arches[0]) not in self.arches:
+                    raise BuildError(f"{path} holds no linux/{arch} image (it holds: {', '.join(self.arches)})")
+                desc = doc["manifests"][self.arches.index(arch or self.arches[0])]
+                doc = json.loads(self._blob(tar, desc["digest"]))
             self.digest = desc["digest"]
-            self.manifest = json.loads(self._blob(tar, desc["digest"]))
+            self.manifest = doc
             self.config = json.loads(self._blob(tar, self.manifest["config"]["digest"]))
+        self.arch = self.config.get("architecture", "amd64")
+        self.arches = getattr(self, "arches", [self.arch])
+        if arch is not None and self.arch != arch:
+            raise BuildError(f"{path} holds a linux/{self.arch} image, not linux/{arch}")
 
     @staticmethod
     def _member(tar: tarfile.TarFile, name: str) -> bytes:
@@ -117,10 +136,21 @@ class _Archive:
         return "", {}
 
 
-def _deb_file(debs: Path, name: str, version: str) -> Path | None:
+def _deb_file(debs: Path, name: str, version: str, arch: str = "amd64") -> Path | None:
     v = version.replace(":", "%3a")
-    found = sorted(debs.glob(f"{name}_{v}_amd64.deb")) or sorted(debs.glob(f"{name}_{v}_all.deb"))
+    found = sorted(debs.glob(f"{name}_{v}_{arch}.deb")) or sorted(debs.glob(f"{name}_{v}_all.deb"))
     return found[0] if found else None
+
+
+def _wheel_arches(cache: Path) -> dict[str, str]:
+    """SHA-256 -> the machine a cached wheel is for (``x86_64``, ``aarch64``, or ``any``), from its file name."""
+    out = {}
+    for w in (cache / "wheels").rglob("*.whl"):
+        tag = w.name.removesuffix(".whl").rsplit("-", 1)[-1]
+        machine = "any" if tag == "any" else ("aarch64" if "aarch64" in tag else "x86_64" if "x86_64" in tag
+                                               else tag)
+        out.setdefault(_sha256_file(w), machine)
+    return out
 
 
 def _sha256_file(path: Path) -> str:
@@ -135,9 +165,10 @@ def _prop(source: str, **more: str) -> list[dict]:
     return [{"name": SOURCE, "value": source}, *({"name": k, "value": v} for k, v in more.items())]
 
 
-def _debian_component(name: str, version: str, release: str, debs: Path, source: str) -> dict:
+def _debian_component(name: str, version: str, release: str, debs: Path, source: str,
+                      arch: str = "amd64") -> dict:
     """A Debian package's component; its purl as syft's dpkg cataloger writes one (arch where the .deb says)."""
-    deb = _deb_file(debs, name, version)
+    deb = _deb_file(debs, name, version, arch)
     arch = deb.name.rsplit("_", 1)[1].removesuffix(".deb") if deb else ""
     distro = _DISTROS.get(release, "debian")
     purl = f"pkg:deb/debian/{name}@{version}?" + (f"arch={arch}&" if arch else "") + f"distro={distro}"
@@ -157,11 +188,12 @@ def complete(doc: dict, image: _Archive, *, lockfile: Path = LOCKFILE, pinfile: 
     release, base = image.base_packages()
     debs = cache / "debs"
     for name, version in sorted(base.items()):
-        comp = _debian_component(name, version, release, debs, "base layer history")
+        comp = _debian_component(name, version, release, debs, "base layer history", image.arch)
         if comp["purl"].split("?")[0] not in purls:
             comps.append(comp)
-    for name, version in sorted(read_pins(pinfile).init.items()):
-        comp = _debian_component(name, version, release, debs, f"{pinfile.name} [init]")
+    section = "init" if image.arch == "amd64" else f"init-{image.arch}"
+    for name, version in sorted(read_pins(pinfile).of("init", image.arch).items()):
+        comp = _debian_component(name, version, release, debs, f"{pinfile.name} [{section}]", image.arch)
         comp["properties"].append({"name": "weft:sbom:path", "value": "/opt/weft/bin/tini"})
         if comp["purl"].split("?")[0] not in purls:
             comps.append(comp)
@@ -173,8 +205,13 @@ def complete(doc: dict, image: _Archive, *, lockfile: Path = LOCKFILE, pinfile: 
                   "description": "weft's native OCI hook (hooks/weft_oci_hook.c, static)",
                   "hashes": [{"alg": "SHA-256", "content": hashlib.sha256(hook).hexdigest()}],
                   "properties": _prop("image layer", **{"weft:sbom:path": "/" + HOOK_PATH})})
-    # Python packages: the lock's wheel hashes on syft's components, and any it missed.
+    # Python packages: the lock's wheel hashes on syft's components, and any it missed; where the lock holds a
+    # wheel per architecture, the one for this image's (known from the build's wheel cache; all where unknown).
     locked = locked_wheels(lockfile)
+    machines, machine = _wheel_arches(cache), native.ARCHES[image.arch][0]
+    for key, (name, version, hashes) in list(locked.items()):
+        mine = [h for h in hashes if machines.get(h) in (machine, "any")]
+        locked[key] = (name, version, mine or hashes)
     seen = set()
     for c in comps:
         m = re.match(r"pkg:pypi/([^@]+)@([^?#]+)", c.get("purl", ""))
@@ -197,16 +234,17 @@ def complete(doc: dict, image: _Archive, *, lockfile: Path = LOCKFILE, pinfile: 
 
 
 def make_sbom(archive: Path, out: Path | None = None, *, syft: Path | None = None, cache: Path = CACHE,
-              timeout: float = 600) -> Path:
-    """Write the CycloneDX SBOM of ``archive`` to ``out`` (default: beside it, ``sbom_path``); returns it."""
-    out = out or sbom_path(archive)
+              timeout: float = 600, arch: str = "amd64") -> Path:
+    """Write the CycloneDX SBOM of ``archive``'s ``arch`` image to ``out`` (default: beside it, ``sbom_path``);
+    returns it."""
+    out = out or sbom_path(archive, arch)
     syft = syft or syft_binary()
     env = {**os.environ, "SYFT_CHECK_FOR_APP_UPDATE": "false"}
-    res = subprocess.run([str(syft), "scan", f"oci-archive:{archive}", "-o", "cyclonedx-json", "-q"],
-                         capture_output=True, text=True, env=env, timeout=timeout)
+    res = subprocess.run([str(syft), "scan", f"oci-archive:{archive}", "--platform", f"linux/{arch}",
+                          "-o", "cyclonedx-json", "-q"], capture_output=True, text=True, env=env, timeout=timeout)
     if res.returncode != 0:
         raise BuildError(f"syft scan oci-archive:{archive} failed ({res.returncode}): {res.stderr.strip()[-2000:]}")
-    doc = complete(json.loads(res.stdout), _Archive(archive), cache=cache)
+    doc = complete(json.loads(res.stdout), _Archive(archive, arch), cache=cache)
     tmp = out.with_name(out.name + ".tmp")
     tmp.write_text(json.dumps(doc, indent=2) + "\n")
     os.replace(tmp, out)
@@ -217,9 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m nodeimage.build.sbom", description=__doc__.split("\n\n")[0])
     p.add_argument("archive", type=Path, help="the image's OCI archive (weft-image.oci.tar)")
     p.add_argument("--out", type=Path, help="where to write the SBOM (default: beside the archive)")
+    p.add_argument("--arch", default="amd64", help="the image's architecture, in a multi-architecture archive")
     args = p.parse_args(argv)
     try:
-        print(make_sbom(args.archive, args.out))
+        print(make_sbom(args.archive, args.out, arch=args.arch))
     except BuildError as exc:
         print(f"nodeimage.build.sbom: {exc}", file=sys.stderr)
         return 2

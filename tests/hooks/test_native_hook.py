@@ -4,7 +4,9 @@ Both run as runc runs them: a fresh process, the OCI state on stdin, the stage
 as an argument, a real unix socket server standing in for the broker's hook
 endpoint. Every case is asserted for both, and where a message is printed the
 two print the same one: the Python hook is the reference the native one keeps
-to.
+to. The native hook is also built for the image's other architecture (arm64,
+with Debian's cross compiler) and held to the same cases under qemu-user's
+emulator: that binary has run here only emulated.
 """
 
 from __future__ import annotations
@@ -37,9 +39,23 @@ def native_hook() -> str:
         pytest.fail(f"the native hook could not be built here (scripts/setup.sh installs gcc): {exc}")
 
 
-@pytest.fixture(params=["python", "native"])
+OTHER_ARCH = "arm64" if native.host_arch() != "arm64" else "amd64"
+
+
+@pytest.fixture(scope="module")
+def other_arch_hook() -> list[str]:
+    try:
+        return [*native.runner(OTHER_ARCH), str(native.build(arch=OTHER_ARCH))]
+    except native.NativeHookUnavailable as exc:
+        pytest.fail(f"the native hook for {OTHER_ARCH} could not be built or run here (scripts/setup.sh installs "
+                    f"the cross compiler and qemu-user-static): {exc}")
+
+
+@pytest.fixture(params=["python", "native", f"native-{OTHER_ARCH}"])
 def hook(request: pytest.FixtureRequest, native_hook: str) -> list[str]:
-    return list(PYTHON_HOOK) if request.param == "python" else [native_hook]
+    if request.param == "python":
+        return list(PYTHON_HOOK)
+    return [native_hook] if request.param == "native" else request.getfixturevalue("other_arch_hook")
 
 
 def state(lease: str | None = LEASE, pid: int | None = None, **annotations: str) -> str:
@@ -215,6 +231,16 @@ def test_the_native_build_is_static_and_cached(native_hook: str) -> None:
     else:
         ldd = subprocess.run(["ldd", native_hook], capture_output=True, text=True)
         assert "not a dynamic executable" in ldd.stdout + ldd.stderr
+
+
+def test_the_other_architectures_build_is_a_static_binary_for_it(other_arch_hook: list[str]) -> None:
+    binary = Path(other_arch_hook[-1])
+    assert native.build(arch=OTHER_ARCH) == binary and binary != Path(native.build())
+    header = binary.read_bytes()[:20]
+    machine = int.from_bytes(header[18:20], "little")  # ELF e_machine: 62 x86-64, 183 AArch64
+    assert header[:4] == b"\x7fELF" and machine == {"arm64": 183, "amd64": 62}[OTHER_ARCH]
+    res = subprocess.run(["file", "-b", str(binary)], capture_output=True, text=True)
+    assert res.returncode != 0 or "statically linked" in res.stdout, res.stdout
 
 
 # -- inputs runc never writes, read alike (found by fuzzing the two side by side) ---------------------------

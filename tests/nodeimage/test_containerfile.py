@@ -43,6 +43,16 @@ def built(tmp_path_factory) -> build.Built:
                     f"locked wheels with pip, so it needs apt's mirror and the package index): {exc}")
 
 
+@pytest.fixture(scope="module")
+def both(tmp_path_factory) -> build.Built:
+    """The multi-architecture image (what a release ships): amd64 and arm64 in one index."""
+    try:
+        return build.build(tmp_path_factory.mktemp("image-both"), platforms="linux/amd64,linux/arm64")
+    except build.BuildError as exc:
+        pytest.fail(f"the amd64 and arm64 build failed (the first downloads Debian's arm64 packages and the "
+                    f"aarch64 wheels): {exc}")
+
+
 def _layout_json(built: build.Built, digest: str) -> dict:
     return json.loads(build.Layout(built.layout).read_blob(digest))
 
@@ -186,6 +196,60 @@ def test_the_build_is_reproducible(built, tmp_path, monkeypatch):
     index = json.loads((again.layout / "index.json").read_text())
     assert index["manifests"][0]["digest"] == built.manifest_digest == build.archive_digest(again.archive)
     assert built.config["created"] == build.rfc3339(build.source_date_epoch(ROOT))
+
+
+def _elf_machine(data: bytes) -> str:
+    assert data[:4] == b"\x7fELF", data[:4]
+    return {62: "amd64", 183: "arm64"}[int.from_bytes(data[18:20], "little")]
+
+
+def _file(built: build.Built, arch: str, path: str) -> bytes:
+    """The file at ``path`` in ``arch``'s image (the top layer that has it)."""
+    layout = build.Layout(built.layout)
+    found = None
+    for desc in layout.image(arch)[0]["layers"]:
+        with tarfile.open(fileobj=io.BytesIO(layout.read_blob(desc["digest"]))) as tar:
+            for m in tar:
+                if m.name == path and m.isfile():
+                    found = tar.extractfile(m).read()  # type: ignore[union-attr]
+    assert found is not None, f"{arch}'s image has no /{path}"
+    return found
+
+
+def test_the_multi_architecture_image_holds_the_tested_amd64_image_byte_for_byte_and_an_arm64_one(built, both):
+    """What ships is what is tested: the amd64 image in the index is the one the tests import and run."""
+    from nodeimage.build import layer
+
+    assert [i.arch for i in both.images] == ["amd64", "arm64"]
+    assert both.images[0].manifest_digest == built.manifest_digest and both.images[0].layer == built.layer
+    index = _layout_json(both, both.manifest_digest)
+    assert [(m["digest"], m["platform"]["architecture"]) for m in index["manifests"]] == [
+        (i.manifest_digest, i.arch) for i in both.images]
+    assert build.archive_digest(both.archive) == both.manifest_digest != built.manifest_digest
+    arm = both.images[1]
+    assert arm.config["architecture"] == "arm64" and arm.config["config"] == built.config["config"]
+    # Every binary of the arm64 image is an AArch64 one: the interpreter, the native hook, tini, the wheels.
+    assert _elf_machine(_file(both, "arm64", "usr/bin/python3.11")) == "arm64"
+    hook = _file(both, "arm64", "opt/weft/bin/weft-oci-hook")
+    assert _elf_machine(hook) == "arm64" and hook == native.build(arch="arm64").read_bytes()
+    tini = _file(both, "arm64", "opt/weft/bin/tini")
+    assert _elf_machine(tini) == "arm64" and tini == layer.init_stage(arch="arm64")["/usr/bin/tini-static"].read_bytes()
+    with tarfile.open(fileobj=io.BytesIO(arm.layer)) as tar:
+        names = tar.getnames()
+    assert [n for n in names if n.startswith("opt/weft/lib/grpc/_cython/cygrpc.cpython-311-aarch64-linux-gnu")]
+    assert not [n for n in names if "x86_64" in n], "no amd64 wheel in the arm64 image"
+    assert _file(both, "arm64", "opt/weft/requirements.lock") == build.LOCKFILE.read_bytes()
+
+
+def test_the_multi_architecture_image_is_reproducible(both, tmp_path):
+    """Made again with an empty base cache (both bases made again from the same .deb files), the same index."""
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    for shared in ("debs", "wheels", "init"):
+        (cache / shared).symlink_to(build.CACHE / shared, target_is_directory=True)
+    again = build.build(tmp_path / "out", cache=cache, platforms=("linux/amd64", "linux/arm64"))
+    assert again.manifest_digest == both.manifest_digest
+    assert again.archive.read_bytes() == both.archive.read_bytes()
 
 
 def _lock() -> dict[str, str]:

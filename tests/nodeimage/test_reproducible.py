@@ -137,33 +137,52 @@ def test_the_pin_file_pins_the_base_tini_and_the_hooks_toolchain():
     assert pins.format_pins(p) == build.PINFILE.read_text()  # as `python -m nodeimage.build pins` writes it
 
 
+def test_the_pin_file_pins_arm64s_base_tini_and_cross_toolchain_apart():
+    p = build.read_pins()
+    arm = p.of("base", "arm64")
+    assert set(base.DEBIAN_ROOTS) <= set(arm) and not set(arm) & base.DEBIAN_EXCLUDE
+    assert list(p.of("init", "arm64")) == ["tini"]
+    assert set(p.of("host", "arm64")) == set(pins.HOST_TOOLCHAINS["arm64"])
+    assert "[base-arm64]" in build.PINFILE.read_text()
+    with pytest.raises(build.BuildError, match="no base packages for arm64"):
+        pins.parse_pins("[base]\ndash=1\n[init]\ntini=1\n").of("base", "arm64")
+
+
 def test_pins_are_read_strictly():
     good = "[base]\npython3.11-minimal=3.11.2-6+deb12u9  # a comment\nlibgmp10=2:6.2.1\n[init]\ntini=0.19.0-1+b3\n"
     p = pins.parse_pins(good)
     assert p.base == {"python3.11-minimal": "3.11.2-6+deb12u9", "libgmp10": "2:6.2.1"} and p.host == {}
     assert pins.parse_pins(pins.format_pins(p)) == p
+    two = pins.parse_pins(good + "[base-arm64]\ndash=0.5.12-2\n[init-arm64]\ntini=0.19.0-1+b3\n")
+    assert two.of("base", "arm64") == {"dash": "0.5.12-2"} and two.of("base") == p.base
+    assert pins.parse_pins(pins.format_pins(two)) == two
     for bad, match in (("[base]\nfoo\n[init]\ntini=1\n", "PACKAGE=VERSION"), ("foo=1\n", "PACKAGE=VERSION"),
-                       ("[extra]\nfoo=1\n", "unknown section"), ("[base]\nfoo=1\n", "tini under")):
+                       ("[extra]\nfoo=1\n", "unknown section"), ("[base]\nfoo=1\n", "tini under"),
+                       ("[base-s390x]\nfoo=1\n", "unknown section")):
         with pytest.raises(build.BuildError, match=match):
             pins.parse_pins(bad)
 
 
 class FakeApt:
     """``apt-get download`` and ``dpkg-deb --fsys-tarfile`` of made-up packages: each unpack gives other times
-    and owners (as different builders' tars would), the same files."""
+    and owners (as different builders' tars would), the same files. Another architecture's apt is this one
+    with ``-o ARCH`` before its verb."""
 
     def __init__(self, monkeypatch) -> None:
         self.downloads: list[list[str]] = []
         self.unpacks = 0
         monkeypatch.setattr(base, "_run", self.run)
         monkeypatch.setattr(base, "_run_bytes", self.run_bytes)
+        monkeypatch.setattr(base.apt, "options", lambda arch, cache=None: [] if arch == "amd64" else ["-o", arch])
 
     def run(self, argv, what, check=True, **kw):
+        arch = argv[2] if argv[1] == "-o" else "amd64"
+        argv = [argv[0], *argv[3:]] if argv[1] == "-o" else argv
         assert argv[:2] == ["apt-get", "download"], argv
-        self.downloads.append(argv[2:])
+        self.downloads.append(argv[2:] if arch == "amd64" else [arch, *argv[2:]])
         for want in argv[2:]:
             name, version = want.split("=", 1)
-            (Path(kw["cwd"]) / f"{name}_{version.replace(':', '%3a')}_amd64.deb").write_text(want)
+            (Path(kw["cwd"]) / f"{name}_{version.replace(':', '%3a')}_{arch}.deb").write_text(want)
         return subprocess.CompletedProcess(argv, 0, "", "")
 
     def run_bytes(self, argv, what):
@@ -206,6 +225,53 @@ def test_the_base_is_made_of_the_pinned_versions_the_same_each_time(tmp_path, mo
     # Another pinned version is another base, and downloads only what the cache lacks.
     three = base.build_debian_base(tmp_path / "c1", _fake_pins(dash="0.5.12-3", libgmp10="2:6.2.1+dfsg1-1.1"))
     assert three.root != one.root and apt.downloads[-1] == ["dash=0.5.12-3"]
+
+
+def test_arm64s_base_is_made_of_its_own_packages_and_kept_apart_from_amd64s(tmp_path, monkeypatch):
+    apt = FakeApt(monkeypatch)
+    p = _fake_pins(dash="0.5.12-2")
+    p.section("base-arm64").update(dash="0.5.12-2")
+    amd = base.build_debian_base(tmp_path, p)
+    arm = base.build_debian_base(tmp_path, p, arch="arm64")
+    assert apt.downloads == [["dash=0.5.12-2"], ["arm64", "dash=0.5.12-2"]]  # the same version, arm64's .deb
+    assert (tmp_path / "debs" / "dash_0.5.12-2_arm64.deb").exists() and arm.root != amd.root
+    assert arm.image("arm64")[1]["architecture"] == "arm64" and amd.image()[1]["architecture"] == "amd64"
+    with pytest.raises(build.BuildError, match="no linux/amd64 image"):
+        arm.image("amd64")
+    assert amd.root == base._base_dir(tmp_path, {"dash": "0.5.12-2"}), "amd64's key as before arm64 came"
+
+
+def test_a_build_of_several_platforms_is_an_index_of_them(tmp_path):
+    from nodeimage.build.layout import write_image, write_index
+
+    descs = []
+    for arch in ("amd64", "arm64"):
+        config = {"architecture": arch, "os": "linux", "rootfs": {"type": "layers", "diff_ids": []}}
+        descs.append(write_image(tmp_path, [("application/vnd.oci.image.layer.v1.tar", arch.encode())], config,
+                                 arch=arch)[1])
+    top = write_index(tmp_path, descs, "localhost/weft/node:0.1.0")
+    index = json.loads((tmp_path / "index.json").read_text())
+    assert index["manifests"] == [top] and top["mediaType"] == "application/vnd.oci.image.index.v1+json"
+    assert top["annotations"]["io.containerd.image.name"] == "localhost/weft/node:0.1.0"
+    inner = json.loads(build.Layout(tmp_path).read_blob(top["digest"]))
+    assert [m["platform"] for m in inner["manifests"]] == [{"architecture": "amd64", "os": "linux"},
+                                                          {"architecture": "arm64", "os": "linux"}]
+    for arch in ("amd64", "arm64"):
+        assert build.Layout(tmp_path).image(arch)[1]["architecture"] == arch
+    with pytest.raises(build.BuildError, match="no linux/s390x image"):
+        build.Layout(tmp_path).image("s390x")
+
+
+@pytest.mark.parametrize(("text", "says"), [
+    ("linux/amd64,linux/arm64", ("amd64", "arm64")), (" linux/arm64 ", ("arm64",)),
+    ("linux/s390x", "is built for linux/amd64, linux/arm64"), ("windows/amd64", "is built for"),
+    ("linux/arm64,linux/arm64", "named twice"), ("", "no platform named")])
+def test_platforms_are_read_strictly(text, says):
+    if isinstance(says, tuple):
+        assert build.parse_platforms(text) == says
+    else:
+        with pytest.raises(build.BuildError, match=says):
+            build.parse_platforms(text)
 
 
 def test_a_pinned_version_the_mirror_no_longer_carries_is_built_at_apts_and_said(tmp_path, monkeypatch, capsys):
@@ -287,14 +353,14 @@ def test_the_default_base_is_debian_packages_for_the_command_and_the_function(mo
     assert inspect.signature(build.build).parameters["base"].default == "debian-packages" == build.DEFAULT_BASE
     seen = []
 
-    def fake_build(out, *, base, name):
+    def fake_build(out, *, base, name, platforms):
         seen.append(base)
         raise build.BuildError("stop")
 
     monkeypatch.setattr(cli, "build", fake_build)
     assert cli.main(["--out", str(tmp_path)]) == 2 and seen == ["debian-packages"]
 
-    def stop(base_ref, cache, p):
+    def stop(base_ref, cache, p, arch):
         seen.append(base_ref)
         raise build.BuildError("stop")
 

@@ -100,17 +100,30 @@ def test_a_locked_package_syft_missed_is_added_and_one_it_found_is_not_twice(tmp
 def test_the_sbom_goes_beside_the_archive() -> None:
     assert sbom.sbom_path(Path("/out/weft-image.oci.tar")) == Path("/out/weft-image.cdx.json")
     assert sbom.sbom_path(Path("/out/other.oci.tar")) == Path("/out/other.cdx.json")
+    assert sbom.sbom_path(Path("/out/weft-image.oci.tar"), "arm64") == Path("/out/weft-image.arm64.cdx.json")
 
 
 def test_the_build_writes_no_sbom_unless_asked(monkeypatch, tmp_path: Path, capsys) -> None:
     made = []
 
+    class Image:
+        def __init__(self, arch: str) -> None:
+            self.arch, self.manifest_digest = arch, f"sha256:{arch}"
+
     class Built:
         archive, name, manifest_digest = tmp_path / "weft-image.oci.tar", "weft/node", "sha256:0"
+        images = (Image("amd64"),)
 
     monkeypatch.setattr("nodeimage.build.__main__.build", lambda out, **kw: Built)
-    monkeypatch.setattr("nodeimage.build.__main__.make_sbom", lambda archive: made.append(archive) or archive)
+    monkeypatch.setattr("nodeimage.build.__main__.make_sbom",
+                        lambda archive, arch: made.append((archive, arch)) or sbom.sbom_path(archive, arch))
     assert build_main(["--out", str(tmp_path)]) == 0
     assert made == [] and "sbom:" not in capsys.readouterr().out
     assert build_main(["--out", str(tmp_path), "--sbom"]) == 0
-    assert made == [Built.archive] and f"sbom: {Built.archive}" in capsys.readouterr().out
+    assert made == [(Built.archive, "amd64")] and f"sbom: {tmp_path / 'weft-image.cdx.json'}" in capsys.readouterr().out
+    # A multi-architecture build: one SBOM per architecture, each beside the archive.
+    Built.images = (Image("amd64"), Image("arm64"))
+    assert build_main(["--out", str(tmp_path), "--sbom", "--platform", "linux/amd64,linux/arm64"]) == 0
+    out = capsys.readouterr().out
+    assert made[1:] == [(Built.archive, "amd64"), (Built.archive, "arm64")]
+    assert f"sbom: {tmp_path / 'weft-image.arm64.cdx.json'}" in out and "linux/arm64 sha256:arm64" in out
