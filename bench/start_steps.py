@@ -15,7 +15,7 @@ the CPUs, hosts ``cpu-1`` and ``cpu-2`` on the other half). Three parts, each ta
    the mesh (Admit and the round trips) and the origin's own work.
 3. On a host's containerd directly, no weft in the way: the same container started unconfined, under the
    runtime's default seccomp profile, under it made without its CFS quota (set after the start, as a host does),
-   and under the host's narrowed profile (``shim.cri.host.seccomp``, as learnt by the host in part 1).
+   and under the host's narrowed profile (``shim.shadowhost.seccomp``, as learnt by the host in part 1).
 
 Exit codes as ``weft bench``: 0 measured, 1 failed, 130/143 stopped.
 """

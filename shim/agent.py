@@ -26,8 +26,6 @@ from shim.broker.client import BrokerClient
 from shim.config import Config
 from shim.cri.cdi import CdiSpecs
 from shim.cri.fabric import Fabric
-from shim.cri.host.context import HostContext
-from shim.cri.host.sandbox_image import SandboxImage
 from shim.cri.instrument import Instrument
 from shim.cri.origin.context import Origin, OriginSettings
 from shim.cri.origin.prepare import Prepared
@@ -42,12 +40,14 @@ from shim.kube import access
 from shim.kube.pods import PodCache
 from shim.metrics import Metrics
 from shim.periodic import Periodic
+from shim.shadowhost.context import HostContext
+from shim.shadowhost.sandbox_image import SandboxImage
 from shim.state.agent import AgentStore
 
 if TYPE_CHECKING:
-    from shim.cri.host.shadows import ShadowHost
     from shim.mesh.node import MeshNode
     from shim.mesh.tunnel import TunnelServer
+    from shim.shadowhost.shadows import ShadowHost
 
 _log = log.get("weft.agent")
 HOST_CHECK_INTERVAL = 30.0  # seconds between looks at the host (containerd's configuration)
@@ -143,11 +143,11 @@ class Agent:
 
     def _mesh(self, cfg: Config) -> Callable[[Fabric], Origin]:
         """This node's mesh, its host side and its tunnels; what makes the fabric's origin side from them."""
-        from shim.cri.host.shadows import ShadowHost
         from shim.cri.origin.stitch import OriginNet
         from shim.cri.origin.stream_relay import StreamRelay
         from shim.mesh.node import MeshNode
         from shim.mesh.tunnel import contexts
+        from shim.shadowhost.shadows import ShadowHost
 
         m = cfg.mesh
         host = ShadowHost(HostContext(self.upstream, self.metrics, self.shadows), cfg.agent.state_dir,
@@ -197,11 +197,11 @@ class Agent:
         host.reservations.stop_token = host.lifecycle.mark.reservation_stop
 
     def _tunnels(self, cfg: Config, mesh: MeshNode, host: ShadowHost) -> TunnelServer:
-        """The host's end of exec/attach and of the stitched pod network (shim.mesh.tunnel, shim.cri.host.tunnel);
+        """The host's end of exec/attach and of the stitched pod network (shim.mesh.tunnel, shim.shadowhost.tunnel);
         the origin's ends are its side's (shim.cri.origin.stream_relay, shim.cri.origin.stitch)."""
         from shim.core.annotations import parse_host_port
-        from shim.cri.host.tunnel import ShadowNet
         from shim.mesh.tunnel import TunnelServer
+        from shim.shadowhost.tunnel import ShadowNet
 
         tunnel = TunnelServer(parse_host_port(cfg.mesh.address, field="mesh.address")[0], cfg.mesh.tls_dir,
                               mesh.node, busy_poll_us=cfg.agent.stream_busy_poll_us,

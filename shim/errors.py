@@ -8,8 +8,8 @@ gRPC status, so the mapping lives here and nowhere else::
     │   └── KubeconfigNotYet       the agent's kubeconfig is named but not written yet (shim.kube.access;
     │                              INVALID_ARGUMENT)
     ├── BadAnnotation              a weft.io/ annotation holds a bad value (INVALID_ARGUMENT)
-    │   └── UnsafeShadow           a host refuses a shadow it may not run (shim.cri.host.lifecycle; PERMISSION_DENIED)
-    ├── NotAdmitted                a host would not admit a RunShadow now (shim.cri.host.lifecycle; RESOURCE_EXHAUSTED)
+    │   └── UnsafeShadow           a host refuses a shadow it may not run (shim.shadowhost.lifecycle; PERMISSION_DENIED)
+    ├── NotAdmitted                a host would not admit RunShadow now (shim.shadowhost.lifecycle; RESOURCE_EXHAUSTED)
     ├── MalformedRequest           a request weft must read does not parse (INVALID_ARGUMENT)
     ├── SocketInUse                another process serves the socket (ALREADY_EXISTS)
     ├── StateError                 the state database cannot be used (shim.state.db; INTERNAL)
@@ -35,14 +35,14 @@ gRPC status, so the mapping lives here and nowhere else::
     ├── UploadRefused              a stream of copied volumes out of order (shim.mesh.upload; INVALID_ARGUMENT)
     │   └── UploadTooLarge         past a cap as it arrives (shim.mesh.upload; RESOURCE_EXHAUSTED)
     ├── TunnelError                a tunnel cannot be opened or broke (shim.mesh.tunnel.ends; UNAVAILABLE)
-    ├── TunnelRefused              a tunnel token is refused (shim.cri.host.tunnel; PERMISSION_DENIED)
-    ├── RefusedCall                a peer asks for a shadow call that is not allowed (shim.cri.host.calls;
+    ├── TunnelRefused              a tunnel token is refused (shim.shadowhost.tunnel; PERMISSION_DENIED)
+    ├── RefusedCall                a peer asks for a shadow call that is not allowed (shim.shadowhost.calls;
     │                              PERMISSION_DENIED)
-    ├── NoLog                      a shadow has no log file to follow (shim.cri.host.watch; FAILED_PRECONDITION)
-    ├── BadVolume                  a copied volume is refused (shim.cri.host.volumes; INVALID_ARGUMENT)
-    │   ├── VolumesTooLarge        over the per-container cap (shim.cri.host.volumes; RESOURCE_EXHAUSTED)
-    │   └── VolumesChanged         changed while being copied (shim.cri.host.volumes; FAILED_PRECONDITION)
-    ├── VolumesUnwritable          no tmpfs can be made for a copied volume (shim.cri.host.volumes; UNAVAILABLE)
+    ├── NoLog                      a shadow has no log file to follow (shim.shadowhost.watch; FAILED_PRECONDITION)
+    ├── BadVolume                  a copied volume is refused (shim.shadowhost.volumes; INVALID_ARGUMENT)
+    │   ├── VolumesTooLarge        over the per-container cap (shim.shadowhost.volumes; RESOURCE_EXHAUSTED)
+    │   └── VolumesChanged         changed while being copied (shim.shadowhost.volumes; FAILED_PRECONDITION)
+    ├── VolumesUnwritable          no tmpfs can be made for a copied volume (shim.shadowhost.volumes; UNAVAILABLE)
     ├── NetnsError                 a pod's network namespace cannot be entered (shim.crishared.netns; UNKNOWN)
     ├── DiscoveryError             peers cannot be found through Kubernetes (shim.mesh.discovery.base;
     │   │                          FAILED_PRECONDITION)
@@ -59,16 +59,16 @@ gRPC status, so the mapping lives here and nowhere else::
     │                              UNKNOWN)
     ├── WatchError                 a watch of Pods failed (shim.kube.watch; UNKNOWN)
     ├── ReservationRefused         the API would not make a shadow's reservation pod, or the origin does not own
-    │                              the pod (shim.cri.host.reservations; FAILED_PRECONDITION)
+    │                              the pod (shim.shadowhost.reservations; FAILED_PRECONDITION)
     ├── ApiUnreachable             the API server did not answer: a shadow's reservation waits for it
-    │                              (shim.cri.host.reservations; UNAVAILABLE)
+    │                              (shim.shadowhost.reservations; UNAVAILABLE)
     ├── InstallError               install/uninstall stopped; the message says what was undone (FAILED_PRECONDITION)
     │   └── UnrecognisedHost       a containerd/kubelet file it cannot parse or does not know; nothing changed
     │       └── UntestedContainerd the node's containerd is not a version the tests run; nothing changed
     └── UpstreamError              containerd answered with a status (any code)
         ├── UpstreamUnavailable    containerd's socket is missing or dead (UNAVAILABLE)
         └── LimitNotSet            containerd refused a started shadow's CPU quota; the host stopped it
-                                   (shim.cri.host.cpu_limit; any code)
+                                   (shim.shadowhost.cpu_limit; any code)
 
 Errors that belong to one subsystem live in its module (named in brackets);
 the rest live here. ``tests/test_errors.py`` checks that this tree lists every

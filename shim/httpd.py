@@ -29,7 +29,7 @@ from shim.metrics import Metrics
 Probe = Callable[[], tuple[bool, str]]
 # () -> the names of the agent's loops that died (empty while all run)
 Loops = Callable[[], list[str]]
-# (reservation name, token) -> (HTTP status, text): shim.cri.host.reservations.Reservations.stop_for_kubelet
+# (reservation name, token) -> (HTTP status, text): shim.shadowhost.reservations.Reservations.stop_for_kubelet
 StopReservation = Callable[[str, str], tuple[int, str]]
 
 

@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from shim.cri.host.sandbox_image import SandboxImage
 from shim.install import dropin
 from shim.localfabric import images
 from shim.localfabric.containerd import LINES, Containerd
+from shim.shadowhost.sandbox_image import SandboxImage
 
 
 @pytest.mark.parametrize("line", LINES)

@@ -32,8 +32,8 @@ from harness.workloads import (
 )
 from shim.core.reservation import cpu_shares, weight_of_shares
 from shim.core.stats import percentile
-from shim.cri.host.group_weight import group_dirs
 from shim.localfabric.waiting import wait_for
+from shim.shadowhost.group_weight import group_dirs
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,6 @@
 """Reservation pods on a real node: kube-apiserver, kube-scheduler and the host's own kubelet decide.
 
-The host's reservation code (``shim.cri.host.reservations``) runs here as the
+The host's reservation code (``shim.shadowhost.reservations``) runs here as the
 host agent runs it, against a real cluster with one CPU node. What
 Kubernetes does with a reservation is what the shadow beside it lives by: it
 is bound and admitted within a moment, the scheduler counts its requests (a
@@ -23,10 +23,10 @@ from harness import fixture
 from harness.cluster import KubeCluster, NodeSpec
 from harness.workloads import apply, get_pod
 from shim.core.reservation import LossReason, ReservationState, Stage, Verdict, name_of
-from shim.cri.host.reservations import ApiUnreachable, ReservationRefused, Reservations
 from shim.kube import access
 from shim.localfabric import images
 from shim.localfabric.waiting import wait_for
+from shim.shadowhost.reservations import ApiUnreachable, ReservationRefused, Reservations
 
 pytestmark = pytest.mark.slow
 

@@ -23,7 +23,6 @@ from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim._pb import mesh_pb2 as pb
-from shim.cri.host.seccomp import NATIVE_ARCH
 from shim.crishared.labels import CPU_MAX_ANNOTATION
 from shim.errors import WeftError
 from shim.localfabric import pods
@@ -32,6 +31,7 @@ from shim.localfabric.containerd import Containerd
 from shim.localfabric.waiting import wait_for
 from shim.mesh.certs import load_node_tls
 from shim.mesh.client import PeerClient
+from shim.shadowhost.seccomp import NATIVE_ARCH
 
 REPO = Path(__file__).resolve().parents[2]
 

@@ -6,7 +6,7 @@ host-wide sysctls, another container's namespaces) it may do to the host and
 to every other tenant there. The origin checks these rules before it
 reroutes (a container that breaks one stays on its node, with the reason);
 the host checks them again on what it is asked, and builds the container it
-runs from the fields it knows (``shim.cri.host.config``) with seccomp and
+runs from the fields it knows (``shim.shadowhost.config``) with seccomp and
 AppArmor at the runtime's default and the default masked and read-only
 ``/proc`` paths, whatever the request said.
 

@@ -2,7 +2,7 @@
 
 Both sides use it: written here for the origin's side (127.0.0.1 of the origin pod to the
 shadow's pod IP); the host uses the same class the other way round, in the
-shadow sandbox's namespace, to the origin pod's IP (``shim.cri.host.tunnel``).
+shadow sandbox's namespace, to the origin pod's IP (``shim.shadowhost.tunnel``).
 
 For each port of a shadow that the kernel path carries (``shim.core.datapath``
 decides), one table, ``weft_stitch`` (family ip), in the origin sandbox's

@@ -12,7 +12,7 @@ KEY_ANNOTATION = "weft.io/origin-key-full"
 CPU_LIMIT_ANNOTATION = "weft.io/hosted-cpu-limit"  # cores, as admitted
 MEMORY_LIMIT_ANNOTATION = "weft.io/hosted-memory-limit"  # bytes
 CPU_SHARES_ANNOTATION = "weft.io/hosted-cpu-shares"  # the CPU weight it was made with (cgroup v1 shares)
-# "QUOTA PERIOD": the CPU limit a shadow is made without and given once it runs (shim.cri.host.lifecycle).
+# "QUOTA PERIOD": the CPU limit a shadow is made without and given once it runs (shim.shadowhost.lifecycle).
 CPU_MAX_ANNOTATION = "weft.io/hosted-cpu-max"
 # The origin's pod (UID and sandbox attempt, digested) on a shadow sandbox: a sandbox prepared before the
 # origin's sandbox ID was known is found by it.

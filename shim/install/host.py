@@ -34,9 +34,9 @@ import shutil
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from shim.cri.host.volumes import unmount_under
 from shim.errors import InstallError
 from shim.install.plan import INSTALL_DIR, unapply
+from shim.shadowhost.volumes import unmount_under
 
 SCHEMA = 1
 JOURNAL = f"{INSTALL_DIR}/journal.json"

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import grpc
 
-from shim.cri.host.volumes import unmount_under
 from shim.localfabric import cpuset
 from shim.localfabric.containerd import Containerd
+from shim.shadowhost.volumes import unmount_under
 
 # Ports handed out by free_port, each held (a lock on a file named for it) for as long as this process lives:
 # an agent restarted by a test binds its port again, and another process must not have drawn it meanwhile.

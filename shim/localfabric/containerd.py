@@ -50,8 +50,8 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from shim.cri.host.volumes import unmount_under
 from shim.localfabric import builds, cpuset, images
+from shim.shadowhost.volumes import unmount_under
 
 SLOT_DIR = Path("/run/weft-harness")
 CGROUP_FS = Path("/sys/fs/cgroup")

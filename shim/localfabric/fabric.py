@@ -25,13 +25,13 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from shim.cri.host.volumes import unmount_under
 from shim.localfabric import cpuset
 from shim.localfabric.agent import AgentProcess, free_port, stop_all
 from shim.localfabric.broker import BrokerProcess, weft_handler
 from shim.localfabric.containerd import Containerd
 from shim.localfabric.nodes import Cluster, Node
 from shim.localfabric.waiting import wait_for
+from shim.shadowhost.volumes import unmount_under
 
 NAMES = ("gpu-1", "cpu-1", "cpu-2")
 ROLES = {"gpu-1": "gpu", "cpu-1": "cpu", "cpu-2": "cpu"}

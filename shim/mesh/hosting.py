@@ -1,4 +1,4 @@
-"""What the mesh server asks of the node's host side (``shim.cri.host.shadows.ShadowHost``), as a protocol.
+"""What the mesh server asks of the node's host side (``shim.shadowhost.shadows.ShadowHost``), as a protocol.
 
 The mesh sits below the CRI layer and never imports it: a CPU host's server
 calls these with the origin's node name (checked against its certificate)

@@ -20,7 +20,7 @@ request's volumes, raising ``UploadRefused`` at the first part that breaks
 the order and ``UploadTooLarge`` at the first part that takes the volumes
 past a cap; it stops reading there, so a peer that sends more is not read
 further. What the host does with the volumes (the path checks, writing them)
-is ``shim.cri.host.volumes``'s.
+is ``shim.shadowhost.volumes``'s.
 """
 
 from __future__ import annotations

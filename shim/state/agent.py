@@ -53,7 +53,7 @@ MIGRATIONS = (
     ALTER TABLE placements ADD COLUMN log_offset INTEGER NOT NULL DEFAULT 0;
     ALTER TABLE placements ADD COLUMN log_size INTEGER NOT NULL DEFAULT 0
     """,
-    # A CPU host's reservation pods (shim.cri.host.reservations): what decides what it does next with a shadow
+    # A CPU host's reservation pods (shim.shadowhost.reservations): what decides what it does next with a shadow
     # (the reservation's state, when it was made, its grace, and for one made while the API was away, the stage
     # to reserve once it answers) outlives the agent.
     """

@@ -8,7 +8,7 @@ this node makes its own. Placement then tries that host first
 (``prefer``). Nothing waits on the answer: a container's RunShadow on that
 host finds the sandbox ready, or waits for it on the host's lock, or makes
 it itself if the prepare failed. The host removes a prepared sandbox no
-container used within ``mesh.prepared_sandbox_ttl`` (``shim.cri.host.prepare``),
+container used within ``mesh.prepared_sandbox_ttl`` (``shim.shadowhost.prepare``),
 so what the origin keeps here is a hint, in memory only, and forgetting it
 (a restart) loses nothing.
 """

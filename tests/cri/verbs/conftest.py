@@ -5,7 +5,7 @@ server on a unix socket in the test's directory (``fakes.RecordingContainerd``),
 the state store is the real SQLite one in that directory, and the broker is
 the real broker service over the simulated backend, served on a socket of
 its own. Only the mesh is a fake (``fakes.FakeMesh``): the peer's side is
-tested in ``tests/cri/host``.
+tested in ``tests/shadowhost``.
 """
 
 from __future__ import annotations

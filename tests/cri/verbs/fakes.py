@@ -9,7 +9,7 @@
 - ``FakeHost`` is one peer node as the ``shim.mesh.client.PeerClient``
   interface shows it (``test_remote_calls`` keeps the two in step); ``FakeMesh``
   is this node's mesh with those hosts. The host's own side has its tests in
-  ``tests/cri/host``; here only what the origin makes of its answers counts.
+  ``tests/shadowhost``; here only what the origin makes of its answers counts.
 - ``add_remote`` records a container rerouted to a host the way placement
   does (a created remote placement in the real state store) and loads it
   back as a restarted agent would.

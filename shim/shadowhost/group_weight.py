@@ -25,7 +25,7 @@ CGROUP_ROOT = Path("/sys/fs/cgroup")
 def group_dirs(parent: str, root: Path = CGROUP_ROOT) -> tuple[list[Path], bool]:
     """(the parent's directories for the CPU controller, whether it is cgroup v2).
 
-    Two spellings, as ``shim.cri.host.lifecycle.shadow_cgroup`` makes them: a path with the cgroupfs driver,
+    Two spellings, as ``shim.shadowhost.lifecycle.shadow_cgroup`` makes them: a path with the cgroupfs driver,
     a slice at the root with the systemd one (the driver is the host containerd's, ``cgroup_driver``).
     """
     v2 = (root / "cgroup.controllers").exists()

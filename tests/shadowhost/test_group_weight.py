@@ -8,8 +8,8 @@ from pathlib import Path
 from cri_api.v1 import api_pb2 as cri
 
 from shim.core.reservation import group_shares, weight_of_shares
-from shim.cri.host.capacity import HostedCapacity
-from shim.cri.host.group_weight import ShadowGroupWeight
+from shim.shadowhost.capacity import HostedCapacity
+from shim.shadowhost.group_weight import ShadowGroupWeight
 
 
 def test_the_group_weighs_the_sum_of_its_shadows_within_the_kernel_s_bounds() -> None:

@@ -9,8 +9,8 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.host import seccomp
 from shim.errors import UpstreamError
+from shim.shadowhost import seccomp
 
 PROFILE = {
     "defaultAction": "SCMP_ACT_ERRNO",

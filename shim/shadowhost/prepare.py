@@ -23,10 +23,10 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim._pb import mesh_pb2 as pb
-from shim.cri.host.runtime import RT, label
 from shim.crishared.labels import ORIGIN_LABEL, POD_LABEL
 from shim.errors import BadAnnotation, UpstreamError, WeftError
 from shim.periodic import Periodic
+from shim.shadowhost.runtime import RT, label
 
 _log = log.get("weft.shadows")
 
@@ -67,7 +67,7 @@ class Preparer:
             raise BadAnnotation(f"RunShadow (sandbox only): malformed sandbox config from {origin}: {exc}") from None
         unsafe = sandbox_unsafe(sandbox)
         if unsafe:
-            from shim.cri.host.lifecycle import UnsafeShadow
+            from shim.shadowhost.lifecycle import UnsafeShadow
 
             raise UnsafeShadow(f"RunShadow (sandbox only): this host never runs a shadow sandbox with {unsafe}")
         labels = {ORIGIN_LABEL: origin, POD_LABEL: pod_label(sandbox)}

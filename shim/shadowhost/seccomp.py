@@ -35,8 +35,8 @@ from pathlib import Path
 from cri_api.v1 import api_pb2 as cri
 
 from shim import log
-from shim.cri.host.runtime import RT, ShadowRuntime
 from shim.errors import WeftError
+from shim.shadowhost.runtime import RT, ShadowRuntime
 
 _log = log.get("weft.shadows")
 RELEARN_S = 600.0  # a capability set whose profile could not be learnt is tried again after this long

@@ -9,9 +9,9 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.host import cpu_limit
 from shim.crishared.labels import CPU_MAX_ANNOTATION, ORIGIN_LABEL
 from shim.errors import UpstreamError
+from shim.shadowhost import cpu_limit
 
 
 class FakeRuntime:

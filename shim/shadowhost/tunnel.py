@@ -158,7 +158,7 @@ def _close_listener(sock: socket.socket) -> None:
 
 
 class ShadowNet:
-    def __init__(self, host, tunnel: TunnelServer) -> None:  # host: shim.cri.host.shadows.ShadowHost
+    def __init__(self, host, tunnel: TunnelServer) -> None:  # host: shim.shadowhost.shadows.ShadowHost
         self.host = host
         self.tunnel = tunnel
         self._lock = threading.Lock()

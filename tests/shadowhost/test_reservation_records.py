@@ -12,7 +12,7 @@ import pytest
 from lightkube.resources.core_v1 import Node, Pod
 
 from shim.core.reservation import LossReason, Stage, Verdict, name_of
-from shim.cri.host.reservations import ApiUnreachable, Reservations
+from shim.shadowhost.reservations import ApiUnreachable, Reservations
 from shim.state.agent import AgentStore
 
 KEY = "sb/prep/0"

@@ -18,11 +18,11 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.core.reroute import ZERO, Resources
-from shim.cri.host.group_weight import ShadowGroupWeight
-from shim.cri.host.runtime import RT, ShadowRuntime
 from shim.crishared.labels import CPU_LIMIT_ANNOTATION, CPU_SHARES_ANNOTATION, MEMORY_LIMIT_ANNOTATION, ORIGIN_LABEL
 from shim.errors import UpstreamError, WeftError
 from shim.metrics import Metrics
+from shim.shadowhost.group_weight import ShadowGroupWeight
+from shim.shadowhost.runtime import RT, ShadowRuntime
 
 _log = log.get("weft.shadows")
 CAPACITY_TTL_S = 2.0

@@ -25,9 +25,9 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 
 from shim import log
-from shim.cri.host.runtime import RT, ShadowRuntime
 from shim.crishared.labels import CPU_MAX_ANNOTATION, ORIGIN_LABEL
 from shim.errors import UpstreamError, WeftError
+from shim.shadowhost.runtime import RT, ShadowRuntime
 
 _log = log.get("weft.shadows")
 

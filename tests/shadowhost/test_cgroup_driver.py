@@ -6,9 +6,9 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.host.cgroup_driver import CgroupDriver, HostCgroupDriver, from_cri_config
-from shim.cri.host.lifecycle import shadow_cgroup
 from shim.errors import UpstreamError
+from shim.shadowhost.cgroup_driver import CgroupDriver, HostCgroupDriver, from_cri_config
+from shim.shadowhost.lifecycle import shadow_cgroup
 
 
 # The CRI plugin's config as a verbose Status gives it, cut to what matters: 1.6/1.7 and 2.x alike.

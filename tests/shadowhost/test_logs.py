@@ -2,7 +2,7 @@
 
 from pathlib import Path
 
-from shim.cri.host.logs import CHUNK, Life, cap, follow
+from shim.shadowhost.logs import CHUNK, Life, cap, follow
 
 
 class _Container:

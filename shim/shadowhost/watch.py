@@ -36,11 +36,11 @@ from cri_api.v1 import api_pb2 as cri
 from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import Resources
 from shim.core.tracking import room_moved
-from shim.cri.host.lifecycle import Lifecycle
-from shim.cri.host.logs import STATE_EVERY_S, Life, follow
-from shim.cri.host.runtime import ShadowRuntime, label
 from shim.crishared.labels import KEY_ANNOTATION, KEY_LABEL, ORIGIN_LABEL
 from shim.errors import UnknownContainer, WeftError
+from shim.shadowhost.lifecycle import Lifecycle
+from shim.shadowhost.logs import STATE_EVERY_S, Life, follow
+from shim.shadowhost.runtime import ShadowRuntime, label
 
 HEARTBEAT_BOUNDS_S = (0.2, 5.0)
 # What a host keeps an origin's idle heartbeat within: never shorter than the Watch's interval, and often enough

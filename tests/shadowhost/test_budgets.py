@@ -12,7 +12,7 @@ from lightkube.resources.policy_v1 import PodDisruptionBudget
 from structlog.testing import capture_logs
 
 from shim.core.budget import budget_name
-from shim.cri.host.budgets import StageBudgets
+from shim.shadowhost.budgets import StageBudgets
 
 
 def _api_error(code: int) -> lightkube.ApiError:

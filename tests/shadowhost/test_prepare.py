@@ -7,8 +7,8 @@ from types import SimpleNamespace
 
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.host.prepare import Preparer, pod_label, sandbox_unsafe
 from shim.crishared.labels import ORIGIN_LABEL
+from shim.shadowhost.prepare import Preparer, pod_label, sandbox_unsafe
 
 S = 1_000_000_000
 

@@ -66,7 +66,7 @@ def test_the_hosted_sandbox_is_built_from_what_a_host_allows() -> None:
 
 
 def test_an_update_is_clamped_to_what_the_shadow_was_admitted_with() -> None:
-    from shim.cri.host.calls import clamped
+    from shim.shadowhost.calls import clamped
 
     c = cri.Container(annotations={"weft.io/hosted-cpu-limit": "0.5", "weft.io/hosted-memory-limit": str(1 << 30)})
     asked = cri.LinuxContainerResources(cpu_period=100000, cpu_quota=400000, memory_limit_in_bytes=8 << 30,
@@ -82,7 +82,7 @@ def test_an_update_is_clamped_to_what_the_shadow_was_admitted_with() -> None:
 
 
 def test_an_update_keeps_a_reserved_shadow_s_weight_at_most_what_it_was_made_with() -> None:
-    from shim.cri.host.calls import clamped
+    from shim.shadowhost.calls import clamped
 
     c = cri.Container(annotations={"weft.io/hosted-cpu-limit": "1", "weft.io/hosted-cpu-shares": "512"})
     assert clamped(cri.LinuxContainerResources(cpu_shares=4096), c).cpu_shares == 512  # never raised

@@ -8,12 +8,12 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim._pb import mesh_pb2 as pb
-from shim.cri.host.lifecycle import _unsafe, sandbox_to_use
-from shim.cri.host.runtime import RT, ShadowRuntime
-from shim.cri.host.runtime import label as _label
-from shim.cri.host.watch import Pulse, heartbeat_s, idle_heartbeat_s, orphans
 from shim.crishared.labels import KEY_LABEL
 from shim.errors import UpstreamError
+from shim.shadowhost.lifecycle import _unsafe, sandbox_to_use
+from shim.shadowhost.runtime import RT, ShadowRuntime
+from shim.shadowhost.runtime import label as _label
+from shim.shadowhost.watch import Pulse, heartbeat_s, idle_heartbeat_s, orphans
 
 
 def _shadow(cid: str, key: str) -> cri.Container:
@@ -69,7 +69,7 @@ def test_a_dead_shadow_sandbox_is_not_reused_and_its_name_not_asked_for_again(ex
 
 def test_a_shadow_is_admitted_by_what_the_origin_was_admitted_with() -> None:
     from shim._pb import mesh_pb2 as pb
-    from shim.cri.host.lifecycle import admitted_with
+    from shim.shadowhost.lifecycle import admitted_with
 
     config = cri.ContainerConfig()
     config.linux.resources.cpu_period, config.linux.resources.cpu_quota = 100000, 50000
@@ -81,8 +81,8 @@ def test_a_shadow_is_admitted_by_what_the_origin_was_admitted_with() -> None:
 
 def test_an_empty_dir_is_made_fresh_and_writable_at_an_absolute_path_only(tmp_path) -> None:
     from shim._pb import mesh_pb2 as pb
-    from shim.cri.host.lifecycle import _empty_dir
     from shim.errors import BadAnnotation
+    from shim.shadowhost.lifecycle import _empty_dir
 
     made = _empty_dir(tmp_path / "v", 0, pb.EmptyDir(container_path="/scratch", size_limit=1 << 20))
     assert made.is_dir() and not any(made.iterdir()) and made.stat().st_mode & 0o777 == 0o777

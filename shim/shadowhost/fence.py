@@ -22,11 +22,11 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.config import FENCE_TICK_S
-from shim.cri.host.context import HostContext
-from shim.cri.host.runtime import ShadowRuntime
 from shim.crishared.labels import KEY_ANNOTATION, ORIGIN_LABEL
 from shim.errors import UpstreamError, WeftError
 from shim.periodic import Periodic
+from shim.shadowhost.context import HostContext
+from shim.shadowhost.runtime import ShadowRuntime
 
 _log = log.get("weft.shadows")
 

@@ -35,14 +35,6 @@ from google.protobuf.message import DecodeError
 from shim import failpoint, log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reservation import Stage
-from shim.cri.host import cpu_limit
-from shim.cri.host import seccomp as host_seccomp
-from shim.cri.host import volumes as shadow_volumes
-from shim.cri.host.capacity import HostedCapacity, limits
-from shim.cri.host.cgroup_driver import HostCgroupDriver
-from shim.cri.host.context import HostContext
-from shim.cri.host.reservations import ApiUnreachable, ReservationRefused, Reservations
-from shim.cri.host.runtime import IMG, RT, ShadowRuntime, label
 from shim.crishared import baseline
 from shim.crishared.labels import (
     CPU_LIMIT_ANNOTATION,
@@ -57,6 +49,14 @@ from shim.crishared.labels import (
 from shim.crishared.mark import MARK_LABEL
 from shim.errors import BadAnnotation, UpstreamError, WeftError
 from shim.mesh import upload
+from shim.shadowhost import cpu_limit
+from shim.shadowhost import seccomp as host_seccomp
+from shim.shadowhost import volumes as shadow_volumes
+from shim.shadowhost.capacity import HostedCapacity, limits
+from shim.shadowhost.cgroup_driver import HostCgroupDriver
+from shim.shadowhost.context import HostContext
+from shim.shadowhost.reservations import ApiUnreachable, ReservationRefused, Reservations
+from shim.shadowhost.runtime import IMG, RT, ShadowRuntime, label
 
 _log = log.get("weft.shadows")
 
@@ -158,7 +158,7 @@ class Lifecycle:
         self.volume_root = state_dir / "shadow-volumes"
         # Creating and removing shadows (and their sandboxes) one at a time: sandbox reuse stays simple.
         self.lock = threading.Lock()
-        # Reservation pods (shim.cri.host.reservations), where the agent has the Kubernetes API; None: none,
+        # Reservation pods (shim.shadowhost.reservations), where the agent has the Kubernetes API; None: none,
         # and shadows run at the lowest CPU weight, off Kubernetes' books.
         self.reservations: Reservations | None = None
         # The mesh server's Admit rule (AdmitRequest -> AdmitResponse), asked again by RunShadow itself: an
@@ -166,10 +166,10 @@ class Lifecycle:
         self.admit: Callable[[pb.AdmitRequest], pb.AdmitResponse] | None = None
         self._volume_lock = threading.Lock()
         self.arriving = shadow_volumes.Arriving()
-        # Each started shadow's CPU quota, set once it runs (shim.cri.host.cpu_limit).
+        # Each started shadow's CPU quota, set once it runs (shim.shadowhost.cpu_limit).
         self.limiter = cpu_limit.Limiter(rt)
         # The runtime's default seccomp profile narrowed to this machine's architecture, for containers that
-        # asked for none (shim.cri.host.seccomp).
+        # asked for none (shim.shadowhost.seccomp).
         self.profiles = host_seccomp.HostProfiles(state_dir / "seccomp")
 
     @contextlib.contextmanager
@@ -200,7 +200,7 @@ class Lifecycle:
         unconfined = host_seccomp.asked_none(config.linux.security_context)
         config = baseline.hosted_container(config, HOSTED_OOM_SCORE_ADJ)
         sc = config.linux.security_context
-        if unconfined:  # confined all the same: the runtime's default, narrowed once learnt (shim.cri.host.seccomp)
+        if unconfined:  # confined all the same: the runtime's default, narrowed once learnt (shim.shadowhost.seccomp)
             sc.seccomp.CopyFrom(self.profiles.profile_for(sc))
         learn = unconfined and sc.seccomp.profile_type == cri.SecurityProfile.RuntimeDefault and \
             self.profiles.wants(sc)
@@ -386,7 +386,7 @@ class Lifecycle:
 
         Found by the origin's sandbox ID, or by the pod (``POD_LABEL``): one the
         origin had prepared before its sandbox ID was known
-        (``shim.cri.host.prepare``).
+        (``shim.shadowhost.prepare``).
         """
         self.ctx.shadows.making()  # this host's kubelet must never list it
         found: dict[str, cri.PodSandbox] = {}

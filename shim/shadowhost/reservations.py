@@ -59,11 +59,11 @@ from shim.core.reservation import (
     pod_manifest,
     verdict,
 )
-from shim.cri.host.budgets import StageBudgets
 from shim.errors import WeftError
 from shim.kube.access import ApiAccess
 from shim.kube.watch import PodWatch
 from shim.periodic import Periodic
+from shim.shadowhost.budgets import StageBudgets
 from shim.state.agent import ReservationRecord
 
 _log = log.get("weft.reservations")
@@ -142,7 +142,7 @@ class Reservations:
                  on_lost: Callable[[str, Verdict], None], live_keys: Callable[[], Iterable[str]],
                  *, grace: float = 10.0, metrics=None, store: ReservationStore | None = None) -> None:
         self.api, self.node, self.namespace = api, node, namespace
-        # The node's own pause image: given, or asked of containerd when first needed (shim.cri.host.sandbox_image).
+        # The node's own pause image: given, or asked of containerd when first needed (shim.shadowhost.sandbox_image).
         self._pause_image = pause_image if callable(pause_image) else (lambda: pause_image)
         self.on_lost, self.live_keys, self.grace, self.metrics = on_lost, live_keys, grace, metrics
         self.store = store

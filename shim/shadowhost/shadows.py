@@ -29,22 +29,22 @@ from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core.reroute import Resources
 from shim.core.reservation import Verdict
-from shim.cri.host import logs as shadow_logs
-from shim.cri.host import volumes as shadow_volumes
-from shim.cri.host.calls import Calls
-from shim.cri.host.capacity import HostedCapacity
-from shim.cri.host.context import HostContext
-from shim.cri.host.fence import Fencer
-from shim.cri.host.group_weight import ShadowGroupWeight
-from shim.cri.host.lifecycle import Lifecycle
-from shim.cri.host.prepare import Preparer
-from shim.cri.host.reservations import Reservations, ReservationStore
-from shim.cri.host.runtime import RT, ShadowRuntime, label
-from shim.cri.host.watch import Watcher
 from shim.crishared.labels import KEY_ANNOTATION, KEY_LABEL
 from shim.errors import UpstreamError, WeftError
 from shim.kube.access import ApiAccess
 from shim.periodic import Periodic
+from shim.shadowhost import logs as shadow_logs
+from shim.shadowhost import volumes as shadow_volumes
+from shim.shadowhost.calls import Calls
+from shim.shadowhost.capacity import HostedCapacity
+from shim.shadowhost.context import HostContext
+from shim.shadowhost.fence import Fencer
+from shim.shadowhost.group_weight import ShadowGroupWeight
+from shim.shadowhost.lifecycle import Lifecycle
+from shim.shadowhost.prepare import Preparer
+from shim.shadowhost.reservations import Reservations, ReservationStore
+from shim.shadowhost.runtime import RT, ShadowRuntime, label
+from shim.shadowhost.watch import Watcher
 
 _log = log.get("weft.shadows")
 LOG_CAP_S = 5.0
@@ -75,7 +75,7 @@ class ShadowHost:
                                          self._live_keys, grace=grace, metrics=metrics, store=store)
         self.lifecycle.reservations = self.reservations
         # Shadows on Kubernetes' books run at their requests' weight, and their cgroup weighs the sum of those
-        # (shim.cri.host.group_weight); without, each runs at the floor and the group is left as it is.
+        # (shim.shadowhost.group_weight); without, each runs at the floor and the group is left as it is.
         self.capacity.group = ShadowGroupWeight(self.lifecycle.cgroup_parent)
 
     def open(self) -> None:
@@ -100,14 +100,14 @@ class ShadowHost:
         self.settle_limits()
 
     def settle_limits(self) -> None:
-        """Every running shadow has its CPU quota (shim.cri.host.cpu_limit); containerd away: the next round."""
+        """Every running shadow has its CPU quota (shim.shadowhost.cpu_limit); containerd away: the next round."""
         try:
             self.lifecycle.limiter.settle(self.lifecycle.mark.is_container)
         except WeftError as exc:
             _log.warning("shadow.limit_settle_failed", error=exc.message)
 
     def cap_logs(self) -> None:
-        """Every shadow log on this host kept to the backlog cap (``shim.cri.host.logs.cap``)."""
+        """Every shadow log on this host kept to the backlog cap (``shim.shadowhost.logs.cap``)."""
         for path in self.lifecycle.log_root.rglob("*.log"):
             try:
                 freed = shadow_logs.cap(path)
@@ -179,7 +179,7 @@ class ShadowHost:
 
     @property
     def net(self) -> Any:
-        """Tunnels into shadows (``shim.cri.host.tunnel.ShadowNet``), set by the agent when it serves them."""
+        """Tunnels into shadows (``shim.shadowhost.tunnel.ShadowNet``), set by the agent when it serves them."""
         return self.calls.net
 
     @net.setter

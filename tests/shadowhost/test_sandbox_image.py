@@ -10,7 +10,7 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from shim.cri.host.sandbox_image import FALLBACK, SandboxImage, from_status
+from shim.shadowhost.sandbox_image import FALLBACK, SandboxImage, from_status
 
 
 class _Runtime(cri_grpc.RuntimeServiceServicer):

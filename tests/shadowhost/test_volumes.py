@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from shim._pb import mesh_pb2 as pb
-from shim.cri.host import volumes as sv
+from shim.shadowhost import volumes as sv
 
 
 def _dir(where: str, **files: bytes | tuple[bytes, int]) -> pb.Volume:

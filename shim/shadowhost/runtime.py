@@ -10,9 +10,9 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim._pb import mesh_pb2 as pb
-from shim.cri.host.context import HostContext
 from shim.crishared.labels import KEY_LABEL, ORIGIN_LABEL
 from shim.errors import UnknownContainer, UpstreamError
+from shim.shadowhost.context import HostContext
 
 _log = log.get("weft.shadows")
 RT = "/runtime.v1.RuntimeService/"

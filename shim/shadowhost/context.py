@@ -8,14 +8,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shim.cri.passthrough import Upstream
+from shim.crishared.containerd import Containerd
 from shim.crishared.mark import ShadowMark, ShadowsSeen
 from shim.metrics import Metrics
 
 
 @dataclass(frozen=True)
 class HostContext:
-    upstream: Upstream
+    upstream: Containerd
     metrics: Metrics
     # Shared with the list verbs: the host sets ``present`` as it makes a shadow, the verbs hide what bears the mark.
     shadows: ShadowsSeen

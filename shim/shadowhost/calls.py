@@ -20,12 +20,12 @@ from google.protobuf.message import DecodeError
 
 from shim import log
 from shim._pb import mesh_pb2 as pb
-from shim.cri.host.capacity import HostedCapacity, limits, shares_of
-from shim.cri.host.cpu_limit import Limiter
-from shim.cri.host.lifecycle import HOSTED_CPU_SHARES, HOSTED_OOM_SCORE_ADJ
-from shim.cri.host.runtime import RT, ShadowRuntime
 from shim.crishared.labels import CPU_LIMIT_ANNOTATION, MEMORY_LIMIT_ANNOTATION
 from shim.errors import BadAnnotation, WeftError
+from shim.shadowhost.capacity import HostedCapacity, limits, shares_of
+from shim.shadowhost.cpu_limit import Limiter
+from shim.shadowhost.lifecycle import HOSTED_CPU_SHARES, HOSTED_OOM_SCORE_ADJ
+from shim.shadowhost.runtime import RT, ShadowRuntime
 
 _log = log.get("weft.shadows")
 
@@ -88,7 +88,7 @@ class Calls:
     def __init__(self, rt: ShadowRuntime, capacity: HostedCapacity, limiter: Limiter | None = None) -> None:
         self.rt, self.capacity = rt, capacity
         self.limiter = limiter  # a resize of the origin's wins over the limit a start left to set
-        # Tunnels into shadows (shim.cri.host.tunnel.ShadowNet), set by the agent when it serves them.
+        # Tunnels into shadows (shim.shadowhost.tunnel.ShadowNet), set by the agent when it serves them.
         self.net: Any = None
         # The mesh server's Admit rule, for an update that asks for more (set with the lifecycle's).
         self.admit: Any = None
