@@ -27,9 +27,6 @@ from shim.config import Config
 from shim.cri.cdi import CdiSpecs
 from shim.cri.fabric import Fabric
 from shim.cri.instrument import Instrument
-from shim.cri.origin.context import Origin, OriginSettings
-from shim.cri.origin.prepare import Prepared
-from shim.cri.origin.supervisor import RemoteSupervisor
 from shim.cri.passthrough import Upstream
 from shim.cri.recovery import Reconciler
 from shim.cri.relay.server import RelayServer
@@ -39,6 +36,10 @@ from shim.httpd import HttpEndpoint
 from shim.kube import access
 from shim.kube.pods import PodCache
 from shim.metrics import Metrics
+from shim.origin.context import Origin
+from shim.origin.prepare import Prepared
+from shim.origin.settings import OriginSettings
+from shim.origin.supervisor import RemoteSupervisor
 from shim.periodic import Periodic
 from shim.shadowhost.context import HostContext
 from shim.shadowhost.sandbox_image import SandboxImage
@@ -118,6 +119,8 @@ class Agent:
         self.shadows = ShadowsSeen(ShadowMark.load(Path(cfg.agent.state_dir)), present=True)
         # Where this node is on the mesh: its host side, the mesh, the tunnels (_mesh), and the origin side.
         self.meshed: Meshed | None = None
+        # The origin side, made with the fabric (the verbs see it through the fabric, as shim.crishared.sides says).
+        self.origin: Origin | None = None
         origin = self._mesh(cfg) if cfg.mesh.address else None
         host = self.meshed.host if self.meshed is not None else None
         self.fabric = Fabric(self.upstream, self.store, self.broker, self.metrics,
@@ -127,9 +130,9 @@ class Agent:
                                   Instrument(self.metrics, self.fabric.pod_of), cfg.agent.workers)
         self.reconciler = Reconciler(self.fabric)
         self.supervisor: RemoteSupervisor | None = None
-        if self.fabric.origin is not None:
+        if self.origin is not None:
             m = cfg.mesh
-            self.supervisor = RemoteSupervisor(self.fabric, self.fabric.origin, loss_timeout=m.loss_timeout,
+            self.supervisor = RemoteSupervisor(self.fabric, self.origin, loss_timeout=m.loss_timeout,
                                                heartbeat=m.heartbeat_interval, volume_interval=m.volume_sync_interval)
         self.http: HttpEndpoint | None = None
         self._host_check: Periodic | None = None
@@ -143,10 +146,10 @@ class Agent:
 
     def _mesh(self, cfg: Config) -> Callable[[Fabric], Origin]:
         """This node's mesh, its host side and its tunnels; what makes the fabric's origin side from them."""
-        from shim.cri.origin.stitch import OriginNet
-        from shim.cri.origin.stream_relay import StreamRelay
         from shim.mesh.node import MeshNode
         from shim.mesh.tunnel import contexts
+        from shim.origin.stitch import OriginNet
+        from shim.origin.stream_relay import StreamRelay
         from shim.shadowhost.shadows import ShadowHost
 
         m = cfg.mesh
@@ -176,8 +179,10 @@ class Agent:
         pod_spec = pods.spec_of if pods is not None else None
 
         def origin(fabric: Fabric) -> Origin:
-            return Origin(mesh, settings, tunnel_tls, pod_spec, prepared=Prepared(mesh, settings), streams=streams,
-                          stitch=OriginNet(fabric, mesh, settings, tunnel_tls))
+            self.origin = Origin(mesh, settings, tunnel_tls, pod_spec, prepared=Prepared(mesh, settings),
+                                 streams=streams, stitch=OriginNet(fabric.remotes, fabric.opted_in, fabric.upstream,
+                                                                   mesh, settings, tunnel_tls))
+            return self.origin
 
         return origin
 
@@ -198,7 +203,7 @@ class Agent:
 
     def _tunnels(self, cfg: Config, mesh: MeshNode, host: ShadowHost) -> TunnelServer:
         """The host's end of exec/attach and of the stitched pod network (shim.mesh.tunnel, shim.shadowhost.tunnel);
-        the origin's ends are its side's (shim.cri.origin.stream_relay, shim.cri.origin.stitch)."""
+        the origin's ends are its side's (shim.origin.stream_relay, shim.origin.stitch)."""
         from shim.core.annotations import parse_host_port
         from shim.mesh.tunnel import TunnelServer
         from shim.shadowhost.tunnel import ShadowNet
@@ -213,9 +218,9 @@ class Agent:
 
     def _dead_loops(self) -> list[str]:
         """The accept loops that died (for /healthz): the tunnel port and the stream relay."""
-        if self.meshed is None or self.fabric.origin is None:
+        if self.meshed is None or self.origin is None:
             return []
-        loops = {"tunnel": self.meshed.tunnel, "stream-relay": self.fabric.origin.streams}
+        loops = {"tunnel": self.meshed.tunnel, "stream-relay": self.origin.streams}
         return [name for name, server in loops.items() if not server.alive]
 
     def start(self) -> None:
@@ -223,7 +228,7 @@ class Agent:
         self.server.start()
         failpoint.pause("agent.serving")  # kubelet answered before the rest is up, as on a loaded node (tests)
         self.reconciler.start()
-        meshed, origin = self.meshed, self.fabric.origin
+        meshed, origin = self.meshed, self.origin
         if meshed is not None:
             meshed.host.open()
             meshed.mesh.start()
@@ -262,7 +267,7 @@ class Agent:
         if self.http is not None:
             timed("http", self.http.stop)
         timed("cri-server", lambda: self.server.stop(grace))
-        meshed, origin = self.meshed, self.fabric.origin
+        meshed, origin = self.meshed, self.origin
         if origin is not None:
             for name, part in (("stitch", origin.stitch), ("stream-relay", origin.streams)):
                 if part is not None:

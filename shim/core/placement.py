@@ -29,7 +29,7 @@ class PlacementReason(enum.Enum):
     GPU_LEASED = "gpu-leased"  # gpu stage: runs here on devices the broker leased
     PINNED_LOCAL = "pinned-local"  # weft.io/stage.<c>: local
     NO_MESH = "no-mesh"  # cpu stage, but this node has no peer mesh: runs here
-    # A CPU stage on a node with a mesh (shim.core.reroute decides; shim.cri.origin.place asks the peers):
+    # A CPU stage on a node with a mesh (shim.core.reroute decides; shim.origin.place asks the peers):
     REROUTED = "rerouted"  # runs on a peer (target "remote:<node>")
     NO_PEERS = "no-peers"  # no fresh, healthy CPU host known: runs here
     NO_PEER_FITS = "no-peer-fits"  # CPU hosts known, none with room: runs here

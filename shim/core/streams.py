@@ -1,4 +1,4 @@
-"""The pure half of the streaming relay (``shim.cri.origin.stream_relay``).
+"""The pure half of the streaming relay (``shim.origin.stream_relay``).
 
 * ``StreamTokens``: the origin's streaming URLs, one-time tokens that expire,
   each naming the host and the host's own URL.

@@ -19,12 +19,12 @@ from shim.cri.cdi import CdiSpecs
 from shim.cri.passthrough import Upstream
 from shim.crishared.mark import ShadowsSeen
 from shim.crishared.remote import RemoteContainers
+from shim.crishared.sides import OriginSide
 from shim.errors import BrokerUnavailable, WeftError
 from shim.metrics import Metrics
 from shim.state.agent import AgentStore, SandboxRecord
 
 if TYPE_CHECKING:
-    from shim.cri.origin.context import Origin
     from shim.mesh.node import MeshNode
 
 WEFT_HANDLER = "weft"
@@ -40,7 +40,7 @@ class Fabric:
     def __init__(self, upstream: Upstream, store: AgentStore, broker: BrokerClient | None, metrics: Metrics, *,
                  cdi_specs: CdiSpecs | None = None, shadows: ShadowsSeen | None = None,
                  reservation_of: ReservationOf | None = None,
-                 origin: Callable[[Fabric], Origin] | None = None) -> None:
+                 origin: Callable[[Fabric], OriginSide] | None = None) -> None:
         self.upstream = upstream
         self.store = store
         self.broker = broker
@@ -66,7 +66,7 @@ class Fabric:
         self.lease_gate = threading.Lock()
         self._lock = threading.Lock()
         # Last: the origin side's parts hold this fabric.
-        self.origin: Origin | None = origin(self) if origin is not None else None
+        self.origin: OriginSide | None = origin(self) if origin is not None else None
 
     @property
     def mesh(self) -> MeshNode | None:

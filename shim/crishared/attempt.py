@@ -1,7 +1,7 @@
 """One opted-in CreateContainer as the verb has read it: what leasing, placing on a peer and recording it need.
 
 Made once by ``shim.cri.verbs.create_container`` and handed whole to the
-lease, to the local create and to ``shim.cri.origin.place``, in place of the
+lease, to the local create and to ``shim.origin.place``, in place of the
 long argument lists each step took.
 """
 
@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from cri_api.v1 import api_pb2 as cri
 
 from shim.core.classify import Classification, ContainerAsk
+from shim.core.placement import PlacementReason
 from shim.state.agent import SandboxRecord
 
 
@@ -38,3 +39,11 @@ class CreateAttempt:
     @property
     def attempt(self) -> int:
         return self.req.config.metadata.attempt
+
+
+@dataclass(frozen=True)
+class LocalBecause:
+    """The container stays here, and why."""
+
+    reason: PlacementReason
+    detail: str

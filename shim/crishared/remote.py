@@ -301,3 +301,16 @@ def host_client(mesh: MeshNode | None, r: Remote) -> PeerClient:
     if client is None:
         raise HostUnavailable(f"weft: container {r.id[:13]} runs on {r.node}, which is not a peer of this node now")
     return client
+
+
+RemoteListener = Callable[[Remote], None]
+
+
+@dataclass
+class RemoteEvents:
+    """Told when a remote container starts, when kubelet rotates its log and when it is removed: the supervisor
+    copies its log from the host."""
+
+    started: list[RemoteListener] = field(default_factory=list)
+    reopened: list[RemoteListener] = field(default_factory=list)
+    removed: list[RemoteListener] = field(default_factory=list)

@@ -3,7 +3,7 @@
 For a pod that did not opt in the request is forwarded byte for byte. For an
 opted-in pod each container is classified (``shim.core.classify``) and placed
 (``shim.core.placement``); on a node with a mesh a CPU container may go to a
-peer (``shim.cri.origin.place``), and kubelet gets a virtual container ID; a
+peer (``shim.origin.place``), and kubelet gets a virtual container ID; a
 GPU container gets a lease from the broker and
 its request is rewritten so it sees exactly the leased devices (device nodes,
 CDI devices, visible-devices variables, and for a shared device the MPS
@@ -51,7 +51,6 @@ from shim.core.placement import (
 from shim.core.quantity import AnnotationError
 from shim.cri.fabric import Fabric
 from shim.cri.instrument import note_pod
-from shim.cri.origin.place import place_remote
 from shim.cri.passthrough import timeout_of
 from shim.cri.route import Route
 from shim.cri.wire import string_field
@@ -237,7 +236,7 @@ def _lease_and_create(fabric: Fabric, a: CreateAttempt, placement: Placement, co
             _log.info("placement.gpu_access_removed", pod=sandbox.name, namespace=sandbox.namespace, container=name,
                       stage=classification.stage.value, taken=taken)
     if classification.stage is Stage.CPU and fabric.origin is not None:
-        remote, local = place_remote(fabric, fabric.origin, a, timeout_of(context))
+        remote, local = fabric.origin.place(fabric, a, timeout_of(context))
         if remote is not None:
             fabric.metrics.placements.labels(classification.stage.value, "remote",
                                              PlacementReason.REROUTED.value).inc()

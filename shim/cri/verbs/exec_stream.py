@@ -1,7 +1,7 @@
 """Exec (the streaming one): a remote container's session is served by its host, through the origin's URL.
 
 The host's containerd makes the session and its URL (ShadowCall Exec); kubelet
-gets a URL of the origin's streaming relay (``shim.cri.origin.stream_relay``) that
+gets a URL of the origin's streaming relay (``shim.origin.stream_relay``) that
 leads there. A local container's Exec passes through unchanged.
 """
 

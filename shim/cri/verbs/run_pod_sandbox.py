@@ -4,7 +4,7 @@ A sandbox whose runtime handler is ``weft`` (the handler of the ``weft``
 RuntimeClass) is forwarded unchanged to containerd, whose ``weft`` handler is
 runc plus weft's OCI hooks, and remembered as opted in: written to the state
 store before kubelet gets the sandbox ID; on a node with a mesh, a host is
-asked at once to prepare the pod's shadow sandbox (``shim.cri.origin.prepare``).
+asked at once to prepare the pod's shadow sandbox (``shim.origin.prepare``).
 Every other sandbox passes through byte for byte.
 """
 

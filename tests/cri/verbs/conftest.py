@@ -23,10 +23,10 @@ from shim.broker.server import BrokerServicer
 from shim.broker.service import LeaseService
 from shim.broker.simulated import SimulatedBackend
 from shim.cri.fabric import Fabric
-from shim.cri.origin.context import Origin
 from shim.cri.passthrough import Upstream
 from shim.crishared.remote import Remote
 from shim.metrics import Metrics
+from shim.origin.context import Origin
 from shim.state.agent import AgentStore
 from shim.state.leases import LeaseStore
 from tests.cri.verbs.fakes import HOST, FakeHost, FakeMesh, FakeStreams, RecordingContainerd, add_remote

@@ -15,10 +15,10 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim.cri import methods
-from shim.cri.origin.context import Origin
 from shim.cri.verbs import admin, routes
 from shim.crishared.labels import ORIGIN_LABEL
 from shim.errors import ConfigError, MalformedRequest, UnknownContainer
+from shim.origin.context import Origin
 from tests.cri.verbs.fakes import HOST, SANDBOX, FakeMesh, ctx, lease_for, opt_in, placed_local
 
 LOCAL_ID = "1c" * 32

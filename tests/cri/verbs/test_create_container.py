@@ -21,10 +21,10 @@ from shim.core.placement import (
     PlacementReason,
     PlacementState,
 )
-from shim.cri.origin.context import OriginSettings
 from shim.cri.verbs import create_container
 from shim.cri.verbs.create_container import rewrite_for_lease
 from shim.errors import BadAnnotation, BrokerUnavailable, CreateInProgress, MalformedRequest, UpstreamError
+from shim.origin.settings import OriginSettings
 from tests.cri.verbs.fakes import ctx, opt_in
 
 U0 = "GPU-00000000-0000-4000-8000-000000000000"

@@ -16,11 +16,11 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.origin.context import Origin
 from shim.cri.verbs import get_container_events
 from shim.crishared.labels import ORIGIN_LABEL
 from shim.crishared.mark import MARK_LABEL, ShadowMark
 from shim.errors import UpstreamError
+from shim.origin.context import Origin
 from tests.cri.verbs.fakes import SANDBOX, FakeMesh, Refusal, StreamEnd, add_remote, ctx
 
 LOCAL_ID = "1c" * 32

@@ -10,9 +10,9 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from shim.cri.origin.context import Origin
 from shim.cri.verbs import pull_image
 from shim.errors import UpstreamError
+from shim.origin.context import Origin
 from tests.cri.verbs.fakes import FakeMesh, ctx
 
 IMAGE = "registry.example/team/tokenizer:v3"

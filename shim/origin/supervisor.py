@@ -43,11 +43,11 @@ from google.protobuf.message import DecodeError
 from shim import log
 from shim.config import WATCH_IDLE_S, WATCH_QUIET_S
 from shim.core.reroute import classify_mounts
-from shim.cri.fabric import Fabric
-from shim.cri.origin.context import Origin
-from shim.cri.origin.place import read_volumes
 from shim.crishared.remote import Remote
+from shim.crishared.sides import OriginFabric
 from shim.errors import WeftError
+from shim.origin.context import Origin
+from shim.origin.place import read_volumes
 from shim.periodic import Periodic
 
 _log = log.get("weft.remote")
@@ -160,7 +160,7 @@ class LogCopy:
 
 
 class RemoteSupervisor:
-    def __init__(self, fabric: Fabric, origin: Origin, *, loss_timeout: float, heartbeat: float,
+    def __init__(self, fabric: OriginFabric, origin: Origin, *, loss_timeout: float, heartbeat: float,
                  volume_interval: float = 5.0, tick: float = 0.5) -> None:
         self.fabric, self.origin, self.mesh = fabric, origin, origin.mesh
         self.loss_timeout = loss_timeout

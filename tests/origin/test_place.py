@@ -19,12 +19,13 @@ from shim.core.classify import Classification, ContainerAsk, Stage, StageReason
 from shim.core.placement import PlacementReason, PlacementState
 from shim.core.reroute import PeerView, Resources
 from shim.cri.fabric import Fabric
-from shim.cri.origin.context import Origin, OriginSettings
-from shim.cri.origin.place import place_remote, read_volumes
 from shim.crishared.attempt import CreateAttempt
 from shim.errors import WeftError
 from shim.mesh.client import PeerUnavailable
 from shim.metrics import Metrics
+from shim.origin.context import Origin
+from shim.origin.place import read_volumes
+from shim.origin.settings import OriginSettings
 from shim.state.agent import AgentStore, SandboxRecord
 
 GI = 1 << 30
@@ -117,7 +118,7 @@ def request(tmp_path: Path, **security) -> cri.CreateContainerRequest:
 def place(fabric: Fabric, tmp_path: Path, peers: dict[str, Peer], budget: float | None = None, **security):
     fabric.origin.mesh = FakeMesh(peers)
     req = request(tmp_path, **security)
-    return place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"), budget)
+    return fabric.origin.place(fabric, attempt(fabric, req, "sb/tokenize/0"), budget)
 
 
 def test_a_vanished_peer_is_skipped_for_the_next(fabric, tmp_path) -> None:
@@ -185,7 +186,7 @@ def test_configs_larger_than_a_mesh_message_stay_here_saying_so(fabric, tmp_path
     fabric.origin.mesh = FakeMesh(peers)
     req = request(tmp_path)
     req.config.envs.add(key="BIG", value="x" * (4 << 20))
-    remote, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"), None)
+    remote, local = fabric.origin.place(fabric, attempt(fabric, req, "sb/tokenize/0"), None)
     assert remote is None and local.reason is PlacementReason.CONFIG_TOO_LARGE
     assert f"more than a mesh message carries ({4 << 20} bytes)" in local.detail
     assert peers["cpu-1"].calls == []
@@ -251,7 +252,7 @@ def test_with_the_pod_spec_an_empty_dir_only_it_mounts_goes_with_it(fabric, tmp_
     fabric.origin.mesh = FakeMesh({"cpu-1": peer})
     req = request(tmp_path)
     _mounted(req, tmp_path, "scratch", "/scratch")
-    remote, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"))
+    remote, local = fabric.origin.place(fabric, attempt(fabric, req, "sb/tokenize/0"))
     assert local is None and remote.node == "cpu-1"
     (shadow,) = sent
     assert [(e.container_path, e.size_limit) for e in shadow.empty_dirs] == [("/scratch", 64 << 20)]
@@ -263,7 +264,7 @@ def test_with_the_pod_spec_a_shared_empty_dir_keeps_it_here_and_says_which_rules
     fabric.origin.mesh = FakeMesh({"cpu-1": Peer()})
     req = request(tmp_path)
     _mounted(req, tmp_path, "handoff", "/out")
-    remote, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"))
+    remote, local = fabric.origin.place(fabric, attempt(fabric, req, "sb/tokenize/0"))
     assert remote is None and local.reason is PlacementReason.UNSAFE
     assert "pod spec read" in local.detail
 
@@ -277,7 +278,7 @@ def test_without_limits_it_is_admitted_by_its_requests_from_the_spec(fabric, tmp
     fabric.origin.mesh = FakeMesh({"cpu-1": peer})
     req = request(tmp_path)
     req.config.linux.resources.Clear()
-    remote, _ = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"))
+    remote, _ = fabric.origin.place(fabric, attempt(fabric, req, "sb/tokenize/0"))
     assert remote is not None
     assert (sent[0].admitted.cpu_cores, sent[0].admitted.memory_bytes) == (0.25, 128 << 20)
 
@@ -286,7 +287,7 @@ def test_without_the_pod_spec_limits_are_required_and_the_detail_says_why(fabric
     fabric.origin.mesh = FakeMesh({"cpu-1": Peer()})
     req = request(tmp_path)
     req.config.linux.resources.Clear()
-    remote, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/0"))
+    remote, local = fabric.origin.place(fabric, attempt(fabric, req, "sb/tokenize/0"))
     assert remote is None and local.reason is PlacementReason.UNSAFE and "no Kubernetes API" in local.detail
 
 
@@ -295,7 +296,7 @@ def test_an_init_container_stays_on_the_pod_s_node(fabric, tmp_path) -> None:
     fabric.origin.mesh = FakeMesh({"cpu-1": Peer()})
     req = request(tmp_path)
     req.config.metadata.name = "fetch"
-    remote, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/fetch/0"))
+    remote, local = fabric.origin.place(fabric, attempt(fabric, req, "sb/fetch/0"))
     assert remote is None and local.reason is PlacementReason.INIT_CONTAINER
 
 
@@ -306,6 +307,6 @@ def test_a_restart_is_not_sent_back_to_the_host_that_lost_its_reservation(fabric
     fabric.remotes.update(remote, cri.ContainerStatus(state=cri.CONTAINER_EXITED, reason="ReservationPreempted"))
     req = request(tmp_path)
     req.config.metadata.attempt = 1
-    again, local = place_remote(fabric, fabric.origin, attempt(fabric, req, "sb/tokenize/1"))
+    again, local = fabric.origin.place(fabric, attempt(fabric, req, "sb/tokenize/1"))
     assert local is None and again.node == "cpu-2" and "ReservationPreempted" in again.config.annotations.get(
         "weft.io/placement-reason", "") + fabric.store.placement_by_key("sb/tokenize/1").detail

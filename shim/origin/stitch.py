@@ -51,16 +51,17 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim import log
 from shim.core.stitch import PORTS_ANNOTATION, Collision, HeldBy, attribute, declared_ports, plan
-from shim.cri.fabric import Fabric
-from shim.cri.origin.context import OriginSettings
+from shim.crishared.containerd import Containerd
 from shim.crishared.kernel_path import KernelForwards
 from shim.crishared.kernel_path import sweep as sweep_kernel_rules
 from shim.crishared.netns import Netns, owner_of, sandbox_netns
-from shim.crishared.remote import Remote, host_client
+from shim.crishared.remote import Remote, RemoteContainers, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipe, SocketEnd, dial, tune
 from shim.mesh.tunnel.accept import NotTaken, accept_loop, closed
+from shim.origin.settings import OriginSettings
 from shim.periodic import Periodic
+from shim.state.agent import SandboxRecord
 
 # Connections to stitched ports being opened to their hosts at once (each holds a thread until its tunnel
 # is up): more are closed at once, so a pod cannot take every thread of the agent.
@@ -323,9 +324,12 @@ def _close_listener(sock: socket.socket) -> None:
 class OriginNet:
     """Keeps a PodNet per origin sandbox with running remote containers; one thread."""
 
-    def __init__(self, fabric: Fabric, mesh: MeshNode, settings: OriginSettings,
-                 tunnel_tls: ssl.SSLContext | None) -> None:
-        self.fabric, self.mesh, self.settings, self.tunnel_tls = fabric, mesh, settings, tunnel_tls
+    def __init__(self, remotes: RemoteContainers, opted_in: dict[str, SandboxRecord], containerd: Containerd,
+                 mesh: MeshNode, settings: OriginSettings, tunnel_tls: ssl.SSLContext | None) -> None:
+        # Of the verbs' fabric, what the loop reads: the remote containers, the opted-in pods (the same dict, kept
+        # up to date there) and containerd, for a pod's namespace and IP.
+        self.remotes, self.opted_in, self.containerd = remotes, opted_in, containerd
+        self.mesh, self.settings, self.tunnel_tls = mesh, settings, tunnel_tls
         self.pods: dict[str, PodNet] = {}
         self.pipes: set[Pipe] = set()
         self._lock = threading.Lock()
@@ -358,14 +362,14 @@ class OriginNet:
 
     def round(self) -> None:
         running: dict[str, list[Remote]] = {}
-        for r in self.fabric.remotes.all():
+        for r in self.remotes.all():
             if r.state == cri.CONTAINER_RUNNING and not r.lost:
                 running.setdefault(r.sandbox_id, []).append(r)
         for sid in [s for s in self.pods if s not in running]:
             self.pods.pop(sid).close()
         if not self._swept:  # once, at start: kernel rules a killed agent left in pods with nothing to forward
             self._swept = True
-            self._sweep([sid for sid in self.fabric.opted_in if sid not in running])
+            self._sweep([sid for sid in self.opted_in if sid not in running])
         for sid, remotes in running.items():
             pod = self.pods.get(sid)
             if pod is None:
@@ -374,7 +378,7 @@ class OriginNet:
                 except WeftError as exc:
                     _log.warning("stitch.no_netns", sandbox_id=sid, error=exc.message)
                     continue
-                rec = self.fabric.opted_in.get(sid)
+                rec = self.opted_in.get(sid)
                 pod = self.pods[sid] = PodNet(self, sid, Netns(path), dict(rec.annotations) if rec else {})
                 pod.pod_ip = self._pod_ip(sid)
             ids = {r.id for r in remotes}
@@ -417,8 +421,8 @@ class OriginNet:
 
     def _call(self, path: str, request, response_type):
         try:
-            raw = self.fabric.upstream.channel.unary_unary(path)(request.SerializeToString(), timeout=10)
+            raw = self.containerd.channel.unary_unary(path)(request.SerializeToString(), timeout=10)
         except grpc.RpcError as exc:
-            raise self.fabric.upstream.translate(exc) from None
+            raise self.containerd.translate(exc) from None
         return response_type.FromString(raw)
 

@@ -43,14 +43,16 @@ from shim.core.reroute import (
     classify_mounts,
     decide,
 )
-from shim.cri.fabric import Fabric
-from shim.cri.origin.context import Origin
 from shim.crishared import baseline
-from shim.crishared.attempt import CreateAttempt
-from shim.crishared.remote import REMOTE_PREFIX, Remote, new_id
+from shim.crishared.attempt import CreateAttempt, LocalBecause
+from shim.crishared.containerd import Containerd
+from shim.crishared.remote import REMOTE_PREFIX, PulledImages, Remote, new_id
+from shim.crishared.sides import OriginFabric
 from shim.errors import WeftError
 from shim.mesh.client import PeerUnavailable
 from shim.mesh.wire import MAX_MESSAGE_BYTES
+from shim.origin.prepare import Prepared
+from shim.origin.settings import OriginSettings, PodSpecOf
 from shim.state.agent import PlacementRecord
 
 if TYPE_CHECKING:
@@ -71,14 +73,6 @@ MIN_SHADOW_WAIT_S = 5.0
 _CREATED_OR_LATER = (cri.CONTAINER_CREATED, cri.CONTAINER_RUNNING, cri.CONTAINER_EXITED)
 # An Admit that found its peer silent, rather than refused or busy.
 _SILENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
-
-
-@dataclass(frozen=True)
-class LocalBecause:
-    """The container stays here, and why."""
-
-    reason: PlacementReason
-    detail: str
 
 
 def limits_of(config: cri.ContainerConfig) -> Resources | None:
@@ -181,32 +175,32 @@ def read_volumes(config: cri.ContainerConfig, copyable: tuple[str, ...]) -> list
     return volumes
 
 
-def pullable(fabric: Fabric, origin: Origin, image: cri.ImageSpec) -> tuple[cri.ImageSpec, cri.AuthConfig | None]:
+def pullable(upstream: Containerd, images: PulledImages,
+             image: cri.ImageSpec) -> tuple[cri.ImageSpec, cri.AuthConfig | None]:
     """An ImageSpec a host can pull (kubelet names the image by its local ID) and the credentials for it."""
     ref = image.image
-    known = origin.images.lookup(ref) or (origin.images.lookup(image.user_specified_image)
-                                          if image.user_specified_image else None)
+    known = images.lookup(ref) or (images.lookup(image.user_specified_image) if image.user_specified_image else None)
     name = known[0] if known else (image.user_specified_image or ref)
     if not known and ref.startswith("sha256:"):
-        status = fabric.upstream.channel.unary_unary(
+        status = upstream.channel.unary_unary(
             "/runtime.v1.ImageService/ImageStatus", request_serializer=cri.ImageStatusRequest.SerializeToString,
             response_deserializer=cri.ImageStatusResponse.FromString)(
             cri.ImageStatusRequest(image=cri.ImageSpec(image=ref)), timeout=10).image
         names = [*status.repo_digests, *status.repo_tags]
         if names:
             name = names[0]
-            known = origin.images.lookup(name)
+            known = images.lookup(name)
     spec = cri.ImageSpec()
     spec.CopyFrom(image)
     spec.image = name
     return spec, (known[1] if known else None)
 
 
-def pod_spec_of(origin: Origin, sandbox: cri.PodSandboxConfig, name: str) -> tuple[SpecFacts | None, str]:
+def pod_spec_of(pod_spec: PodSpecOf | None, sandbox: cri.PodSandboxConfig, name: str) -> tuple[SpecFacts | None, str]:
     """What the pod spec says of the container, from the node's pod cache, and which rules placement follows."""
-    if origin.pod_spec is None:
+    if pod_spec is None:
         return None, "no pod spec: no Kubernetes API, so every emptyDir counts as shared and limits are required"
-    pod = origin.pod_spec(sandbox.metadata.namespace, sandbox.metadata.name)
+    pod = pod_spec(sandbox.metadata.namespace, sandbox.metadata.name)
     if pod is None:
         return None, "pod spec not found: every emptyDir counts as shared and limits are required"
     facts = spec_facts(pod, name)
@@ -224,7 +218,7 @@ def _empty_dirs(config: cri.ContainerConfig, spec: SpecFacts | None) -> list[pb.
             and _volume_name(m.host_path) in spec.private_empty_dirs]
 
 
-def reservation_lost_on(fabric: Fabric, sandbox_id: str, name: str, attempt: int) -> tuple[str, str] | None:
+def reservation_lost_on(fabric: OriginFabric, sandbox_id: str, name: str, attempt: int) -> tuple[str, str] | None:
     """(host, reason) when the previous attempt of this container ran on a host that stopped it because its
     reservation there was lost (refused, evicted, preempted, deleted); None otherwise."""
     for r in fabric.remotes.all():
@@ -234,17 +228,17 @@ def reservation_lost_on(fabric: Fabric, sandbox_id: str, name: str, attempt: int
     return None
 
 
-def place_remote(fabric: Fabric, origin: Origin, a: CreateAttempt, budget_s: float | None = None) -> tuple[
-                     Remote | None, LocalBecause | None]:
+def place_remote(fabric: OriginFabric, a: CreateAttempt, budget_s: float | None = None, *, mesh: MeshNode,
+                 settings: OriginSettings, images: PulledImages, pod_spec: PodSpecOf | None = None,
+                 prepared: Prepared | None = None) -> tuple[Remote | None, LocalBecause | None]:
     """Run the container on a peer: the Remote kubelet now knows, or why it stays here.
 
     ``budget_s`` is what is left of kubelet's deadline for the call (None: no deadline).
     """
     started = time.monotonic()
-    mesh, settings = origin.mesh, origin.settings
     req = a.req
     config, sandbox_config = req.config, req.sandbox_config
-    spec, rules = pod_spec_of(origin, sandbox_config, config.metadata.name)
+    spec, rules = pod_spec_of(pod_spec, sandbox_config, config.metadata.name)
     if spec is not None and spec.init:
         return None, LocalBecause(PlacementReason.INIT_CONTAINER, f"an init container runs on the pod's node ({rules})")
     facts = facts_of(config, sandbox_config, settings.pods_dir, spec)
@@ -260,7 +254,7 @@ def place_remote(fabric: Fabric, origin: Origin, a: CreateAttempt, budget_s: flo
                                   f"{MAX_VOLUME_BYTES >> 20} MiB; it is not copied to a peer")
     except OSError as exc:
         return None, LocalBecause(PlacementReason.VOLUMES_TOO_LARGE, f"cannot read a read-only volume to copy: {exc}")
-    image, auth = pullable(fabric, origin, config.image)
+    image, auth = pullable(fabric.upstream, images, config.image)
     shadow_config = cri.ContainerConfig()
     shadow_config.CopyFrom(config)
     del shadow_config.mounts[:]
@@ -274,7 +268,7 @@ def place_remote(fabric: Fabric, origin: Origin, a: CreateAttempt, budget_s: flo
                                   f"{configs} bytes, more than a mesh message carries ({MAX_MESSAGE_BYTES} bytes)")
     limits = facts.limits
     tried: list[str] = []
-    candidates = (origin.prepared.order(decision.candidates, sandbox_config) if origin.prepared is not None
+    candidates = (prepared.order(decision.candidates, sandbox_config) if prepared is not None
                   else decision.candidates)
     lost = reservation_lost_on(fabric, req.pod_sandbox_id, config.metadata.name, config.metadata.attempt)
     if lost is not None:  # Kubernetes took the last attempt's CPU away there: placed afresh, elsewhere or here
@@ -332,7 +326,7 @@ class ShadowCreate:
     empty_dirs: list[pb.EmptyDir] = field(default_factory=list)
 
 
-def _create_on(fabric: Fabric, mesh: MeshNode, c: ShadowCreate) -> Remote | str:
+def _create_on(fabric: OriginFabric, mesh: MeshNode, c: ShadowCreate) -> Remote | str:
     """The Remote now running on ``c.node``, or what that host said (for the placement's detail)."""
     a, node, shadow_config, auth, admitted = c.attempt, c.node, c.shadow_config, c.auth, c.admitted
     req, sandbox, key, classification, detail = a.req, a.sandbox, a.key, a.classification, c.detail

@@ -8,8 +8,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from shim.cri.origin import stitch
 from shim.mesh.tunnel import accept
+from shim.origin import stitch
 
 
 class _Pod:

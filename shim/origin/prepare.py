@@ -24,8 +24,8 @@ from cri_api.v1 import api_pb2 as cri
 from shim import log
 from shim._pb import mesh_pb2 as pb
 from shim.core.prepare import PrepareDecision, PrepareReason, decide_prepare, prefer
-from shim.cri.origin.context import OriginSettings
 from shim.errors import WeftError
+from shim.origin.settings import OriginSettings
 
 if TYPE_CHECKING:
     from shim.mesh.node import MeshNode

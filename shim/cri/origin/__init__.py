@@ -1,7 +1,0 @@
-"""The origin's side of rerouting: containers kubelet asked for here that run on a host.
-
-``shim.crishared.remote`` keeps them as kubelet sees them (the verbs read it too),
-``place`` chooses their host,
-``supervisor`` follows them (status, loss, logs, volumes), ``stitch`` joins
-them to their pod's localhost, ``stream_relay`` carries exec and attach.
-"""
