@@ -268,3 +268,58 @@ def test_verify_refuses_a_moved_tag_an_unsigned_image_and_another_key(request, s
     report(request.config, f"cosign verify, the tag moved with the signature copied: {_said(res)}")
     # The signed digest itself still verifies.
     _verify(signed, signed.by_digest, keys[1])
+
+
+# -- the multi-architecture image: amd64 and arm64 under one digest ----------------------------------------------
+@pytest.fixture(scope="module")
+def multi(pushed: Pushed, tmp_path_factory) -> tuple[build.Built, dict[str, Path], str]:
+    """The amd64 and arm64 image built as one index, an SBOM per architecture, pushed whole (``skopeo copy --all
+    --preserve-digests``: the registry serves the digests the build printed); (built, {arch: SBOM}, reference)."""
+    both = build.build(tmp_path_factory.mktemp("nodeimage-both"), platforms="linux/amd64,linux/arm64")
+    sboms = {i.arch: image_sbom.make_sbom(both.archive, syft=Path(_tool("syft")), arch=i.arch) for i in both.images}
+    ref = f"{pushed.registry.host}/{REPOSITORY}:0.1.0-multi"
+    pushed.run("skopeo", "copy", "--quiet", "--all", "--preserve-digests", "--dest-tls-verify=false",
+               f"--dest-creds={pushed.registry.user}:{pushed.registry.password}", f"oci-archive:{both.archive}",
+               f"docker://{ref}", timeout=300)
+    return both, sboms, ref
+
+
+def test_the_multi_architecture_image_is_signed_whole_and_each_architecture_carries_its_own_sbom(
+        request, pushed: Pushed, keys: tuple[Path, Path], multi: tuple[build.Built, dict[str, Path], str]) -> None:
+    both, sboms, ref = multi
+    host, key, pub = pushed.registry.host, str(keys[0]), keys[1]
+    assert pushed.oras("resolve", ref).stdout.strip() == both.manifest_digest  # the build's digest, as served
+    index = json.loads(pushed.oras("manifest", "fetch", ref).stdout)
+    assert [(m["digest"], m["platform"]["architecture"]) for m in index["manifests"]] == [
+        (i.manifest_digest, i.arch) for i in both.images]
+    by = {i.arch: f"{host}/{REPOSITORY}@{i.manifest_digest}" for i in both.images}
+    common = ["--key", key, "--tlog-upload=false", "--allow-http-registry", "--yes"]
+    # Each architecture's SBOM refers to its own image's digest, and says so itself (syft's subject).
+    for arch, path in sboms.items():
+        doc = json.loads(path.read_text())
+        assert doc["metadata"]["component"]["version"] == by[arch].split("@")[1]
+        pushed.run("cp", str(path), str(pushed.work / path.name))
+        pushed.oras("attach", "--artifact-type", SBOM_TYPE, by[arch], f"{path.name}:{SBOM_TYPE}")
+        found = json.loads(pushed.oras("discover", "--format", "json", "--artifact-type", SBOM_TYPE,
+                                       by[arch]).stdout)
+        assert len(found.get("referrers", found.get("manifests", []))) == 1, found
+    # One signature over the index and, --recursive, each architecture's image: a node verifies what it pulls.
+    pushed.cosign("sign", *common, "--recursive", f"{host}/{REPOSITORY}@{both.manifest_digest}")
+    for target in (f"{host}/{REPOSITORY}@{both.manifest_digest}", by["amd64"], by["arm64"]):
+        (claim,) = json.loads(_verify(pushed, target, pub).stdout)
+        assert claim["critical"]["image"]["docker-manifest-digest"] == target.split("@")[1]
+    # An SBOM attested for another digest is refused: amd64's attestation put beside arm64's image.
+    pushed.cosign("attest", *common, "--type", "cyclonedx", "--predicate", str(sboms["amd64"]), by["amd64"])
+    pushed.skopeo_copy(f"{host}/{REPOSITORY}:{by['amd64'].split('@')[1].replace(':', '-')}.att",
+                       f"{host}/{REPOSITORY}:{by['arm64'].split('@')[1].replace(':', '-')}.att")
+    attest = ["verify-attestation", "--key", str(pub), "--insecure-ignore-tlog", "--allow-http-registry",
+              "--type", "cyclonedx"]
+    res = pushed.cosign(*attest, by["arm64"], check=False)
+    assert res.returncode != 0, res.stdout
+    report(request.config, f"cosign verify-attestation, an SBOM attested for another digest: {_said(res)}")
+    # Its own, attested for it, verifies.
+    pushed.cosign("attest", *common, "--replace", "--type", "cyclonedx", "--predicate", str(sboms["arm64"]),
+                  by["arm64"])
+    att = pushed.cosign(*attest, by["arm64"]).stdout
+    statements = [json.loads(base64.b64decode(json.loads(ln)["payload"])) for ln in att.splitlines() if ln.strip()]
+    assert {s["subject"][0]["digest"]["sha256"] for s in statements} == {by["arm64"].split(":")[-1]}
