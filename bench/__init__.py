@@ -1,7 +1,4 @@
-"""Benchmarks run from a checkout (``python -m bench.X``), not from an installed weft: those that need the test
-cluster (``integration/``), and the simulation checked against the local fabric's real agents
-(``bench.sim_validation``).
-
-The benchmarks a user runs from an installed weft are ``weft bench`` (``shim/bench``); figures of both are
-written under ``bench/results/`` and described in ``docs/benchmarks.md``.
+"""``python -m bench.X``: the names the checkout's benchmarks are run by, each running its module in
+``shim/bench/checkout`` (where they live, beside the shipped ``weft bench`` ones in ``shim/bench``, and out of the
+wheel); and their figures, with those of ``weft bench``, under ``bench/results/`` (``docs/benchmarks.md``).
 """

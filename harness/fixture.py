@@ -13,7 +13,8 @@ import pytest
 from harness.cluster import KubeCluster, NodeSpec
 
 FIGURES_ENV = "WEFT_TEST_FIGURES"
-# Where a benchmark that runs a scenario's test (``bench/day_two.py``) has its figures written as JSON lines.
+# Where a benchmark that runs a scenario's test (``shim/bench/checkout/day_two.py``) has its figures written, as
+# JSON lines.
 BENCH_FIGURES_ENV = "WEFT_BENCH_FIGURES"
 # Upgrade and roll-back rounds in a row in the day-two test (``python -m bench.day_two --rounds N`` sets it).
 ROUNDS_ENV = "WEFT_DAY_TWO_ROUNDS"

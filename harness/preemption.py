@@ -1,8 +1,8 @@
 """A hosted stage preempted on a real cluster, observed from the host's containerd.
 
 Shared by the test that says what preemption must do (``integration/kube/test_kube_hosted.py``) and the benchmark
-that measures it with and without the reservation's preStop hook (``bench/preemption.py``): the same steps,
-the same samples, so the figures are those of the behaviour the test checks.
+that measures it with and without the reservation's preStop hook (``shim/bench/checkout/preemption.py``): the same
+steps, the same samples, so the figures are those of the behaviour the test checks.
 """
 
 from __future__ import annotations

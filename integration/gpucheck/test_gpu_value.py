@@ -21,8 +21,8 @@ from pathlib import Path
 import psutil
 import pytest
 
-from bench.gpu_value import GpuValue, Plan, ValueGpu, record, report, summary, write
 from integration.gpucheck.test_whole_path import fake_cdi, no_minor
+from shim.bench.checkout.gpu_value import GpuValue, Plan, ValueGpu, record, report, summary, write
 from shim.broker.nvml import NvmlBackend
 from tests.broker.fakes import A100, FakeNvml, install_fake_mps
 from tests.gpucheck import fakecuda

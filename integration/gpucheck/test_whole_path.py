@@ -22,8 +22,8 @@ import psutil
 import pynvml
 import pytest
 
-from bench.gpu_whole_path import GpuSide, WholePath, libcuda_in, libcuda_on_host, own_cdi, summary
 from harness import binaries
+from shim.bench.checkout.gpu_whole_path import GpuSide, WholePath, libcuda_in, libcuda_on_host, own_cdi, summary
 from shim.broker.backend import GpuDevice
 from shim.broker.nvml import NvmlBackend
 from tests.broker.fakes import A100, T4, FakeNvml, install_fake_mps

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import gpu_value, gpu_workload
+from shim.bench.checkout import gpu_value, gpu_workload
 from shim.broker.nvml import NvmlBackend, NvmlUnavailable
 from tests.broker.fakes import A100, FakeMig, FakeNvml, proc
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from harness.fixture import BENCH_FIGURES_ENV
 from shim.bench.running import report
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[3]
 
 
 def gather(scenarios: str, select: str | None, wanted: set[str],
