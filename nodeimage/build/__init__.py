@@ -35,9 +35,12 @@ installs the hash-locked wheels without compiling (no ``.pyc``) and the RECORD l
 deletes go with them (their hashes carry the build host's interpreter path); the Debian packages are the pinned
 ones, and the hook's toolchain is checked against the pins' ``[host]``. The output is an OCI layout and
 ``weft-image.oci.tar`` (that layout as a tar, with the ``io.containerd.image.name`` annotation ``ctr images
-import`` uses)::
+import`` uses). ``--platform linux/amd64,linux/arm64`` makes one multi-architecture image, an index of the two,
+each built as above from its own architecture's packages, wheels, hook (cross-compiled) and tini; the amd64
+image in it is the same, byte for byte, as a plain build's::
 
     python -m nodeimage.build --out DIR [--base debian-packages|containerfile|oci:DIR|docker://REF] [--name REF]
+                              [--platform linux/amd64[,linux/arm64]] [--sbom]
     python -m nodeimage.build lock      # rewrite nodeimage/requirements.lock from the venv's versions
     python -m nodeimage.build pins      # rewrite nodeimage/debian-packages.pins from apt's candidates
 """
