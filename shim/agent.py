@@ -48,7 +48,7 @@ from shim.state.agent import AgentStore
 if TYPE_CHECKING:
     from shim.mesh.node import MeshNode
     from shim.mesh.tunnel import TunnelServer
-    from shim.shadowhost.shadows import ShadowHost
+    from shim.shadowhost.side import HostSide
 
 _log = log.get("weft.agent")
 HOST_CHECK_INTERVAL = 30.0  # seconds between looks at the host (containerd's configuration)
@@ -75,7 +75,7 @@ def _probe(upstream: Upstream):
 class Meshed:
     """What runs where the node is on the mesh, besides the fabric's origin side."""
 
-    host: ShadowHost
+    host: HostSide
     mesh: MeshNode
     tunnel: TunnelServer
     pods: PodCache | None
@@ -150,15 +150,15 @@ class Agent:
         from shim.mesh.tunnel import contexts
         from shim.origin.stitch import OriginNet
         from shim.origin.stream_relay import StreamRelay
-        from shim.shadowhost.shadows import ShadowHost
+        from shim.shadowhost.side import HostSide
 
         m = cfg.mesh
-        host = ShadowHost(HostContext(self.upstream, self.metrics, self.shadows), cfg.agent.state_dir,
+        host = HostSide(HostContext(self.upstream, self.metrics, self.shadows), cfg.agent.state_dir,
                           fence_timeout=m.fence_timeout, heartbeat_interval=m.heartbeat_interval,
                           cgroup_parent=m.shadow_cgroup_parent, prepared_sandbox_ttl=m.prepared_sandbox_ttl)
         mesh = MeshNode(node=m.node_name or socketlib.gethostname(), role={"both": "gpu,cpu"}.get(m.role, m.role),
                         address=m.address, peers=m.peers, tls_dir=m.tls_dir, hello_interval=m.hello_interval,
-                        namespace=m.namespace, service=m.service, metrics=self.metrics, host=host,
+                        namespace=m.namespace, service=m.service, metrics=self.metrics, host=host.hosting,
                         fixed_capacity=m.fixed_capacity, drain_file=Path(cfg.agent.state_dir) / "draining",
                         api=self.api)
         k = cfg.kubernetes
@@ -186,7 +186,7 @@ class Agent:
 
         return origin
 
-    def _stop_hook(self, cfg: Config, host: ShadowHost) -> None:
+    def _stop_hook(self, cfg: Config, host: HostSide) -> None:
         """Reservation pods get a preStop hook to this agent's HTTP endpoint, where kubelet (in the host's
         network) reaches it: an address bound to every interface is reached on loopback. None when switched off,
         without an endpoint, or on a port chosen at bind time (not known when a reservation is made)."""
@@ -201,7 +201,7 @@ class Agent:
         host.reservations.stop_endpoint = (reachable, port)
         host.reservations.stop_token = host.lifecycle.mark.reservation_stop
 
-    def _tunnels(self, cfg: Config, mesh: MeshNode, host: ShadowHost) -> TunnelServer:
+    def _tunnels(self, cfg: Config, mesh: MeshNode, host: HostSide) -> TunnelServer:
         """The host's end of exec/attach and of the stitched pod network (shim.mesh.tunnel, shim.shadowhost.tunnel);
         the origin's ends are its side's (shim.origin.stream_relay, shim.origin.stitch)."""
         from shim.core.annotations import parse_host_port
@@ -211,9 +211,10 @@ class Agent:
         tunnel = TunnelServer(parse_host_port(cfg.mesh.address, field="mesh.address")[0], cfg.mesh.tls_dir,
                               mesh.node, busy_poll_us=cfg.agent.stream_busy_poll_us,
                               trusted=lambda: mesh.peer_addresses)
-        host.net = ShadowNet(host, tunnel)
-        host.net.kernel_path = cfg.mesh.stitch_kernel_path
-        host.net.tunnel_tls = cfg.mesh.tunnel_tls
+        net = ShadowNet(host.rt, tunnel)
+        net.kernel_path = cfg.mesh.stitch_kernel_path
+        net.tunnel_tls = cfg.mesh.tunnel_tls
+        host.calls.net = net
         return tunnel
 
     def _dead_loops(self) -> list[str]:
@@ -274,7 +275,7 @@ class Agent:
                     timed(name, part.stop)
         if meshed is not None:
             timed("tunnel", meshed.tunnel.stop)
-            timed("host-net", meshed.host.net.close)
+            timed("host-net", meshed.host.calls.net.close)
         if self.supervisor is not None:
             timed("supervisor", self.supervisor.stop)
         if meshed is not None:

@@ -20,7 +20,7 @@ from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
 from shim._pb import mesh_pb2 as pb
 from shim.localfabric.waiting import wait_for
 from shim.shadowhost.logs import KEEP_SENT, MAX_BACKLOG
-from shim.shadowhost.shadows import LOG_CAP_S
+from shim.shadowhost.side import LOG_CAP_S
 
 RUN_S = 20.0
 

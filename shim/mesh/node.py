@@ -96,7 +96,8 @@ class MeshNode:
             found, declared = load_peers_file(peers, self_node=node)
             self.discovery = StaticDiscovery(found)
         # A host's books: its own pods' requests and what it hosts, from its containerd (cached there).
-        books = {} if host is None else {"own_requests": host.own_requests, "hosted_limits": host.hosted_limits}
+        books = {} if host is None else {"own_requests": host.capacity.own_requests,
+                                            "hosted_limits": host.capacity.hosted_limits}
         self.probe = CapacityProbe(role, host=fixed_host(fixed_capacity), **books)
         # A drain outlives a restart of the agent: it ends with ``weft drain --undo``.
         self._drain_file = drain_file

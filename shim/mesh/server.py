@@ -27,7 +27,7 @@ from shim.errors import ConfigError, WeftError
 from shim.mesh import upload
 from shim.mesh.capacity import CapacityProbe
 from shim.mesh.certs import MeshTls, cert_nodes
-from shim.mesh.hosting import ShadowHosting
+from shim.mesh.hosting import Admit, ShadowHosting
 from shim.mesh.identity import PeerPolicy, PeerRefused
 from shim.mesh.quotas import CALL, HELLO, STREAM, WATCH, MeshLimits, PeerLimits
 from shim.mesh.tlsreload import NodeTls, server_credentials
@@ -41,8 +41,6 @@ from shim.mesh.wire import (
 )
 
 _log = log.get("weft.mesh")
-
-Admit = Callable[[pb.AdmitRequest], pb.AdmitResponse]
 
 
 def _checked(request: Any) -> Any:
@@ -118,7 +116,8 @@ def _mapped_stream(kind: str) -> Callable[[Callable[..., Any]], Callable[..., An
 class MeshServicer(pb_grpc.MeshServicer):
     def __init__(self, node: str, policy: PeerPolicy, probe: CapacityProbe, admit: Admit | None = None,
                  host: ShadowHosting | None = None, limits: MeshLimits | None = None) -> None:
-        # ``host`` runs shadows; None on a node that hosts nothing.
+        # ``host``: the parts that run shadows, each request handed to the one that answers it; None on a node
+        # that hosts nothing.
         self.host = host
         self.node = node
         self.policy = policy
@@ -128,9 +127,10 @@ class MeshServicer(pb_grpc.MeshServicer):
         self._peers: dict[str, pb.PeerState] = {}
         self.limits = PeerLimits(limits or MeshLimits())
         if host is not None:
-            host.in_contact = self.limits.active  # an origin with a call or stream open is heard from
-            host.admit = self._admit  # RunShadow admits again, whatever the origin was told
-            host.room = self._state  # pushed on the Watches of origins that no longer say Hello while watching
+            host.fence.in_contact = self.limits.active  # an origin with a call or stream open is heard from
+            # RunShadow admits again, whatever the origin was told; so does an update that asks for more.
+            host.lifecycle.admit = host.calls.admit = self._admit
+            host.watcher.pulse.room = self._state  # pushed on the Watches of origins that no longer say Hello
 
     def peer_states(self) -> dict[str, pb.PeerState]:
         """The last state each peer reported in its Hello (copies)."""
@@ -145,7 +145,7 @@ class MeshServicer(pb_grpc.MeshServicer):
             known = node in self._peers
             self._peers[node] = _copy(request.origin)
         if self.host is not None:
-            self.host.touch(node)  # an origin that says Hello keeps its shadows from being fenced
+            self.host.fence.touch(node)  # an origin that says Hello keeps its shadows from being fenced
         if not known:
             _log.info("peer.hello", peer=node, role=request.origin.role)
         return self._state()
@@ -161,72 +161,80 @@ class MeshServicer(pb_grpc.MeshServicer):
         self.policy.check_claim(node, claimed, method)
         if self.host is None:
             raise PeerRefused(f"node {self.node} does not host containers", node=node)
-        self.host.touch(node)
+        self.host.fence.touch(node)
         return node
+
+    def _run(self, node: str, req: pb.RunShadowRequest) -> pb.ShadowState:
+        # A sandbox alone is made ahead of its containers (sandbox_only); a container is the lifecycle's.
+        if req.sandbox_only:
+            return self.host.preparer.prepare(node, req)
+        return self.host.lifecycle.run(node, req)
 
     @_mapped(CALL)
     def RunShadow(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "RunShadow")
-        return self.host.run(node, request)
+        return self._run(node, request)
 
     @_mapped_upload(CALL)
     def RunShadowChunked(self, requests, context):  # noqa: N802
         req = upload.first(requests, "run").run
         node = self._host(context, req.origin_node, "RunShadowChunked")
-        return self.host.run_chunked(node, req, requests)
+        with self.host.lifecycle.receiving(node, req.key, requests, req.volumes):  # its volumes read first
+            return self._run(node, req)
 
     @_mapped(CALL)
     def StartShadow(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "StartShadow")
-        return self.host.start(node, request.key)
+        return self.host.lifecycle.start(node, request.key)
 
     @_mapped(CALL)
     def ShadowStatus(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "ShadowStatus")
-        return self.host.status(node, request.key)
+        return self.host.lifecycle.status(node, request.key)
 
     @_mapped(CALL)
     def RemoveShadow(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "RemoveShadow")
-        return pb.RemoveShadowResponse(removed=self.host.remove(node, request.key))
+        return pb.RemoveShadowResponse(removed=self.host.lifecycle.remove(node, request.key))
 
     @_mapped(CALL)
     def ShadowCall(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "ShadowCall")
-        return self.host.call(node, request)
+        return self.host.calls.call(node, request)
 
     @_mapped(CALL)
     def SyncVolumes(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "SyncVolumes")
-        return self.host.sync_volumes(node, request)
+        return self.host.lifecycle.sync_volumes(node, request)
 
     @_mapped_upload(CALL)
     def SyncVolumesChunked(self, requests, context):  # noqa: N802
         req = upload.first(requests, "sync").sync
         node = self._host(context, req.origin_node, "SyncVolumesChunked")
-        return self.host.sync_volumes_chunked(node, req, requests)
+        with self.host.lifecycle.receiving(node, req.key, requests, req.volumes):
+            return self.host.lifecycle.sync_volumes(node, req)
 
     # The two streams: the checks run before the first message, and an error
     # after that ends the stream with its status as the unary calls do.
     @_mapped_stream(WATCH)
     def Watch(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "Watch")
-        return self.host.watch(node, request, context)
+        return self.host.watcher.watch(node, request, context)
 
     @_mapped_stream(STREAM)
     def StreamLog(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "StreamLog")
-        return self.host.stream_log(node, request, context)
+        return self.host.watcher.stream_log(node, request, context)
 
     @_mapped(CALL)
     def OpenTunnel(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "OpenTunnel")
-        return self.host.open_tunnel(node, request)
+        return self.host.calls.open_tunnel(node, request)
 
     @_mapped_stream(STREAM)
     def Stitch(self, request, context):  # noqa: N802
         node = self._host(context, request.origin_node, "Stitch")
-        return self.host.stitch(node, request, context)
+        return self.host.calls.stitch(node, request, context)
 
     @_mapped(HELLO)
     def Admit(self, request, context):  # noqa: N802

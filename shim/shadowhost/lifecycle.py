@@ -138,7 +138,7 @@ def _empty_dir(volumes: Path, i: int, e: pb.EmptyDir) -> Path:
     path = volumes / f"empty-{i}"
     path.mkdir(parents=True, exist_ok=True)
     path.chmod(0o777)  # as kubelet makes an emptyDir: any user of the container may write it
-    if e.size_limit:  # kept beside it, for the host's check (ShadowHost.check_empty_dirs), as kubelet's eviction
+    if e.size_limit:  # kept beside it, for the host's check (HostSide.check_empty_dirs), as kubelet's eviction
         (volumes / f"empty-{i}.limit").write_text(json.dumps({"bytes": e.size_limit, "path": e.container_path}))
     return path
 

@@ -56,6 +56,7 @@ from shim.crishared.netns import Netns, owner_of, sandbox_netns
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, TunnelServer
 from shim.mesh.tunnel.accept import accept_loop, closed
+from shim.shadowhost.runtime import ShadowRuntime
 
 _log = log.get("weft.stitch")
 
@@ -158,8 +159,8 @@ def _close_listener(sock: socket.socket) -> None:
 
 
 class ShadowNet:
-    def __init__(self, host, tunnel: TunnelServer) -> None:  # host: shim.shadowhost.shadows.ShadowHost
-        self.host = host
+    def __init__(self, rt: ShadowRuntime, tunnel: TunnelServer) -> None:
+        self.rt = rt
         self.tunnel = tunnel
         self._lock = threading.Lock()
         self._urls: dict[str, tuple[str, str, float]] = {}  # url -> (origin, key, expires)
@@ -187,7 +188,7 @@ class ShadowNet:
             self._urls[url] = (origin, key, now + URL_TTL_S)
 
     def open_tunnel(self, origin: str, req: pb.TunnelRequest) -> pb.TunnelGrant:
-        c = self.host.rt.one(origin, req.key)
+        c = self.rt.one(origin, req.key)
         name = c.metadata.name
         if req.WhichOneof("target") == "stream_url":
             with self._lock:
@@ -215,13 +216,13 @@ class ShadowNet:
             ns = self._netns.get(sandbox_id)
         if ns is not None:
             return ns
-        path = sandbox_netns(self.host.rt.call, sandbox_id)
+        path = sandbox_netns(self.rt.call, sandbox_id)
         with self._lock:
             return self._netns.setdefault(sandbox_id, Netns(path))
 
     # -- the stitched network ------------------------------------------------------------
     def stitch(self, origin: str, req: pb.StitchRequest, context: grpc.ServicerContext) -> Iterator[pb.StitchEvent]:
-        c = self.host.rt.one(origin, req.key)
+        c = self.rt.one(origin, req.key)
         ns = self._ns(c.pod_sandbox_id)
         q: queue.Queue = queue.Queue()
         with self._lock:
@@ -292,7 +293,7 @@ class ShadowNet:
     def _pod_ip(self, sandbox_id: str) -> str:
         """The shadow sandbox's pod IP, for the origin's kernel path; "" when containerd does not say."""
         try:
-            status = self.host.rt.call("/runtime.v1.RuntimeService/PodSandboxStatus",
+            status = self.rt.call("/runtime.v1.RuntimeService/PodSandboxStatus",
                                        cri.PodSandboxStatusRequest(pod_sandbox_id=sandbox_id),
                                        cri.PodSandboxStatusResponse).status
         except WeftError:

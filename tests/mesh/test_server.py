@@ -18,6 +18,7 @@ from shim.errors import ConfigError
 from shim.mesh import certs, upload
 from shim.mesh.capacity import CapacityProbe, FixedHost
 from shim.mesh.client import PeerClient
+from shim.mesh.hosting import ShadowHosting
 from shim.mesh.identity import PeerPolicy
 from shim.mesh.quotas import CALL, HELLO, STREAM, WATCH, MeshLimits, PeerBusy, PeerLimits
 from shim.mesh.server import MeshServer, MeshServicer
@@ -175,32 +176,35 @@ def test_a_call_over_its_peers_cap_is_resource_exhausted() -> None:
 
 # -- message sizes: nothing large is read before the peer is known -------------------------------------
 class UploadHost:
-    """A host that takes volume streams: what it was handed, read under the caps."""
+    """A host that takes volume streams: what it was handed, read under the caps. Its one object plays every
+    part of the mesh's ShadowHosting (``hosting``)."""
 
     def __init__(self) -> None:
         self.runs: list[pb.RunShadowRequest] = []
-        self.in_contact = self.admit = None
+        self.in_contact = self.admit = self.room = None
+        self.pulse = self
+        self.hosting = ShadowHosting(fence=self, lifecycle=self, preparer=self, watcher=self, calls=self,
+                                     capacity=self)
 
     def touch(self, origin: str) -> None:
         pass
 
-    def run_chunked(self, origin: str, req: pb.RunShadowRequest, parts) -> pb.ShadowState:
-        upload.receive(parts, req.volumes, upload.UploadCaps(max_bytes=8 << 20, max_files=16))
-        self.runs.append(req)
-        return pb.ShadowState(key=req.key, shadow_container_id="c1")
+    @contextlib.contextmanager
+    def receiving(self, origin: str, key: str, parts, into) -> Iterator[None]:
+        upload.receive(parts, into, upload.UploadCaps(max_bytes=8 << 20, max_files=16))
+        yield
 
     def run(self, origin: str, req: pb.RunShadowRequest) -> pb.ShadowState:
         self.runs.append(req)
         return pb.ShadowState(key=req.key, shadow_container_id="c1")
 
-    def sync_volumes_chunked(self, origin: str, req: pb.SyncVolumesRequest, parts) -> pb.SyncVolumesResponse:
-        upload.receive(parts, req.volumes, upload.UploadCaps(max_bytes=8 << 20, max_files=16))
+    def sync_volumes(self, origin: str, req: pb.SyncVolumesRequest) -> pb.SyncVolumesResponse:
         return pb.SyncVolumesResponse(changed=len(req.volumes))
 
 
 def _upload_servicer(host: UploadHost) -> MeshServicer:
     probe = CapacityProbe("cpu", 0.5, 0, host=FixedHost(cores=4, memory_total=8 * GI, memory_available=8 * GI))
-    return MeshServicer("cpu-1", PeerPolicy({"gpu-1"}), probe, host=host)
+    return MeshServicer("cpu-1", PeerPolicy({"gpu-1"}), probe, host=host.hosting)
 
 
 def _counted(parts, pulled: list[int]):
@@ -249,7 +253,7 @@ def served() -> Iterator[tuple[MeshServer, UploadHost, dict[str, tuple[bytes, by
     tls = {n: (*certs.issue_node_cert(*ca, n, ["127.0.0.1"]), ca[1]) for n in ("cpu-1", "gpu-1", "stranger")}
     host = UploadHost()
     probe = CapacityProbe("cpu", host=FixedHost(4, 8 * GI, 8 * GI))
-    server = MeshServer("cpu-1", "127.0.0.1:0", tls["cpu-1"], PeerPolicy({"gpu-1"}), probe, host=host)
+    server = MeshServer("cpu-1", "127.0.0.1:0", tls["cpu-1"], PeerPolicy({"gpu-1"}), probe, host=host.hosting)
     server.start()
     yield server, host, tls
     server.stop(0)

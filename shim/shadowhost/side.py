@@ -1,7 +1,9 @@
 """A host's side of rerouting: shadow sandboxes and containers run for an origin's pod.
 
-``ShadowHost`` is what the mesh server calls for each of an origin's
-requests; each idea lives in a module of its own:
+``HostSide`` makes the parts once, for the agent, and keeps them up (log
+caps, emptyDir limits, CPU quotas, reservations); the mesh server hands each
+of an origin's requests to the part that answers it (``hosting``, the mesh's
+``ShadowHosting``). Each idea lives in a module of its own:
 
 - ``lifecycle``: RunShadow, StartShadow, ShadowStatus, RemoveShadow and
   SyncVolumes, and what a host refuses to run;
@@ -18,7 +20,7 @@ requests; each idea lives in a module of its own:
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -26,12 +28,11 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 
 from shim import log
-from shim._pb import mesh_pb2 as pb
-from shim.core.reroute import Resources
 from shim.core.reservation import Verdict
 from shim.crishared.labels import KEY_ANNOTATION, KEY_LABEL
 from shim.errors import UpstreamError, WeftError
 from shim.kube.access import ApiAccess
+from shim.mesh.hosting import ShadowHosting
 from shim.periodic import Periodic
 from shim.shadowhost import logs as shadow_logs
 from shim.shadowhost import volumes as shadow_volumes
@@ -50,7 +51,7 @@ _log = log.get("weft.shadows")
 LOG_CAP_S = 5.0
 
 
-class ShadowHost:
+class HostSide:
     def __init__(self, ctx: HostContext, state_dir: Path, *, fence_timeout: float = 8.0,
                  heartbeat_interval: float = 1.0, cgroup_parent: str = "/weft-shadows",
                  prepared_sandbox_ttl: float = 60.0) -> None:
@@ -61,6 +62,9 @@ class ShadowHost:
         self.preparer = Preparer(self.lifecycle, prepared_sandbox_ttl)
         self.watcher = Watcher(self.rt, self.lifecycle, heartbeat_interval)
         self.calls = Calls(self.rt, self.capacity, self.lifecycle.limiter)
+        # What the mesh server calls for each of an origin's requests.
+        self.hosting = ShadowHosting(fence=self.fencer, lifecycle=self.lifecycle, preparer=self.preparer,
+                                     watcher=self.watcher, calls=self.calls, capacity=self.capacity)
         self.reservations: Reservations | None = None
         # Logs no origin reads now (it is away) are kept to their backlog cap all the same; emptyDirs to theirs.
         self._upkeep = Periodic("weft-shadow-upkeep", LOG_CAP_S, self.upkeep, failed="shadow.upkeep_failed")
@@ -176,93 +180,3 @@ class ShadowHost:
     def reservation(self, key: str) -> dict | None:
         """For ``weft status``: the shadow's reservation (name, state), when this host makes them."""
         return None if self.reservations is None else self.reservations.state(key)
-
-    @property
-    def net(self) -> Any:
-        """Tunnels into shadows (``shim.shadowhost.tunnel.ShadowNet``), set by the agent when it serves them."""
-        return self.calls.net
-
-    @net.setter
-    def net(self, value: Any) -> None:
-        self.calls.net = value
-
-    @property
-    def admit(self) -> Callable[[pb.AdmitRequest], pb.AdmitResponse] | None:
-        """The mesh server's Admit rule, which RunShadow asks again (set when the mesh server serves this host)."""
-        return self.lifecycle.admit
-
-    @admit.setter
-    def admit(self, value: Callable[[pb.AdmitRequest], pb.AdmitResponse] | None) -> None:
-        self.lifecycle.admit = value
-        self.calls.admit = value
-
-    @property
-    def in_contact(self) -> Callable[[str], bool]:
-        """Whether an origin has a mesh call or stream open here (the mesh server's, set when it serves this host)."""
-        return self.fencer.in_contact
-
-    @in_contact.setter
-    def in_contact(self, value: Callable[[str], bool]) -> None:
-        self.fencer.in_contact = value
-
-    @property
-    def room(self) -> Callable[[], pb.PeerState] | None:
-        """The host's state as its Hello answers it (the mesh server's): what Watches with an idle heartbeat push."""
-        return self.watcher.pulse.room
-
-    @room.setter
-    def room(self, value: Callable[[], pb.PeerState] | None) -> None:
-        self.watcher.pulse.room = value
-
-    # -- the mesh server's, one per request of an origin ---------------------------
-    def touch(self, origin: str) -> None:
-        self.fencer.touch(origin)
-
-    def run(self, origin: str, req: pb.RunShadowRequest) -> pb.ShadowState:
-        if req.sandbox_only:
-            return self.preparer.prepare(origin, req)
-        return self.lifecycle.run(origin, req)
-
-    def run_chunked(self, origin: str, req: pb.RunShadowRequest, parts: Iterator[pb.VolumeUpload]) -> pb.ShadowState:
-        """RunShadow, its volumes read from ``parts`` first."""
-        with self.lifecycle.receiving(origin, req.key, parts, req.volumes):
-            return self.run(origin, req)
-
-    def start(self, origin: str, key: str) -> pb.ShadowState:
-        return self.lifecycle.start(origin, key)
-
-    def status(self, origin: str, key: str) -> pb.ShadowState:
-        return self.lifecycle.status(origin, key)
-
-    def remove(self, origin: str, key: str) -> bool:
-        return self.lifecycle.remove(origin, key)
-
-    def sync_volumes(self, origin: str, req: pb.SyncVolumesRequest) -> pb.SyncVolumesResponse:
-        return self.lifecycle.sync_volumes(origin, req)
-
-    def sync_volumes_chunked(self, origin: str, req: pb.SyncVolumesRequest,
-                             parts: Iterator[pb.VolumeUpload]) -> pb.SyncVolumesResponse:
-        with self.lifecycle.receiving(origin, req.key, parts, req.volumes):
-            return self.lifecycle.sync_volumes(origin, req)
-
-    def watch(self, origin: str, req: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.ShadowState]:
-        return self.watcher.watch(origin, req, context)
-
-    def stream_log(self, origin: str, req: pb.LogRequest, context: grpc.ServicerContext) -> Iterator[pb.LogChunk]:
-        return self.watcher.stream_log(origin, req, context)
-
-    def call(self, origin: str, req: pb.ShadowCallRequest) -> pb.ShadowCallResponse:
-        return self.calls.call(origin, req)
-
-    def open_tunnel(self, origin: str, req: pb.TunnelRequest) -> pb.TunnelGrant:
-        return self.calls.open_tunnel(origin, req)
-
-    def stitch(self, origin: str, req: pb.StitchRequest, context: grpc.ServicerContext) -> Iterator[pb.StitchEvent]:
-        return self.calls.stitch(origin, req, context)
-
-    # -- the capacity probe's ------------------------------------------------------
-    def own_requests(self) -> Resources:
-        return self.capacity.own_requests()
-
-    def hosted_limits(self) -> Resources:
-        return self.capacity.hosted_limits()
