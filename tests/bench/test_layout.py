@@ -33,6 +33,14 @@ def test_the_wheel_ships_the_benchmarks_of_weft_bench_and_neither_the_checkouts_
     assert not {p for p in shipped if p.startswith(("shim.bench.checkout", "harness", "integration", "tests"))}
 
 
+def test_the_node_image_leaves_them_out_as_the_wheel_does() -> None:
+    from nodeimage.build.containerfile import _ignored, ignore_patterns
+
+    patterns = ignore_patterns(ROOT / "nodeimage" / "containerignore")
+    assert _ignored("bench/checkout", patterns) and _ignored("bench/checkout/day_two.py", patterns)  # COPY shim
+    assert not _ignored("bench/proxy.py", patterns)
+
+
 def test_bench_holds_only_the_names_the_checkouts_benchmarks_are_run_by() -> None:
     aliases = sorted(p.stem for p in ALIASES.glob("*.py") if p.name != "__init__.py")
     assert aliases == _runnable()
