@@ -25,6 +25,7 @@ BUILDS=(kube:"$HERE/build.sh"
         syft:"$HERE/syft/build.sh"
         cosign:"$HERE/cosign/build.sh"
         oras:"$HERE/oras/build.sh"
+        ociregistry:"$HERE/ociregistry/build.sh"
         noderoot:"$HERE/../harness/nodes/rootfs.sh")
 if [ "${1:-}" = --cached ]; then
   for b in "${BUILDS[@]}"; do

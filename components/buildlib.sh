@@ -78,13 +78,13 @@ publish() {
 
 # One Go tool from its released module (the components named after it: cosign, oras, syft), the way each of
 # their build.sh asks: NAME MODULE VERSION BUILD_REVISION PACKAGE LDFLAGS [--bin-dir|--cached]. Cached in
-# $CACHE_ROOT/NAME/NAME-VERSION-<hash of versions.env, go.mod, go.sum, tools.go>/bin; prints that bin dir last.
+# $CACHE_ROOT/NAME/NAME-VERSION-<hash of versions.env, go.mod, go.sum, its .go files>/bin; prints that bin dir last.
 build_go_tool() {
   local name="$1" module="$2" version="$3" revision="$4" package="$5" ldflags="$6" mode="${7:-}"
   local here script="components/$name/build.sh"
   here="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$name"
   local hash cache dir have started tmp upper
-  hash="$(cat "$here/versions.env" "$here/go.mod" "$here/go.sum" "$here/tools.go" | sha256sum | cut -c1-12)"
+  hash="$(cat "$here/versions.env" "$here/go.mod" "$here/go.sum" "$here"/*.go | sha256sum | cut -c1-12)"
   cache="$CACHE_ROOT/$name"
   dir="$cache/$name-$version-$hash"
   serve_cached "$dir" "$cache" "$mode"  # answers --bin-dir and --cached; exits if built
