@@ -1,6 +1,6 @@
 # What the build scripts (components/build.sh, components/containerd/build.sh, components/dra/build.sh, components/next/build.sh,
-# components/cosign/build.sh, components/oras/build.sh, components/syft/build.sh,
-# components/helm/build.sh) share: a cache directory per set of pins, built under a lock by one checkout at a time,
+# components/cosign/build.sh, components/oras/build.sh, components/syft/build.sh, components/ociregistry/build.sh,
+# components/helm/build.sh, and the Go tools' gen.sh) share: a cache directory per set of pins, built under a lock by one checkout at a time,
 # into a temporary directory moved into place whole.
 # Sourced, not run. Each script names itself in SCRIPT (for its messages) before using these.
 
@@ -109,4 +109,18 @@ build_go_tool() {
   trap - EXIT
   echo "$script: built in $(( $(date +%s) - started )) s, $(du -sh "$dir" | cut -f1) in $dir"
   echo "$dir/bin"
+}
+
+# gen_go_tool NAME MODULE VERSION: a Go tool's gen.sh (needs the Go module proxy): components/NAME/go.mod and
+# go.sum for a wrapper module requiring only MODULE at VERSION, so that the tool is built with exactly the
+# dependency versions it was released with.
+gen_go_tool() {
+  local name="$1" module="$2" version="$3"
+  cd "$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)/$name"
+  export GOTOOLCHAIN=local GOFLAGS=-mod=mod
+  printf 'module weft.local/%s\n\ngo 1.25.0\n\nrequire %s %s\n' "$name" "$module" "$version" > go.mod
+  rm -f go.sum
+  go get "$module@$version"
+  go mod tidy
+  echo "gen.sh: go.mod and go.sum regenerated for $module $version"
 }

@@ -3,12 +3,8 @@
 # $COSIGN_MODULE, so that cosign is built with exactly the dependency versions it was released with.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=../buildlib.sh
+source "$HERE/../buildlib.sh"
 # shellcheck source=versions.env
 source "$HERE/versions.env"
-export GOTOOLCHAIN=local GOFLAGS=-mod=mod
-cd "$HERE"
-printf 'module weft.local/cosign\n\ngo 1.25.0\n\nrequire %s %s\n' "$COSIGN_MODULE" "$COSIGN_VERSION" > go.mod
-rm -f go.sum
-go get "$COSIGN_MODULE@$COSIGN_VERSION"
-go mod tidy
-echo "gen.sh: go.mod and go.sum regenerated for $COSIGN_MODULE $COSIGN_VERSION"
+gen_go_tool cosign "$COSIGN_MODULE" "$COSIGN_VERSION"

@@ -3,12 +3,8 @@
 # $SYFT_MODULE, so that syft is built with exactly the dependency versions it was released with.
 set -euo pipefail
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# shellcheck source=../buildlib.sh
+source "$HERE/../buildlib.sh"
 # shellcheck source=versions.env
 source "$HERE/versions.env"
-export GOTOOLCHAIN=local GOFLAGS=-mod=mod
-cd "$HERE"
-printf 'module weft.local/syft\n\ngo 1.25.0\n\nrequire %s %s\n' "$SYFT_MODULE" "$SYFT_VERSION" > go.mod
-rm -f go.sum
-go get "$SYFT_MODULE@$SYFT_VERSION"
-go mod tidy
-echo "gen.sh: go.mod and go.sum regenerated for $SYFT_MODULE $SYFT_VERSION"
+gen_go_tool syft "$SYFT_MODULE" "$SYFT_VERSION"
