@@ -48,15 +48,24 @@ from tests.install.conftest import HOSTROOTS, snapshot
 pytestmark = pytest.mark.slow
 
 
+def _build(tmp_path_factory, base: str, **kw) -> build.Built:
+    try:
+        return build.build(tmp_path_factory.mktemp("nodeimage"), base=base, **kw)
+    except build.BuildError as exc:
+        pytest.fail(f"building the node image on base {base!r} ({kw or 'amd64'}) failed (a first build needs "
+                    f"network access: apt's mirror for Debian packages, the package index for wheels, the "
+                    f"registry for a registry base; later builds use /var/cache/weft/nodeimage): {exc}")
+
+
 @pytest.fixture(scope="module")
 def archive(tmp_path_factory) -> build.Built:
-    base = os.environ.get("WEFT_NODEIMAGE_BASE", "debian-packages")
-    try:
-        return build.build(tmp_path_factory.mktemp("nodeimage"), base=base)
-    except build.BuildError as exc:
-        pytest.fail(f"building the node image on base {base!r} failed (a first build needs network access: apt's "
-                    f"mirror for Debian packages, the package index for wheels, the registry for a registry "
-                    f"base; later builds use /var/cache/weft/nodeimage): {exc}")
+    return _build(tmp_path_factory, os.environ.get("WEFT_NODEIMAGE_BASE", "debian-packages"))
+
+
+@pytest.fixture(scope="module")
+def both(tmp_path_factory) -> build.Built:
+    """The multi-architecture image, amd64 and arm64 (what a release ships)."""
+    return _build(tmp_path_factory, "debian-packages", platforms="linux/amd64,linux/arm64")
 
 
 @pytest.fixture
@@ -118,16 +127,6 @@ def test_image_runs_the_oci_hook(containerd: Containerd, imported: build.Built):
 
 # -- the host copy the image's installer makes, on a node with nothing but the C library ------------------------
 CHROOT = shutil.which("chroot") or "/usr/sbin/chroot"
-
-
-@pytest.fixture(scope="module")
-def both(tmp_path_factory) -> build.Built:
-    """The multi-architecture image, amd64 and arm64 (what a release ships)."""
-    try:
-        return build.build(tmp_path_factory.mktemp("nodeimage-both"), platforms="linux/amd64,linux/arm64")
-    except build.BuildError as exc:
-        pytest.fail(f"building the amd64 and arm64 image failed (a first build downloads Debian's arm64 packages "
-                    f"and the aarch64 wheels): {exc}")
 
 
 BINFMT = Path("/proc/sys/fs/binfmt_misc")

@@ -34,23 +34,23 @@ def plan() -> build.Plan:
     return build.parse_containerfile(build.CONTAINERFILE.read_text())
 
 
+def _build(tmp_path_factory, what: str, **kw) -> build.Built:
+    try:
+        return build.build(tmp_path_factory.mktemp("image"), **kw)
+    except build.BuildError as exc:
+        pytest.fail(f"{what} failed (a first build downloads Debian packages with apt-get and the locked wheels "
+                    f"with pip, so it needs apt's mirror and the package index): {exc}")
+
+
 @pytest.fixture(scope="module")
 def built(tmp_path_factory) -> build.Built:
-    try:
-        return build.build(tmp_path_factory.mktemp("image"), base="debian-packages")
-    except build.BuildError as exc:
-        pytest.fail(f"the image build failed (the first build downloads Debian packages with apt-get and the "
-                    f"locked wheels with pip, so it needs apt's mirror and the package index): {exc}")
+    return _build(tmp_path_factory, "the image build", base="debian-packages")
 
 
 @pytest.fixture(scope="module")
 def both(tmp_path_factory) -> build.Built:
     """The multi-architecture image (what a release ships): amd64 and arm64 in one index."""
-    try:
-        return build.build(tmp_path_factory.mktemp("image-both"), platforms="linux/amd64,linux/arm64")
-    except build.BuildError as exc:
-        pytest.fail(f"the amd64 and arm64 build failed (the first downloads Debian's arm64 packages and the "
-                    f"aarch64 wheels): {exc}")
+    return _build(tmp_path_factory, "the amd64 and arm64 build", platforms="linux/amd64,linux/arm64")
 
 
 def _layout_json(built: build.Built, digest: str) -> dict:
