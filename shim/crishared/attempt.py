@@ -2,7 +2,8 @@
 
 Made once by ``shim.cri.verbs.create_container`` and handed whole to the
 lease, to the local create and to ``shim.origin.place``, in place of the
-long argument lists each step took.
+long argument lists each step took. ``LocalBecause`` is placing's answer when
+the container stays on this node.
 """
 
 from __future__ import annotations
