@@ -8,14 +8,12 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import json
 import os
 import random
 import signal
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterable
@@ -24,7 +22,7 @@ from pathlib import Path
 
 import grpc
 
-from shim.localfabric import cpuset
+from shim.localfabric import cpuset, daemon
 from shim.localfabric.containerd import Containerd
 from shim.shadowhost.volumes import unmount_under
 
@@ -72,7 +70,7 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 @dataclass
-class AgentProcess:
+class AgentProcess(daemon.Started):
     containerd: Containerd
     workdir: Path
     name: str = "weft"
@@ -130,14 +128,10 @@ class AgentProcess:
                                          env={**os.environ, **self.env})
         finally:
             log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"weft agent exited with {self.proc.returncode}:\n{self.log_text()[-3000:]}")
-            if self.socket.exists() and self._healthy():
-                return self
-            time.sleep(0.05)
-        raise RuntimeError(f"weft agent did not come up within {timeout}s:\n{self.log_text()[-3000:]}")
+        daemon.wait_up(self.proc, lambda: self.socket.exists() and self._healthy(), timeout,
+                       lambda code: f"weft agent exited with {code}:\n{self.log_text()[-3000:]}",
+                       lambda: f"weft agent did not come up within {timeout}s:\n{self.log_text()[-3000:]}")
+        return self
 
     def _healthy(self) -> bool:
         try:
@@ -149,26 +143,11 @@ class AgentProcess:
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        code = self.proc.returncode
-        self.proc = None
+        code, self.proc = daemon.stop(self.proc, sig, timeout), None
         return code
 
-    def __enter__(self) -> AgentProcess:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
     def __exit__(self, *exc: object) -> None:
-        self.stop()
+        super().__exit__(*exc)
         self.release_mounts()
 
     def release_mounts(self) -> None:
@@ -189,11 +168,7 @@ class AgentProcess:
         return ""
 
     def events(self) -> list[dict]:
-        out = []
-        for line in self.log_text().splitlines():
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
-        return out
+        return daemon.json_lines(self.log_text())
 
     def metrics_text(self) -> str:
         with urllib.request.urlopen(self.metrics_url + "/metrics", timeout=5) as r:

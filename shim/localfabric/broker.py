@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import signal
 import subprocess
 import sys
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -18,7 +16,7 @@ from hooks import native, weft_oci_hook
 from shim._pb import broker_pb2 as pb
 from shim._pb import broker_pb2_grpc as pb_grpc
 from shim.hookspec import with_hooks
-from shim.localfabric import cpuset
+from shim.localfabric import cpuset, daemon
 from shim.localfabric.agent import free_port
 from shim.localfabric.containerd import Containerd, RuntimeHandler
 
@@ -51,7 +49,7 @@ def weft_handler(workdir: Path, broker_socket: Path) -> RuntimeHandler:
 
 
 @dataclass
-class BrokerProcess:
+class BrokerProcess(daemon.Started):
     workdir: Path
     devices: str = "2x80GiB"
     enforce: str = "log"
@@ -83,14 +81,10 @@ class BrokerProcess:
                  "--enforce", self.enforce, "--watchdog-interval", "0.2",
                  "--metrics-address", f"127.0.0.1:{self.metrics_port}"], self.cpus),
                 stdout=log, stderr=log, start_new_session=True, env={**os.environ, **self.extra_env})
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"weft broker exited {self.proc.returncode}:\n{self.log_path.read_text()[-3000:]}")
-            if self.socket.exists() and self._answers():
-                return self
-            time.sleep(0.05)
-        raise RuntimeError(f"weft broker did not come up:\n{self.log_path.read_text()[-3000:]}")
+        daemon.wait_up(self.proc, lambda: self.socket.exists() and self._answers(), timeout,
+                       lambda code: f"weft broker exited {code}:\n{self.log_path.read_text()[-3000:]}",
+                       lambda: f"weft broker did not come up:\n{self.log_path.read_text()[-3000:]}")
+        return self
 
     def _answers(self) -> bool:
         # A socket file alone may be a stale one from a broker killed with SIGKILL.
@@ -105,25 +99,8 @@ class BrokerProcess:
     def stop(self, sig: int = signal.SIGTERM) -> int | None:
         if self.proc is None:
             return None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        code, self.proc = self.proc.returncode, None
+        code, self.proc = daemon.stop(self.proc, sig, 15), None
         return code
-
-    def __enter__(self) -> BrokerProcess:
-        try:
-            return self.start()
-        except BaseException:
-            self.stop()
-            raise
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
 
     def stub(self) -> tuple[grpc.Channel, pb_grpc.BrokerStub]:
         ch = grpc.insecure_channel(f"unix://{self.socket}")
@@ -149,11 +126,7 @@ class BrokerProcess:
                 timeout=5)
 
     def events(self) -> list[dict]:
-        out = []
-        for line in self.log_path.read_text(errors="replace").splitlines():
-            with contextlib.suppress(ValueError):
-                out.append(json.loads(line))
-        return out
+        return daemon.json_lines(self.log_path.read_text(errors="replace"))
 
 
 def gpu_fabric(workdir: Path) -> tuple[BrokerProcess, Containerd]:

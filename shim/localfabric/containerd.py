@@ -50,7 +50,8 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from shim.localfabric import builds, cpuset, images
+from shim.localfabric import builds, cpuset, daemon, images
+from shim.localfabric.daemon import Opened
 from shim.shadowhost.volumes import unmount_under
 
 SLOT_DIR = Path("/run/weft-harness")
@@ -173,8 +174,18 @@ class RuntimeHandler:
     binary_name: str = ""  # the runtime binary runc v2 runs ("" runc; NVIDIA's on a GPU Operator's node)
 
 
+def _in_workdir(name: str) -> property:
+    """A path in the node's workdir (the one given, or the temporary one ``open`` makes)."""
+
+    def get(self: Containerd) -> Path:
+        assert self.workdir is not None
+        return self.workdir / name
+
+    return property(get)
+
+
 @dataclass
-class Containerd:
+class Containerd(Opened):
     """One containerd with everything of its own. Use as a context manager.
 
     ``slot`` 0 takes the lowest free slot; any other number claims exactly that
@@ -217,63 +228,21 @@ class Containerd:
         return f"/weft-harness{self.slot}"
 
     @property
-    def socket(self) -> Path:
-        assert self.workdir is not None
-        return self.workdir / "containerd.sock"
-
-    @property
     def address(self) -> str:
         return f"unix://{self.socket}"
 
-    @property
-    def root(self) -> Path:
-        assert self.workdir is not None
-        return self.workdir / "root"
-
-    @property
-    def state(self) -> Path:
-        assert self.workdir is not None
-        return self.workdir / "state"
-
-    @property
-    def runc_root(self) -> Path:
-        assert self.workdir is not None
-        return self.workdir / "runc"
-
-    @property
-    def log_path(self) -> Path:
-        assert self.workdir is not None
-        return self.workdir / "containerd.log"
-
-    @property
-    def registry_config_dir(self) -> Path:
-        """containerd's ``hosts.toml`` directory: ``<dir>/<registry host>/hosts.toml``, read at each pull."""
-        assert self.workdir is not None
-        return self.workdir / "certs.d"
-
-    @property
-    def cdi_spec_dir(self) -> Path:
-        """Where containerd 2.x reads CDI specs (CDI is on by default there), instead of the host's /etc/cdi."""
-        assert self.workdir is not None
-        return self.workdir / "cdi"
-
-    @property
-    def pod_log_dir(self) -> Path:
-        assert self.workdir is not None
-        return self.workdir / "pod-logs"
+    socket = _in_workdir("containerd.sock")
+    root = _in_workdir("root")
+    state = _in_workdir("state")
+    runc_root = _in_workdir("runc")
+    log_path = _in_workdir("containerd.log")
+    # containerd's ``hosts.toml`` directory: ``<dir>/<registry host>/hosts.toml``, read at each pull.
+    registry_config_dir = _in_workdir("certs.d")
+    # Where containerd 2.x reads CDI specs (CDI is on by default there), instead of the host's /etc/cdi.
+    cdi_spec_dir = _in_workdir("cdi")
+    pod_log_dir = _in_workdir("pod-logs")
 
     # -- lifecycle ---------------------------------------------------------
-    def __enter__(self) -> Containerd:
-        try:
-            self.open()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def open(self) -> None:
         self._claim_slot()
         if self.workdir is None:
@@ -474,26 +443,15 @@ oom_score = 0
             start_new_session=True,
             env=env,
         )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self._proc.poll() is not None:
-                raise RuntimeError(f"containerd exited ({self._proc.returncode}); see {self.log_path}:\n{self._tail()}")
-            if self.socket.exists() and self._answers():
-                return
-            time.sleep(0.05)
-        raise RuntimeError(f"containerd did not answer CRI within {timeout}s; see {self.log_path}:\n{self._tail()}")
+        daemon.wait_up(self._proc, lambda: self.socket.exists() and self._answers(), timeout,
+                       lambda code: f"containerd exited ({code}); see {self.log_path}:\n{self._tail()}",
+                       lambda: f"containerd did not answer CRI within {timeout}s; see {self.log_path}:\n{self._tail()}")
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> None:
         """Stop containerd only (its shims and containers go on, as on a real node)."""
         if self._proc is None:
             return
-        if self._proc.poll() is None:
-            self._proc.send_signal(sig)
-            try:
-                self._proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                self._proc.kill()
-                self._proc.wait()
+        daemon.stop(self._proc, sig, timeout)
         self._proc = None
         if self._log is not None:
             self._log.close()  # type: ignore[attr-defined]

@@ -29,6 +29,7 @@ from shim.localfabric import cpuset
 from shim.localfabric.agent import AgentProcess, free_port, stop_all
 from shim.localfabric.broker import BrokerProcess, weft_handler
 from shim.localfabric.containerd import Containerd
+from shim.localfabric.daemon import Opened
 from shim.localfabric.nodes import Cluster, Node
 from shim.localfabric.waiting import wait_for
 from shim.shadowhost.volumes import unmount_under
@@ -45,7 +46,7 @@ HOST_MEMORY = "8Gi"
 
 
 @dataclass
-class Fabric3:
+class Fabric3(Opened):
     workdir: Path
     fence_s: float = FENCE_S
     loss_s: float = LOSS_S
@@ -71,17 +72,6 @@ class Fabric3:
     def node(self, name: str) -> Node:
         assert self.cluster is not None
         return next(n for n in self.cluster.nodes if n.name == name)
-
-    def __enter__(self) -> Fabric3:
-        try:
-            self.open()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     def open(self) -> None:
         self.workdir.mkdir(parents=True, exist_ok=True)

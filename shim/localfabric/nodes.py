@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from shim.localfabric.containerd import Containerd, RuntimeHandler, claim_slot
+from shim.localfabric.daemon import Opened
 
 MAX_MESH_SLOTS = 255
 BRIDGE_HOST = 254  # the root namespace's address on every mesh subnet
@@ -118,7 +119,7 @@ class Node:
 
 
 @dataclass
-class Cluster:
+class Cluster(Opened):
     """``n`` nodes on one bridge. Use as a context manager; ``close()`` also runs when the block raises.
 
     ``handlers_for(i, node_workdir)`` may give node ``i`` extra CRI runtime
@@ -159,17 +160,6 @@ class Cluster:
         return self.nodes[i]
 
     # -- lifecycle ---------------------------------------------------------------
-    def __enter__(self) -> Cluster:
-        try:
-            self.open()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
     def open(self) -> None:
         names = list(self.names) if self.names is not None else [f"node{i}" for i in range(self.n)]
         if len(names) != self.n or len(set(names)) != self.n:
