@@ -20,9 +20,7 @@ from __future__ import annotations
 
 import gc
 import os
-import shutil
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -31,7 +29,7 @@ import psutil
 
 from shim._pb import broker_pb2 as pb
 from shim._pb import broker_pb2_grpc as pb_grpc
-from shim.bench.running import guarded, report, summary
+from shim.bench.running import labelled, run_in_scratch, summary, targets_met
 from shim.errors import WeftError
 from shim.localfabric.broker import BrokerProcess
 
@@ -152,18 +150,14 @@ def _table(f: dict) -> str:
     for label, key in (("Release", "release"), (f"List ({LIVE_LEASES} leases)", "list")):
         s = f[key]
         rows.append((label, f"{s['p50_ms']:.3f}", f"{s['p99_ms']:.3f}", f"{s['max_ms']:.3f}", "reference", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(6)]
     lines = [f"weft bench broker: {env['samples']} cycles after {env['warmup']} warm-up, {LIVE_LEASES} live leases "
              f"on {env['simulated_devices']} (simulated), grpcio {env['grpcio']}, {env['cpu_count']} CPUs", ""]
-    for r in rows:
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:5], widths[1:5], strict=True)] + [r[5]]
-        lines.append("  ".join(cells).rstrip())
+    lines += labelled(rows)
     per_device = ", ".join(f"{d['leases']}" for d in f["devices"])
-    met = sum(1 for k, v in t.items() if k != "all" and v)
     lines += ["", f"leases per device at the end: {per_device}",
               f"broker RSS: {b['rss_start_mb']:.1f} MB at start, {b['rss_filled_mb']:.1f} MB with {LIVE_LEASES} "
               f"leases, {b['rss_after_mb']:.1f} MB after the run; {b['cpu_seconds']:.1f} s CPU in all",
-              f"targets met: {met} of {len(t) - 1}"]
+              targets_met(t)]
     return "\n".join(lines)
 
 
@@ -171,13 +165,9 @@ def main(*, as_json: bool, samples: int = 2000, output: Path | None = None) -> i
     if samples < 10:
         raise WeftError("need --samples >= 10")
     warmup = min(100, max(10, samples // 10))
-    workdir = Path(tempfile.mkdtemp(prefix="weft-bench-broker-"))
-    _say(f"broker and work files in {workdir}")
-    try:
-        code, figures = guarded(_say, lambda: _figures(_measure(samples, warmup, workdir), samples, warmup,
-                                                       str(workdir)))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    if figures is None:
-        return code
-    return report(figures, as_json, output, _table)
+
+    def measure(workdir: Path) -> dict:
+        _say(f"broker and work files in {workdir}")
+        return _figures(_measure(samples, warmup, workdir), samples, warmup, str(workdir))
+
+    return run_in_scratch("weft-bench-broker-", _say, measure, as_json, output, _table)

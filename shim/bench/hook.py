@@ -36,14 +36,13 @@ import os
 import shutil
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
 
 from hooks import native
 from shim._pb import broker_pb2 as pb
-from shim.bench.running import guarded, report, summary
+from shim.bench.running import labelled, run_in_scratch, summary, targets_met
 from shim.errors import WeftError
 from shim.localfabric.broker import HOOK_SCRIPT, PYTHON_HOOK, BrokerProcess
 
@@ -219,21 +218,17 @@ def _table(f: dict) -> str:
         if name in limit:
             target, mark = f"p99 ≤ {LIMITS[limit[name][1]]:g} ms", ok[t[limit[name][0]]]
         rows.append((label, f"{s['p50_ms']:.2f}", f"{s['p99_ms']:.2f}", f"{s['max_ms']:.2f}", target, mark))
-    widths = [max(len(r[i]) for r in rows) for i in range(6)]
     capped = f" (of {env['samples_requested']} asked; capped at {env['max_runs']})" \
         if env["runs"] < env["samples_requested"] else ""
     lines = [f"weft bench hook: {env['runs']} runs{capped} after {env['warmup_runs']} warm-up, interleaved, "
              f"broker simulating {env['simulated_devices']}, python {env['python']}, {env['cpu_count']} CPUs", ""]
-    for r in rows:
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:5], widths[1:5], strict=True)] + [r[5]]
-        lines.append("  ".join(cells).rstrip())
-    met = sum(1 for k, v in t.items() if k != "all" and v)
+    lines += labelled(rows)
     lines += ["", f"the hook's own share of the fast path, p50: {f['hook_own_p50_ms']:+.2f} ms over the interpreter"]
     if "native_over_python_fast_path_p50" in f:
         lines.append(f"native over Python, p50: fast path {f['native_over_python_fast_path_p50']:.3f}x, "
                      f"bind {f['native_over_python_bind_p50']:.3f}x")
     lines += ["each figure is one process as runc starts it: spawn, interpreter start-up, hook, exit",
-              f"targets met: {met} of {len(t) - 1}"]
+              targets_met(t)]
     return "\n".join(lines)
 
 
@@ -242,14 +237,10 @@ def main(*, as_json: bool, samples: int = 2000, output: Path | None = None) -> i
         raise WeftError("need --samples >= 10")
     runs = min(samples, MAX_RUNS)
     warmup = min(20, max(3, runs // 10))
-    workdir = Path(tempfile.mkdtemp(prefix="weft-bench-hook-"))
-    _say(f"{runs} runs{' (capped)' if runs < samples else ''} after {warmup} warm-up, each a fresh process "
-         f"per kind, interleaved; broker and work files in {workdir}")
-    try:
-        code, figures = guarded(_say, lambda: _figures(_measure(runs, warmup, workdir), samples, runs, warmup,
-                                                       str(workdir)))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    if figures is None:
-        return code
-    return report(figures, as_json, output, _table)
+
+    def measure(workdir: Path) -> dict:
+        _say(f"{runs} runs{' (capped)' if runs < samples else ''} after {warmup} warm-up, each a fresh process "
+             f"per kind, interleaved; broker and work files in {workdir}")
+        return _figures(_measure(runs, warmup, workdir), samples, runs, warmup, str(workdir))
+
+    return run_in_scratch("weft-bench-hook-", _say, measure, as_json, output, _table)

@@ -24,9 +24,7 @@ from __future__ import annotations
 import datetime
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -35,7 +33,7 @@ import grpc
 
 from shim._pb import mesh_pb2 as pb
 from shim.bench.mesh_scale import _cpu_s, _rss_mb, raise_fd_limit
-from shim.bench.running import guarded, parse_counts, report, right_aligned
+from shim.bench.running import established, parse_counts, right_aligned, run_in_scratch
 from shim.config import WATCH_IDLE_S, MeshConfig
 from shim.errors import WeftError
 from shim.localfabric import pods
@@ -130,18 +128,8 @@ def _shadow(containerd: Containerd, origin: Origin, i: int) -> None:
 
 
 def _connections(port: int) -> int:
-    """Established TCP connections on the host's mesh port (as /proc/net/tcp and tcp6 write it)."""
-    count = 0
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            lines = Path(table).read_text().splitlines()[1:]
-        except OSError:
-            continue
-        for line in lines:
-            fields = line.split()
-            if fields[3] == "01" and fields[1].endswith(f":{port:04X}"):
-                count += 1
-    return count
+    """Established TCP connections on the host's mesh port."""
+    return established(lambda local: local.endswith(f":{port:04X}"))
 
 
 def measure_one(n: int, containerd: Containerd, workdir: Path, ca: tuple[bytes, bytes], *, window: float) -> dict:
@@ -255,26 +243,15 @@ def _table(f: dict) -> str:
     return "\n".join(lines)
 
 
-def parse_origins(spec: str | None, quick: bool) -> list[int]:
-    return parse_counts("--origins", spec, QUICK_ORIGINS if quick else DEFAULT_ORIGINS)
-
-
 def main(*, as_json: bool, origins: str | None, quick: bool, output: Path | None) -> int:
-    ns = parse_origins(origins, quick)
+    ns = parse_counts("--origins", origins, QUICK_ORIGINS if quick else DEFAULT_ORIGINS)
     window = 6.0 if quick else 30.0
-    workdir = Path(tempfile.mkdtemp(prefix="weft-bench-host-scale-"))
 
-    def measure() -> dict:
+    def measure(workdir: Path) -> dict:
         fd = raise_fd_limit()
         ca = generate_ca()
         with Containerd() as containerd:
             runs = [measure_one(n, containerd, workdir, ca, window=window) for n in ns]
         return _figures(runs, window, fd)
 
-    try:
-        code, figures = guarded(_say, measure)
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    if figures is None:
-        return code
-    return report(figures, as_json, output, _table)
+    return run_in_scratch("weft-bench-host-scale-", _say, measure, as_json, output, _table)

@@ -29,7 +29,7 @@ import time
 from contextlib import ExitStack
 from pathlib import Path
 
-from shim.bench.running import guarded, report
+from shim.bench.running import run
 from shim.core.reservation import cpu_shares, group_shares, weight_of_shares
 from shim.core.stats import percentile
 
@@ -154,9 +154,6 @@ def _table(f: dict) -> str:
 
 
 def main(as_json: bool = False, quick: bool = False, stage_millis: int = 500, output: Path | None = None) -> int:
-    code, figures = guarded(lambda m: print(m, file=sys.stderr),
-                            lambda: measure(seconds=1.5 if quick else 4.0, rounds=1 if quick else 2,
-                                            stage_millis=stage_millis))
-    if figures is None:
-        return code
-    return report(figures, as_json, output, _table)
+    return run(lambda m: print(m, file=sys.stderr),
+               lambda: measure(seconds=1.5 if quick else 4.0, rounds=1 if quick else 2, stage_millis=stage_millis),
+               as_json, output, _table)

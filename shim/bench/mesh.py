@@ -34,9 +34,7 @@ import datetime
 import gc
 import os
 import platform
-import shutil
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -46,7 +44,7 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from shim.bench.running import guarded, ms, report, summary
+from shim.bench.running import ms, run_in_scratch, summary, targets_met
 from shim.config import MeshConfig
 from shim.core.stats import percentile
 from shim.errors import WeftError
@@ -379,18 +377,13 @@ def _table(f: dict) -> str:
               "RunPodSandbox first and removes it with the container",
               f"remote starts ran on {hosts}; the restart after {loss['host_killed']} died ran "
               f"{loss['replacement_placement']}",
-              f"targets met: {sum(1 for k, v in t.items() if k != 'all' and v)} of {len(t) - 1}"]
+              targets_met(t)]
     return "\n".join(lines)
 
 
 def main(*, as_json: bool, starts: int, samples: int, output: Path | None) -> int:
     if starts < 1 or samples < 10:
         raise WeftError("need --starts >= 1 and --samples >= 10")
-    workdir = Path(tempfile.mkdtemp(prefix="weft-bench-mesh-"))
-    try:
-        code, figures = guarded(_say, lambda: _figures(_measure(starts, samples, workdir), starts, samples))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    if figures is None:
-        return code
-    return report(figures, as_json, output, _table)
+    return run_in_scratch("weft-bench-mesh-", _say,
+                          lambda workdir: _figures(_measure(starts, samples, workdir), starts, samples),
+                          as_json, output, _table)

@@ -32,9 +32,7 @@ import datetime
 import os
 import platform
 import resource
-import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -47,7 +45,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 
 from shim._pb import mesh_pb2 as pb
 from shim._pb import mesh_pb2_grpc as pb_grpc
-from shim.bench.running import guarded, ms, parse_counts, report, right_aligned
+from shim.bench.running import established, ms, parse_counts, right_aligned, run_in_scratch, targets_met
 from shim.config import MeshConfig
 from shim.core.stats import percentile
 from shim.errors import WeftError
@@ -130,17 +128,7 @@ class Peers(pb_grpc.MeshServicer):
         # 127.0.0.1:<port> as /proc/net/tcp writes it, and as tcp6 writes it IPv4-mapped (gRPC's dual-stack socket).
         local = {f"{addr}:{port:04X}" for port in self.ports
                  for addr in ("0100007F", "0000000000000000FFFF00000100007F")}
-        count = 0
-        for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-            try:
-                lines = Path(table).read_text().splitlines()[1:]
-            except OSError:
-                continue
-            for line in lines:
-                fields = line.split()
-                if fields[3] == "01" and fields[1] in local:
-                    count += 1
-        return count
+        return established(local.__contains__)
 
     # The peer's side of the protocol, just enough for the agent.
     def Hello(self, request, context):  # noqa: N802 - gRPC method names
@@ -365,22 +353,13 @@ def _table(f: dict) -> str:
               f"(≤ {lim['placement_p50_ratio']:g}x: {met[t['placement_p50_ratio']]})",
               f"agent CPU {ra['agent_cpu']}x, RSS {ra['agent_rss']}x, control bytes {ra['control_bytes']}x "
               f"({ra['of'][1]} against {ra['of'][0]} peers)",
-              f"targets met: {sum(1 for k, v in t.items() if k != 'all' and v)} of {len(t) - 1}"]
+              targets_met(t)]
     return "\n".join(lines)
 
 
-def parse_peers(spec: str | None, quick: bool) -> list[int]:
-    return parse_counts("--peers", spec, QUICK_PEERS if quick else DEFAULT_PEERS)
-
-
 def main(*, as_json: bool, peers: str | None, quick: bool, output: Path | None) -> int:
-    ns = parse_peers(peers, quick)
+    ns = parse_counts("--peers", peers, QUICK_PEERS if quick else DEFAULT_PEERS)
     window, samples = (4.0, 5) if quick else (30.0, 40)
-    workdir = Path(tempfile.mkdtemp(prefix="weft-bench-mesh-scale-"))
-    try:
-        code, figures = guarded(_say, lambda: _figures(_measure(ns, window, samples, workdir), window, samples))
-    finally:
-        shutil.rmtree(workdir, ignore_errors=True)
-    if figures is None:
-        return code
-    return report(figures, as_json, output, _table)
+    return run_in_scratch("weft-bench-mesh-scale-", _say,
+                          lambda workdir: _figures(_measure(ns, window, samples, workdir), window, samples),
+                          as_json, output, _table)

@@ -37,7 +37,6 @@ code says only whether the run worked.
 
 from __future__ import annotations
 
-import json
 import os
 import socket
 import statistics
@@ -49,6 +48,7 @@ from pathlib import Path
 
 from cri_api.v1 import api_pb2 as cri
 
+from shim.bench.running import report
 from shim.config import AgentConfig
 from shim.core.stats import percentile
 from shim.crishared.netns import Netns, sandbox_netns
@@ -262,28 +262,28 @@ def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path |
             "tunnel_added_p50_ms": round(_pct(rr["tunnel"], 0.5) - _pct(rr["direct"], 0.5), 4),
             "agent_cpu_s_per_gib_tunnel": {a: round(v / (3 * nbytes / (1 << 30)), 3) for a, v in tunnel_cpu.items()},
         })
-    text = json.dumps(figures, indent=2)
-    if output is not None:
-        output.write_text(text + "\n")
-    if as_json:
-        print(text)
-    else:
-        print(f"throughput: direct {med['direct']:.2f} GB/s, stitched {med['stitched']:.2f} GB/s "
-              f"({figures['throughput_ratio']:.0%} of direct; target >= 50%, stretch >= 90%)")
-        print(f"request/response p50: direct {figures['rr_ms']['direct']['p50']:.3f} ms, stitched "
-              f"{figures['rr_ms']['stitched']['p50']:.3f} ms, added {figures['added_p50_ms']:.3f} ms (target <= 0.3); "
-              f"p99 added {figures['added_p99_ms']:.3f} ms")
-        print(f"agent CPU per GiB stitched: {figures['agent_cpu_s_per_gib']}")
-        print(f"stitched path per port: {chosen}; kernel path targets: throughput >= 90% of direct, added p50 <= "
-              f"0.05 ms")
+
+    def table(figures: dict) -> str:
+        lines = [f"throughput: direct {med['direct']:.2f} GB/s, stitched {med['stitched']:.2f} GB/s "
+                 f"({figures['throughput_ratio']:.0%} of direct; target >= 50%, stretch >= 90%)",
+                 f"request/response p50: direct {figures['rr_ms']['direct']['p50']:.3f} ms, stitched "
+                 f"{figures['rr_ms']['stitched']['p50']:.3f} ms, added {figures['added_p50_ms']:.3f} ms "
+                 f"(target <= 0.3); p99 added {figures['added_p99_ms']:.3f} ms",
+                 f"agent CPU per GiB stitched: {figures['agent_cpu_s_per_gib']}",
+                 f"stitched path per port: {chosen}; kernel path targets: throughput >= 90% of direct, added p50 <= "
+                 f"0.05 ms"]
         if "tunnel" in med:
-            print(f"tunnel ([::1], the user-space path) beside it: {med['tunnel']:.2f} GB/s "
-                  f"({figures['tunnel_throughput_ratio']:.0%} of direct), added p50 "
-                  f"{figures['tunnel_added_p50_ms']:.3f} ms, agent CPU per GiB {figures['agent_cpu_s_per_gib_tunnel']}")
-        print(f"exec echo through a TTY p50: rerouted {figures['exec_rtt_ms']['remote']['p50']:.2f} ms, local "
-              f"{figures['exec_rtt_ms']['local']['p50']:.2f} ms ({figures['exec_ratio']:.2f}x; target <= 1.5x); "
-              f"the shadow on its host's containerd directly {figures['exec_rtt_ms']['shadow_on_host']['p50']:.2f} ms "
-              f"(the two relays add {figures['exec_added_by_relays_ms']:.2f} ms); both agents' CPU "
-              f"{figures['exec_agent_cpu_ms_per_keystroke']:.2f} ms a keystroke, busy-polling "
-              f"{figures['stream_busy_poll_us']} us")
-    return 0
+            lines.append(f"tunnel ([::1], the user-space path) beside it: {med['tunnel']:.2f} GB/s "
+                         f"({figures['tunnel_throughput_ratio']:.0%} of direct), added p50 "
+                         f"{figures['tunnel_added_p50_ms']:.3f} ms, agent CPU per GiB "
+                         f"{figures['agent_cpu_s_per_gib_tunnel']}")
+        lines.append(f"exec echo through a TTY p50: rerouted {figures['exec_rtt_ms']['remote']['p50']:.2f} ms, local "
+                     f"{figures['exec_rtt_ms']['local']['p50']:.2f} ms ({figures['exec_ratio']:.2f}x; target <= 1.5x); "
+                     f"the shadow on its host's containerd directly "
+                     f"{figures['exec_rtt_ms']['shadow_on_host']['p50']:.2f} ms "
+                     f"(the two relays add {figures['exec_added_by_relays_ms']:.2f} ms); both agents' CPU "
+                     f"{figures['exec_agent_cpu_ms_per_keystroke']:.2f} ms a keystroke, busy-polling "
+                     f"{figures['stream_busy_poll_us']} us")
+        return "\n".join(lines)
+
+    return report(figures, as_json, output, table)

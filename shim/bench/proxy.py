@@ -41,7 +41,7 @@ import psutil
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from shim.bench.running import guarded, ms, report
+from shim.bench.running import labelled, ms, run, targets_met
 from shim.core.stats import percentile
 from shim.errors import WeftError
 from shim.localfabric.agent import AgentProcess
@@ -372,18 +372,14 @@ def _table(f: dict) -> str:
                  f"{ag['cpu_percent_one_core']:.2f}", "", f"≤ {LIMITS['cpu_percent_one_core']:g} %",
                  ok[t["agent_cpu"]]))
     rows.append((f"agent CPU, {ag['idle_seconds']:g} s idle (% core)", "", f"{ag['cpu_percent_idle']:.2f}", "", "", ""))
-    widths = [max(len(r[i]) for r in rows) for i in range(6)]
     lines = [f"weft bench proxy: {env['pods']} pods, {env['samples']} samples per call and path, "
              f"containerd {env['containerd_line']} ({env['containerd_version']}), {env['cpu_count']} CPUs", ""]
-    for r in rows:
-        cells = [r[0].ljust(widths[0])] + [c.rjust(w) for c, w in zip(r[1:5], widths[1:5], strict=True)] + [r[5]]
-        lines.append("  ".join(cells).rstrip())
-    met = sum(1 for k, v in t.items() if k != "all" and v)
+    lines += labelled(rows)
     lines += ["", "floor: echo = a Python grpcio server alone; forward = a grpcio server plus a grpcio client hop "
               "(the least any grpcio forwarder can add);",
               "       splice = an asyncio byte pipe, no gRPC (the least a Python relay can add); "
               "agent - splice = what weft's relay adds over a plain pipe",
-              f"targets met: {met} of {len(t) - 1}"]
+              targets_met(t)]
     if ag["load_errors"]:
         lines.append(f"note: {ag['load_errors']} of {ag['load_calls']} load calls failed (see messages above)")
     return "\n".join(lines)
@@ -392,8 +388,5 @@ def _table(f: dict) -> str:
 def main(*, as_json: bool, pods: int, samples: int, load_seconds: float, output: Path | None) -> int:
     if pods < 1 or samples < 10 or load_seconds < 0:
         raise WeftError("need --pods >= 1, --samples >= 10 and --load-seconds >= 0")
-    code, figures = guarded(_say, lambda: _figures(_measure(pods, samples, load_seconds), pods, samples,
-                                                   load_seconds))
-    if figures is None:
-        return code
-    return report(figures, as_json, output, _table)
+    return run(_say, lambda: _figures(_measure(pods, samples, load_seconds), pods, samples, load_seconds),
+               as_json, output, _table)

@@ -8,7 +8,9 @@ exception so every ``finally`` still tears them down. Exit codes: 0 measured
 from __future__ import annotations
 
 import json
+import shutil
 import signal
+import tempfile
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -48,6 +50,25 @@ def guarded(say: Callable[[str], None], measure: Callable[[], T]) -> tuple[int, 
         signal.signal(signal.SIGTERM, previous)
 
 
+def run(say: Callable[[str], None], measure: Callable[[], dict], as_json: bool, output: Path | None,
+        table: Callable[[dict], str]) -> int:
+    """A benchmark's main after its flags: ``measure`` under :func:`guarded`, then :func:`report`; the exit code."""
+    code, figures = guarded(say, measure)
+    return code if figures is None else report(figures, as_json, output, table)
+
+
+def run_in_scratch(prefix: str, say: Callable[[str], None], measure: Callable[[Path], dict], as_json: bool,
+                   output: Path | None, table: Callable[[dict], str]) -> int:
+    """:func:`run`, ``measure`` given a scratch directory (sockets, state, logs) that is removed before the report,
+    whatever happened."""
+    workdir = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        code, figures = guarded(say, lambda: measure(workdir))
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return code if figures is None else report(figures, as_json, output, table)
+
+
 def ms(ns: float, digits: int = 4) -> float:
     return round(ns / 1e6, digits)
 
@@ -71,6 +92,34 @@ def right_aligned(rows: list[tuple[str, ...]]) -> list[str]:
     """The rows as lines, every column right-aligned to its widest cell."""
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     return ["  ".join(c.rjust(w) for c, w in zip(row, widths, strict=True)) for row in rows]
+
+
+def labelled(rows: list[tuple[str, ...]]) -> list[str]:
+    """The rows as lines: the label left-aligned, the figures right-aligned, the last column (a mark) as it is."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    return ["  ".join([row[0].ljust(widths[0]), *(c.rjust(w) for c, w in zip(row[1:-1], widths[1:-1], strict=True)),
+                       row[-1]]).rstrip() for row in rows]
+
+
+def targets_met(targets: dict[str, bool]) -> str:
+    """The closing line of a table: how many targets were met (``all`` is their conjunction, not one of them)."""
+    return f"targets met: {sum(1 for k, v in targets.items() if k != 'all' and v)} of {len(targets) - 1}"
+
+
+def established(local: Callable[[str], bool]) -> int:
+    """Established TCP connections whose local address (``0100007F:1F90``, as /proc/net/tcp and tcp6 write it)
+    ``local`` accepts."""
+    count = 0
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "01" and local(fields[1]):
+                count += 1
+    return count
 
 
 def parse_counts(flag: str, spec: str | None, default: tuple[int, ...]) -> list[int]:

@@ -22,7 +22,6 @@ It is a measurement, not a test: the exit code says only whether the run worked.
 
 from __future__ import annotations
 
-import json
 import multiprocessing
 import os
 import socket
@@ -34,6 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 
 from shim.bench.network import BUF, _cpu, _echo, _p50_p99, _pct, _rr, _serve, _sink, _throughput
+from shim.bench.running import report
 
 MODES = ("plain", "tls")
 
@@ -162,16 +162,10 @@ def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path |
         "round_trips": len(rr["plain"]),
         "load_average": round(os.getloadavg()[0], 2),
     }
-    text = json.dumps(figures, indent=2)
-    if output is not None:
-        output.write_text(text + "\n")
-    if as_json:
-        print(text)
-    else:
-        print(f"throughput: plaintext {med['plain']:.2f} GB/s, TLS {med['tls']:.2f} GB/s "
-              f"({figures['tls_throughput_ratio']:.0%} of plaintext)")
-        print(f"request/response p50: plaintext {figures['rr_ms']['plain']['p50']:.3f} ms, TLS "
-              f"{figures['rr_ms']['tls']['p50']:.3f} ms (TLS adds {figures['tls_added_p50_ms']:.3f} ms); p99 "
-              f"{figures['rr_ms']['plain']['p99']:.3f} / {figures['rr_ms']['tls']['p99']:.3f} ms")
-        print(f"relay CPU per GiB: {figures['relay_cpu_s_per_gib']}")
-    return 0
+    return report(figures, as_json, output, lambda figures: "\n".join([
+        f"throughput: plaintext {med['plain']:.2f} GB/s, TLS {med['tls']:.2f} GB/s "
+        f"({figures['tls_throughput_ratio']:.0%} of plaintext)",
+        f"request/response p50: plaintext {figures['rr_ms']['plain']['p50']:.3f} ms, TLS "
+        f"{figures['rr_ms']['tls']['p50']:.3f} ms (TLS adds {figures['tls_added_p50_ms']:.3f} ms); p99 "
+        f"{figures['rr_ms']['plain']['p99']:.3f} / {figures['rr_ms']['tls']['p99']:.3f} ms",
+        f"relay CPU per GiB: {figures['relay_cpu_s_per_gib']}"]))
