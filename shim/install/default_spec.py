@@ -9,6 +9,24 @@ the default runtime has one, and this one otherwise.
 
 import json
 
+# ctr oci spec gives the process one capability set, as bounding, effective and permitted alike: written once here.
+_CAPABILITIES = json.dumps([
+    "CAP_CHOWN",
+    "CAP_DAC_OVERRIDE",
+    "CAP_FSETID",
+    "CAP_FOWNER",
+    "CAP_MKNOD",
+    "CAP_NET_RAW",
+    "CAP_SETGID",
+    "CAP_SETUID",
+    "CAP_SETFCAP",
+    "CAP_SETPCAP",
+    "CAP_NET_BIND_SERVICE",
+    "CAP_SYS_CHROOT",
+    "CAP_KILL",
+    "CAP_AUDIT_WRITE",
+])
+
 SPEC = json.loads(r"""
 {
  "ociVersion": "1.0.2-dev",
@@ -19,54 +37,9 @@ SPEC = json.loads(r"""
   },
   "cwd": "/",
   "capabilities": {
-   "bounding": [
-    "CAP_CHOWN",
-    "CAP_DAC_OVERRIDE",
-    "CAP_FSETID",
-    "CAP_FOWNER",
-    "CAP_MKNOD",
-    "CAP_NET_RAW",
-    "CAP_SETGID",
-    "CAP_SETUID",
-    "CAP_SETFCAP",
-    "CAP_SETPCAP",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT",
-    "CAP_KILL",
-    "CAP_AUDIT_WRITE"
-   ],
-   "effective": [
-    "CAP_CHOWN",
-    "CAP_DAC_OVERRIDE",
-    "CAP_FSETID",
-    "CAP_FOWNER",
-    "CAP_MKNOD",
-    "CAP_NET_RAW",
-    "CAP_SETGID",
-    "CAP_SETUID",
-    "CAP_SETFCAP",
-    "CAP_SETPCAP",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT",
-    "CAP_KILL",
-    "CAP_AUDIT_WRITE"
-   ],
-   "permitted": [
-    "CAP_CHOWN",
-    "CAP_DAC_OVERRIDE",
-    "CAP_FSETID",
-    "CAP_FOWNER",
-    "CAP_MKNOD",
-    "CAP_NET_RAW",
-    "CAP_SETGID",
-    "CAP_SETUID",
-    "CAP_SETFCAP",
-    "CAP_SETPCAP",
-    "CAP_NET_BIND_SERVICE",
-    "CAP_SYS_CHROOT",
-    "CAP_KILL",
-    "CAP_AUDIT_WRITE"
-   ]
+   "bounding": @CAPABILITIES@,
+   "effective": @CAPABILITIES@,
+   "permitted": @CAPABILITIES@
   },
   "rlimits": [
    {
@@ -208,4 +181,4 @@ SPEC = json.loads(r"""
   ]
  }
 }
-""")
+""".replace("@CAPABILITIES@", _CAPABILITIES))
