@@ -21,6 +21,7 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from shim.core.quantity import AnnotationError, parse_memory
 from shim.core.reroute import Resources
@@ -30,6 +31,8 @@ from shim.sim.model import ClusterSpec, GpuProfile, PodSpec
 from shim.sim.readers import TraceError, read_dlrm, read_genai_samples, read_genai_summary, read_openb_nodes
 from shim.sim.study import study
 from shim.sim.workload import LEASE_POLICIES, SyntheticSpec, dlrm_pods, genai_pool, parse_duty, synthetic_pods
+
+N = TypeVar("N", int, float)
 
 # A DGX H100-class GPU node, and a CPU node that holds the largest DLRM CN instance (192 vCPU, 960 GiB).
 DEFAULT_GPU_NODE = ("224", "2TiB")
@@ -137,34 +140,28 @@ def _size(flag: str, value: str) -> int:
         raise UsageError(str(exc)) from None
 
 
-def _count(flag: str, value: str, lo: int = 0) -> int:
+def _number(flag: str, value: str, read: Callable[[str], N], what: str, ok: Callable[[N], bool], must: str) -> N:
+    """``value`` as ``read`` reads it; UsageError naming ``flag`` if it is not ``what`` or ``ok`` refuses it."""
     try:
-        n = int(value)
+        x = read(value)
     except ValueError:
-        raise UsageError(f"{flag}: {value!r} is not a whole number") from None
-    if n < lo:
-        raise UsageError(f"{flag}: {value!r} must be at least {lo}")
-    return n
+        raise UsageError(f"{flag}: {value!r} is not {what}") from None
+    if not ok(x):
+        raise UsageError(f"{flag}: {value!r} must be {must}")
+    return x
+
+
+def _count(flag: str, value: str, lo: int = 0) -> int:
+    return _number(flag, value, int, "a whole number", lambda n: n >= lo, f"at least {lo}")
 
 
 def _positive(flag: str, value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise UsageError(f"{flag}: {value!r} is not a number") from None
-    if not x > 0 or x == float("inf"):
-        raise UsageError(f"{flag}: {value!r} must be more than zero")
-    return x
+    return _number(flag, value, float, "a number", lambda x: x > 0 and x != float("inf"), "more than zero")
 
 
 def _price(flag: str, value: str) -> float:
-    try:
-        x = float(value)
-    except ValueError:
-        raise UsageError(f"{flag}: {value!r} is not a price in $ per hour (e.g. 55.04)") from None
-    if not math.isfinite(x) or x < 0:
-        raise UsageError(f"{flag}: {value!r} must be a price of 0 or more $ per hour")
-    return x
+    return _number(flag, value, float, "a price in $ per hour (e.g. 55.04)", lambda x: math.isfinite(x) and x >= 0,
+                   "a price of 0 or more $ per hour")
 
 
 def _prices(args: argparse.Namespace) -> Prices:

@@ -34,7 +34,7 @@ import heapq
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
+from typing import NamedTuple, TypeVar
 
 from shim.core.packing import DeviceCapacity, Held, PackDecision, pack
 from shim.core.reroute import (
@@ -754,10 +754,7 @@ class _Simulation:
 
     def _set_held(self, t: float, delta: int) -> None:
         self.held += delta
-        if self.held_steps[-1][0] == t:
-            self.held_steps[-1] = (t, self.held)
-        else:
-            self.held_steps.append((t, self.held))
+        _step(self.held_steps, t, self.held)
 
     def _set_cpu(self, node: _CpuNode, *, own: Resources | None = None, hosted: Resources | None = None,
                  sign: int) -> None:
@@ -780,11 +777,7 @@ class _Simulation:
             # can be bound on top of a reserved stage; an excess here is a bug in the books, not a result.
             raise RuntimeError(f"{node.name} is {after:g} vCPU over capacity with every hosted stage reserved")
         self.overcommit_rate["cpu"] += after - before
-        t = self.last_t
-        if self.cpu_node_steps[-1][0] == t:
-            self.cpu_node_steps[-1] = (t, self.cpu_requested)
-        else:
-            self.cpu_node_steps.append((t, self.cpu_requested))
+        _step(self.cpu_node_steps, self.last_t, self.cpu_requested)
 
     def _set_gpu_books(self, node: _GpuNode, *, books: Resources | None = None, extra: Resources | None = None,
                        sign: int) -> None:
@@ -796,6 +789,18 @@ class _Simulation:
             node.extra_cpu += sign * extra.cpu_cores
             node.extra_memory += sign * extra.memory_bytes
         self.overcommit_rate["gpu"] += max(0.0, node.books_cpu + node.extra_cpu - node.cap.cpu_cores) - before
+
+
+V = TypeVar("V", int, float)
+
+
+def _step(steps: list[tuple[float, V]], t: float, value: V) -> None:
+    """A step function's value from ``t`` on: the last step replaced where it is at ``t`` already (several
+    changes in one instant make one step)."""
+    if steps[-1][0] == t:
+        steps[-1] = (t, value)
+    else:
+        steps.append((t, value))
 
 
 def simulate(

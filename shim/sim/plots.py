@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+from typing import Any
 
 from shim.sim.metrics import Series
 
@@ -44,12 +45,7 @@ def write(out: Path, series: Mapping[str, Series], completions: Mapping[str, Seq
     ax.set_xlabel("time (h)")
     ax.set_ylabel("GPU utilisation, duty cycle (%)\nbusy / held GPU-seconds")
     ax.set_ylim(bottom=0)
-    ax.set_title("GPU utilisation over time")
-    ax.grid(alpha=0.3)
-    ax.legend()
-    fig.tight_layout()
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
+    _save(fig, ax, "GPU utilisation over time", paths[0])
 
     fig, ax = plt.subplots(figsize=(8, 4.5))
     for name, values in completions.items():
@@ -63,10 +59,17 @@ def write(out: Path, series: Mapping[str, Series], completions: Mapping[str, Seq
     ax.set_xscale("log")
     ax.set_xlabel("job completion time, queueing + run (h, log scale)")
     ax.set_ylabel("share of pods")
-    ax.set_title("Job completion time CDF")
+    _save(fig, ax, "Job completion time CDF", paths[1])
+    return paths
+
+
+def _save(fig: Any, ax: Any, title: str, path: Path) -> None:
+    """Title, grid and legend alike on every figure; written to ``path`` and closed."""
+    from matplotlib import pyplot as plt  # imported by write already: matplotlib is optional
+
+    ax.set_title(title)
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(paths[1], dpi=110)
+    fig.savefig(path, dpi=110)
     plt.close(fig)
-    return paths
