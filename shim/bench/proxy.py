@@ -44,6 +44,7 @@ from cri_api.v1 import api_pb2_grpc as cri_grpc
 from shim.bench.running import labelled, ms, run, targets_met
 from shim.core.stats import percentile
 from shim.errors import WeftError
+from shim.localfabric import daemon
 from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd
 from shim.localfabric.pods import container_config, sandbox_config
@@ -111,12 +112,7 @@ def _floor(socket: Path, *args: str) -> Iterator[str]:
                 raise RuntimeError(f"shim.bench.floor did not answer on {socket} (exit code {proc.poll()})") from None
         yield address
     finally:
-        proc.terminate()
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        daemon.stop(proc, timeout=5)
 
 
 # -- phase 1: per-call latency ---------------------------------------------------

@@ -83,12 +83,7 @@ def share(pod: str, container: str, pod_annotations: Mapping[str, str], envs: Ma
     portion = _portion(where, envs.get(PORTION_ENV))
     if FRACTION in pod_annotations:
         raw = pod_annotations[FRACTION].strip()
-        try:
-            fraction = float(raw)
-        except ValueError:
-            raise AnnotationError(FRACTION, raw, f"of {where} is not a number") from None
-        if not (0 < fraction <= 1) or math.isnan(fraction):
-            raise AnnotationError(FRACTION, raw, f"of {where} is not a fraction of one GPU (more than 0, at most 1)")
+        fraction = _of_one_gpu(FRACTION, raw, where, "a fraction of one GPU (more than 0, at most 1)")
         memory = max(MIB, int(device_bytes * fraction) // MIB * MIB)
         compute = _percent(portion if portion is not None else fraction)
         return KaiShare(memory, compute, ShareSource.KAI_FRACTION,
@@ -111,12 +106,18 @@ def _portion(where: str, raw: str | None) -> float | None:
     """KAI's binder's portion of the GPU ("0.50"); None where it gave none."""
     if raw is None or not raw.strip():
         return None
+    return _of_one_gpu(PORTION_ENV, raw, where, "a portion of one GPU")
+
+
+def _of_one_gpu(key: str, raw: str, where: str, what: str) -> float:
+    """``raw`` as a share of one GPU, more than 0 and at most 1; AnnotationError on ``key`` if it is not a
+    number, or is not ``what``."""
     try:
         value = float(raw)
     except ValueError:
-        raise AnnotationError(PORTION_ENV, raw, f"of {where} is not a number") from None
+        raise AnnotationError(key, raw, f"of {where} is not a number") from None
     if not (0 < value <= 1) or math.isnan(value):
-        raise AnnotationError(PORTION_ENV, raw, f"of {where} is not a portion of one GPU")
+        raise AnnotationError(key, raw, f"of {where} is not {what}")
     return value
 
 

@@ -424,13 +424,19 @@ def _literal(text: str, span: tuple[int, int]) -> str:
 
 
 def _checked(new: str, want: dict[str, Any], path: str, what: str) -> str:
+    return _reads_as(new, want, path, f"cannot {what} without rewriting the file (write `imports` as a plain list "
+                                      "before the first table)")
+
+
+def _reads_as(new: str, want: dict[str, Any], path: str, refusal: str) -> str:
+    """``new``, the file edited line by line, if it reads as ``want`` (the edit meant); refused with ``refusal``
+    if it does not, so an edit that would change more than it should never reaches the file."""
     try:
         ok = tomllib.loads(new) == want
     except tomllib.TOMLDecodeError:
         ok = False
     if not ok:
-        raise _refuse(path, f"cannot {what} without rewriting the file (write `imports` as a plain list before the "
-                            "first table)")
+        raise _refuse(path, refusal)
     return new
 
 
@@ -558,15 +564,9 @@ def without_weft_runtime(text: str, path: str) -> str:
     want = copy.deepcopy(doc)
     for t in targets:
         del want["plugins"][t[1]]["containerd"]["runtimes"][HANDLER]
-    try:
-        ok = tomllib.loads(new) == want
-    except tomllib.TOMLDecodeError:
-        ok = False
-    if not ok:
-        raise _refuse(path, f"holds a copy of weft's '{HANDLER}' runtime handler that cannot be taken out by removing "
-                            "its tables (remove it by hand: containerd will not start its CRI plugin on it once "
-                            f"{BASE_SPEC} is gone)")
-    return new
+    return _reads_as(new, want, path, f"holds a copy of weft's '{HANDLER}' runtime handler that cannot be taken "
+                                      "out by removing its tables (remove it by hand: containerd will not start its "
+                                      f"CRI plugin on it once {BASE_SPEC} is gone)")
 
 
 def plan(files: HostFiles, hook_argv: list[str], broker_socket: str, ctrd: Containerd) -> ContainerdPlan:
