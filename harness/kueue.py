@@ -24,6 +24,7 @@ from harness.controlplane import ControlPlane
 from harness.pki import make_pki
 from harness.procs import Daemon, free_port
 from shim.localfabric import builds
+from shim.localfabric.waiting import wait_for
 
 KUEUE_BUILD = binaries.REPO / "components" / "kueue" / "build.sh"
 API = "kueue.x-k8s.io/v1beta2"
@@ -63,7 +64,11 @@ class Kueue:
         self.workdir.mkdir(parents=True, exist_ok=True)
         for crd in sorted((bins / "crds").glob("*.yaml")):  # the workloads CRD is too large for a client-side apply
             self.control.kubectl("apply", "--server-side", "-f", str(crd))
-        self.control.kubectl("wait", "--for=condition=Established", "--timeout=60s", "crd", "--all")
+        # A CRD the API server has not given a status yet makes kubectl wait fail at once ("<nil> is of the type
+        # <nil>") instead of waiting: asked again until all are established.
+        wait_for(lambda: self.control.kubectl("wait", "--for=condition=Established", "--timeout=30s", "crd",
+                                              "--all", check=False).returncode == 0,
+                 timeout=90, what="Kueue's CRDs established", every=1.0)
         pki = make_pki(self.workdir / "certs", ["127.0.0.1"], ["localhost"])
         certs = self.workdir / "serving"
         certs.mkdir(exist_ok=True)

@@ -11,40 +11,17 @@ timeout by design).
 from __future__ import annotations
 
 import json
-import math
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from harness.weft_bench import positive, run
 
 pytestmark = pytest.mark.slow
 
 
-def _run(*args: str, timeout: float = 240) -> subprocess.CompletedProcess[str]:
-    argv = [sys.executable, "-m", "shim", "bench", *args]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
-    proc = subprocess.Popen(argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)  # the benchmark tears its fabric down on it
-        out, err = proc.communicate(timeout=120)
-        pytest.fail(f"weft bench {args[0]} did not finish within {timeout:g} s:\n{err[-3000:]}")
-    assert proc.returncode == 0, err[-3000:]
-    return subprocess.CompletedProcess(argv, proc.returncode, out, err)
-
-
-def _positive(value: float, what: str) -> None:
-    assert isinstance(value, int | float) and math.isfinite(value) and value > 0, (what, value)
-
-
 def _latency(s: dict, what: str) -> None:
-    _positive(s["p50_ms"], f"{what} p50")
+    positive(s["p50_ms"], f"{what} p50")
     assert s["n"] >= 3, what
     for q in ("p95_ms", "p99_ms", "max_ms"):
         if q in s:
@@ -53,7 +30,7 @@ def _latency(s: dict, what: str) -> None:
 
 def test_bench_mesh_quick_has_every_figure(tmp_path: Path) -> None:
     out = tmp_path / "mesh.json"
-    res = _run("mesh", "--quick", "--json", "--output", str(out))
+    res = run("mesh", "--quick", "--json", "--output", str(out))
     figures = json.loads(res.stdout)  # stdout holds the JSON object and nothing else
     assert json.loads(out.read_text()) == figures
 
@@ -61,17 +38,17 @@ def test_bench_mesh_quick_has_every_figure(tmp_path: Path) -> None:
     for side in ("remote", "remote_cold", "local"):
         _latency(start[side], side)
     for ratio in ("ratio_p50", "ratio_p95", "cold_ratio_p50"):
-        _positive(start[ratio], ratio)
+        positive(start[ratio], ratio)
     assert set(start["remote_hosts"]) <= {"cpu-1", "cpu-2"} and sum(start["remote_hosts"].values()) == 3
 
     status = figures["status"]
     _latency(status["remote"], "status remote")
     _latency(status["local"], "status local")
-    _positive(status["ratio_p50"], "status ratio")
+    positive(status["ratio_p50"], "status ratio")
 
     loss = figures["loss"]
     assert loss["reason"] == "WeftPeerLost" and loss["exit_code"] == 137
-    _positive(loss["reported_lost_s"], "reported lost")
+    positive(loss["reported_lost_s"], "reported lost")
     assert loss["replaced_s"] >= loss["reported_lost_s"]
     other = ({"cpu-1", "cpu-2"} - {loss["host_killed"]}).pop()
     assert loss["replacement_placement"] == f"remote:{other}"
@@ -84,7 +61,7 @@ def test_bench_mesh_quick_has_every_figure(tmp_path: Path) -> None:
 
 
 def test_bench_e2e_quick_has_every_figure(tmp_path: Path) -> None:
-    res = _run("e2e", "--quick", "--json", "--output", str(tmp_path))
+    res = run("e2e", "--quick", "--json", "--output", str(tmp_path))
     figures = json.loads(res.stdout)
     assert json.loads((tmp_path / "e2e.json").read_text()) == figures
     table = (tmp_path / "e2e.md").read_text()
@@ -92,43 +69,43 @@ def test_bench_e2e_quick_has_every_figure(tmp_path: Path) -> None:
     pod_start = figures["pod_start"]
     _latency(pod_start["opted_in"], "pod start opted in")
     _latency(pod_start["plain"], "pod start plain")
-    _positive(pod_start["ratio_p50"], "pod start ratio")
+    positive(pod_start["ratio_p50"], "pod start ratio")
     # Opted in, the CPU container went to a host and the GPU one stayed, leased.
     assert all(p.startswith("remote:cpu-") and p.endswith(" + local") for p in pod_start["opted_in_placements"])
 
     # The pod start also opted in without the prepared shadow sandbox, side by side.
     _latency(pod_start["opted_in_unprepared"], "pod start opted in, unprepared")
     for ratio in ("ratio_p95", "unprepared_ratio_p50", "unprepared_ratio_p95"):
-        _positive(pod_start[ratio], ratio)
+        positive(pod_start[ratio], ratio)
     # And both sides under the runtime's default seccomp profile, which a host gives a rerouted container anyway.
     _latency(pod_start["opted_in_runtime_default"], "pod start opted in, RuntimeDefault")
     _latency(pod_start["plain_runtime_default"], "pod start plain, RuntimeDefault")
     for ratio in ("runtime_default_ratio_p50", "runtime_default_ratio_p95"):
-        _positive(pod_start[ratio], ratio)
+        positive(pod_start[ratio], ratio)
     assert "both under the runtime's default seccomp profile" in table
     assert figures["targets"]["pod_start_ratio"] == 1.2 and figures["targets"]["first_start_ratio"] == 1.3
 
     start = figures["container_start"]
     for side in ("remote", "remote_cold", "local"):
         _latency(start[side], side)
-    _positive(start["ratio_p50"], "container start ratio")
+    positive(start["ratio_p50"], "container start ratio")
     first = start["first"]
     for side in ("remote", "remote_unprepared", "local"):
         _latency(first[side], f"first start {side}")
     for ratio in ("ratio_p50", "ratio_p95", "unprepared_ratio_p50"):
-        _positive(first[ratio], f"first start {ratio}")
+        positive(first[ratio], f"first start {ratio}")
 
     assert set(figures["cri_calls"]) == {"Version", "ListContainers", "ContainerStatus"}
     for method, c in figures["cri_calls"].items():
         _latency(c["agent"], f"{method} agent")
         _latency(c["direct"], f"{method} direct")
-        _positive(c["ratio_p50"], f"{method} ratio")
+        positive(c["ratio_p50"], f"{method} ratio")
 
     assert set(figures["resources"]) == {"agent gpu-1", "agent cpu-1", "agent cpu-2", "broker"}
     for name, r in figures["resources"].items():
         for window in ("idle", "churn"):
             assert r[window]["cpu_percent"] >= 0, (name, window)
-            _positive(r[window]["rss_max_mb"], f"{name} {window} RSS")
+            positive(r[window]["rss_max_mb"], f"{name} {window} RSS")
     churn = figures["churn"]
     assert churn["started"] >= 1 and churn["errors"] == 0, churn["first_errors"]
     assert churn["max_alive"] <= figures["plan"]["churn_pods"]

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from harness.leaks import leaked_node_namespaces, netns
-from integration.bench.test_bench_mesh import _positive, _run
+from harness.weft_bench import positive, run
 from shim.config import AgentConfig
 
 pytestmark = pytest.mark.slow
@@ -22,16 +22,16 @@ pytestmark = pytest.mark.slow
 def test_bench_network_quick_has_every_figure(tmp_path: Path) -> None:
     before = netns()
     out = tmp_path / "network.json"
-    res = _run("network", "--quick", "--json", "--output", str(out))
+    res = run("network", "--quick", "--json", "--output", str(out))
     figures = json.loads(res.stdout)
     assert json.loads(out.read_text()) == figures
 
     for path in ("direct", "stitched"):
-        _positive(figures["throughput_gbytes_s"][path], f"{path} throughput")
+        positive(figures["throughput_gbytes_s"][path], f"{path} throughput")
         rr = figures["rr_ms"][path]
-        _positive(rr["p50"], f"{path} p50")
+        positive(rr["p50"], f"{path} p50")
         assert rr["p99"] >= rr["p50"], path
-    _positive(figures["throughput_ratio"], "throughput ratio")
+    positive(figures["throughput_ratio"], "throughput ratio")
     assert figures["added_p50_ms"] == pytest.approx(
         figures["rr_ms"]["stitched"]["p50"] - figures["rr_ms"]["direct"]["p50"], abs=1e-3)
     # The fabric's pod network is flat: the kernel carries 127.0.0.1 to the shadow, and the agents spend next to
@@ -40,21 +40,21 @@ def test_bench_network_quick_has_every_figure(tmp_path: Path) -> None:
     for agent in ("origin", "host"):
         assert figures["agent_cpu_s_per_gib"][agent] >= 0, agent
     if "tunnel" in figures["throughput_gbytes_s"]:
-        _positive(figures["tunnel_throughput_ratio"], "tunnel throughput ratio")
+        positive(figures["tunnel_throughput_ratio"], "tunnel throughput ratio")
         assert figures["tunnel_added_p50_ms"] == pytest.approx(
             figures["rr_ms"]["tunnel"]["p50"] - figures["rr_ms"]["direct"]["p50"], abs=1e-3)
         for agent in ("origin", "host"):
-            _positive(figures["agent_cpu_s_per_gib_tunnel"][agent], f"{agent} agent CPU per GiB, tunnel")
+            positive(figures["agent_cpu_s_per_gib_tunnel"][agent], f"{agent} agent CPU per GiB, tunnel")
 
     ex = figures["exec_rtt_ms"]
     for k in ("remote", "local", "shadow_on_host"):
-        _positive(ex[k]["p50"], f"exec {k} p50")
+        positive(ex[k]["p50"], f"exec {k} p50")
         assert ex[k]["p99"] >= ex[k]["p50"], k
     # The figures are computed before rounding, the p50s shown are rounded to the microsecond: allow for that.
     assert figures["exec_ratio"] == pytest.approx(ex["remote"]["p50"] / ex["local"]["p50"], rel=0.01)
     assert figures["exec_added_by_relays_ms"] == pytest.approx(ex["remote"]["p50"] - ex["shadow_on_host"]["p50"],
                                                                abs=3e-3)
-    _positive(figures["exec_agent_cpu_ms_per_keystroke"], "the agents' CPU a keystroke")
+    positive(figures["exec_agent_cpu_ms_per_keystroke"], "the agents' CPU a keystroke")
     assert figures["stream_busy_poll_us"] == AgentConfig().stream_busy_poll_us  # the agents ran with the default
     assert set(figures["targets"]) == {"throughput_ratio", "throughput_ratio_stretch", "added_p50_ms", "exec_ratio",
                                        "kernel_throughput_ratio", "kernel_added_p50_ms"}
