@@ -5,8 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +19,8 @@ from shim.broker.simulated import SimulatedBackend, simulated_uuid
 from shim.core.leases import LeaseState
 from shim.errors import BadAnnotation, LeaseConflictError, LeaseNotFound, LeaseRefused
 from shim.state.leases import LeaseRecord, LeaseStore
-from tests.broker.fakes import A100, MIG_A, MIG_B, T4, FakeNvml, two_instances, write_mig_caps
+from tests.broker.fakes import A100, MIG_A, MIG_B, T4, FakeNvml, dead_pid, two_instances, write_mig_caps
+from tests.cgroups import own_cgroup
 
 GI = 2**30
 U0, U1 = simulated_uuid(0), simulated_uuid(1)
@@ -300,20 +299,6 @@ def test_reconcile_releases_only_unbound_leases_the_agent_forgot(svc: LeaseServi
     svc.bind(bound.lease_id, "c" * 64, os.getpid(), "")
     assert svc.reconcile(["sb/live/0"]) == [forgotten.lease_id]
     assert sorted(r.lease_id for r in svc.leases()) == sorted([live.lease_id, bound.lease_id])
-
-
-def own_cgroup() -> str:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return path
-    return Path("/proc/self/cgroup").read_text().splitlines()[-1].split(":", 2)[2]
-
-
-def dead_pid() -> int:
-    proc = subprocess.Popen([sys.executable, "-c", "pass"])
-    proc.wait()
-    return proc.pid
 
 
 def test_release_dead_releases_bound_leases_whose_process_is_gone(svc: LeaseService) -> None:

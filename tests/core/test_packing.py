@@ -122,8 +122,14 @@ def test_shared_ask_placed(ask: Ask, devices: list[DeviceCapacity], held: list[H
 def test_shared_ask_refused(
     ask: Ask, devices: list[DeviceCapacity], held: list[Held], reason: PackReason, words: str
 ) -> None:
+    assert_refused(ask, devices, held, reason, words, shared=True)
+
+
+def assert_refused(ask: Ask, devices: list[DeviceCapacity], held: list[Held], reason: PackReason, words: str, *,
+                   shared: bool) -> None:
+    """``pack`` places nothing, for ``reason``, and its detail says ``words``."""
     decision = pack(ask, devices, held)
-    assert (decision.devices, decision.shared, decision.reason, decision.ok) == ((), True, reason, False)
+    assert (decision.devices, decision.shared, decision.reason, decision.ok) == ((), shared, reason, False)
     assert words in decision.detail
 
 
@@ -183,9 +189,7 @@ def test_whole_ask_placed(
 def test_whole_ask_refused(
     ask: Ask, devices: list[DeviceCapacity], held: list[Held], reason: PackReason, words: str
 ) -> None:
-    decision = pack(ask, devices, held)
-    assert (decision.devices, decision.shared, decision.reason, decision.ok) == ((), False, reason, False)
-    assert words in decision.detail
+    assert_refused(ask, devices, held, reason, words, shared=False)
 
 
 # -- table: bad input --------------------------------------------------------------

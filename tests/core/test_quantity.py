@@ -1,5 +1,7 @@
 """The GPU-share annotations: what they accept, what they refuse, and how the refusal reads."""
 
+from collections.abc import Callable
+
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -71,12 +73,17 @@ def test_memory_accepts(value: str, expected: int) -> None:
     ],
 )
 def test_memory_refuses_naming_annotation_and_value(value: str, words: str) -> None:
+    assert_refused(parse_memory, MEMORY, value, words)
+
+
+def assert_refused(parse: Callable[[str, str], int], annotation: str, value: str, words: str) -> None:
+    """``parse`` refuses ``value`` of ``annotation`` with a message that starts by naming both and says ``words``."""
     with pytest.raises(AnnotationError) as err:
-        parse_memory(MEMORY, value)
+        parse(annotation, value)
     message = str(err.value)
-    assert message.startswith(f'{MEMORY}: "{value}" ')
+    assert message.startswith(f'{annotation}: "{value}" ')
     assert words in message
-    assert (err.value.annotation, err.value.value) == (MEMORY, value)
+    assert (err.value.annotation, err.value.value) == (annotation, value)
 
 
 @pytest.mark.parametrize(
@@ -145,11 +152,7 @@ def test_compute_accepts(value: str, expected: int) -> None:
     ],
 )
 def test_compute_refuses_naming_annotation_and_value(value: str, words: str) -> None:
-    with pytest.raises(AnnotationError) as err:
-        parse_compute(COMPUTE, value)
-    assert str(err.value).startswith(f'{COMPUTE}: "{value}" ')
-    assert words in str(err.value)
-    assert (err.value.annotation, err.value.value) == (COMPUTE, value)
+    assert_refused(parse_compute, COMPUTE, value, words)
 
 
 @pytest.mark.parametrize(

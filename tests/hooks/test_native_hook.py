@@ -24,6 +24,7 @@ import pytest
 
 from hooks import native
 from shim.localfabric.broker import PYTHON_HOOK
+from tests.cgroups import own_cgroup
 from tests.hooks.fakebroker import FakeHookServer
 
 CONTAINER = "c0ffee" * 10 + "abcd"
@@ -75,15 +76,6 @@ def run(hook: list[str], args: list[str], stdin: str | bytes, env: dict[str, str
     res = subprocess.run([*hook, *args], input=data, capture_output=True, env={**environ, **(env or {})},
                          timeout=30, cwd="/")
     return subprocess.CompletedProcess(res.args, res.returncode, res.stdout.decode(), res.stderr.decode())
-
-
-def own_cgroup(pid: int) -> str:
-    lines = Path(f"/proc/{pid}/cgroup").read_text().splitlines()
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return path
-    return lines[-1].split(":", 2)[2]
 
 
 # -- the fast path and the state ------------------------------------------------------------------------

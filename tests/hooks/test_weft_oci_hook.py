@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from hooks import weft_oci_hook as hook
+from tests.cgroups import own_cgroup
 from tests.hooks.fakebroker import FakeHookServer
 
 REPO = Path(__file__).resolve().parents[2]
@@ -34,14 +35,6 @@ def state(lease: str | None = LEASE, pid: int | None = None) -> io.StringIO:
     if lease is not None:
         doc["annotations"]["weft.io/lease"] = lease
     return io.StringIO(json.dumps(doc))
-
-
-def own_cgroup() -> str:
-    for line in Path("/proc/self/cgroup").read_text().splitlines():
-        _, controllers, path = line.split(":", 2)
-        if "memory" in controllers.split(","):
-            return path
-    return Path("/proc/self/cgroup").read_text().splitlines()[-1].split(":", 2)[2]
 
 
 # -- fast path and stdin -----------------------------------------------------------------------------

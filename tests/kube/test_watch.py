@@ -22,6 +22,8 @@ import pytest
 from shim.kube.watch import PodWatch
 from shim.mesh.certs import write_mesh_certs
 
+ETCD_AWAY = {"kind": "Status", "code": 500, "message": "etcd away"}
+
 
 def _pod(name: str, version: str) -> dict:
     return {"metadata": {"name": name, "resourceVersion": version}}
@@ -55,22 +57,24 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, *args) -> None:
         pass
 
+    def _next(self, answers: list[str], counter: str) -> str:
+        """This call's answer: each list (or watch) takes the next one, and the last one stays."""
+        with self.server.lock:
+            n = getattr(self.server, counter)
+            setattr(self.server, counter, n + 1)
+        return answers[min(n, len(answers) - 1)]
+
     def do_GET(self) -> None:
         query = parse_qs(urlsplit(self.path).query)
         if "watch" not in query:
-            with self.server.lock:
-                answer = self.server.list_answers[min(self.server.lists, len(self.server.list_answers) - 1)]
-                self.server.lists += 1
-            if answer == "500":
-                self._json(500, {"kind": "Status", "code": 500, "message": "etcd away"})
+            if self._next(self.server.list_answers, "lists") == "500":
+                self._json(500, ETCD_AWAY)
                 return
             self._json(200, {"metadata": {"resourceVersion": "10"}, "items": [_pod("a", "10")]})
             return
-        with self.server.lock:
-            step = self.server.script[min(self.server.watches, len(self.server.script) - 1)]
-            self.server.watches += 1
+        step = self._next(self.server.script, "watches")
         if step == "500":
-            self._json(500, {"kind": "Status", "code": 500, "message": "etcd away"})
+            self._json(500, ETCD_AWAY)
             return
         self.send_response(200)
         self.send_header("Content-Type", "application/json")
