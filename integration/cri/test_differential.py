@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
@@ -39,14 +40,13 @@ def _normalize(value):
     return value
 
 
-def _sequence(channel: grpc.Channel, containerd: Containerd, cfg: cri.PodSandboxConfig) -> list[tuple[str, object]]:
-    rt = cri_grpc.RuntimeServiceStub(channel)
-    im = cri_grpc.ImageServiceStub(channel)
-    out: list[tuple[str, object]] = []
+def recorder(out: list[tuple[str, object]], timeout: float) -> Callable[[str, Callable, object], object]:
+    """``call(name, fn, request)``: make the call, append ``(name, its answer normalised)`` or ``(name, its error)``
+    to ``out``, and return the response (None on an error): what both paths are compared on."""
 
-    def call(name: str, fn, request):
+    def call(name: str, fn: Callable, request: object) -> object:
         try:
-            response = fn(request, timeout=30)
+            response = fn(request, timeout=timeout)
         except grpc.RpcError as e:
             out.append((name, ("error", e.code().name, _HEX_ID.sub("<id>", e.details() or ""))))
             return None
@@ -58,6 +58,14 @@ def _sequence(channel: grpc.Channel, containerd: Containerd, cfg: cri.PodSandbox
         out.append((name, doc))
         return response
 
+    return call
+
+
+def _sequence(channel: grpc.Channel, containerd: Containerd, cfg: cri.PodSandboxConfig) -> list[tuple[str, object]]:
+    rt = cri_grpc.RuntimeServiceStub(channel)
+    im = cri_grpc.ImageServiceStub(channel)
+    out: list[tuple[str, object]] = []
+    call = recorder(out, timeout=30)
     call("Version", rt.Version, cri.VersionRequest())
     call("Status", rt.Status, cri.StatusRequest())
     call("ImageStatus", im.ImageStatus, cri.ImageStatusRequest(image=cri.ImageSpec(image=images.BUSYBOX_IMAGE)))

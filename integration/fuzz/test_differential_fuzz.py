@@ -12,7 +12,6 @@ once IDs, timestamps and addresses are set aside
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,11 +19,10 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
-from google.protobuf.json_format import MessageToDict
 from hypothesis import given
 from hypothesis import strategies as st
 
-from integration.cri.test_differential import _HEX_ID, _normalize
+from integration.cri.test_differential import recorder
 from integration.fuzz import wire
 from shim.localfabric import images, pods
 from shim.localfabric.agent import AgentProcess
@@ -64,20 +62,7 @@ def _run(channel: grpc.Channel, ops: list[tuple], configs: list[cri.PodSandboxCo
     pods_ids: dict[int, str] = {}
     containers: dict[int, str] = {}
     out: list[tuple[str, object]] = []
-
-    def call(name: str, fn, request):
-        try:
-            response = fn(request, timeout=60)
-        except grpc.RpcError as e:
-            out.append((name, ("error", e.code().name, _HEX_ID.sub("<id>", e.details() or ""))))
-            return None
-        doc = _normalize(MessageToDict(response))
-        for key in ("images", "items", "containers", "stats"):
-            if isinstance(doc.get(key), list):
-                doc[key] = sorted(doc[key], key=lambda item: json.dumps(item, sort_keys=True))
-        out.append((name, doc))
-        return response
-
+    call = recorder(out, timeout=60)
     pod = lambda p: pods_ids.get(p, f"missing-pod-{p}")  # noqa: E731
     ctr = lambda c: containers.get(c, f"missing-container-{c}")  # noqa: E731
     for op in ops:
