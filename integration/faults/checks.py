@@ -75,6 +75,26 @@ def gpu_share(*names: str) -> dict[str, str]:
     return {f"weft.io/gpu-memory.{n}": "10Gi" for n in names}
 
 
+def every_state(kube: Kubelet, pod: str) -> dict[str, int]:
+    """A pod with local GPU and remote CPU containers, each created, running and exited; their states by ID."""
+    sid = kube.run_pod(pod, gpu_share("g-created", "g-running", "g-exited"))
+    made = {
+        kube.create(sid, gpu_config("g-created"), start=False): cri.CONTAINER_CREATED,
+        kube.create(sid, gpu_config("g-running")): cri.CONTAINER_RUNNING,
+        kube.create(sid, gpu_config("g-exited")): cri.CONTAINER_EXITED,
+        kube.create(sid, cpu_config("c-created"), start=False): cri.CONTAINER_CREATED,
+        kube.create(sid, cpu_config("c-running")): cri.CONTAINER_RUNNING,
+        kube.create(sid, cpu_config("c-exited", ("sh", "-c", "exit 3"))): cri.CONTAINER_EXITED,
+    }
+    for cid, state in made.items():
+        if state == cri.CONTAINER_EXITED and kube.host_of(cid) == ORIGIN:
+            kube.stop(cid)
+    for cid, state in made.items():
+        kube.wait_state(cid, state)
+    assert {kube.host_of(c) for c in made if kube.known[c][1].metadata.name.startswith("c-")} <= set(HOSTS)
+    return made
+
+
 @dataclass
 class Kubelet:
     """kubelet on the origin: CRI through its agent, and the containers it was handed."""
@@ -107,6 +127,12 @@ class Kubelet:
         sid = self.call("RunPodSandbox", cri.RunPodSandboxRequest(config=cfg, runtime_handler=WEFT)).pod_sandbox_id
         self.sandboxes[sid] = cfg
         return sid
+
+    def run_one(self, pod: str) -> str:
+        """A pod of one CPU container (``tokenize``), created and running (on a host, as placement has it)."""
+        cid = self.create(self.run_pod(pod), cpu_config("tokenize"))
+        self.wait_state(cid, cri.CONTAINER_RUNNING)
+        return cid
 
     def create(self, sid: str, config: cri.ContainerConfig, *, start: bool = True) -> str:
         cid = self.call("CreateContainer", cri.CreateContainerRequest(

@@ -23,6 +23,7 @@ from integration.faults.checks import (
     Kubelet,
     LiveCopies,
     cpu_config,
+    every_state,
     gpu_config,
     gpu_share,
     restart_agent,
@@ -92,30 +93,10 @@ def test_origin_agent_killed_while_rerouting_a_cpu_container(kube: Kubelet, fail
     assert sum(len(f.shadows(h)) for h in HOSTS) == 1
 
 
-def _every_state(kube: Kubelet) -> dict[str, int]:
-    """A pod with local GPU and remote CPU containers, each created, running and exited."""
-    sid = kube.run_pod("states", gpu_share("g-created", "g-running", "g-exited"))
-    made = {
-        kube.create(sid, gpu_config("g-created"), start=False): CREATED,
-        kube.create(sid, gpu_config("g-running")): RUNNING,
-        kube.create(sid, gpu_config("g-exited")): EXITED,
-        kube.create(sid, cpu_config("c-created"), start=False): CREATED,
-        kube.create(sid, cpu_config("c-running")): RUNNING,
-        kube.create(sid, cpu_config("c-exited", ("sh", "-c", "exit 3"))): EXITED,
-    }
-    for cid, state in made.items():
-        if state == EXITED and kube.host_of(cid) == ORIGIN:
-            kube.stop(cid)
-    for cid, state in made.items():
-        kube.wait_state(cid, state)
-    assert {kube.host_of(c) for c in made if kube.known[c][1].metadata.name.startswith("c-")} <= set(HOSTS)
-    return made
-
-
 @pytest.mark.parametrize("victim", ["origin", "hosts"])
 def test_agent_killed_with_containers_created_running_and_exited(kube: Kubelet, victim: str) -> None:
     f = kube.f
-    made = _every_state(kube)
+    made = every_state(kube, "states")
     before = {cid: kube.status(cid) for cid in made}
     with LiveCopies(f, kube):
         for name in ([ORIGIN] if victim == "origin" else list(HOSTS)):

@@ -25,6 +25,7 @@ from integration.faults.checks import (
     Kubelet,
     LiveCopies,
     cpu_config,
+    every_state,
     gpu_config,
     gpu_share,
     problems,
@@ -100,20 +101,9 @@ def test_broker_killed_after_storing_a_lease_before_answering(kube: Kubelet) -> 
 def test_origin_containerd_killed_with_containers_created_running_and_exited(kube: Kubelet) -> None:
     f = kube.f
     ctrd = f.node(ORIGIN).containerd
-    sid = kube.run_pod("ctrd", gpu_share("g-created", "g-running", "g-exited"))
-    made = {
-        kube.create(sid, gpu_config("g-created"), start=False): CREATED,
-        kube.create(sid, gpu_config("g-running")): RUNNING,
-        kube.create(sid, gpu_config("g-exited")): EXITED,
-        kube.create(sid, cpu_config("c-created"), start=False): CREATED,
-        kube.create(sid, cpu_config("c-running")): RUNNING,
-        kube.create(sid, cpu_config("c-exited", ("sh", "-c", "exit 3"))): EXITED,
-    }
+    made = every_state(kube, "ctrd")
     remote = {cid for cid in made if kube.host_of(cid) in HOSTS}
     assert len(remote) == 3
-    kube.stop(next(c for c, s in made.items() if s == EXITED and c not in remote))
-    for cid, state in made.items():
-        kube.wait_state(cid, state)
     with LiveCopies(f, kube):
         ctrd.stop(9)
         # Remote containers are answered from what their hosts push; local ones wait for containerd.

@@ -20,7 +20,6 @@ from integration.faults.checks import (
     ORIGIN,
     Kubelet,
     LiveCopies,
-    cpu_config,
     explain,
     power_off,
     power_on,
@@ -37,9 +36,7 @@ def _other(host: str) -> str:
 
 def test_host_down_past_the_loss_timeout(kube: Kubelet) -> None:
     f = kube.f
-    sid = kube.run_pod("reboot-long")
-    cid = kube.create(sid, cpu_config("tokenize"))
-    kube.wait_state(cid, RUNNING)
+    cid = kube.run_one("reboot-long")
     host = kube.host_of(cid)
     with LiveCopies(f, kube):
         down = time.monotonic()
@@ -60,9 +57,7 @@ def test_host_down_past_the_loss_timeout(kube: Kubelet) -> None:
 
 def test_host_back_within_the_loss_timeout_and_the_restart_placed_on_it(kube: Kubelet) -> None:
     f = kube.f
-    sid = kube.run_pod("reboot-quick")
-    cid = kube.create(sid, cpu_config("tokenize"))
-    kube.wait_state(cid, RUNNING)
+    cid = kube.run_one("reboot-quick")
     host = kube.host_of(cid)
     with LiveCopies(f, kube):
         power_off(f, host)
