@@ -20,11 +20,10 @@ vanishes mid-session leaves nothing behind.
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import NamedTuple
 
@@ -32,6 +31,7 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from harness.kubectl import KubeApi, Terminal
+from integration.procfs import sockets
 from shim.crishared.netns import Netns
 from shim.localfabric import pods
 from shim.localfabric.fabric import Fabric3
@@ -83,12 +83,20 @@ def _open(f: Fabric3, verb: str, request) -> ChannelStream:
 WHICH = pytest.mark.parametrize("which", ["remote", "local"])
 
 
+@contextlib.contextmanager
+def _session(pod: Pod, which: str, verb: str, request: Callable[[str], object]) -> Iterator[ChannelStream]:
+    """A stream session with the pod's ``which`` container (``request`` of its ID), closed on leaving."""
+    s = _open(pod.f, verb, request(pod.remote if which == "remote" else pod.local))
+    try:
+        yield s
+    finally:
+        s.close()
+
+
 @WHICH
 def test_interactive_exec_with_a_tty_and_resize(pod, which: str) -> None:
-    f, remote, local, _, _ = pod
-    cid = remote if which == "remote" else local
-    s = _open(f, "Exec", cri.ExecRequest(container_id=cid, cmd=["sh"], tty=True, stdin=True, stdout=True))
-    try:
+    with _session(pod, which, "Exec", lambda cid: cri.ExecRequest(container_id=cid, cmd=["sh"], tty=True,
+                                                                   stdin=True, stdout=True)) as s:
         s.resize(100, 30)
         time.sleep(0.2)
         s.send(0, b"stty size; echo hi-$((40+2))\n")
@@ -96,34 +104,23 @@ def test_interactive_exec_with_a_tty_and_resize(pod, which: str) -> None:
         assert b"30 100" in out
         s.send(0, b"exit 7\n")
         assert s.exit_code() == 7
-    finally:
-        s.close()
 
 
 @WHICH
 def test_exec_without_a_tty_keeps_stdout_stderr_and_the_exit_code(pod, which: str) -> None:
-    f, remote, local, _, _ = pod
-    cid = remote if which == "remote" else local
-    s = _open(f, "Exec", cri.ExecRequest(container_id=cid, cmd=["sh", "-c", "echo out; echo err >&2; exit 3"],
-                                         stdout=True, stderr=True))
-    try:
+    with _session(pod, which, "Exec", lambda cid: cri.ExecRequest(
+            container_id=cid, cmd=["sh", "-c", "echo out; echo err >&2; exit 3"], stdout=True, stderr=True)) as s:
         assert s.exit_code() == 3
         assert s.out.get(1) == b"out\n" and s.out.get(2) == b"err\n"
-    finally:
-        s.close()
 
 
 @WHICH
 def test_attach_to_a_running_container(pod, which: str) -> None:
-    f, remote, local, _, _ = pod
-    cid = remote if which == "remote" else local
-    s = _open(f, "Attach", cri.AttachRequest(container_id=cid, stdout=True, stderr=True))
-    try:
+    with _session(pod, which, "Attach", lambda cid: cri.AttachRequest(container_id=cid, stdout=True,
+                                                                       stderr=True)) as s:
         out = s.read_until(1, b"tick", timeout=10)
         first = int(out.split(b"tick ")[1].split(b"\n")[0])
         s.read_until(1, f"tick {first + 2}\n".encode(), timeout=10)
-    finally:
-        s.close()
 
 
 # -- kubectl over SPDY ------------------------------------------------------------------
@@ -232,14 +229,6 @@ def test_kubectl_port_forward(pod, api, which: str) -> None:
         ns.close()
 
 
-def _sockets(pid: int) -> int:
-    n = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-    return n
-
-
 def _shells(f: Fabric3, cid: str) -> int:
     ch, rt = f.runtime("gpu-1")
     with ch:
@@ -252,14 +241,14 @@ def test_a_client_that_vanishes_leaves_what_it_leaves_locally_and_no_socket(pod)
     agent = f.agents["gpu-1"].pid
     left = {}
     for cid in (remote, local):
-        before, shells = _sockets(agent), _shells(f, cid)
+        before, shells = sockets(agent), _shells(f, cid)
         for _ in range(3):
             s = _open(f, "Exec", cri.ExecRequest(container_id=cid, cmd=["sh"], tty=True, stdin=True, stdout=True))
             s.send(0, b"echo alive\n")
             s.read_until(1, b"alive")
             s.ws.socket.close()  # gone without a close frame, as a killed kubectl
             s.ns.close()
-        wait_for(lambda b=before: _sockets(agent) <= b, timeout=15, what=f"origin sockets back to {before}")
+        wait_for(lambda b=before: sockets(agent) <= b, timeout=15, what=f"origin sockets back to {before}")
         time.sleep(1)
         left[cid] = _shells(f, cid) - shells
     # containerd 1.6 does not hang up an exec's terminal when its client goes; the relay changes nothing.

@@ -8,6 +8,7 @@ request bytes.
 
 from __future__ import annotations
 
+import contextlib
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -53,6 +54,28 @@ class MeshHost:
                     {c.id for c in rt.ListContainers(cri.ListContainersRequest(), timeout=10).containers})
 
 
+def ask(ch: grpc.Channel, method: str, request, timeout: float = 120) -> tuple[grpc.StatusCode, str, bytes | None]:
+    """A raw mesh call: (OK, "", the answer's bytes), or (its code, its details, None)."""
+    try:
+        return grpc.StatusCode.OK, "", ch.unary_unary(MESH + method)(request.SerializeToString(), timeout=timeout)
+    except grpc.RpcError as e:
+        return e.code(), e.details() or "", None
+
+
+@contextlib.contextmanager
+def running_shadow(mesh: MeshHost, req: pb.RunShadowRequest) -> Iterator[pb.ShadowState]:
+    """The shadow ``req`` asks gpu-1's host for (RunShadow must succeed), removed on leaving; and then no sandbox
+    or container of it is left in the host's containerd."""
+    with mesh.channel("gpu-1") as ch:
+        code, details, raw = ask(ch, "RunShadow", req)
+        try:
+            assert code is grpc.StatusCode.OK, details
+            yield pb.ShadowState.FromString(raw)
+        finally:
+            ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=req.key))
+    assert mesh.shadows() == (set(), set())
+
+
 def run_shadow_request(node: Containerd, origin: str, key: str, sandbox: str = "origin-sb-1",
                        **container) -> pb.RunShadowRequest:
     sandbox_cfg = pods.sandbox_config("infer", node.pod_log_dir, cgroup_parent=node.cgroup_root)
@@ -64,25 +87,37 @@ def run_shadow_request(node: Containerd, origin: str, key: str, sandbox: str = "
                                container_config=config.SerializeToString())
 
 
-def mesh_host(containerd: Containerd, workdir: Path) -> Iterator[MeshHost]:
-    cert_dir = workdir / "certs"
-    subprocess.run([sys.executable, "-m", "shim", "mesh-certs", "--out", str(cert_dir), "--nodes",
-                    ",".join((*ORIGINS, "cpu-1", "stranger"))], check=True, capture_output=True, cwd=REPO)
-    tls = {n: load_node_tls(cert_dir, n) for n in (*ORIGINS, "cpu-1", "stranger")}
-    ca_key, ca_pem = certs.generate_ca("another cluster")
-    key, cert = certs.issue_node_cert(ca_key, ca_pem, "gpu-1")
-    tls["foreign-gpu-1"] = MeshTls(key, cert, tls["gpu-1"].ca_pem)  # trusts our CA, signed by another
+def make_mesh_certs(cert_dir: Path, nodes: tuple[str, ...]) -> None:
+    """``weft mesh-certs``: one cluster CA and a key pair per node, in ``cert_dir``."""
+    subprocess.run([sys.executable, "-m", "shim", "mesh-certs", "--out", str(cert_dir), "--nodes", ",".join(nodes)],
+                   check=True, capture_output=True, cwd=REPO)
+
+
+def host_agent(containerd: Containerd, workdir: Path, cert_dir: Path, origins: tuple[str, ...],
+               mesh_config: str = "") -> tuple[AgentProcess, int]:
+    """cpu-1's agent (not started yet) on a free mesh port, its peers file listing ``origins`` and itself, and
+    that port."""
     port = free_port()
     peers = workdir / "peers.toml"
-    listed = [(o, free_port(), "gpu") for o in ORIGINS] + [("cpu-1", port, "cpu")]
+    listed = [(o, free_port(), "gpu") for o in origins] + [("cpu-1", port, "cpu")]
     peers.write_text("".join(f'[[peer]]\nname = "{name}"\naddress = "127.0.0.1:{p}"\nrole = "{role}"\n\n'
                              for name, p, role in listed))
     # A fixed capacity, as the local fabric's hosts have: what this shared machine happens to be busy with
     # must not decide whether RunShadow admits.
     config = workdir / "weft.toml"
-    config.write_text('[mesh]\nfixed_capacity = "8,32Gi"\n')
-    agent = AgentProcess(containerd, workdir / "cpu-1", name="cpu-1", extra_args=[
+    config.write_text(f'[mesh]\nfixed_capacity = "8,32Gi"\n{mesh_config}')
+    return AgentProcess(containerd, workdir / "cpu-1", name="cpu-1", extra_args=[
         "--config", str(config), "--node-name", "cpu-1", "--role", "cpu", "--mesh-address", f"127.0.0.1:{port}",
-        "--peers", str(peers), "--tls-dir", str(cert_dir)])
+        "--peers", str(peers), "--tls-dir", str(cert_dir)]), port
+
+
+def mesh_host(containerd: Containerd, workdir: Path) -> Iterator[MeshHost]:
+    cert_dir = workdir / "certs"
+    make_mesh_certs(cert_dir, (*ORIGINS, "cpu-1", "stranger"))
+    tls = {n: load_node_tls(cert_dir, n) for n in (*ORIGINS, "cpu-1", "stranger")}
+    ca_key, ca_pem = certs.generate_ca("another cluster")
+    key, cert = certs.issue_node_cert(ca_key, ca_pem, "gpu-1")
+    tls["foreign-gpu-1"] = MeshTls(key, cert, tls["gpu-1"].ca_pem)  # trusts our CA, signed by another
+    agent, port = host_agent(containerd, workdir, cert_dir, ORIGINS)
     with agent:
         yield MeshHost(agent, containerd, port, tls, cert_dir)

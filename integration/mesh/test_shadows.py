@@ -10,8 +10,6 @@ from __future__ import annotations
 import contextlib
 import json
 import platform
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -22,18 +20,17 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
+from integration.fuzz.mesh_fixture import host_agent, make_mesh_certs
 from shim._pb import mesh_pb2 as pb
 from shim.crishared.labels import CPU_MAX_ANNOTATION
 from shim.errors import WeftError
 from shim.localfabric import pods
-from shim.localfabric.agent import AgentProcess, free_port
+from shim.localfabric.agent import AgentProcess
 from shim.localfabric.containerd import Containerd
 from shim.localfabric.waiting import wait_for
 from shim.mesh.certs import load_node_tls
 from shim.mesh.client import PeerClient
 from shim.shadowhost.seccomp import NATIVE_ARCH
-
-REPO = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
@@ -41,21 +38,8 @@ def _host_agent(containerd: Containerd, tmp_path: Path, origins: tuple[str, ...]
                 mesh_config: str = "") -> Iterator[tuple[AgentProcess, dict[str, PeerClient]]]:
     """A real CPU host agent (cpu-1) and a mesh client for each origin, as that origin's agent dials it."""
     certs = tmp_path / "certs"
-    subprocess.run([sys.executable, "-m", "shim", "mesh-certs", "--out", str(certs), "--nodes",
-                    ",".join((*origins, "cpu-1"))], check=True, capture_output=True, cwd=REPO)
-    port = free_port()
-    peers = tmp_path / "peers.toml"
-    listed = [(o, free_port(), "gpu") for o in origins] + [("cpu-1", port, "cpu")]
-    peers.write_text("".join(f'[[peer]]\nname = "{name}"\naddress = "127.0.0.1:{p}"\nrole = "{role}"\n\n'
-                             for name, p, role in listed))
-    # A fixed capacity, as the local fabric's hosts have: RunShadow admits, and this shared machine's load
-    # must not decide whether it does.
-    config = tmp_path / "weft.toml"
-    config.write_text(f'[mesh]\nfixed_capacity = "8,32Gi"\n{mesh_config}')
-    extra = ["--config", str(config)]
-    agent = AgentProcess(containerd, tmp_path / "cpu-1", name="cpu-1", extra_args=[
-        "--node-name", "cpu-1", "--role", "cpu", "--mesh-address", f"127.0.0.1:{port}", "--peers", str(peers),
-        "--tls-dir", str(certs), *extra])
+    make_mesh_certs(certs, (*origins, "cpu-1"))
+    agent, port = host_agent(containerd, tmp_path, certs, origins, mesh_config)
     with agent, contextlib.ExitStack() as stack:
         clients = {o: stack.enter_context(PeerClient("cpu-1", f"127.0.0.1:{port}", load_node_tls(certs, o)))
                    for o in origins}

@@ -13,9 +13,7 @@ ports (``weft.io/ports.<name>``): only those are mirrored.
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import os
 import socket
 import threading
 import time
@@ -27,6 +25,7 @@ from pathlib import Path
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
+from integration.procfs import sockets
 from shim.crishared.netns import Netns, sandbox_netns
 from shim.localfabric import pods
 from shim.localfabric.fabric import Fabric3
@@ -61,7 +60,7 @@ def pod(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
         ns = Netns(netns, workers=8)
         host = status(f, web).annotations[PLACEMENT].removeprefix("remote:")
         wait_for(lambda: {8080, 7000} <= set(ns.listening()), timeout=20, what="the shadow's ports mirrored")
-        baseline = {n: _sockets(f.agents[n].pid) for n in ("gpu-1", host)}
+        baseline = {n: sockets(f.agents[n].pid) for n in ("gpu-1", host)}
         try:
             yield {"f": f, "sid": sid, "sandbox": sandbox, "web": web, "gpu": gpu, "ns": ns, "ip": ip,
                    "host": host, "baseline": baseline}
@@ -250,21 +249,13 @@ def test_a_link_flap_mid_transfer_is_an_error_then_new_connections_work(pod) -> 
                     what="a new connection after the flap")
 
 
-def _sockets(pid: int) -> int:
-    n = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):
-            n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-    return n
-
-
 def test_nothing_leaks_in_either_agent(pod) -> None:
     """After every connection above (1 GiB, 400 at once, resets, the flap): the agents' sockets as at the start."""
     f = pod["f"]
     for name, before in pod["baseline"].items():
         pid = f.agents[name].pid
-        wait_for(lambda p=pid, b=before: _sockets(p) <= b + 2, timeout=20,
-                 what=f"{name}'s sockets back to {before} (now {_sockets(pid)})")
+        wait_for(lambda p=pid, b=before: sockets(p) <= b + 2, timeout=20,
+                 what=f"{name}'s sockets back to {before} (now {sockets(pid)})")
     # Listeners in the pod: the shadow's two mirrors and the local container's own, nothing else.
     assert set(pod["ns"].listening()) == {8080, 7000, 9090, 9093}
 

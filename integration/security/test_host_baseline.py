@@ -19,19 +19,12 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
-from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
+from integration.fuzz.mesh_fixture import MeshHost, ask, run_shadow_request, running_shadow
 from shim._pb import mesh_pb2 as pb
 
 UNCONFINED = cri.SecurityProfile(profile_type=cri.SecurityProfile.Unconfined)
 # CapEff of a container with the runtime's default capabilities (containerd's default set).
 DEFAULT_CAPS = 0x00000000A80425FB
-
-
-def _ask(ch: grpc.Channel, method: str, request) -> tuple[grpc.StatusCode, str, bytes | None]:
-    try:
-        return grpc.StatusCode.OK, "", ch.unary_unary(MESH + method)(request.SerializeToString(), timeout=120)
-    except grpc.RpcError as e:
-        return e.code(), e.details() or "", None
 
 
 def _request(mesh: MeshHost, name: str) -> tuple[pb.RunShadowRequest, cri.PodSandboxConfig, cri.ContainerConfig]:
@@ -67,9 +60,9 @@ def _beyond(field: str, mesh: MeshHost) -> pb.RunShadowRequest:
                                    "sandbox-selinux-user", "unsafe-sysctl", "target-pid"])
 def test_a_host_refuses_what_a_baseline_pod_may_not_do(mesh: MeshHost, field: str) -> None:
     with mesh.channel("gpu-1") as ch:
-        code, details, _ = _ask(ch, "RunShadow", _beyond(field, mesh))
+        code, details, _ = ask(ch, "RunShadow", _beyond(field, mesh))
         if code is grpc.StatusCode.OK:
-            _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=f"origin-sb-1/{field}/0"))
+            ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=f"origin-sb-1/{field}/0"))
     assert code is grpc.StatusCode.PERMISSION_DENIED, (code, details)
     assert "never runs a rerouted container with what a baseline pod may not do" in details
     assert mesh.shadows() == (set(), set())
@@ -78,7 +71,6 @@ def test_a_host_refuses_what_a_baseline_pod_may_not_do(mesh: MeshHost, field: st
 @pytest.fixture
 def unconfined_shadow(mesh: MeshHost) -> Iterator[tuple[str, cri.ContainerStatus]]:
     """A running shadow whose request asked for everything a host sets itself to be loosened."""
-    key = "origin-sb-1/unconfined/0"
     req, sandbox, config = _request(mesh, "unconfined")
     for sc in (config.linux.security_context, sandbox.linux.security_context):
         sc.seccomp.CopyFrom(UNCONFINED)
@@ -94,15 +86,8 @@ def unconfined_shadow(mesh: MeshHost) -> Iterator[tuple[str, cri.ContainerStatus
     config.labels["weft.io/origin-node"] = "someone-else"
     req.sandbox_config, req.container_config = sandbox.SerializeToString(), config.SerializeToString()
     req.start = True
-    with mesh.channel("gpu-1") as ch:
-        code, details, raw = _ask(ch, "RunShadow", req)
-        try:
-            assert code is grpc.StatusCode.OK, details
-            state = pb.ShadowState.FromString(raw)
-            yield state.shadow_container_id, cri.ContainerStatus.FromString(state.status)
-        finally:
-            _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=key))
-    assert mesh.shadows() == (set(), set())
+    with running_shadow(mesh, req) as state:
+        yield state.shadow_container_id, cri.ContainerStatus.FromString(state.status)
 
 
 def _exec(mesh: MeshHost, container_id: str, script: str) -> tuple[int, str]:
@@ -135,7 +120,6 @@ def test_a_restricted_pods_shadow_keeps_everything_its_pod_narrowed(mesh: MeshHo
     """What kubelet asks for a container of a pod that meets "restricted" is what the host runs: the host builds
     the container from an allowlist but keeps every narrowing (capabilities dropped, a non-root user and group,
     no_new_privs, a read-only root)."""
-    key = "origin-sb-1/restricted/0"
     req, _, config = _request(mesh, "restricted")
     sc = config.linux.security_context
     sc.capabilities.drop_capabilities[:] = ["ALL"]
@@ -147,20 +131,14 @@ def test_a_restricted_pods_shadow_keeps_everything_its_pod_narrowed(mesh: MeshHo
     sc.seccomp.CopyFrom(cri.SecurityProfile(profile_type=cri.SecurityProfile.RuntimeDefault))
     req.container_config = config.SerializeToString()
     req.start = True
-    with mesh.channel("gpu-1") as ch:
-        code, details, raw = _ask(ch, "RunShadow", req)
-        try:
-            assert code is grpc.StatusCode.OK, details
-            cid = pb.ShadowState.FromString(raw).shadow_container_id
-            _, proc_status = _exec(mesh, cid, "cat /proc/self/status")
-            fields = {k: v.strip() for k, v in (line.split(":\t", 1) for line in proc_status.splitlines()
-                                                 if ":\t" in line)}
-            assert fields["Uid"].split()[:2] == ["1000", "1000"] and fields["Gid"].split()[:2] == ["1000", "1000"]
-            assert int(fields["CapBnd"], 16) == 1 << 10, proc_status  # CAP_NET_BIND_SERVICE alone
-            assert int(fields["CapEff"], 16) == 0
-            assert fields["NoNewPrivs"] == "1" and fields["Seccomp"] == "2", proc_status
-            code_w, out = _exec(mesh, cid, "touch /weft-written")
-            assert code_w != 0 and "Read-only file system" in out, out
-        finally:
-            _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=key))
-    assert mesh.shadows() == (set(), set())
+    with running_shadow(mesh, req) as state:
+        cid = state.shadow_container_id
+        _, proc_status = _exec(mesh, cid, "cat /proc/self/status")
+        fields = {k: v.strip() for k, v in (line.split(":\t", 1) for line in proc_status.splitlines()
+                                             if ":\t" in line)}
+        assert fields["Uid"].split()[:2] == ["1000", "1000"] and fields["Gid"].split()[:2] == ["1000", "1000"]
+        assert int(fields["CapBnd"], 16) == 1 << 10, proc_status  # CAP_NET_BIND_SERVICE alone
+        assert int(fields["CapEff"], 16) == 0
+        assert fields["NoNewPrivs"] == "1" and fields["Seccomp"] == "2", proc_status
+        code_w, out = _exec(mesh, cid, "touch /weft-written")
+        assert code_w != 0 and "Read-only file system" in out, out

@@ -22,16 +22,8 @@ import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
-from integration.fuzz.mesh_fixture import MESH, MeshHost, run_shadow_request
+from integration.fuzz.mesh_fixture import MeshHost, ask, run_shadow_request, running_shadow
 from shim._pb import mesh_pb2 as pb
-
-
-def _ask(ch: grpc.Channel, method: str, request) -> tuple[grpc.StatusCode, str, bytes | None]:
-    try:
-        return grpc.StatusCode.OK, "", ch.unary_unary(MESH + method)(request.SerializeToString(), timeout=120)
-    except grpc.RpcError as e:
-        return e.code(), e.details() or "", None
-
 
 # Where "/weft-shadows/pod" + "../../../x" + "-shadow" lands: the cgroup root itself.
 ESCAPED = [Path(f"/sys/fs/cgroup/{c}/x-shadow") for c in ("cpu", "memory", "pids")]
@@ -47,9 +39,9 @@ def test_a_pod_uid_cannot_put_a_shadow_outside_the_hosts_cgroup_parent(mesh: Mes
     req.start = True
     req.sandbox_only = sandbox_only
     with mesh.channel("gpu-1") as ch:
-        code, details, _ = _ask(ch, "RunShadow", req)
+        code, details, _ = ask(ch, "RunShadow", req)
         escaped = [p for p in ESCAPED if p.exists() and p not in before]
-        _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=req.key))
+        ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=req.key))
         leftover = mesh.shadows()
     assert code is grpc.StatusCode.PERMISSION_DENIED, (code, details, escaped)
     assert "is not a UID" in details
@@ -63,21 +55,14 @@ def test_an_origins_slice_parent_does_not_choose_how_the_host_spells_the_shadows
     sandbox.linux.cgroup_parent = "kubepods-besteffort.slice"
     req.sandbox_config = sandbox.SerializeToString()
     req.start = True
-    with mesh.channel("gpu-1") as ch:
-        code, details, raw = _ask(ch, "RunShadow", req)
-        try:
-            assert code is grpc.StatusCode.OK, details
-            cid = pb.ShadowState.FromString(raw).shadow_container_id
-            # Under the host's own parent in every hierarchy, where the shadows' group weight counts.
-            for controller, name in (("cpu", "cpu.shares"), ("memory", "memory.limit_in_bytes"),
-                                     ("pids", "pids.max")):
-                found = list(Path(f"/sys/fs/cgroup/{controller}/weft-shadows").glob(f"pod*/{cid}/{name}"))
-                assert found, (controller, cid)
-            made = {c: set(Path(f"/sys/fs/cgroup/{c}").glob("*.slice")) - slices[c] for c in slices}
-            assert made == {c: set() for c in slices}
-        finally:
-            _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=req.key))
-    assert mesh.shadows() == (set(), set())
+    with running_shadow(mesh, req) as state:
+        cid = state.shadow_container_id
+        # Under the host's own parent in every hierarchy, where the shadows' group weight counts.
+        for controller, name in (("cpu", "cpu.shares"), ("memory", "memory.limit_in_bytes"), ("pids", "pids.max")):
+            found = list(Path(f"/sys/fs/cgroup/{controller}/weft-shadows").glob(f"pod*/{cid}/{name}"))
+            assert found, (controller, cid)
+        made = {c: set(Path(f"/sys/fs/cgroup/{c}").glob("*.slice")) - slices[c] for c in slices}
+        assert made == {c: set() for c in slices}
 
 
 def _limits(req: pb.RunShadowRequest, cpu_quota: int, memory: int) -> pb.RunShadowRequest:
@@ -100,8 +85,8 @@ def test_run_shadow_admits_again_whatever_the_origin_skipped(mesh: MeshHost, cpu
                   cpu_quota, memory)
     req.start = True
     with mesh.channel("gpu-1") as ch:
-        code, details, _ = _ask(ch, "RunShadow", req)
-        _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=req.key))
+        code, details, _ = ask(ch, "RunShadow", req)
+        ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=req.key))
         leftover = mesh.shadows()
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED, (code, details)
     assert f"does not admit it now ({reason}" in details
@@ -115,12 +100,12 @@ def admitted(mesh: MeshHost) -> Iterator[tuple[grpc.Channel, str, str]]:
     req = run_shadow_request(mesh.containerd, "gpu-1", key, sandbox="origin-sb-upd")
     req.start = True
     with mesh.channel("gpu-1") as ch:
-        code, details, raw = _ask(ch, "RunShadow", req)
+        code, details, raw = ask(ch, "RunShadow", req)
         assert code is grpc.StatusCode.OK, details
         try:
             yield ch, key, pb.ShadowState.FromString(raw).shadow_container_id
         finally:
-            _ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=key))
+            ask(ch, "RemoveShadow", pb.ShadowRef(origin_node="gpu-1", key=key))
 
 
 def _cgroup(container_id: str, controller: str, name: str) -> int:
@@ -141,7 +126,7 @@ def test_update_container_resources_cannot_lift_a_shadow_past_what_the_host_admi
     ch, key, cid = admitted
     update = cri.UpdateContainerResourcesRequest(linux=cri.LinuxContainerResources(
         cpu_period=100000, cpu_quota=cpu_quota, memory_limit_in_bytes=memory, cpu_shares=1024, oom_score_adj=-1000))
-    code, details, _ = _ask(ch, "ShadowCall", pb.ShadowCallRequest(
+    code, details, _ = ask(ch, "ShadowCall", pb.ShadowCallRequest(
         origin_node="gpu-1", key=key, method="UpdateContainerResources", request=update.SerializeToString()))
     assert code is grpc.StatusCode.OK, details
     got = (_cgroup(cid, "cpu", "cpu.cfs_quota_us"), _cgroup(cid, "memory", "memory.limit_in_bytes"))

@@ -14,8 +14,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import stat
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -158,31 +160,31 @@ def _status(ch: grpc.Channel, ref: pb.ShadowRef) -> cri.ContainerStatus:
     return cri.ContainerStatus.FromString(pb.ShadowState.FromString(raw).status)
 
 
-def test_an_empty_dir_past_its_size_limit_stops_the_shadow_as_kubelet_evicts(mesh: MeshHost) -> None:
-    key = "origin-sb-scratch/filler/0"
+@contextlib.contextmanager
+def _filling(mesh: MeshHost, key: str, *, writes_mib: int,
+             limit_mib: int) -> Iterator[Callable[[], cri.ContainerStatus]]:
+    """The filler shadow run (RunShadow must succeed) and removed on leaving; yields a reader of its status."""
     ref = pb.ShadowRef(origin_node="gpu-1", key=key)
     with mesh.channel("gpu-1") as ch:
-        code, details = _ask(ch, "RunShadow", _filler(mesh, key, writes_mib=4, limit_mib=1))
+        code, details = _ask(ch, "RunShadow", _filler(mesh, key, writes_mib=writes_mib, limit_mib=limit_mib))
         try:
             assert code is grpc.StatusCode.OK, details
-            status = wait_for(lambda: (s := _status(ch, ref)).state == cri.CONTAINER_EXITED and s, timeout=60,
-                              what="the shadow stopped for its emptyDir", every=0.5)
-            assert status.reason == "Evicted" and "/scratch" in status.message and "sizeLimit" in status.message
+            yield lambda: _status(ch, ref)
         finally:
             _ask(ch, "RemoveShadow", ref)
+
+
+def test_an_empty_dir_past_its_size_limit_stops_the_shadow_as_kubelet_evicts(mesh: MeshHost) -> None:
+    with _filling(mesh, "origin-sb-scratch/filler/0", writes_mib=4, limit_mib=1) as status_now:
+        status = wait_for(lambda: (s := status_now()).state == cri.CONTAINER_EXITED and s, timeout=60,
+                          what="the shadow stopped for its emptyDir", every=0.5)
+        assert status.reason == "Evicted" and "/scratch" in status.message and "sizeLimit" in status.message
 
 
 def test_an_empty_dir_within_its_size_limit_is_left_alone(mesh: MeshHost) -> None:
-    key = "origin-sb-scratch-ok/filler/0"
-    ref = pb.ShadowRef(origin_node="gpu-1", key=key)
-    with mesh.channel("gpu-1") as ch:
-        code, details = _ask(ch, "RunShadow", _filler(mesh, key, writes_mib=1, limit_mib=4))
-        try:
-            assert code is grpc.StatusCode.OK, details
-            for _ in range(12):  # two rounds of the host's check, and more
-                _status(ch, ref)
-                time.sleep(1)
-            status = _status(ch, ref)
-            assert status.state == cri.CONTAINER_RUNNING, (status.reason, status.message, status.exit_code)
-        finally:
-            _ask(ch, "RemoveShadow", ref)
+    with _filling(mesh, "origin-sb-scratch-ok/filler/0", writes_mib=1, limit_mib=4) as status_now:
+        for _ in range(12):  # two rounds of the host's check, and more
+            status_now()
+            time.sleep(1)
+        status = status_now()
+        assert status.state == cri.CONTAINER_RUNNING, (status.reason, status.message, status.exit_code)
