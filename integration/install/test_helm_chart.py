@@ -18,6 +18,7 @@ import yaml
 
 from harness import binaries
 from harness.controlplane import ControlPlane
+from integration.install.apiserver import api_server, weft_objects
 
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "charts" / "weft"
@@ -126,20 +127,7 @@ def test_image_digest_names_the_image_by_digest_as_a_kustomize_overlay_does(tmp_
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    cp = ControlPlane(tmp_path_factory.mktemp("helm-api"), "127.0.0.1", [], runtime_class=False)
-    try:
-        cp.start()
-        cp.start_controller_manager(["namespace"])  # a deleted namespace goes, with what it held
-        yield cp
-    finally:
-        cp.stop()
-
-
-def _weft_objects(api: ControlPlane) -> list[str]:
-    kinds = "daemonsets,deployments,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
-    found = api.kubectl("get", f"{kinds},clusterroles,clusterrolebindings,runtimeclasses", "-A",
-                        "-l", "app.kubernetes.io/name=weft", "-o", "name").stdout.split()
-    return found + api.kubectl("get", "namespace", "weft-system", "-o", "name", "--ignore-not-found").stdout.split()
+    yield from api_server(tmp_path_factory.mktemp("helm-api"), runtime_class=False)
 
 
 def test_helm_installs_backs_out_and_uninstalls_leaving_nothing(api: ControlPlane) -> None:
@@ -163,7 +151,7 @@ def test_helm_installs_backs_out_and_uninstalls_leaving_nothing(api: ControlPlan
     assert {c["image"] for c in spec["initContainers"] + spec["containers"]} == {f"{IMAGE}:0.1.0-test"}
     _helm("uninstall", "weft", "--wait", "--timeout", "120s", kubeconfig=kubeconfig)
     end = time.monotonic() + 120
-    while (left := _weft_objects(api)) and time.monotonic() < end:
+    while (left := weft_objects(api)) and time.monotonic() < end:
         time.sleep(1)
     assert not left, f"left of weft after helm uninstall: {left}"
     assert "weft" not in _helm("list", "-A", "-q", kubeconfig=kubeconfig).stdout.split()

@@ -21,6 +21,7 @@ from pathlib import Path
 import pytest
 
 from harness.controlplane import ControlPlane
+from integration.install.apiserver import api_server, weft_objects
 from tests.install.conftest import HOSTROOTS, snapshot
 
 REPO = Path(__file__).resolve().parents[2]
@@ -30,13 +31,7 @@ IMAGE = "registry.example:5000/weft/node"
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlane]:
-    cp = ControlPlane(tmp_path_factory.mktemp("api"), "127.0.0.1", [])
-    try:
-        cp.start()
-        cp.start_controller_manager(["namespace"])  # a deleted namespace goes, with what it held
-        yield cp
-    finally:
-        cp.stop()
+    yield from api_server(tmp_path_factory.mktemp("api"))
 
 
 def _overlay(where: Path, tag: str) -> Path:
@@ -47,15 +42,6 @@ def _overlay(where: Path, tag: str) -> Path:
         f"resources:\n  - {os.path.relpath(MANIFESTS, where)}\n"
         f"images:\n  - name: localhost/weft/node\n    newName: {IMAGE}\n    newTag: {tag}\n")
     return where
-
-
-def _weft_objects(api: ControlPlane) -> list[str]:
-    """Every object labelled as weft's, cluster-wide, and weft's namespace."""
-    kinds = "daemonsets,deployments,pods,services,serviceaccounts,roles,rolebindings,poddisruptionbudgets"
-    found = api.kubectl("get", f"{kinds},clusterroles,clusterrolebindings,runtimeclasses", "-A",
-                        "-l", "app.kubernetes.io/name=weft", "-o", "name").stdout.split()
-    ns = api.kubectl("get", "namespace", "weft-system", "-o", "name", "--ignore-not-found").stdout.split()
-    return found + ns
 
 
 def _generations(api: ControlPlane) -> dict[str, int]:
@@ -99,7 +85,7 @@ def test_the_manifests_apply_through_an_overlay_take_the_ca_secret_after_and_del
 
     api.kubectl("delete", "-k", str(overlay), "--wait=false")
     deadline = time.monotonic() + 120
-    while (left := _weft_objects(api)) and time.monotonic() < deadline:
+    while (left := weft_objects(api, pods=True)) and time.monotonic() < deadline:
         time.sleep(1)
     assert not left, f"left after kubectl delete -k: {left}"
     secret = api.kubectl("get", "secret", "weft-mesh-ca", "-n", "weft-system", "--ignore-not-found", "-o", "name")

@@ -148,18 +148,18 @@ def _as(origin: str, method: str, mesh: MeshHost, key: str = "origin-sb-1/tokeni
 
 
 @pytest.mark.parametrize("method", _UNARY)
-def test_a_cluster_certificate_for_a_node_not_in_the_peer_list_is_refused(mesh: MeshHost, method: str) -> None:
-    with mesh.channel("stranger") as ch:
-        code, details, _ = _ask(ch, method, _as("stranger", method, mesh))
-    assert code is grpc.StatusCode.PERMISSION_DENIED and "'stranger' is not a known peer" in details
-    assert mesh.shadows() == (set(), set())
-
-
-@pytest.mark.parametrize("method", _UNARY)
-def test_a_peer_speaking_for_another_node_is_refused(mesh: MeshHost, method: str) -> None:
-    with mesh.channel("gpu-1") as ch:
-        code, details, _ = _ask(ch, method, _as("gpu-2", method, mesh))
-    assert code is grpc.StatusCode.PERMISSION_DENIED and "'gpu-1' claims to be 'gpu-2'" in details
+@pytest.mark.parametrize(
+    ("cert", "speaks_for", "words"),
+    [
+        pytest.param("stranger", "stranger", "'stranger' is not a known peer",
+                     id="a-cluster-certificate-for-a-node-not-in-the-peer-list"),
+        pytest.param("gpu-1", "gpu-2", "'gpu-1' claims to be 'gpu-2'", id="a-peer-speaking-for-another-node"),
+    ],
+)
+def test_a_call_is_refused(mesh: MeshHost, method: str, cert: str, speaks_for: str, words: str) -> None:
+    with mesh.channel(cert) as ch:
+        code, details, _ = _ask(ch, method, _as(speaks_for, method, mesh))
+    assert code is grpc.StatusCode.PERMISSION_DENIED and words in details
     assert mesh.shadows() == (set(), set())
 
 
