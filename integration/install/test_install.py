@@ -353,14 +353,8 @@ INSTALL_POINTS = ["backups", "journal", *INSTALL_STEPS]
 def test_install_killed_after_each_step_is_repaired_by_install_or_by_uninstall(
         step: str, module_agent: AgentProcess, mesh_certs: Path, tmp_path: Path, health: Health) -> None:
     # A containerd 2.x host with conf.d drop-ins (the uninstall crashes below run on a 1.x one).
-    root = copy_shape("ctrd2-gpu-confd", tmp_path / "host")
-    before = snapshot(root)
-    flags = _flags(tmp_path, module_agent, health)
-    src = ["--source", str(_source(tmp_path)), *_mesh(mesh_certs)]
-    res = _weft("install", root, *flags, *src, failpoint=f"install.{step}")
-    assert res.returncode == -signal.SIGKILL, res.stderr
-    other = tmp_path / "host-uninstalled"
-    shutil.copytree(root, other, symlinks=True)
+    root, before, flags, src = _killable_host("ctrd2-gpu-confd", tmp_path, module_agent, mesh_certs, health)
+    other = _killed("install", step, root, [*flags, *src], tmp_path / "host-uninstalled")
 
     res = _weft("install", root, *flags, *src)
     assert res.returncode == 0, res.stderr
@@ -369,27 +363,41 @@ def test_install_killed_after_each_step_is_repaired_by_install_or_by_uninstall(
     assert _weft("uninstall", root, *flags).returncode == 0
     assert snapshot(root) == before
 
-    res = _weft("uninstall", other, *flags)
+    _uninstalled(other, flags, before)
+
+
+def _killable_host(shape: str, tmp_path: Path, agent: AgentProcess, mesh_certs: Path,
+                   health: Health) -> tuple[Path, object, list[str], list[str]]:
+    """A host of ``shape``, its snapshot before, the flags for both verbs, and install's source flags."""
+    root = copy_shape(shape, tmp_path / "host")
+    return (root, snapshot(root), _flags(tmp_path, agent, health),
+            ["--source", str(_source(tmp_path)), *_mesh(mesh_certs)])
+
+
+def _killed(verb: str, step: str, root: Path, args: list[str], copy: Path) -> Path:
+    """``weft <verb>`` killed by its failpoint after ``step``; ``copy``, the host as it left it, for the other
+    repair."""
+    res = _weft(verb, root, *args, failpoint=f"{verb}.{step}")
+    assert res.returncode == -signal.SIGKILL, res.stderr
+    shutil.copytree(root, copy, symlinks=True)
+    return copy
+
+
+def _uninstalled(root: Path, flags: list[str], before: object) -> None:
+    """``weft uninstall`` succeeds and leaves the host as it was ``before`` weft."""
+    res = _weft("uninstall", root, *flags)
     assert res.returncode == 0, res.stderr
-    assert snapshot(other) == before
+    assert snapshot(root) == before
 
 
 @pytest.mark.parametrize("step", UNINSTALL_STEPS)
 def test_uninstall_killed_after_each_step_is_repaired_by_uninstall_or_by_install(
         step: str, module_agent: AgentProcess, mesh_certs: Path, tmp_path: Path, health: Health) -> None:
-    root = copy_shape("imports", tmp_path / "host")
-    before = snapshot(root)
-    flags = _flags(tmp_path, module_agent, health)
-    src = ["--source", str(_source(tmp_path)), *_mesh(mesh_certs)]
+    root, before, flags, src = _killable_host("imports", tmp_path, module_agent, mesh_certs, health)
     assert _weft("install", root, *flags, *src).returncode == 0
-    res = _weft("uninstall", root, *flags, failpoint=f"uninstall.{step}")
-    assert res.returncode == -signal.SIGKILL, res.stderr
-    other = tmp_path / "host-reinstalled"
-    shutil.copytree(root, other, symlinks=True)
+    other = _killed("uninstall", step, root, flags, tmp_path / "host-reinstalled")
 
-    res = _weft("uninstall", root, *flags)
-    assert res.returncode == 0, res.stderr
-    assert snapshot(root) == before
+    _uninstalled(root, flags, before)
 
     res = _weft("install", other, *flags, *src)
     assert res.returncode == 0, res.stderr
