@@ -27,6 +27,9 @@ _CAPABILITIES = json.dumps([
     "CAP_AUDIT_WRITE",
 ])
 
+# Its two tmpfs mounts (/dev and /run) take the same options.
+_TMPFS_OPTIONS = json.dumps(["nosuid", "strictatime", "mode=755", "size=65536k"])
+
 SPEC = json.loads(r"""
 {
  "ociVersion": "1.0.2-dev",
@@ -68,12 +71,7 @@ SPEC = json.loads(r"""
    "destination": "/dev",
    "type": "tmpfs",
    "source": "tmpfs",
-   "options": [
-    "nosuid",
-    "strictatime",
-    "mode=755",
-    "size=65536k"
-   ]
+   "options": @TMPFS_OPTIONS@
   },
   {
    "destination": "/dev/pts",
@@ -125,12 +123,7 @@ SPEC = json.loads(r"""
    "destination": "/run",
    "type": "tmpfs",
    "source": "tmpfs",
-   "options": [
-    "nosuid",
-    "strictatime",
-    "mode=755",
-    "size=65536k"
-   ]
+   "options": @TMPFS_OPTIONS@
   }
  ],
  "linux": {
@@ -181,4 +174,4 @@ SPEC = json.loads(r"""
   ]
  }
 }
-""".replace("@CAPABILITIES@", _CAPABILITIES))
+""".replace("@CAPABILITIES@", _CAPABILITIES).replace("@TMPFS_OPTIONS@", _TMPFS_OPTIONS))
