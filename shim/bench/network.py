@@ -137,6 +137,16 @@ def _p50_p99(values: list[float], digits: int = 4) -> dict[str, float]:
     return {"p50": round(_pct(values, 0.5), digits), "p99": round(_pct(values, 0.99), digits)}
 
 
+def _added(rr: dict[str, list[float]], path: str, base: str, q: float) -> float:
+    """What ``path`` adds over ``base`` at quantile ``q`` of their round trips (ms)."""
+    return round(_pct(rr[path], q) - _pct(rr[base], q), 4)
+
+
+def _per_gib(cpu_s: dict[str, float], nbytes: int) -> dict[str, float]:
+    """CPU seconds per GiB moved, each of the three rounds having moved ``nbytes``."""
+    return {k: round(v / (3 * nbytes / (1 << 30)), 3) for k, v in cpu_s.items()}
+
+
 def _cpu(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
@@ -245,9 +255,9 @@ def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path |
         "throughput_gbytes_s": {p: round(v, 3) for p, v in med.items()},
         "throughput_ratio": round(med["stitched"] / med["direct"], 3),
         "rr_ms": {p: _p50_p99(v) for p, v in rr.items()},
-        "added_p50_ms": round(_pct(rr["stitched"], 0.5) - _pct(rr["direct"], 0.5), 4),
-        "added_p99_ms": round(_pct(rr["stitched"], 0.99) - _pct(rr["direct"], 0.99), 4),
-        "agent_cpu_s_per_gib": {a: round(v / (3 * nbytes / (1 << 30)), 3) for a, v in cpu.items()},
+        "added_p50_ms": _added(rr, "stitched", "direct", 0.5),
+        "added_p99_ms": _added(rr, "stitched", "direct", 0.99),
+        "agent_cpu_s_per_gib": _per_gib(cpu, nbytes),
         "exec_rtt_ms": {k: _p50_p99(v, 3) for k, v in ex.items()},
         "exec_ratio": round(_pct(ex["remote"], 0.5) / _pct(ex["local"], 0.5), 3),
         "exec_added_by_relays_ms": round(_pct(ex["remote"], 0.5) - _pct(ex["shadow_on_host"], 0.5), 3),
@@ -259,8 +269,8 @@ def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path |
     if "tunnel" in med:
         figures.update({
             "tunnel_throughput_ratio": round(med["tunnel"] / med["direct"], 3),
-            "tunnel_added_p50_ms": round(_pct(rr["tunnel"], 0.5) - _pct(rr["direct"], 0.5), 4),
-            "agent_cpu_s_per_gib_tunnel": {a: round(v / (3 * nbytes / (1 << 30)), 3) for a, v in tunnel_cpu.items()},
+            "tunnel_added_p50_ms": _added(rr, "tunnel", "direct", 0.5),
+            "agent_cpu_s_per_gib_tunnel": _per_gib(tunnel_cpu, nbytes),
         })
 
     def table(figures: dict) -> str:

@@ -32,7 +32,7 @@ import threading
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from shim.bench.network import BUF, _cpu, _echo, _p50_p99, _pct, _rr, _serve, _sink, _throughput
+from shim.bench.network import BUF, _added, _cpu, _echo, _p50_p99, _per_gib, _rr, _serve, _sink, _throughput
 from shim.bench.running import report
 
 MODES = ("plain", "tls")
@@ -155,9 +155,8 @@ def main(*, as_json: bool, gib: float = 1.0, samples: int = 3000, output: Path |
         "throughput_gbytes_s": {m: round(v, 3) for m, v in med.items()},
         "tls_throughput_ratio": round(med["tls"] / med["plain"], 3),
         "rr_ms": {m: _p50_p99(v) for m, v in rr.items()},
-        "tls_added_p50_ms": round(_pct(rr["tls"], 0.5) - _pct(rr["plain"], 0.5), 4),
-        "relay_cpu_s_per_gib": {m: {r: round(v / (3 * nbytes / (1 << 30)), 3) for r, v in c.items()}
-                                for m, c in cpu.items()},
+        "tls_added_p50_ms": _added(rr, "tls", "plain", 0.5),
+        "relay_cpu_s_per_gib": {m: _per_gib(c, nbytes) for m, c in cpu.items()},
         "gib_per_round": round(nbytes / (1 << 30), 3),
         "round_trips": len(rr["plain"]),
         "load_average": round(os.getloadavg()[0], 2),
