@@ -58,27 +58,27 @@ def parse_static_peers(
     return peers
 
 
+def _static_string(entry: Mapping[str, Any], where: str, key: str) -> str:
+    """``entry[key]``, which must be there, a string and not empty: node and address are checked alike."""
+    if key not in entry:
+        raise ConfigError(f"{where}.{key}: missing")
+    value = entry[key]
+    if not isinstance(value, str):
+        raise ConfigError(f"{where}.{key}: expected a string, got {value!r}")
+    if not value:
+        raise ConfigError(f"{where}.{key}: empty")
+    return value
+
+
 def _static_node(entry: Mapping[str, Any], where: str) -> str:
-    if "node" not in entry:
-        raise ConfigError(f"{where}.node: missing")
-    node = entry["node"]
-    if not isinstance(node, str):
-        raise ConfigError(f"{where}.node: expected a string, got {node!r}")
-    if not node:
-        raise ConfigError(f"{where}.node: empty")
+    node = _static_string(entry, where, "node")
     if len(node) > 253 or not _NODE_NAME.fullmatch(node):
         raise ConfigError(f"{where}.node: {node!r} is not a lowercase DNS name (a Kubernetes node name)")
     return node
 
 
 def _static_address(entry: Mapping[str, Any], where: str) -> str:
-    if "address" not in entry:
-        raise ConfigError(f"{where}.address: missing")
-    address = entry["address"]
-    if not isinstance(address, str):
-        raise ConfigError(f"{where}.address: expected a string, got {address!r}")
-    if not address:
-        raise ConfigError(f"{where}.address: empty")
+    address = _static_string(entry, where, "address")
     try:
         return str(ipaddress.ip_address(address.strip("[]")))
     except ValueError:
