@@ -70,6 +70,20 @@ def _masked(asked, defaults: tuple[str, ...]) -> list[str]:
     return list(dict.fromkeys((*defaults, *asked)))
 
 
+def _kept_security(sc, osc) -> None:
+    """What a sandbox's and a container's security contexts keep alike, copied from ``sc`` into ``osc``:
+    namespaces, the SELinux type and level, the user and group, a read-only root and supplemental groups."""
+    osc.namespace_options.CopyFrom(_namespaces(sc.namespace_options))
+    if sc.selinux_options.type:
+        osc.selinux_options.CopyFrom(cri.SELinuxOption(type=sc.selinux_options.type, level=sc.selinux_options.level))
+    if sc.HasField("run_as_user"):
+        osc.run_as_user.CopyFrom(sc.run_as_user)
+    if sc.HasField("run_as_group"):
+        osc.run_as_group.CopyFrom(sc.run_as_group)
+    osc.readonly_rootfs = sc.readonly_rootfs
+    osc.supplemental_groups.extend(sc.supplemental_groups)
+
+
 def hosted_sandbox(src: cri.PodSandboxConfig) -> cri.PodSandboxConfig:
     """The sandbox config a host runs: log directory, cgroup parent and labels are the caller's to add."""
     psc = src.linux.security_context
@@ -82,15 +96,7 @@ def hosted_sandbox(src: cri.PodSandboxConfig) -> cri.PodSandboxConfig:
     if src.HasField("dns_config"):
         out.dns_config.CopyFrom(src.dns_config)
     osc = out.linux.security_context
-    osc.namespace_options.CopyFrom(_namespaces(psc.namespace_options))
-    if psc.selinux_options.type:
-        osc.selinux_options.CopyFrom(cri.SELinuxOption(type=psc.selinux_options.type, level=psc.selinux_options.level))
-    if psc.HasField("run_as_user"):
-        osc.run_as_user.CopyFrom(psc.run_as_user)
-    if psc.HasField("run_as_group"):
-        osc.run_as_group.CopyFrom(psc.run_as_group)
-    osc.readonly_rootfs = psc.readonly_rootfs
-    osc.supplemental_groups.extend(psc.supplemental_groups)
+    _kept_security(psc, osc)
     osc.seccomp.CopyFrom(_default_profile())
     # Checked against the safe set before this where a container comes with it; a sandbox made ahead of its
     # containers keeps only the safe ones.
@@ -117,16 +123,8 @@ def hosted_container(src: cri.ContainerConfig, oom_score_adj: int) -> cri.Contai
     osc.capabilities.add_capabilities.extend(sc.capabilities.add_capabilities)
     osc.capabilities.drop_capabilities.extend(sc.capabilities.drop_capabilities)
     osc.capabilities.add_ambient_capabilities.extend(sc.capabilities.add_ambient_capabilities)
-    osc.namespace_options.CopyFrom(_namespaces(sc.namespace_options))
-    if sc.selinux_options.type:
-        osc.selinux_options.CopyFrom(cri.SELinuxOption(type=sc.selinux_options.type, level=sc.selinux_options.level))
-    if sc.HasField("run_as_user"):
-        osc.run_as_user.CopyFrom(sc.run_as_user)
-    if sc.HasField("run_as_group"):
-        osc.run_as_group.CopyFrom(sc.run_as_group)
+    _kept_security(sc, osc)
     osc.run_as_username = sc.run_as_username
-    osc.readonly_rootfs = sc.readonly_rootfs
-    osc.supplemental_groups.extend(sc.supplemental_groups)
     osc.no_new_privs = sc.no_new_privs
     osc.masked_paths.extend(_masked(sc.masked_paths, DEFAULT_MASKED_PATHS))
     osc.readonly_paths.extend(_masked(sc.readonly_paths, DEFAULT_READONLY_PATHS))
