@@ -435,10 +435,7 @@ class Lifecycle:
             rest = self.rt.find({ORIGIN_LABEL: origin}, containers=True)
             last = not [x for x in rest if x.pod_sandbox_id == c.pod_sandbox_id]
             if last:
-                self.rt.call(RT + "StopPodSandbox", cri.StopPodSandboxRequest(pod_sandbox_id=c.pod_sandbox_id),
-                           cri.StopPodSandboxResponse)
-                self.rt.call(RT + "RemovePodSandbox", cri.RemovePodSandboxRequest(pod_sandbox_id=c.pod_sandbox_id),
-                           cri.RemovePodSandboxResponse)
+                self.rt.remove_sandbox(c.pod_sandbox_id)
         except UpstreamError as exc:
             if exc.code is not grpc.StatusCode.NOT_FOUND:
                 raise

@@ -101,10 +101,7 @@ class Preparer:
                 if s.id in used or now_ns - s.created_at < self.ttl_s * 1e9:
                     continue
                 try:
-                    self.rt.call(RT + "StopPodSandbox", cri.StopPodSandboxRequest(pod_sandbox_id=s.id),
-                                 cri.StopPodSandboxResponse)
-                    self.rt.call(RT + "RemovePodSandbox", cri.RemovePodSandboxRequest(pod_sandbox_id=s.id),
-                                 cri.RemovePodSandboxResponse)
+                    self.rt.remove_sandbox(s.id)
                 except UpstreamError as exc:
                     if exc.code is not grpc.StatusCode.NOT_FOUND:
                         _log.warning("shadow.sweep_failed", sandbox_id=s.id, error=exc.message)

@@ -56,6 +56,13 @@ class ShadowRuntime:
                 _log.warning("shadow.stop_retried", container_id=container_id, error=exc.message, retry_in=wait)
                 time.sleep(wait)
 
+    def remove_sandbox(self, sandbox_id: str) -> None:
+        """StopPodSandbox, then RemovePodSandbox: a removed shadow's last sandbox and a swept one go alike."""
+        self.call(RT + "StopPodSandbox", cri.StopPodSandboxRequest(pod_sandbox_id=sandbox_id),
+                  cri.StopPodSandboxResponse)
+        self.call(RT + "RemovePodSandbox", cri.RemovePodSandboxRequest(pod_sandbox_id=sandbox_id),
+                  cri.RemovePodSandboxResponse)
+
     def containers(self, state: int | None = None, labels: dict[str, str] | None = None) -> list[cri.Container]:
         f = cri.ContainerFilter(label_selector=labels or {})
         if state is not None:

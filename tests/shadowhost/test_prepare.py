@@ -9,6 +9,7 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim.crishared.labels import ORIGIN_LABEL
 from shim.shadowhost.prepare import Preparer, pod_label, sandbox_unsafe
+from shim.shadowhost.runtime import ShadowRuntime
 
 S = 1_000_000_000
 
@@ -28,6 +29,9 @@ class FakeRuntime:
 
     def containers(self) -> list[cri.Container]:
         return self._containers
+
+    # The real one, through the fake's call: a sweep stops and removes a sandbox as the host does.
+    remove_sandbox = ShadowRuntime.remove_sandbox
 
 
 def _sweep(sandboxes, containers, now_s: float, ttl: float = 60.0) -> list[str]:
