@@ -143,16 +143,21 @@ def write_private(path: Path, text: str) -> None:
             raise
 
 
+def check_renewal(command: str, lifetime_s: int, minimum_s: int, share_flag: str, share: float, what: str) -> None:
+    """ConfigError for a lifetime the API server refuses, or a renewal point that is not a share of it:
+    the token keeper and the mesh identity (``shim.mesh.enroll``) take the same two settings."""
+    if lifetime_s < minimum_s:
+        raise ConfigError(f"{command}: --lifetime {lifetime_s} is under {minimum_s} s, which the API server refuses")
+    if not 0.0 < share < 1.0:
+        raise ConfigError(f"{command}: {share_flag} {share} must be between 0 and 1 (a share of the {what}'s "
+                          "lifetime)")
+
+
 class Keeper:
     def __init__(self, tokens: TokenSource, directory: Path, *, server: str, ca_pem: bytes | None,
                  lifetime_s: int = DEFAULT_LIFETIME_S, refresh: float = 0.5, retry_s: float = RETRY_S,
                  clock: Callable[[], float] = time.time) -> None:
-        if lifetime_s < MIN_LIFETIME_S:
-            raise ConfigError(f"kube-credentials: --lifetime {lifetime_s} is under {MIN_LIFETIME_S} s, "
-                              "which the API server refuses")
-        if not 0.0 < refresh < 1.0:
-            raise ConfigError(f"kube-credentials: --refresh {refresh} must be between 0 and 1 (a share of the "
-                              "token's lifetime)")
+        check_renewal("kube-credentials", lifetime_s, MIN_LIFETIME_S, "--refresh", refresh, "token")
         self.tokens, self.dir = tokens, directory
         self.server, self.ca_pem = server, ca_pem
         self.lifetime_s, self.refresh, self.retry_s, self.clock = lifetime_s, refresh, retry_s, clock

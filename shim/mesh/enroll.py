@@ -44,6 +44,7 @@ from lightkube.resources.certificates_v1 import CertificateSigningRequest
 from shim import log, stopping
 from shim.core.meshcsr import MIN_REQUEST_S, SIGNER_NAME, renew_at
 from shim.errors import ConfigError, WeftError
+from shim.kube.credentials import check_renewal
 from shim.mesh import csr
 from shim.mesh.certs import cert_nodes, check_node_name, write_file
 
@@ -74,12 +75,7 @@ class Enroller:
                  lifetime_s: int = DEFAULT_LIFETIME_S, share: float = DEFAULT_SHARE, retry_s: float = RETRY_S,
                  wait_s: float = WAIT_S, poll_s: float = POLL_S, clock: Callable[[], float] = time.time) -> None:
         check_node_name(node)
-        if lifetime_s < MIN_REQUEST_S:
-            raise ConfigError(f"mesh-identity: --lifetime {lifetime_s} is under {MIN_REQUEST_S} s, which the API "
-                              "server refuses")
-        if not 0.0 < share < 1.0:
-            raise ConfigError(f"mesh-identity: --renew-at {share} must be between 0 and 1 (a share of the "
-                              "certificate's lifetime)")
+        check_renewal("mesh-identity", lifetime_s, MIN_REQUEST_S, "--renew-at", share, "certificate")
         self.client, self.dir, self.node = client, Path(directory), node
         self.lifetime_s, self.share, self.retry_s = lifetime_s, share, retry_s
         self.wait_s, self.poll_s, self.clock = wait_s, poll_s, clock
