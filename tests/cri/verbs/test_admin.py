@@ -19,9 +19,8 @@ from shim.cri.verbs import admin, routes
 from shim.crishared.labels import ORIGIN_LABEL
 from shim.errors import ConfigError, MalformedRequest, UnknownContainer
 from shim.origin.context import Origin
-from tests.cri.verbs.fakes import HOST, SANDBOX, FakeMesh, ctx, lease_for, opt_in, placed_local
+from tests.cri.verbs.fakes import HOST, LOCAL_ID, SANDBOX, FakeMesh, ctx, lease_for, opt_in, placed_local
 
-LOCAL_ID = "1c" * 32
 HOSTED = cri.ListContainersResponse(containers=[
     cri.Container(id="shadow-1", metadata=cri.ContainerMetadata(name="gpu-2_tokenize"), state=cri.CONTAINER_RUNNING,
                   labels={ORIGIN_LABEL: "gpu-2"}, annotations={"weft.io/origin-key-full": "sb/tokenize/0"}),

@@ -6,16 +6,12 @@ attributes alone are shown, without asking anyone.
 
 from __future__ import annotations
 
-import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.verbs import container_stats
 from shim.crishared.labels import ORIGIN_LABEL
-from shim.mesh.client import PeerUnavailable
-from tests.cri.verbs.fakes import ORIGIN, ctx
-
-LOCAL_ID = "1c" * 32
+from tests.cri.verbs.fakes import LOCAL_ID, ORIGIN, ctx
 
 
 def body(container_id: str) -> bytes:
@@ -63,10 +59,3 @@ def test_a_container_lost_with_its_host_shows_its_attributes_alone(fabric, host,
     assert stats.attributes.id == remote.id
     assert not stats.HasField("cpu") and not stats.HasField("memory")
     assert host.calls == []
-
-
-def test_a_host_that_does_not_answer_is_unavailable(host, route, remote) -> None:
-    host.answers["ContainerStats"] = PeerUnavailable("peer cpu-1 did not answer ContainerStats", node="cpu-1")
-    with pytest.raises(PeerUnavailable) as err:
-        route.handle(body(remote.id), ctx())
-    assert err.value.code is grpc.StatusCode.UNAVAILABLE

@@ -12,9 +12,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim.cri.verbs import container_status
 from shim.crishared.labels import ORIGIN_LABEL
 from shim.crishared.remote import LOST_EXIT_CODE, LOST_REASON
-from tests.cri.verbs.fakes import ctx
-
-LOCAL_ID = "1c" * 32
+from tests.cri.verbs.fakes import LOCAL_ID, ctx
 
 
 def body(container_id: str) -> bytes:

@@ -248,10 +248,6 @@ def create(fabric, containerd):
     return route
 
 
-def test_create_is_always_intercepted(create) -> None:
-    assert create.applies() and create.pick is None
-
-
 def test_a_container_of_a_pod_that_did_not_opt_in_passes_byte_for_byte(fabric, containerd, create) -> None:
     body = create_request(OTHER_SANDBOX, devices=["/dev/nvidia0"]).SerializeToString()
     answer = create.handle(body, ctx(("x-request-id", "5")))

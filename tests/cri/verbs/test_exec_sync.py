@@ -8,16 +8,12 @@ from __future__ import annotations
 
 import time
 
-import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.relay.context import RelayContext
 from shim.cri.verbs import exec_sync
-from shim.errors import CannotStart
-from tests.cri.verbs.fakes import ORIGIN, ctx
-
-LOCAL_ID = "1c" * 32
+from tests.cri.verbs.fakes import LOCAL_ID, ORIGIN, ctx
 
 
 def body(container_id: str, timeout: int = 0) -> bytes:
@@ -60,11 +56,3 @@ def test_kubelets_deadline_bounds_the_call_to_the_host(host, route, remote) -> N
     route.handle(body(remote.id, timeout=60), RelayContext([], time.monotonic() + 8.0))
     [waited] = host.timeouts["ExecSync"]
     assert 0 < waited <= 8.0
-
-
-def test_a_container_lost_with_its_host_runs_nothing(fabric, host, route, remote) -> None:
-    fabric.remotes.mark_lost(remote, 90.0)
-    with pytest.raises(CannotStart) as err:
-        route.handle(body(remote.id), ctx())
-    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION
-    assert host.calls == []

@@ -21,9 +21,8 @@ from shim.crishared.labels import ORIGIN_LABEL
 from shim.crishared.mark import MARK_LABEL, ShadowMark
 from shim.errors import UpstreamError
 from shim.origin.context import Origin
-from tests.cri.verbs.fakes import SANDBOX, FakeMesh, Refusal, StreamEnd, add_remote, ctx
+from tests.cri.verbs.fakes import LOCAL_ID, SANDBOX, FakeMesh, Refusal, StreamEnd, add_remote, ctx
 
-LOCAL_ID = "1c" * 32
 EVENTS = "GetContainerEvents"
 
 

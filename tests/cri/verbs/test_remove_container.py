@@ -15,9 +15,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim.cri.verbs import remove_container
 from shim.errors import UpstreamError
 from shim.mesh.client import PeerUnavailable
-from tests.cri.verbs.fakes import ORIGIN, SANDBOX, ctx, lease_for, placed_local
-
-LOCAL_ID = "1c" * 32
+from tests.cri.verbs.fakes import LOCAL_ID, ORIGIN, SANDBOX, ctx, lease_for, placed_local
 
 
 def body(container_id: str) -> bytes:
@@ -27,10 +25,6 @@ def body(container_id: str) -> bytes:
 @pytest.fixture
 def route(fabric):
     return remove_container.route(fabric)
-
-
-def test_is_always_intercepted(route) -> None:
-    assert route.applies() and route.pick is None
 
 
 def test_an_unknown_container_is_containerds_to_remove_and_succeeds(fabric, containerd, route) -> None:

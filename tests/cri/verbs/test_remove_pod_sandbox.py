@@ -14,9 +14,8 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.verbs import remove_pod_sandbox
 from shim.errors import UpstreamError
-from tests.cri.verbs.fakes import ORIGIN, SANDBOX, add_remote, ctx, lease_for, opt_in, placed_local
+from tests.cri.verbs.fakes import LOCAL_ID, ORIGIN, SANDBOX, add_remote, ctx, lease_for, opt_in, placed_local
 
-LOCAL_ID = "1c" * 32
 OTHER = "07" * 32
 
 
@@ -27,10 +26,6 @@ def body(sandbox_id: str = SANDBOX) -> bytes:
 @pytest.fixture
 def route(fabric):
     return remove_pod_sandbox.route(fabric)
-
-
-def test_is_always_intercepted(route) -> None:
-    assert route.applies() and route.pick is None
 
 
 def test_an_unknown_sandbox_is_containerds_to_remove_and_succeeds(fabric, containerd, route) -> None:

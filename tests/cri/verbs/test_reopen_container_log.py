@@ -10,9 +10,7 @@ import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.verbs import reopen_container_log
-from tests.cri.verbs.fakes import ctx
-
-LOCAL_ID = "1c" * 32
+from tests.cri.verbs.fakes import LOCAL_ID, ctx
 
 
 def body(container_id: str) -> bytes:

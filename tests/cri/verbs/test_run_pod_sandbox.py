@@ -32,10 +32,6 @@ def route(fabric, containerd):
     return run_pod_sandbox.route(fabric)
 
 
-def test_is_always_intercepted(route) -> None:
-    assert route.applies() and route.pick is None
-
-
 @pytest.mark.parametrize("handler", ["", "runc", "kata", "weft-gpu"], ids=["default", "runc", "kata", "weft-prefix"])
 def test_a_sandbox_of_another_handler_passes_byte_for_byte_and_is_not_recorded(fabric, containerd, route,
                                                                                handler) -> None:

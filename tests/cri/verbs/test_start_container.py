@@ -14,9 +14,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim.cri.verbs import container_status, start_container
 from shim.errors import CannotStart, HostUnavailable
 from shim.mesh.client import PeerUnavailable
-from tests.cri.verbs.fakes import ORIGIN, add_remote, ctx
-
-LOCAL_ID = "1c" * 32
+from tests.cri.verbs.fakes import LOCAL_ID, ORIGIN, add_remote, ctx
 
 
 def body(container_id: str) -> bytes:

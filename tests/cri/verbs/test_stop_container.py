@@ -7,15 +7,11 @@ an ID weft does not know is containerd's to answer (it succeeds, per CRI).
 
 from __future__ import annotations
 
-import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.verbs import stop_container
-from shim.mesh.client import PeerUnavailable
-from tests.cri.verbs.fakes import ORIGIN, add_remote, ctx
-
-LOCAL_ID = "1c" * 32
+from tests.cri.verbs.fakes import LOCAL_ID, ORIGIN, add_remote, ctx
 
 
 def body(container_id: str, timeout: int = 30) -> bytes:
@@ -53,11 +49,3 @@ def test_a_remote_container_that_is_not_running_is_stopped_already(fabric, host,
         fabric.remotes.mark_lost(r, 90.0)
     assert cri.StopContainerResponse.FromString(route.handle(body(r.id), ctx())) == cri.StopContainerResponse()
     assert host.calls == []
-
-
-def test_a_host_that_does_not_answer_fails_the_stop_for_kubelet_to_retry(host, route, remote) -> None:
-    host.answers["StopContainer"] = PeerUnavailable("peer cpu-1 did not answer StopContainer", node="cpu-1")
-    with pytest.raises(PeerUnavailable) as err:
-        route.handle(body(remote.id), ctx())
-    assert err.value.code is grpc.StatusCode.UNAVAILABLE
-    assert remote.state == cri.CONTAINER_RUNNING

@@ -21,9 +21,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim.cri.verbs import attach, exec_stream
 from shim.errors import CannotStart, NoStreamServer
 from shim.mesh.client import PeerUnavailable
-from tests.cri.verbs.fakes import ORIGIN, ctx
-
-LOCAL_ID = "1c" * 32
+from tests.cri.verbs.fakes import LOCAL_ID, ORIGIN, ctx
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import grpc
 import pytest
 from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.verbs import update_container_resources
-from shim.errors import CannotStart
-from shim.mesh.client import PeerUnavailable
-from tests.cri.verbs.fakes import ORIGIN, ctx
-
-LOCAL_ID = "1c" * 32
+from tests.cri.verbs.fakes import LOCAL_ID, ORIGIN, ctx
 
 
 def body(container_id: str) -> bytes:
@@ -38,18 +33,3 @@ def test_a_remote_containers_limits_change_on_its_host_as_kubelet_asked(containe
     assert host.calls == [("UpdateContainerResources", ORIGIN, remote.key)]
     assert host.requests["UpdateContainerResources"] == [body(remote.id)]
     assert containerd.calls == []
-
-
-def test_a_container_lost_with_its_host_cannot_be_changed(fabric, host, route, remote) -> None:
-    fabric.remotes.mark_lost(remote, 90.0)
-    with pytest.raises(CannotStart) as err:
-        route.handle(body(remote.id), ctx())
-    assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION
-    assert host.calls == []
-
-
-def test_a_host_that_does_not_answer_is_unavailable(host, route, remote) -> None:
-    host.answers["UpdateContainerResources"] = PeerUnavailable("peer cpu-1 did not answer", node="cpu-1")
-    with pytest.raises(PeerUnavailable) as err:
-        route.handle(body(remote.id), ctx())
-    assert err.value.code is grpc.StatusCode.UNAVAILABLE
