@@ -57,7 +57,7 @@ from shim.crishared.kernel_path import sweep as sweep_kernel_rules
 from shim.crishared.netns import Netns, owner_of, sandbox_netns
 from shim.crishared.remote import Remote, RemoteContainers, host_client
 from shim.errors import WeftError
-from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipe, SocketEnd, dial, tune
+from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipes, SocketEnd, dial, tune
 from shim.mesh.tunnel.accept import NotTaken, accept_loop, closed
 from shim.origin.settings import OriginSettings
 from shim.periodic import Periodic
@@ -331,8 +331,7 @@ class OriginNet:
         self.remotes, self.opted_in, self.containerd = remotes, opted_in, containerd
         self.mesh, self.settings, self.tunnel_tls = mesh, settings, tunnel_tls
         self.pods: dict[str, PodNet] = {}
-        self.pipes: set[Pipe] = set()
-        self._lock = threading.Lock()
+        self.pipes = Pipes()
         # At once, then every POLL_S, and at once when a host reports a change (``loop.wake``).
         self.loop = Periodic("weft-stitch", POLL_S, self.round, failed="stitch.round_failed", first=True)
         self._swept = False
@@ -345,20 +344,10 @@ class OriginNet:
         for pod in self.pods.values():
             pod.close()
         self.pods.clear()
-        with self._lock:
-            pipes = list(self.pipes)
-        for p in pipes:
-            p.abort()
+        self.pipes.abort_all()
 
     def pipe(self, a, b, name: str) -> None:
-        p = Pipe(a, b, name, on_close=self._closed)
-        with self._lock:
-            self.pipes.add(p)
-        p.start()
-
-    def _closed(self, p: Pipe) -> None:
-        with self._lock:
-            self.pipes.discard(p)
+        self.pipes.start(a, b, name)
 
     def round(self) -> None:
         running: dict[str, list[Remote]] = {}

@@ -33,8 +33,9 @@ from shim.mesh.tunnel.ends import (
     tune,
 )
 from shim.mesh.tunnel.grants import Grant, Grants
-from shim.mesh.tunnel.pipe import BusyPoll, Pipe
+from shim.mesh.tunnel.pipe import BusyPoll, Pipe, Pipes
 from shim.mesh.tunnel.server import Deadline, PipeServer, TunnelServer, read_line
 
 __all__ = ["CONNECT_TIMEOUT_S", "HANDSHAKE_TIMEOUT_S", "BusyPoll", "Deadline", "End", "Grant", "Grants", "Pipe",
-           "PipeServer", "SocketEnd", "TlsEnd", "TunnelError", "TunnelServer", "contexts", "dial", "read_line", "tune"]
+           "PipeServer", "Pipes", "SocketEnd", "TlsEnd", "TunnelError", "TunnelServer", "contexts", "dial", "read_line",
+           "tune"]

@@ -29,7 +29,7 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 from shim import log
 from shim.mesh.tunnel.ends import End, SocketEnd
@@ -286,3 +286,34 @@ class Pipe:
                     readable[k] = True
                 if ev & (_OUT | _BAD):
                     writable[k] = True
+
+
+class Pipes:
+    """The pipes one owner started, each kept until it ends, so that the owner's stop aborts those still open:
+    the tunnel port's (``PipeServer``) and the origin's stitched pod network's."""
+
+    def __init__(self) -> None:
+        self._open: set[Pipe] = set()
+        self._lock = threading.Lock()
+
+    def start(self, a: End, b: End, name: str, *, busy_poll_us: int = 0) -> Pipe:
+        pipe = Pipe(a, b, name, on_close=self._closed, busy_poll_us=busy_poll_us)
+        with self._lock:
+            self._open.add(pipe)
+        return pipe.start()
+
+    def abort_all(self) -> None:
+        for p in self:
+            p.abort()
+
+    def __iter__(self) -> Iterator[Pipe]:
+        with self._lock:
+            return iter(list(self._open))
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._open)
+
+    def _closed(self, pipe: Pipe) -> None:
+        with self._lock:
+            self._open.discard(pipe)

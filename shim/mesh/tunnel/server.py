@@ -37,7 +37,7 @@ from shim.errors import WeftError
 from shim.mesh.tunnel.accept import RESOURCE_ERRNOS, NotTaken, accept_loop
 from shim.mesh.tunnel.ends import HANDSHAKE_TIMEOUT_S, End, SocketEnd, TlsEnd, TunnelError, contexts, tune
 from shim.mesh.tunnel.grants import Grants
-from shim.mesh.tunnel.pipe import Pipe
+from shim.mesh.tunnel.pipe import Pipes
 
 _log = log.get("weft.tunnel")
 
@@ -102,7 +102,7 @@ class PipeServer:
         self.busy_poll_us = busy_poll_us  # for the pipes of interactive streams (agent.stream_busy_poll_us)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self.pipes: set[Pipe] = set()
+        self.pipes = Pipes()
         self._lock = threading.Lock()
         self._handshakes = threading.BoundedSemaphore(max_handshakes)
         # Sources whose connections have slots of their own (None: every source shares one pool).
@@ -127,10 +127,7 @@ class PipeServer:
         self._sock.close()
         if self._thread is not None:
             self._thread.join(5)
-        with self._lock:
-            pipes = list(self.pipes)
-        for p in pipes:
-            p.abort()
+        self.pipes.abort_all()
 
     def _accept_loop(self) -> None:
         try:
@@ -199,14 +196,7 @@ class PipeServer:
 
     def join(self, a: End, b: End, name: str, *, interactive: bool = False) -> None:
         """Pipe ``a`` and ``b`` together, tracked until either side ends; an interactive pipe busy-polls."""
-        pipe = Pipe(a, b, name=name, on_close=self._closed, busy_poll_us=self.busy_poll_us if interactive else 0)
-        with self._lock:
-            self.pipes.add(pipe)
-        pipe.start()
-
-    def _closed(self, pipe: Pipe) -> None:
-        with self._lock:
-            self.pipes.discard(pipe)
+        self.pipes.start(a, b, name, busy_poll_us=self.busy_poll_us if interactive else 0)
 
 
 def _peer(peer: tuple) -> str:
