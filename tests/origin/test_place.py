@@ -241,15 +241,21 @@ SPEC = {"spec": {
         {"name": "model", "volumeMounts": [{"name": "handoff", "mountPath": "/in"}]}]}}
 
 
-def test_with_the_pod_spec_an_empty_dir_only_it_mounts_goes_with_it(fabric, tmp_path) -> None:
-    spec = {"spec": {**SPEC["spec"], "containers": [{**SPEC["spec"]["containers"][0], "volumeMounts": [
-        {"name": "scratch", "mountPath": "/scratch"}]}, SPEC["spec"]["containers"][1]]}}
-    _with_spec(fabric, spec)
+def _sent_to_cpu1(fabric) -> list[pb.RunShadowRequest]:
+    """Makes cpu-1 the only peer, answering as the fake does; the RunShadow requests it gets are listed here."""
     sent: list[pb.RunShadowRequest] = []
     peer = Peer()
     run = peer.run_shadow
     peer.run_shadow = lambda request, timeout=300.0: sent.append(request) or run(request, timeout)
     fabric.origin.mesh = FakeMesh({"cpu-1": peer})
+    return sent
+
+
+def test_with_the_pod_spec_an_empty_dir_only_it_mounts_goes_with_it(fabric, tmp_path) -> None:
+    spec = {"spec": {**SPEC["spec"], "containers": [{**SPEC["spec"]["containers"][0], "volumeMounts": [
+        {"name": "scratch", "mountPath": "/scratch"}]}, SPEC["spec"]["containers"][1]]}}
+    _with_spec(fabric, spec)
+    sent = _sent_to_cpu1(fabric)
     req = request(tmp_path)
     _mounted(req, tmp_path, "scratch", "/scratch")
     remote, local = fabric.origin.place(fabric, attempt(fabric, req, "sb/tokenize/0"))
@@ -271,11 +277,7 @@ def test_with_the_pod_spec_a_shared_empty_dir_keeps_it_here_and_says_which_rules
 
 def test_without_limits_it_is_admitted_by_its_requests_from_the_spec(fabric, tmp_path) -> None:
     _with_spec(fabric, SPEC)
-    sent: list[pb.RunShadowRequest] = []
-    peer = Peer()
-    run = peer.run_shadow
-    peer.run_shadow = lambda request, timeout=300.0: sent.append(request) or run(request, timeout)
-    fabric.origin.mesh = FakeMesh({"cpu-1": peer})
+    sent = _sent_to_cpu1(fabric)
     req = request(tmp_path)
     req.config.linux.resources.Clear()
     remote, _ = fabric.origin.place(fabric, attempt(fabric, req, "sb/tokenize/0"))
