@@ -277,6 +277,18 @@ def test_something_that_is_not_a_slice_is_refused_by_name():
 # --- kubernetes: list and watch against a fake client -------------------------
 
 
+def _kept(fake, event: dict[str, Any]) -> dict[str, Any]:
+    """The event's object, kept in ``fake.store`` (gone when DELETED) and its version made ``fake.version``, as
+    the API server's own store does: both fakes then list what they watched."""
+    obj = event["object"]
+    if event["type"] == "DELETED":
+        fake.store.pop(obj["metadata"]["name"], None)
+    else:
+        fake.store[obj["metadata"]["name"]] = obj
+    fake.version = obj["metadata"]["resourceVersion"]
+    return obj
+
+
 class FakeList(list):
     """What ``lightkube.Client.list`` returns: the items, and ``resourceVersion`` once iterated."""
 
@@ -333,13 +345,7 @@ class FakeKube:
         for step in session:
             if isinstance(step, BaseException):
                 raise step
-            obj = step["object"]
-            if step["type"] == "DELETED":
-                self.store.pop(obj["metadata"]["name"], None)
-            else:
-                self.store[obj["metadata"]["name"]] = obj
-            self.version = obj["metadata"]["resourceVersion"]
-            yield step["type"], res.from_dict(obj)
+            yield step["type"], res.from_dict(_kept(self, step))
 
     def verbs(self) -> list[str]:
         return [call[0] for call in self.calls]
@@ -614,12 +620,7 @@ class MockApiServer:
 
     def _stream(self) -> Iterator[bytes]:
         for event in watch_events():
-            obj = event["object"]
-            if event["type"] == "DELETED":
-                self.store.pop(obj["metadata"]["name"], None)
-            else:
-                self.store[obj["metadata"]["name"]] = obj
-            self.version = obj["metadata"]["resourceVersion"]
+            _kept(self, event)
             yield (json.dumps(event) + "\n").encode()
 
 
@@ -644,25 +645,33 @@ def test_real_lightkube_client_lists_and_watches_the_services_slices():
 # --- values -----------------------------------------------------------------
 
 
-def test_a_kubeconfig_not_written_yet_is_looked_for_steadily_and_said_once_not_backed_off():
-    """As on every install: the agent starts before the DaemonSet's pod writes its kubeconfig. The agent must use
-    the API within a moment of it, not after a wait that doubled meanwhile (placement has no peers till then)."""
-    from shim.kube.access import KubeconfigNotYet
-
+def _watched_after(failures: int, error: Exception, *, backoff_max: float):
+    """A watch whose client factory raises ``error`` ``failures`` times, then builds the client: its attempts,
+    stop, client, log events and reports."""
     stop = RecordingStop()
     kube = FakeKube(load("endpointslices.json"), stop=stop)
-    attempts = []
+    attempts: list[int] = []
 
     def factory():
         attempts.append(len(attempts))
-        if len(attempts) < 7:
-            raise KubeconfigNotYet("kubernetes.kubeconfig: /etc/weft/api/kubeconfig is not written yet")
+        if len(attempts) <= failures:
+            raise error
         return kube
 
     reports: list[list[Peer]] = []
     with capture_logs() as logs:
         EndpointSliceDiscovery(NS, SVC, client_factory=factory, self_node="gpu-1", backoff_initial=0.5,
-                               backoff_max=30.0).watch(reports.append, stop)
+                               backoff_max=backoff_max).watch(reports.append, stop)
+    return attempts, stop, kube, logs, reports
+
+
+def test_a_kubeconfig_not_written_yet_is_looked_for_steadily_and_said_once_not_backed_off():
+    """As on every install: the agent starts before the DaemonSet's pod writes its kubeconfig. The agent must use
+    the API within a moment of it, not after a wait that doubled meanwhile (placement has no peers till then)."""
+    from shim.kube.access import KubeconfigNotYet
+
+    not_yet = KubeconfigNotYet("kubernetes.kubeconfig: /etc/weft/api/kubeconfig is not written yet")
+    attempts, stop, _, logs, reports = _watched_after(6, not_yet, backoff_max=30.0)
     assert len(attempts) == 7 and stop.waits[:6] == [0.5] * 6
     assert [e["event"] for e in logs if e["event"].startswith("mesh.discovery.") and e["event"] != (
         "mesh.discovery.changed")] == ["mesh.discovery.waiting"]
@@ -682,20 +691,9 @@ def test_peer_target_is_what_grpc_dials(peer, target):
 
 
 def test_a_client_its_factory_cannot_build_yet_is_asked_for_again_and_then_used():
-    stop = RecordingStop()
-    kube = FakeKube(load("endpointslices.json"), stop=stop)
-    attempts = []
-
-    def factory():
-        attempts.append(len(attempts))
-        if len(attempts) < 3:  # the credentials keeper has not written the kubeconfig yet
-            raise ConfigError("kubernetes.kubeconfig: cannot read /etc/weft/kubeconfig: not found")
-        return kube
-
-    reports: list[list[Peer]] = []
-    with capture_logs() as logs:
-        EndpointSliceDiscovery(NS, SVC, client_factory=factory, self_node="gpu-1", backoff_initial=0.5,
-                               backoff_max=2.0).watch(reports.append, stop)
+    # The credentials keeper has not written the kubeconfig yet.
+    unreadable = ConfigError("kubernetes.kubeconfig: cannot read /etc/weft/kubeconfig: not found")
+    attempts, stop, kube, logs, reports = _watched_after(2, unreadable, backoff_max=2.0)
     assert len(attempts) == 3 and stop.waits[:2] == [0.5, 1.0]
     failed = [e for e in logs if e["event"] == "mesh.discovery.failed"]
     assert len(failed) == 2 and all("/etc/weft/kubeconfig" in e["error"] for e in failed)
