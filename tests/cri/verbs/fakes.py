@@ -43,6 +43,7 @@ ORIGIN = "gpu-1"  # this node
 HOST = "cpu-1"  # the peer that hosts its remote containers
 SANDBOX = "5b" * 32  # an opted-in pod's sandbox, as containerd names it
 LOCAL_ID = "1c" * 32  # a container weft does not know: containerd's own
+OTHER_SANDBOX = "07" * 32  # another pod's sandbox: not the opted-in SANDBOX
 STREAMING_VERBS = frozenset({"GetContainerEvents"})
 StreamEnd = object()  # put in ``RecordingContainerd.streamed[verb]``: containerd ends that call with OK
 IMAGE_SERVICE_VERBS = frozenset({"PullImage", "ListImages", "ImageStatus", "RemoveImage", "ImageFsInfo"})

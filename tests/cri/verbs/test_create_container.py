@@ -25,7 +25,7 @@ from shim.cri.verbs import create_container
 from shim.cri.verbs.create_container import rewrite_for_lease
 from shim.errors import BadAnnotation, BrokerUnavailable, CreateInProgress, MalformedRequest, UpstreamError
 from shim.origin.settings import OriginSettings
-from tests.cri.verbs.fakes import ctx, opt_in
+from tests.cri.verbs.fakes import OTHER_SANDBOX, ctx, opt_in
 
 U0 = "GPU-00000000-0000-4000-8000-000000000000"
 U1 = "GPU-00000000-0000-4000-8000-000000000001"
@@ -210,7 +210,6 @@ def test_a_leased_container_s_device_list_mounts_name_its_lease_alone_and_cdi_an
 
 SANDBOX_ID = "5b" * 32
 CONTAINER_ID = "c1" * 32
-OTHER_SANDBOX = "07" * 32
 KEY = f"{SANDBOX_ID}/app/0"
 
 

@@ -33,9 +33,7 @@ from shim.cri.verbs import (
 )
 from shim.errors import CannotStart
 from shim.mesh.client import PeerUnavailable
-from tests.cri.verbs.fakes import LOCAL_ID, SANDBOX, add_remote, ctx
-
-OTHER_SANDBOX = "07" * 32
+from tests.cri.verbs.fakes import LOCAL_ID, OTHER_SANDBOX, SANDBOX, add_remote, ctx
 
 BY_CONTAINER: dict[ModuleType, Callable[..., object]] = {
     attach: cri.AttachRequest,

@@ -13,9 +13,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim.cri.verbs import list_container_stats
 from shim.crishared.labels import ORIGIN_LABEL
 from shim.mesh.client import PeerUnavailable
-from tests.cri.verbs.fakes import ORIGIN, SANDBOX, add_remote, ctx
-
-OTHER = "07" * 32
+from tests.cri.verbs.fakes import ORIGIN, OTHER_SANDBOX, SANDBOX, add_remote, ctx
 
 
 def entry(cid: str, labels: dict) -> cri.ContainerStats:
@@ -78,6 +76,6 @@ def test_a_container_lost_with_its_host_is_listed_without_asking_the_host(fabric
 def test_remote_containers_pass_kubelets_filter(fabric, containerd, mesh, route, filter_fields, shown) -> None:
     containerd.answer("ListContainerStats", cri.ListContainerStatsResponse())
     add_remote(fabric, "tokenize")
-    add_remote(fabric, "other", sandbox_id=OTHER, labels={"tier": "back"})
+    add_remote(fabric, "other", sandbox_id=OTHER_SANDBOX, labels={"tier": "back"})
     stats = listed(route.handle(body(**filter_fields), ctx()))
     assert sorted(s.attributes.metadata.name for s in stats) == shown

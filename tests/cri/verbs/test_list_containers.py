@@ -11,9 +11,8 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.verbs import list_containers
 from shim.crishared.labels import ORIGIN_LABEL
-from tests.cri.verbs.fakes import SANDBOX, add_remote, ctx
+from tests.cri.verbs.fakes import OTHER_SANDBOX, SANDBOX, add_remote, ctx
 
-OTHER = "07" * 32
 LOCAL = cri.Container(id="local-1", pod_sandbox_id=SANDBOX, state=cri.CONTAINER_RUNNING, labels={"app": "web"})
 SHADOW = cri.Container(id="shadow-1", pod_sandbox_id="shadow-sb", labels={ORIGIN_LABEL: "gpu-1", "app": "web"})
 
@@ -63,7 +62,7 @@ def test_remote_containers_pass_kubelets_filter_as_containerd_applies_it(fabric,
     containerd.answer("ListContainers", cri.ListContainersResponse())
     add_remote(fabric, "tokenize", labels={"tier": "front"})
     add_remote(fabric, "detok", state=cri.CONTAINER_EXITED)
-    add_remote(fabric, "other", sandbox_id=OTHER, labels={"tier": "front"})
+    add_remote(fabric, "other", sandbox_id=OTHER_SANDBOX, labels={"tier": "front"})
     answer = cri.ListContainersResponse.FromString(route.handle(body(**filter_fields), ctx()))
     assert sorted(c.metadata.name for c in answer.containers) == sorted(shown)
 

@@ -14,9 +14,17 @@ from cri_api.v1 import api_pb2 as cri
 
 from shim.cri.verbs import remove_pod_sandbox
 from shim.errors import UpstreamError
-from tests.cri.verbs.fakes import LOCAL_ID, ORIGIN, SANDBOX, add_remote, ctx, lease_for, opt_in, placed_local
-
-OTHER = "07" * 32
+from tests.cri.verbs.fakes import (
+    LOCAL_ID,
+    ORIGIN,
+    OTHER_SANDBOX,
+    SANDBOX,
+    add_remote,
+    ctx,
+    lease_for,
+    opt_in,
+    placed_local,
+)
 
 
 def body(sandbox_id: str = SANDBOX) -> bytes:
@@ -29,26 +37,27 @@ def route(fabric):
 
 
 def test_an_unknown_sandbox_is_containerds_to_remove_and_succeeds(fabric, containerd, route) -> None:
-    answer = route.handle(body(OTHER), ctx())
-    assert containerd.only_request("RemovePodSandbox") == body(OTHER)
+    answer = route.handle(body(OTHER_SANDBOX), ctx())
+    assert containerd.only_request("RemovePodSandbox") == body(OTHER_SANDBOX)
     assert cri.RemovePodSandboxResponse.FromString(answer) == cri.RemovePodSandboxResponse()
 
 
 def test_an_opted_in_pod_leaves_no_record_placement_or_lease(fabric, containerd, broker, route) -> None:
     lease = lease_for(broker)
     placed_local(fabric, LOCAL_ID, lease_id=lease)
-    opt_in(fabric, OTHER, name="other")
+    opt_in(fabric, OTHER_SANDBOX, name="other")
     route.handle(body(), ctx())
     assert containerd.only_request("RemovePodSandbox") == body()
     assert fabric.store.sandbox(SANDBOX) is None and fabric.store.placement(LOCAL_ID) is None
     assert SANDBOX not in fabric.opted_in and broker.leases() == []
     assert fabric.metrics.registry.get_sample_value("weft_opted_in_sandboxes") == 1
-    assert fabric.store.sandbox(OTHER) is not None and OTHER in fabric.opted_in, "other pods are untouched"
+    assert fabric.store.sandbox(OTHER_SANDBOX) is not None, "other pods are untouched"
+    assert OTHER_SANDBOX in fabric.opted_in, "other pods are untouched"
 
 
 def test_the_pods_remote_containers_are_removed_on_their_hosts(fabric, host, route, mesh) -> None:
     mine = [add_remote(fabric, "tokenize"), add_remote(fabric, "detok")]
-    theirs = add_remote(fabric, "other", sandbox_id=OTHER)
+    theirs = add_remote(fabric, "other", sandbox_id=OTHER_SANDBOX)
     route.handle(body(), ctx())
     assert sorted(host.calls) == sorted(("RemoveShadow", ORIGIN, r.key) for r in mine)
     assert [r.id for r in fabric.remotes.all()] == [theirs.id]

@@ -15,9 +15,7 @@ from cri_api.v1 import api_pb2 as cri
 from shim.cri.verbs import stop_pod_sandbox
 from shim.errors import RemoteStopFailed, UpstreamError
 from shim.mesh.client import PeerUnavailable
-from tests.cri.verbs.fakes import ORIGIN, SANDBOX, FakeHost, add_remote, ctx
-
-OTHER = "07" * 32
+from tests.cri.verbs.fakes import ORIGIN, OTHER_SANDBOX, SANDBOX, FakeHost, add_remote, ctx
 
 
 def body(sandbox_id: str = SANDBOX) -> bytes:
@@ -31,8 +29,8 @@ def route(fabric):
 
 def test_a_sandbox_without_remote_containers_is_stopped_by_containerd_unchanged(containerd, host, route,
                                                                                remote) -> None:
-    route.handle(body(OTHER), ctx())
-    assert containerd.only_request("StopPodSandbox") == body(OTHER)
+    route.handle(body(OTHER_SANDBOX), ctx())
+    assert containerd.only_request("StopPodSandbox") == body(OTHER_SANDBOX)
     assert host.calls == []
 
 
