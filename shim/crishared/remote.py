@@ -23,7 +23,7 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from cri_api.v1 import api_pb2 as cri
 
@@ -301,6 +301,24 @@ def host_client(mesh: MeshNode | None, r: Remote) -> PeerClient:
     if client is None:
         raise HostUnavailable(f"weft: container {r.id[:13]} runs on {r.node}, which is not a peer of this node now")
     return client
+
+
+class HostStream:
+    """A thread's hold on one stream from a remote container's host (the origin's log copy, its stitch link).
+
+    ``stop`` ends the thread's loop and cancels the stream in flight, so the
+    thread sees it at once rather than at the stream's next message.
+    """
+
+    def __init__(self) -> None:
+        self._stop = threading.Event()
+        self._call: Any = None  # the stream in flight, set by the thread
+
+    def stop(self) -> None:
+        self._stop.set()
+        call = self._call
+        if call is not None:
+            call.cancel()
 
 
 RemoteListener = Callable[[Remote], None]

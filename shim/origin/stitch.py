@@ -44,7 +44,7 @@ import socket
 import ssl
 import threading
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import grpc
 from cri_api.v1 import api_pb2 as cri
@@ -55,7 +55,7 @@ from shim.crishared.containerd import Containerd
 from shim.crishared.kernel_path import KernelForwards
 from shim.crishared.kernel_path import sweep as sweep_kernel_rules
 from shim.crishared.netns import Netns, owner_of, sandbox_netns
-from shim.crishared.remote import Remote, RemoteContainers, host_client
+from shim.crishared.remote import HostStream, Remote, RemoteContainers, host_client
 from shim.errors import WeftError
 from shim.mesh.tunnel import CONNECT_TIMEOUT_S, Pipes, SocketEnd, dial, tune
 from shim.mesh.tunnel.accept import NotTaken, accept_loop, closed
@@ -77,18 +77,17 @@ POLL_S = 0.5
 RETRY_S = 1.0
 
 
-class Link:
+class Link(HostStream):
     """One remote container's Stitch stream: the ports its shadow listens on, and connections from it."""
 
     def __init__(self, pod: PodNet, r: Remote) -> None:
+        super().__init__()
         self.pod, self.r = pod, r
         self.name = r.config.metadata.name
         self.listening: frozenset[int] = frozenset()
         self.loopback: frozenset[int] = frozenset()  # of those, the ports the shadow serves on loopback alone
         self.pod_ip = ""  # the shadow's, as its host tells it: where the kernel path forwards
         self.want: frozenset[int] | None = None
-        self._call: Any = None
-        self._stop = threading.Event()
         self._lock = threading.Lock()
         self.declared: frozenset[int] | None = None
         try:
@@ -110,12 +109,6 @@ class Link:
         if first:
             self.thread.start()
         elif call is not None:
-            call.cancel()
-
-    def stop(self) -> None:
-        self._stop.set()
-        call = self._call
-        if call is not None:
             call.cancel()
 
     def _run(self) -> None:

@@ -43,7 +43,7 @@ from google.protobuf.message import DecodeError
 from shim import log
 from shim.config import WATCH_IDLE_S, WATCH_QUIET_S
 from shim.core.reroute import classify_mounts
-from shim.crishared.remote import Remote
+from shim.crishared.remote import HostStream, Remote
 from shim.crishared.sides import OriginFabric
 from shim.errors import WeftError
 from shim.origin.context import Origin
@@ -56,14 +56,13 @@ _log = log.get("weft.remote")
 PLACED_EVERY_S = 5.0
 
 
-class LogCopy:
+class LogCopy(HostStream):
     """Copies one remote container's log into kubelet's file; one thread, restartable after a crash."""
 
     def __init__(self, sup: RemoteSupervisor, r: Remote) -> None:
+        super().__init__()
         self.sup, self.r = sup, r
         self._lock = threading.Lock()
-        self._stop = threading.Event()
-        self._call: Any = None
         self._file = None
         rec = sup.fabric.store.placement(r.id)
         self.offset = rec.log_offset if rec else 0
@@ -72,12 +71,6 @@ class LogCopy:
 
     def start(self) -> None:
         self.thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-        call = self._call
-        if call is not None:
-            call.cancel()
 
     def _open(self) -> None:
         path = self.r.log_path
