@@ -40,6 +40,7 @@ from harness.kubelet import KernelSettings, Kubelet, share_root_dir
 from shim.localfabric.agent import AgentProcess, free_port
 from shim.localfabric.broker import BrokerProcess, weft_handler
 from shim.localfabric.containerd import lock_held
+from shim.localfabric.daemon import Opened
 from shim.localfabric.images import PAUSE_IMAGE
 from shim.localfabric.nodes import Cluster, Node
 from shim.localfabric.waiting import wait_for
@@ -56,7 +57,7 @@ class NodeSpec:
 
 
 @dataclass
-class KubeCluster:
+class KubeCluster(Opened):
     workdir: Path
     specs: Sequence[NodeSpec]
     hello_s: float = 0.5
@@ -80,17 +81,6 @@ class KubeCluster:
     agent_env: dict[str, str] = field(default_factory=dict)
     # [kubernetes] settings of one node's agent, by node name (with agent_api), e.g. {"reservation_stop_hook": False}.
     agent_kubernetes: dict[str, dict[str, object]] = field(default_factory=dict)
-
-    def __enter__(self) -> KubeCluster:
-        try:
-            self.open()
-        except BaseException:
-            self.close()
-            raise
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- bring-up -------------------------------------------------------------------------
     def open(self) -> None:

@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from shim.localfabric import daemon
 from shim.localfabric.containerd import Containerd
 
 
@@ -112,13 +113,8 @@ http:
         try:
             self._forget_pulled()
         finally:
-            if self.proc is not None and self.proc.poll() is None:
-                self.proc.terminate()
-                try:
-                    self.proc.wait(10)
-                except subprocess.TimeoutExpired:
-                    self.proc.kill()
-                    self.proc.wait()
+            if self.proc is not None:
+                daemon.stop(self.proc, timeout=10)
             self.proc = None
 
     def __enter__(self) -> Registry:

@@ -22,7 +22,7 @@ from harness.controlplane import ControlPlane
 from harness.kubelet import KernelSettings
 from harness.nodes import kubeadm, nspawn
 from harness.nodes.kubeadm import NodeSpec
-from shim.localfabric import images
+from shim.localfabric import daemon, images
 from shim.localfabric.containerd import bin_dir
 
 # Apart from integration/nodes/test_nodes.py's bridges (10.244.250.0/24, and the next /24 for its killed-owner
@@ -76,13 +76,8 @@ class Registry:
         return ref
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            daemon.stop(self.proc, timeout=10)
 
 
 @dataclass
