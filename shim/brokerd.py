@@ -1,8 +1,9 @@
 """``weft broker``: the per-node GPU broker process.
 
 Assembles a backend (NVML, or simulated devices where there is no GPU), the
-lease store, MPS daemons (NVML only: one per shared lease), the gRPC and hook
-endpoints, the enforcement watchdog and the metrics endpoint. At start it
+lease store, MPS daemons (NVML only: one per shared lease, and a pool started
+ahead for the next ones), the gRPC and hook endpoints, the enforcement
+watchdog and the metrics endpoint. At start it
 releases leases whose containers died while it was down and starts the MPS
 daemon of every shared lease it keeps; unbound leases wait for the agent's
 reconcile. SIGTERM stops it cleanly: leases stay on disk; the MPS daemons it
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from shim import log, sdnotify, stopping
 from shim.broker.metrics import BrokerMetrics
+from shim.broker.mps import DEFAULT_POOL
 from shim.broker.server import BrokerServer
 from shim.broker.service import LeaseService
 from shim.broker.simulated import SimulatedBackend
@@ -43,6 +45,8 @@ class BrokerConfig:
     # Pipe, log and shared-memory directories of the leases' MPS daemons; default: "mps" beside the socket
     # (/run/weft/mps on an installed node: a tmpfs, as MPS's shared memory should be).
     mps_dir: Path | None = None
+    # Idle MPS daemons kept started per device, so a shared lease need not wait for one (0: none).
+    mps_pool: int = DEFAULT_POOL
 
 
 def _backend(cfg: BrokerConfig):
@@ -59,7 +63,7 @@ def _backend(cfg: BrokerConfig):
             backend = NvmlBackend()
         except NvmlUnavailable as exc:
             raise ConfigError(f"--backend nvml: {exc}") from None
-        return backend, MpsSupervisor(cfg.mps_dir or cfg.socket.parent / "mps", private_shm=True)
+        return backend, MpsSupervisor(cfg.mps_dir or cfg.socket.parent / "mps", private_shm=True, pool=cfg.mps_pool)
     raise ConfigError(f"--backend: {cfg.backend!r} is not nvml or simulated")
 
 
@@ -70,6 +74,8 @@ class Broker:
     def __init__(self, cfg: BrokerConfig, backend=None, mps=None) -> None:
         if cfg.enforce not in ("log", "kill"):
             raise ConfigError(f"--enforce: {cfg.enforce!r} is not log or kill")
+        if cfg.mps_pool < 0:
+            raise ConfigError(f"--mps-pool: {cfg.mps_pool} is not 0 or more")
         self.cfg = cfg
         cfg.state_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
         if backend is None:
@@ -86,6 +92,7 @@ class Broker:
     def start(self) -> Broker:
         released = self.service.release_dead()
         no_daemon = self.service.restore_mps()
+        self.service.warm_mps()
         self.server.start()
         self.watchdog.start()
         if self.cfg.metrics_address:

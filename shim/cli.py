@@ -102,7 +102,8 @@ def _broker(args: argparse.Namespace) -> int:
     return brokerd.run(brokerd.BrokerConfig(
         socket=args.socket, state_dir=args.state_dir, backend=args.backend,
         simulated_devices=args.simulated_devices, metrics_address=args.metrics_address or "",
-        enforce=args.enforce, watchdog_interval=args.watchdog_interval))
+        enforce=args.enforce, watchdog_interval=args.watchdog_interval,
+        **({} if args.mps_pool is None else {"mps_pool": args.mps_pool})))
 
 
 def _status_doc(args: argparse.Namespace, explain: str | None = None) -> dict:
@@ -297,6 +298,9 @@ def parser() -> argparse.ArgumentParser:
     br.add_argument("--enforce", choices=("log", "kill"), default="kill",
                     help="what to do with a container over its lease or outside its MPS server (default: kill)")
     br.add_argument("--watchdog-interval", type=float, default=1.0, help="seconds between usage samples")
+    br.add_argument("--mps-pool", type=int, metavar="N",
+                    help="MPS control daemons kept started ahead per GPU, so that a shared lease does not wait for "
+                         "one to start (nvml backend; 0: each lease starts its own; default: one)")
     br.add_argument("--log-level", choices=("debug", "info", "warning", "error"))
     br.set_defaults(fn=_broker)
 

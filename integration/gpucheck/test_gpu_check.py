@@ -155,12 +155,12 @@ def test_a_driver_error_in_a_client_is_a_fail_line_naming_it(node: dict) -> None
 
 @pytest.fixture
 def nodes_broker(node: dict) -> Iterator[Broker]:
-    """A broker the test runs as the node's own, over the same fake GPU, that only logs violations."""
+    """A broker the test runs as the node's own (with its MPS pool), over the same fake GPU, only logging."""
     tmp = node["tmp"]
     cfg = BrokerConfig(socket=tmp / "b.sock", state_dir=tmp / "broker-state", backend="nvml", enforce="log",
                        watchdog_interval=0.3, mps_dir=tmp / "broker-mps")
     broker = Broker(cfg, backend=NvmlBackend(library=node["nvml"]),
-                    mps=MpsSupervisor(cfg.mps_dir, node["mps"], private_shm=True)).start()
+                    mps=MpsSupervisor(cfg.mps_dir, node["mps"], private_shm=True, pool=cfg.mps_pool)).start()
     yield broker
     broker.stop()
 

@@ -88,7 +88,7 @@ def test_the_whole_path_is_proven_on_the_fake_gpu(proof: dict) -> None:
         "share-50.device", "share-50.memory", "share-50.compute", "released", "start-times", "fault.cdi-missing",
         "fault.cdi-stale", "fault.mps-killed.client", "fault.mps-killed.released", "fault.mps-killed.next-pod",
         "nothing-left", "nvidia-runtime.plain", "nvidia-runtime.no-lease", "nvidia-runtime.leased",
-        "nvidia-runtime.nothing-left"]
+        "nvidia-runtime.nothing-left", "pool-stopped"]
     figures = proof["figures"]
     assert figures["device"]["uuid"] == A100
     # The plain pod had the whole GPU (both devices' nodes, all 132 SMs); each share ran on its part of the SMs, as
@@ -98,6 +98,7 @@ def test_the_whole_path_is_proven_on_the_fake_gpu(proof: dict) -> None:
         "25": (32, 32, True, "CUDA_ERROR_OUT_OF_MEMORY"), "50": (66, 66, True, "CUDA_ERROR_OUT_OF_MEMORY")}
     assert figures["shares"]["25"]["limit_mib"] == 20480
     assert figures["start"]["weft_p50_ms"] > 0 and figures["start"]["plain_p50_ms"] > 0
+    assert figures["start"]["mps_pool"] == 1, "timed as an installed broker runs: with daemons started ahead"
     # The CDI fault names what was missing: the leased device's CDI name.
     for fault in ("fault.cdi-missing", "fault.cdi-stale"):
         assert f"unresolvable CDI devices nvidia.com/gpu={A100}" in by_name[fault]["detail"]

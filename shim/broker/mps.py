@@ -27,6 +27,18 @@ with ``private_shm`` the daemon runs in a mount namespace whose ``/dev/shm``
 is the lease's ``shm`` directory, which the container mounts as its
 ``/dev/shm`` too. Stopping asks the daemon to ``quit`` and kills it only when
 it does not; the directories stay, as the log is what explains a failure.
+
+Starting a daemon and waiting for it to answer is most of what a shared
+lease adds to a container's start, so the supervisor can keep a pool: a few
+daemons per device started ahead, each in a directory named by the lease ID
+it will serve, with no limits set and no client (so no MPS server, no GPU
+context). ``take`` hands one out and sets that lease's limits on it, reading
+them back as a freshly started one's; the pool is filled again in the
+background. A pooled daemon is the same daemon a lease would have started:
+its limits are set before any client can reach it, as they always were. The
+idle ones are quit, and their directories removed, when the broker stops;
+ones a killed broker left are found by their ``pooled`` mark at the next
+start.
 """
 
 from __future__ import annotations
@@ -40,13 +52,15 @@ import signal
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import grpc
 
 from shim import log
 from shim.errors import WeftError
+from shim.state.leases import new_lease_id
 
 _log = log.get("weft.broker.mps")
 
@@ -61,6 +75,12 @@ _UNITS = {"M": 1 << 20, "G": 1 << 30}
 # Runs the daemon with the lease's shm directory as /dev/shm, in a mount
 # namespace of its own; ``exec`` keeps the daemon's PID the one we started.
 _PRIVATE_SHM = 'mount --bind "$1" /dev/shm && exec "$2" -f'
+# In a pooled daemon's directory until a lease takes it: what a broker started again finds of one it left.
+POOLED_MARK = "pooled"
+# Idle daemons per device an installed broker keeps (``weft broker --mps-pool``).
+DEFAULT_POOL = 1
+# After a daemon could not be started ahead, the pool waits this long before it tries again.
+_POOL_RETRY_S = 5.0
 
 
 class MpsError(WeftError):
@@ -109,6 +129,39 @@ def control(binary: str, pipe_dir: Path, command: str, timeout: float) -> subpro
         return None
 
 
+def control_all(binary: str, pipe_dir: Path, commands: list[str],
+                timeout: float) -> list[subprocess.CompletedProcess[str] | None]:
+    """Send commands that do not depend on each other, each through a control client of its own, at once.
+
+    A lease's start waits on these: run side by side, they cost about one
+    client's start rather than one each.
+    """
+    env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)}
+    running: list[tuple[str, subprocess.Popen[str] | None]] = []
+    for command in commands:
+        try:
+            proc = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                    env=env, text=True)
+        except OSError:
+            proc = None
+        running.append((command, proc))
+    deadline = time.monotonic() + timeout
+    answers: list[subprocess.CompletedProcess[str] | None] = []
+    for command, proc in running:
+        if proc is None:
+            answers.append(None)
+            continue
+        try:
+            out, err = proc.communicate(command.rstrip("\n") + "\n", timeout=max(0.0, deadline - time.monotonic()))
+        except (OSError, subprocess.TimeoutExpired):
+            proc.kill()
+            proc.communicate()
+            answers.append(None)
+            continue
+        answers.append(subprocess.CompletedProcess([binary], proc.returncode, out, err))
+    return answers
+
+
 def parse_percent(answer: str) -> float | None:
     """``"25"`` or ``"25.0"`` -> 25.0; anything else None."""
     try:
@@ -139,17 +192,29 @@ class MpsSupervisor:
         ready_timeout: float = 10.0,
         stop_timeout: float = 10.0,
         private_shm: bool = False,
+        pool: int = 0,
     ) -> None:
+        if pool < 0:
+            raise ValueError(f"MPS pool of {pool} daemons per device: must be 0 or more")
         self._base_dir = Path(base_dir)
         self._binary = binary
         self._ready_timeout = ready_timeout
         self._stop_timeout = stop_timeout
         self._private_shm = private_shm
-        # One lock for all daemons: starts and stops are rare, and holding it
+        self._pool = pool
+        # One lock for the leases' daemons: starts and stops are rare, and holding it
         # through a stop keeps ensure() from starting a second daemon on the
         # same pipe directory while the first one drains.
         self._lock = threading.Lock()
         self._children: dict[str, _Child] = {}
+        # The pool: idle daemons per device, and how many are being started. Its own
+        # condition, so that a daemon started ahead never waits on a lease's stop.
+        self._pool_cv = threading.Condition()
+        self._idle: dict[str, list[_Child]] = {}
+        self._starting: dict[str, int] = {}
+        self._failed_at: dict[str, float] = {}
+        self._filler: threading.Thread | None = None
+        self._closed = False
 
     @property
     def private_shm(self) -> bool:
@@ -165,12 +230,60 @@ class MpsSupervisor:
                 return child.daemon
             return self._restart(child).daemon
 
+    def take(self, device_uuid: str, limits: MpsLimits) -> MpsDaemon:
+        """A daemon for a new lease on the device, its limits in force; its key is the lease's ID.
+
+        One the pool started ahead when it has one (then only the limits are set
+        and read back), else one started now. The pool is filled again behind it.
+        """
+        _check_device(device_uuid)
+        started = time.monotonic()
+        child = self._pop_idle(device_uuid)
+        if child is None:
+            with self._lock:
+                child = self._start(new_lease_id(), device_uuid, limits)
+            self._fill(device_uuid)
+            return child.daemon
+        d = child.daemon
+        try:
+            self._apply(child, limits)
+        except MpsError:
+            self._kill(child)
+            shutil.rmtree(d.log_dir.parent, ignore_errors=True)
+            raise
+        with contextlib.suppress(FileNotFoundError):
+            (d.log_dir.parent / POOLED_MARK).unlink()
+        child.daemon = replace(d, limits=limits)
+        with self._lock:
+            self._children[d.key] = child
+        _log.info("mps.started", lease=d.key, device=device_uuid, pid=d.pid, pipe_dir=str(d.pipe_dir),
+                  memory_mib=limits.memory_mib, compute_percent=limits.compute_percent, pooled=True,
+                  ms=round((time.monotonic() - started) * 1000, 1))
+        return child.daemon
+
+    def warm(self, device_uuids: Iterable[str]) -> None:
+        """Start filling the pool for these devices (nothing without a pool); what a killed broker left goes first."""
+        if not self._pool:
+            return
+        self._sweep_left()
+        for uuid in device_uuids:
+            self._fill(uuid)
+
     def daemons(self) -> list[MpsDaemon]:
+        """The leases' daemons (not the pool's idle ones)."""
         with self._lock:
             return [c.daemon for c in self._children.values()]
 
+    def idle(self) -> list[MpsDaemon]:
+        """The pool's daemons no lease has taken yet."""
+        with self._pool_cv:
+            return [c.daemon for children in self._idle.values() for c in children]
+
     def check(self) -> list[str]:
-        """Restart every daemon that died; returns the leases whose daemon was restarted."""
+        """Restart every daemon that died; returns the leases whose daemon was restarted.
+
+        An idle daemon that died is dropped by the filler, which starts another in its place.
+        """
         restarted = []
         with self._lock:
             for key, child in list(self._children.items()):
@@ -184,6 +297,8 @@ class MpsSupervisor:
                                exit_code=child.proc.returncode, error=str(exc))
                     continue
                 restarted.append(key)
+        with self._pool_cv:
+            self._pool_cv.notify_all()  # the filler drops idle ones that died and starts others
         return restarted
 
     def stop(self, key: str) -> None:
@@ -194,10 +309,112 @@ class MpsSupervisor:
                 self._stop(child)
 
     def stop_all(self) -> None:
+        with self._pool_cv:
+            self._closed = True
+            self._pool_cv.notify_all()
+            filler = self._filler
+        if filler is not None:
+            # A start under way ends within its ready timeout, and the filler then quits what it started.
+            filler.join(self._ready_timeout + self._stop_timeout + 1.0)
+        with self._pool_cv:
+            idle = [c for children in self._idle.values() for c in children]
+            self._idle.clear()
+        for child in idle:
+            self._stop(child)
+            shutil.rmtree(child.daemon.log_dir.parent, ignore_errors=True)  # it served no lease: no log to keep
         with self._lock:
             while self._children:
                 self._stop(self._children.popitem()[1])
 
+    # -- the pool ----------------------------------------------------------------
+    def _pop_idle(self, uuid: str) -> _Child | None:
+        with self._pool_cv:
+            children = self._idle.get(uuid, [])
+            while children:
+                child = children.pop(0)
+                if child.proc.poll() is None:
+                    self._pool_cv.notify_all()  # a place to fill
+                    return child
+                self._drop(child, "exited")
+            return None
+
+    def _fill(self, uuid: str) -> None:
+        """Have the filler keep ``pool`` idle daemons for the device."""
+        if not self._pool:
+            return
+        with self._pool_cv:
+            if self._closed:
+                return
+            self._idle.setdefault(uuid, [])
+            if self._filler is None:
+                self._filler = threading.Thread(target=self._filling, name="weft-mps-pool", daemon=True)
+                self._filler.start()
+            self._pool_cv.notify_all()
+
+    def _wanted(self) -> str | None:
+        """A device short of idle daemons and not waiting out a failure; with the condition held.
+
+        Idle daemons that died meanwhile are dropped first, so their places are filled.
+        """
+        now = time.monotonic()
+        for children in self._idle.values():
+            for dead in [c for c in children if c.proc.poll() is not None]:
+                children.remove(dead)
+                self._drop(dead, "exited")
+        for uuid, children in self._idle.items():
+            if (len(children) + self._starting.get(uuid, 0) < self._pool
+                    and now - self._failed_at.get(uuid, -_POOL_RETRY_S) >= _POOL_RETRY_S):
+                return uuid
+        return None
+
+    def _filling(self) -> None:
+        while True:
+            with self._pool_cv:
+                while not self._closed and (uuid := self._wanted()) is None:
+                    self._pool_cv.wait(_POOL_RETRY_S)
+                if self._closed:
+                    return
+                self._starting[uuid] = self._starting.get(uuid, 0) + 1
+            key = new_lease_id()
+            try:
+                child = self._spawn(key, uuid, pooled=True)
+            except (MpsError, OSError, ValueError) as exc:
+                with self._pool_cv:
+                    self._starting[uuid] -= 1
+                    self._failed_at[uuid] = time.monotonic()
+                shutil.rmtree(self._base_dir / key, ignore_errors=True)
+                _log.error("mps.pool_failed", device=uuid, error=str(exc), retry_s=_POOL_RETRY_S)
+                continue
+            with self._pool_cv:
+                self._starting[uuid] -= 1
+                closed = self._closed
+                if not closed:
+                    self._idle[uuid].append(child)
+            if closed:
+                self._stop(child)
+                shutil.rmtree(child.daemon.log_dir.parent, ignore_errors=True)
+                return
+            _log.info("mps.pooled", lease=key, device=uuid, pid=child.daemon.pid)
+
+    def _drop(self, child: _Child, why: str) -> None:
+        d = child.daemon
+        _log.warning("mps.pool_dropped", lease=d.key, device=d.device_uuid, pid=d.pid, why=why,
+                     exit_code=child.proc.returncode)
+        shutil.rmtree(d.log_dir.parent, ignore_errors=True)
+
+    def _sweep_left(self) -> None:
+        """Quit the pooled daemons a broker killed before it could stop them, and remove their directories."""
+        if not self._base_dir.is_dir():
+            return
+        binary = shutil.which(self._binary)
+        for mark in self._base_dir.glob(f"*/{POOLED_MARK}"):
+            root = mark.parent
+            if binary is not None:
+                control(binary, root / "pipe", "quit", timeout=self._stop_timeout)
+            shutil.rmtree(root, ignore_errors=True)
+            _log.info("mps.pool_swept", lease=root.name)
+
+    # -- one daemon ----------------------------------------------------------------
     def _restart(self, dead: _Child) -> _Child:
         d = dead.daemon
         child = self._start(d.key, d.device_uuid, d.limits)
@@ -206,13 +423,30 @@ class MpsSupervisor:
         return child
 
     def _start(self, key: str, uuid: str, limits: MpsLimits | None) -> _Child:
+        """A daemon for the lease, its limits set and read back; with the lock held."""
+        started = time.monotonic()
+        child = self._spawn(key, uuid, limits=limits)
+        try:
+            if limits is not None:
+                self._apply(child, limits)
+        except MpsError:
+            self._kill(child)
+            raise
+        self._children[key] = child
+        _log.info("mps.started", lease=key, device=uuid, pid=child.daemon.pid, pipe_dir=str(child.daemon.pipe_dir),
+                  memory_mib=limits.memory_mib if limits else None,
+                  compute_percent=limits.compute_percent if limits else None, pooled=False,
+                  ms=round((time.monotonic() - started) * 1000, 1))
+        return child
+
+    def _spawn(self, key: str, uuid: str, *, limits: MpsLimits | None = None, pooled: bool = False) -> _Child:
+        """Start the daemon in the key's directories and wait until it answers; no limits are set here."""
         binary = shutil.which(self._binary)
         if binary is None:
             raise MpsError(f"{self._binary}: not found (is the CUDA MPS control binary installed and on PATH?)")
         if not _SAFE_KEY.fullmatch(key):
             raise ValueError(f"lease key {key!r} cannot name a directory")
-        if not uuid or "/" in uuid or "," in uuid:
-            raise ValueError(f"device UUID {uuid!r} is not one device")
+        _check_device(uuid)
         root = self._base_dir / key
         pipe_dir, log_dir, shm_dir = root / "pipe", root / "log", root / "shm"
         for path in (root, pipe_dir, log_dir):
@@ -222,6 +456,8 @@ class MpsSupervisor:
             path.chmod(0o755)
         shm_dir.mkdir(exist_ok=True)
         shm_dir.chmod(0o1777)  # like /dev/shm: anyone creates, only owners remove
+        if pooled:
+            (root / POOLED_MARK).touch()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": uuid, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir),
                "CUDA_MPS_LOG_DIRECTORY": str(log_dir)}
         argv = [binary, "-f"]
@@ -247,20 +483,15 @@ class MpsSupervisor:
         child = _Child(MpsDaemon(key, uuid, pipe_dir, log_dir, shm_dir, proc.pid, limits), proc, binary)
         try:
             self._wait_ready(child)
-            if limits is not None:
-                self._apply(child, limits)
         except MpsError:
             self._kill(child)
             raise
-        self._children[key] = child
-        _log.info("mps.started", lease=key, device=uuid, pid=proc.pid, pipe_dir=str(pipe_dir),
-                  memory_mib=limits.memory_mib if limits else None,
-                  compute_percent=limits.compute_percent if limits else None)
         return child
 
     def _wait_ready(self, child: _Child) -> None:
         d = child.daemon
         deadline = time.monotonic() + self._ready_timeout
+        pause = 0.002  # a daemon answers within milliseconds; a slow one is not asked more than 20 times a second
         while True:
             if child.proc.poll() is not None:
                 raise MpsError(f"{self._binary} -f for lease {d.key} on {d.device_uuid} exited with code "
@@ -271,33 +502,35 @@ class MpsSupervisor:
             if time.monotonic() >= deadline:
                 raise MpsError(f"{self._binary} -f for lease {d.key} on {d.device_uuid} did not answer within "
                                f"{self._ready_timeout:g}s; see {d.log_dir}")
-            time.sleep(0.05)
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
 
     def _apply(self, child: _Child, limits: MpsLimits) -> None:
         """Set the server-side limits, then read them back: a daemon that ignored one must not serve the lease."""
         d = child.daemon
-        for command in (f"set_default_active_thread_percentage {limits.compute_percent}",
-                        f"set_default_device_pinned_mem_limit 0 {limits.memory_mib}M"):
-            self._ask(child, command)
-        shown = self._ask(child, "get_default_active_thread_percentage")
-        if parse_percent(shown) != float(limits.compute_percent):
+        self._ask(child, f"set_default_active_thread_percentage {limits.compute_percent}",
+                  f"set_default_device_pinned_mem_limit 0 {limits.memory_mib}M")
+        percent, memory_shown = self._ask(child, "get_default_active_thread_percentage",
+                                          "get_default_device_pinned_mem_limit 0")
+        if parse_percent(percent) != float(limits.compute_percent):
             raise MpsError(f"MPS daemon for lease {d.key} on {d.device_uuid} shows an active thread percentage of "
-                           f"{shown!r} after it was set to {limits.compute_percent}; see {d.log_dir}")
-        shown = self._ask(child, "get_default_device_pinned_mem_limit 0")
-        memory = parse_memory(shown)
+                           f"{percent!r} after it was set to {limits.compute_percent}; see {d.log_dir}")
+        memory = parse_memory(memory_shown)
         if memory is None or not memory_matches(memory, limits.memory_mib):
             raise MpsError(f"MPS daemon for lease {d.key} on {d.device_uuid} shows a pinned memory limit of "
-                           f"{shown!r} after it was set to {limits.memory_mib}M (does this driver support MPS "
+                           f"{memory_shown!r} after it was set to {limits.memory_mib}M (does this driver support MPS "
                            f"memory limits? CUDA 11.5 or newer); see {d.log_dir}")
 
-    def _ask(self, child: _Child, command: str) -> str:
+    def _ask(self, child: _Child, *commands: str) -> list[str]:
+        """Each command's answer; MpsError naming the first one the daemon refused."""
         d = child.daemon
-        answer = control(child.binary, d.pipe_dir, command, timeout=self._ready_timeout)
-        if answer is None or answer.returncode != 0:
-            said = "" if answer is None else (answer.stderr or answer.stdout).strip()[:200]
-            raise MpsError(f"MPS daemon for lease {d.key} on {d.device_uuid} refused {command!r}"
-                           f"{': ' + said if said else ''}; see {d.log_dir}")
-        return answer.stdout.strip()
+        answers = control_all(child.binary, d.pipe_dir, list(commands), timeout=self._ready_timeout)
+        for command, answer in zip(commands, answers, strict=True):
+            if answer is None or answer.returncode != 0:
+                said = "" if answer is None else (answer.stderr or answer.stdout).strip()[:200]
+                raise MpsError(f"MPS daemon for lease {d.key} on {d.device_uuid} refused {command!r}"
+                               f"{': ' + said if said else ''}; see {d.log_dir}")
+        return [a.stdout.strip() for a in answers if a is not None]
 
     def _stop(self, child: _Child) -> None:
         d = child.daemon
@@ -321,3 +554,8 @@ class MpsSupervisor:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(child.proc.pid, signal.SIGKILL)
         child.proc.wait()
+
+
+def _check_device(uuid: str) -> None:
+    if not uuid or "/" in uuid or "," in uuid:
+        raise ValueError(f"device UUID {uuid!r} is not one device")

@@ -18,7 +18,6 @@ from __future__ import annotations
 import math
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any, Protocol
@@ -29,7 +28,7 @@ from shim.broker.mps import MpsError, MpsLimits
 from shim.core import packing
 from shim.core.leases import LeaseConflict, LeaseState, check_bind
 from shim.errors import BadAnnotation, LeaseConflictError, LeaseNotFound, LeaseRefused
-from shim.state.leases import LeaseRecord, LeaseStore, replace
+from shim.state.leases import LeaseRecord, LeaseStore, new_lease_id, replace
 
 _log = log.get("weft.broker")
 
@@ -47,6 +46,11 @@ class MpsLike(Protocol):
     private_shm: bool
 
     def ensure(self, key: str, device_uuid: str, limits: MpsLimits | None = None) -> Any: ...
+
+    # A daemon for a new lease, its key the lease's ID (one started ahead where the supervisor keeps a pool).
+    def take(self, device_uuid: str, limits: MpsLimits) -> Any: ...
+
+    def warm(self, device_uuids: Iterable[str]) -> None: ...
 
     def stop(self, key: str) -> None: ...
 
@@ -138,7 +142,7 @@ class LeaseService:
                 decision: packing.PackDecision) -> LeaseRecord:
         devices = [self._by_uuid[u] for u in decision.devices]
         uuids = ",".join(d.uuid for d in devices)
-        lease_id = "lease-" + uuid.uuid4().hex[:16]
+        lease_id = new_lease_id()
         env = {"NVIDIA_VISIBLE_DEVICES": uuids, "CUDA_VISIBLE_DEVICES": uuids}
         mounts: list[tuple[str, str, bool]] = []
         memory = ask.memory_bytes or 0
@@ -158,7 +162,8 @@ class LeaseService:
             env["CUDA_MPS_PINNED_DEVICE_MEM_LIMIT"] = f"0={math.ceil(memory / (1 << 20))}M"
             env["CUDA_MPS_ACTIVE_THREAD_PERCENTAGE"] = str(ask.compute_percent)
             if self.mps is not None:
-                daemon = self.mps.ensure(lease_id, device.uuid, MpsLimits(memory, ask.compute_percent))
+                daemon = self.mps.take(device.uuid, MpsLimits(memory, ask.compute_percent))
+                lease_id = daemon.key  # its directory's name
                 mounts.append((str(daemon.pipe_dir), MPS_PIPE_IN_CONTAINER, False))
                 mounts.append((str(daemon.pipe_dir), MPS_DEFAULT_PIPE, False))
                 if self.mps.private_shm:
@@ -263,6 +268,11 @@ class LeaseService:
                     _log.error("mps.restore_failed", lease=rec.lease_id, device=rec.device_uuids[0], error=str(exc))
                     missing.append(rec.lease_id)
         return missing
+
+    def warm_mps(self) -> None:
+        """Have the MPS supervisor start daemons ahead for the devices a share can be leased on."""
+        if self.mps is not None:
+            self.mps.warm(d.uuid for d in self._leasable)
 
     def leases(self) -> list[LeaseRecord]:
         with self._lock:

@@ -9,6 +9,7 @@ instead of granting another.
 from __future__ import annotations
 
 import json
+import uuid
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -35,6 +36,11 @@ MIGRATIONS = (
 )
 
 _JSON_FIELDS = ("device_uuids", "device_indices", "env", "mounts", "device_nodes")
+
+
+def new_lease_id() -> str:
+    """A lease's ID: also the name of its MPS daemon's directory, so a pooled daemon is named by one ahead."""
+    return "lease-" + uuid.uuid4().hex[:16]
 
 
 @dataclass(frozen=True)

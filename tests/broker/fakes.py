@@ -353,6 +353,9 @@ else:
     os.close(fd)
     if command == "quit":
         sys.exit(0)
+    # The broker sends commands side by side: one client at a time reads and writes the daemon's state.
+    state_lock = os.open(os.path.join(pipe, "fake-state.lock"), os.O_CREAT | os.O_RDWR, 0o644)
+    fcntl.flock(state_lock, fcntl.LOCK_EX)
     try:
         with open(state_path) as f:
             state = json.load(f)

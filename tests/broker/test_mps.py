@@ -11,6 +11,8 @@ import json
 import os
 import signal
 import stat
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -305,3 +307,145 @@ def test_parse_memory(answer: str, size: int | None) -> None:
 )
 def test_memory_matches(shown: int, set_mib: int, ok: bool) -> None:
     assert memory_matches(shown, set_mib) is ok
+
+
+# -- the pool: daemons started ahead, a lease's limits set when it takes one ------------------------------------
+@pytest.fixture
+def pooled(tmp_path: Path, fake_binary: str) -> Iterator[MpsSupervisor]:
+    sup = MpsSupervisor(tmp_path / "mps", binary=fake_binary, ready_timeout=10.0, stop_timeout=5.0, pool=1)
+    yield sup
+    sup.stop_all()
+
+
+def idle_on(sup: MpsSupervisor, device: str) -> list:
+    return [d for d in sup.idle() if d.device_uuid == device and alive(d.pid)]
+
+
+def test_a_pool_starts_a_daemon_ahead_with_no_limits_and_no_client(pooled: MpsSupervisor) -> None:
+    with capture_logs() as logs:
+        pooled.warm([GPU0, GPU1])
+        until(lambda: len(idle_on(pooled, GPU0)) == 1 and len(idle_on(pooled, GPU1)) == 1)
+    for daemon in pooled.idle():
+        assert daemon.key.startswith("lease-") and daemon.limits is None
+        assert (daemon.log_dir.parent / "pooled").exists(), "marked, so a broker started again finds it"
+        assert started_with(daemon.log_dir)["env"]["CUDA_VISIBLE_DEVICES"] == daemon.device_uuid
+        assert not any(c.startswith("set_") for c in commands(daemon.log_dir)), "nothing set before a lease"
+    assert pooled.daemons() == [], "an idle daemon serves no lease"
+    assert sorted(e["device"] for e in logs if e["event"] == "mps.pooled") == sorted([GPU0, GPU1])
+
+
+def test_a_lease_takes_the_daemon_started_ahead_and_the_pool_fills_again(pooled: MpsSupervisor) -> None:
+    pooled.warm([GPU0])
+    [ahead] = until(lambda: idle_on(pooled, GPU0))
+    with capture_logs() as logs:
+        daemon = pooled.take(GPU0, MpsLimits(4 << 30, 25))
+    assert (daemon.pid, daemon.key, daemon.pipe_dir) == (ahead.pid, ahead.key, ahead.pipe_dir), "no daemon started"
+    assert daemon.limits == MpsLimits(4 << 30, 25)
+    assert (daemon.pipe_dir / "fake-limits").read_text().split() == ["4096", "25"], "read back before handed out"
+    assert not (daemon.log_dir.parent / "pooled").exists()
+    assert pooled.daemons() == [daemon]
+    started = [e for e in logs if e["event"] == "mps.started"]
+    assert [(e["lease"], e["pooled"]) for e in started] == [(daemon.key, True)]
+    [next_one] = until(lambda: idle_on(pooled, GPU0))
+    assert next_one.pid != daemon.pid and next_one.key != daemon.key
+    pooled.stop(daemon.key)
+    assert not alive(daemon.pid) and (daemon.log_dir / "fake-env.json").exists(), "a lease's logs stay"
+
+
+def test_without_a_pool_a_lease_starts_its_own_daemon(supervisor: MpsSupervisor) -> None:
+    supervisor.warm([GPU0])
+    with capture_logs() as logs:
+        daemon = supervisor.take(GPU0, LIMITS)
+    assert daemon.key.startswith("lease-") and alive(daemon.pid) and supervisor.idle() == []
+    assert (daemon.pipe_dir / "fake-limits").read_text().split() == ["20480", "50"]
+    assert [(e["event"], e["pooled"]) for e in logs] == [("mps.started", False)]
+
+
+def test_a_pooled_daemon_that_does_not_take_its_limits_is_never_handed_out(
+    pooled: MpsSupervisor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pooled.warm([GPU0])
+    [ahead] = until(lambda: idle_on(pooled, GPU0))
+    monkeypatch.setenv("FAKE_MPS_IGNORE_LIMITS", "1")  # read by the control client, so by this take only
+    with pytest.raises(MpsError, match=f"lease {ahead.key} on {GPU0} shows an active thread percentage"):
+        pooled.take(GPU0, LIMITS)
+    until(lambda: not alive(ahead.pid) or _is_zombie(ahead.pid))
+    assert pooled.daemons() == [] and not ahead.log_dir.parent.exists(), "killed, its directory gone"
+
+
+def test_an_idle_daemon_that_died_is_replaced_and_never_handed_out(pooled: MpsSupervisor) -> None:
+    pooled.warm([GPU0])
+    [ahead] = until(lambda: idle_on(pooled, GPU0))
+    os.kill(ahead.pid, signal.SIGKILL)
+    until(lambda: _is_zombie(ahead.pid))
+    with capture_logs() as logs:
+        daemon = pooled.take(GPU0, LIMITS)
+    assert daemon.pid != ahead.pid and alive(daemon.pid)
+    assert not ahead.log_dir.parent.exists()
+    assert [(e["lease"], e["why"]) for e in logs if e["event"] == "mps.pool_dropped"] == [(ahead.key, "exited")]
+
+
+def test_stop_all_quits_the_idle_daemons_and_removes_their_directories(pooled: MpsSupervisor) -> None:
+    pooled.warm([GPU0])
+    lease = pooled.take(GPU0, LIMITS)
+    [ahead] = until(lambda: idle_on(pooled, GPU0))
+    pooled.stop_all()
+    assert not alive(ahead.pid) and not alive(lease.pid)
+    assert not ahead.log_dir.parent.exists(), "it served no lease: nothing to keep"
+    assert (lease.log_dir / "fake-env.json").exists(), "the lease's logs stay"
+    assert pooled.idle() == []
+    pooled.warm([GPU0])
+    time.sleep(0.3)
+    assert pooled.idle() == [], "a stopped supervisor starts nothing ahead"
+
+
+def test_the_pool_a_killed_broker_left_is_quit_and_removed_at_the_next_warm(tmp_path: Path, fake_binary: str) -> None:
+    # A broker, killed once its pool is up: nothing stops the daemon it started ahead (it leads a session of its own).
+    script = (f"import sys, time; sys.path.insert(0, {str(Path.cwd())!r})\n"
+              "from pathlib import Path\nfrom shim.broker.mps import MpsSupervisor\n"
+              f"sup = MpsSupervisor(Path({str(tmp_path / 'mps')!r}), {fake_binary!r}, pool=1)\n"
+              f"sup.warm([{GPU0!r}])\n"
+              "while not sup.idle(): time.sleep(0.02)\n"
+              "print('idle', sup.idle()[0].key, sup.idle()[0].pid, flush=True)\ntime.sleep(60)\n")
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as broker:
+        try:
+            # Its log lines come first; then what it started ahead.
+            key, pid = next(line.split()[1:] for line in broker.stdout if line.startswith("idle "))
+        finally:
+            broker.kill()
+    left = int(pid)
+    assert alive(left)
+    second = MpsSupervisor(tmp_path / "mps", binary=fake_binary, pool=1)
+    try:
+        with capture_logs() as logs:
+            second.warm([GPU0])
+            [fresh] = until(lambda: idle_on(second, GPU0))
+        until(lambda: not alive(left) or _is_zombie(left))  # reaped by whoever adopted it
+        assert not (tmp_path / "mps" / key).exists() and fresh.key != key
+        assert [e["lease"] for e in logs if e["event"] == "mps.pool_swept"] == [key]
+    finally:
+        second.stop_all()
+
+
+def test_a_pool_that_cannot_start_a_daemon_says_so_and_a_lease_gets_the_reason(
+    tmp_path: Path, fake_binary: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("FAKE_MPS_EXIT_AT_START", "1")
+    sup = MpsSupervisor(tmp_path / "mps", binary=fake_binary, pool=1)
+    try:
+        with capture_logs() as logs:
+            sup.warm([GPU0])
+            until(lambda: any(e["event"] == "mps.pool_failed" for e in logs))
+            with pytest.raises(MpsError, match="exited with code 3"):
+                sup.take(GPU0, LIMITS)
+        failed = next(e for e in logs if e["event"] == "mps.pool_failed")
+        assert failed["device"] == GPU0 and "exited with code 3" in failed["error"]
+        assert sup.idle() == [] and sup.daemons() == []
+        assert [p.name for p in (tmp_path / "mps").iterdir() if (p / "pooled").exists()] == [], "no pooled leftovers"
+    finally:
+        sup.stop_all()
+
+
+def test_a_negative_pool_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="pool of -1 daemons per device"):
+        MpsSupervisor(tmp_path / "mps", pool=-1)

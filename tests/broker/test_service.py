@@ -18,7 +18,7 @@ from shim.broker.service import MPS_DEFAULT_PIPE, MPS_PIPE_IN_CONTAINER, LeaseSe
 from shim.broker.simulated import SimulatedBackend, simulated_uuid
 from shim.core.leases import LeaseState
 from shim.errors import BadAnnotation, LeaseConflictError, LeaseNotFound, LeaseRefused
-from shim.state.leases import LeaseRecord, LeaseStore
+from shim.state.leases import LeaseRecord, LeaseStore, new_lease_id
 from tests.broker.fakes import A100, MIG_A, MIG_B, T4, FakeNvml, dead_pid, two_instances, write_mig_caps
 from tests.cgroups import own_cgroup
 
@@ -28,6 +28,7 @@ U0, U1 = simulated_uuid(0), simulated_uuid(1)
 
 @dataclass(frozen=True)
 class FakeDaemon:
+    key: str
     pipe_dir: Path
     shm_dir: Path
 
@@ -45,7 +46,17 @@ class FakeMps:
         self.calls.append(("ensure", key, device_uuid, limits))
         if self.broken:
             raise MpsError(f"MPS daemon for lease {key} on {device_uuid} refused 'set_default_...'")
-        return FakeDaemon(self.root / key / "pipe", self.root / key / "shm")
+        return FakeDaemon(key, self.root / key / "pipe", self.root / key / "shm")
+
+    def take(self, device_uuid: str, limits: MpsLimits) -> FakeDaemon:
+        key = new_lease_id()
+        self.calls.append(("take", key, device_uuid, limits))
+        if self.broken:
+            raise MpsError(f"MPS daemon for lease {key} on {device_uuid} refused 'set_default_...'")
+        return FakeDaemon(key, self.root / key / "pipe", self.root / key / "shm")
+
+    def warm(self, device_uuids) -> None:
+        self.calls.append(("warm", tuple(device_uuids)))
 
     def stop(self, key: str) -> None:
         self.calls.append(("stop", key))
@@ -89,7 +100,7 @@ def test_shared_ask_gets_mps_env_and_the_device(svc: LeaseService, mps: FakeMps)
         "CUDA_MPS_ACTIVE_THREAD_PERCENTAGE": "50",
     }
     # Its own daemon, its limits set there; its pipes where the env says and where MPS looks without it.
-    assert mps.calls == [("ensure", rec.lease_id, uuid, MpsLimits(20 * GI, 50))]
+    assert mps.calls == [("take", rec.lease_id, uuid, MpsLimits(20 * GI, 50))], "the lease is named by its daemon"
     pipe, shm = str(mps.root / rec.lease_id / "pipe"), str(mps.root / rec.lease_id / "shm")
     assert rec.mounts == ((pipe, MPS_PIPE_IN_CONTAINER, False), (pipe, MPS_DEFAULT_PIPE, False),
                           (shm, "/dev/shm", False))
@@ -101,7 +112,7 @@ def test_same_key_again_is_the_same_lease(svc: LeaseService, mps: FakeMps) -> No
     again = acquire(svc, "sb/app/0", memory=20 * GI, compute=50)
     assert again.lease_id == first.lease_id
     assert [r.lease_id for r in svc.leases()] == [first.lease_id]
-    assert [c[:2] for c in mps.calls] == [("ensure", first.lease_id)], "no second daemon for a retried create"
+    assert [c[:2] for c in mps.calls] == [("take", first.lease_id)], "no second daemon for a retried create"
 
 
 def test_whole_device_ask_is_exclusive_with_all_its_memory(svc: LeaseService, mps: FakeMps) -> None:
@@ -249,8 +260,8 @@ def test_each_share_has_its_own_mps_daemon_stopped_with_its_lease(svc: LeaseServ
     whole = acquire(svc, "sb/w/0")
     svc.release(whole.lease_id)
     svc.release(a.lease_id)
-    assert mps.calls == [("ensure", a.lease_id, dev, MpsLimits(10 * GI, 10)),
-                         ("ensure", b.lease_id, dev, MpsLimits(10 * GI, 30)), ("stop", a.lease_id)]
+    assert mps.calls == [("take", a.lease_id, dev, MpsLimits(10 * GI, 10)),
+                         ("take", b.lease_id, dev, MpsLimits(10 * GI, 30)), ("stop", a.lease_id)]
     svc.release(a.lease_id)
     assert mps.calls.count(("stop", a.lease_id)) == 1, "releasing a released lease stops nothing"
 
@@ -280,12 +291,19 @@ def test_restore_starts_the_daemon_of_every_kept_share(tmp_path: Path, mps: Fake
         second.store.close()
 
 
+def test_daemons_are_started_ahead_for_the_devices_a_share_can_be_leased_on(mig_svc: LeaseService,
+                                                                             mps: FakeMps) -> None:
+    mig_svc.warm_mps()
+    assert mps.calls == [("warm", (T4, MIG_A, MIG_B))], "the MIG instances and the plain GPU; never the MIG GPU"
+
+
 def test_service_works_without_an_mps_supervisor(tmp_path: Path) -> None:
     svc = make(tmp_path, None)
     try:
         rec = acquire(svc, "sb/a/0", memory=GI, compute=10)
         assert rec.mounts == () and rec.env["CUDA_MPS_PIPE_DIRECTORY"] == MPS_PIPE_IN_CONTAINER
         assert svc.restore_mps() == []
+        svc.warm_mps()
         assert svc.release(rec.lease_id) is True
     finally:
         svc.store.close()
@@ -416,8 +434,8 @@ def test_a_mig_instance_is_shared_by_its_uuid_under_its_own_mps_daemon(mig_svc: 
         assert rec.env["CUDA_VISIBLE_DEVICES"] == MIG_B and rec.env["NVIDIA_VISIBLE_DEVICES"] == MIG_B
         assert rec.device_nodes[:3] == ("/dev/nvidia0", "/dev/nvidia-caps/nvidia-cap21",
                                         "/dev/nvidia-caps/nvidia-cap22")
-    assert mps.calls == [("ensure", a.lease_id, MIG_B, MpsLimits(8 * GI, 25)),
-                         ("ensure", b.lease_id, MIG_B, MpsLimits(16 * GI, 50))]
+    assert mps.calls == [("take", a.lease_id, MIG_B, MpsLimits(8 * GI, 25)),
+                         ("take", b.lease_id, MIG_B, MpsLimits(16 * GI, 50))]
     with pytest.raises(LeaseRefused):
         acquire(mig_svc, "sb/c/0", memory=20 * GI, compute=10, allowed=(MIG_B,))  # 24 of 40 GiB are leased
 

@@ -63,9 +63,11 @@ from shim.bench.checkout.gpu_whole_path import (
     libcuda_in,
     libcuda_on_host,
     loaded_library,
+    mps_processes,
     nvidia_ctk_cdi,
     own_cdi,
 )
+from shim.broker.mps import MpsSupervisor
 from shim.config import MeshConfig
 from shim.gpucheck import cuda_client
 from shim.localfabric import cpuset, images, pods
@@ -308,7 +310,6 @@ class GpuValue:
     # -- the run -----------------------------------------------------------------------------------------------
     def run(self) -> dict:
         """Both windows on one fabric; Stopped (before anything is made) when the GPU cannot be used."""
-        from shim.broker.mps import MpsSupervisor
         from shim.brokerd import Broker, BrokerConfig
 
         self.device = preflight(self.gpu.backend)
@@ -318,7 +319,7 @@ class GpuValue:
                            backend="nvml", enforce="kill", watchdog_interval=0.5, mps_dir=self.work / "broker" / "mps")
         assert cfg.mps_dir is not None
         self.mps_dir = cfg.mps_dir
-        mps = MpsSupervisor(cfg.mps_dir, self.gpu.mps_binary, private_shm=True)
+        mps = MpsSupervisor(cfg.mps_dir, self.gpu.mps_binary, private_shm=True, pool=cfg.mps_pool)
         everything = os.sched_getaffinity(0)
         origin_cpus, host_cpus = cpuset.split()
         self.figures["cpus"] = {"gpu_node": origin_cpus, "cpu_nodes": host_cpus}
@@ -636,14 +637,7 @@ class GpuValue:
         self.check("nothing-left", not left, "; ".join(left) or "no lease, MPS process, container or sandbox left")
 
     def mps_processes(self) -> list[int]:
-        needle = f"CUDA_MPS_PIPE_DIRECTORY={self.mps_dir}".encode()
-        found = []
-        for pid_dir in Path("/proc").iterdir():
-            if pid_dir.name.isdigit():
-                with contextlib.suppress(OSError):
-                    if needle in (pid_dir / "environ").read_bytes() and b"mps" in (pid_dir / "cmdline").read_bytes():
-                        found.append(int(pid_dir.name))
-        return found
+        return mps_processes(self.mps_dir, self.broker.mps)
 
     def _keep_logs(self) -> None:
         self.logs = {}

@@ -45,6 +45,7 @@ import grpc
 from cri_api.v1 import api_pb2 as cri
 from cri_api.v1 import api_pb2_grpc as cri_grpc
 
+from shim.broker.mps import MpsSupervisor
 from shim.gpucheck import cuda_client
 from shim.localfabric import images, pods
 from shim.localfabric.agent import AgentProcess
@@ -220,6 +221,22 @@ class Failed(Exception):
     """A step could not go on (its check is recorded as failed)."""
 
 
+def mps_processes(mps_dir: Path, mps: MpsSupervisor) -> list[int]:
+    """PIDs of the MPS control daemons and servers under ``mps_dir`` (by their pipe directory), less the idle
+    daemons the broker's pool started ahead for leases to come (they serve none yet)."""
+    needle = f"CUDA_MPS_PIPE_DIRECTORY={mps_dir}".encode()
+    idle = [f"CUDA_MPS_PIPE_DIRECTORY={d.pipe_dir}\0".encode() for d in mps.idle()]
+    found = []
+    for pid_dir in Path("/proc").iterdir():
+        if not pid_dir.name.isdigit():
+            continue
+        with contextlib.suppress(OSError):
+            env = pid_dir.joinpath("environ").read_bytes() + b"\0"
+            if needle in env and b"mps" in (pid_dir / "cmdline").read_bytes() and not any(i in env for i in idle):
+                found.append(int(pid_dir.name))
+    return found
+
+
 class WholePath:
     def __init__(self, gpu: GpuSide, work: Path, *, starts: int = 3, step_timeout: float = 120.0) -> None:
         self.gpu, self.work, self.starts, self.step_timeout = gpu, work, starts, step_timeout
@@ -237,7 +254,6 @@ class WholePath:
 
     # -- the run -------------------------------------------------------------
     def run(self) -> dict:
-        from shim.broker.mps import MpsSupervisor
         from shim.brokerd import Broker, BrokerConfig
 
         devices = [d for d in self.gpu.backend.devices() if not d.mig_enabled]
@@ -251,7 +267,8 @@ class WholePath:
                            backend="nvml", enforce="kill", watchdog_interval=0.5, mps_dir=self.work / "broker" / "mps")
         assert cfg.mps_dir is not None
         self.mps_dir = cfg.mps_dir
-        self.mps = MpsSupervisor(cfg.mps_dir, self.gpu.mps_binary, private_shm=True)
+        # As the installed broker runs it: with its pool of daemons started ahead.
+        self.mps = MpsSupervisor(cfg.mps_dir, self.gpu.mps_binary, private_shm=True, pool=cfg.mps_pool)
         with contextlib.ExitStack() as stack:
             self.broker = Broker(cfg, backend=self.gpu.backend, mps=self.mps).start()
             stack.callback(self.broker.stop)
@@ -275,6 +292,9 @@ class WholePath:
             except (Failed, grpc.RpcError, RuntimeError, ValueError, KeyError, OSError,
                     subprocess.SubprocessError) as exc:
                 self.check("nvidia-runtime", False, f"stopped: {_reason(exc)}")
+        # The broker stopped: the daemons its pool started ahead went with it.
+        left = self._wait_no_mps()
+        self.check("pool-stopped", not left, f"MPS processes left after the broker stopped: {left}")
         return self.document()
 
     def _open_node(self, stack: contextlib.ExitStack, agent_dir: Path) -> None:
@@ -404,15 +424,7 @@ class WholePath:
 
     def mps_processes(self) -> list[int]:
         """PIDs of MPS control daemons and servers of this run's leases (by their pipe directory)."""
-        needle = f"CUDA_MPS_PIPE_DIRECTORY={self.mps_dir}".encode()
-        found = []
-        for pid_dir in Path("/proc").iterdir():
-            if not pid_dir.name.isdigit():
-                continue
-            with contextlib.suppress(OSError):
-                if needle in (pid_dir / "environ").read_bytes() and b"mps" in (pid_dir / "cmdline").read_bytes():
-                    found.append(int(pid_dir.name))
-        return found
+        return mps_processes(self.mps_dir, self.mps)
 
     def own_device_node(self, nodes: list[str]) -> bool:
         """Whether the GPU nodes a container sees are its leased device's alone (control nodes aside)."""
@@ -528,7 +540,8 @@ class WholePath:
         self.figures["start"] = {"weft_ms": [round(s * 1000, 1) for s in weft_s],
                                  "plain_ms": [round(s * 1000, 1) for s in plain_s],
                                  "weft_p50_ms": round(p50w * 1000, 1), "plain_p50_ms": round(p50p * 1000, 1),
-                                 "ratio_p50": round(p50w / p50p, 2) if p50p else None}
+                                 "ratio_p50": round(p50w / p50p, 2) if p50p else None,
+                                 "mps_pool": self.broker.cfg.mps_pool}
         self.check("start-times", True, f"create and start, median of {self.starts}: {p50w * 1000:.0f} ms opted in "
                    f"(25 % share, through weft) vs {p50p * 1000:.0f} ms plain (whole GPU, containerd alone)")
 
