@@ -99,6 +99,9 @@ def test_the_whole_path_is_proven_on_the_fake_gpu(proof: dict) -> None:
     assert figures["shares"]["25"]["limit_mib"] == 20480
     assert figures["start"]["weft_p50_ms"] > 0 and figures["start"]["plain_p50_ms"] > 0
     assert figures["start"]["mps_pool"] == 1, "timed as an installed broker runs: with daemons started ahead"
+    start = figures["start"]
+    assert len(start["weft_mps_ms"]) == 2 and all(0 < m < w for m, w in zip(start["weft_mps_ms"], start["weft_ms"],
+                                                                            strict=True)), start
     # The CDI fault names what was missing: the leased device's CDI name.
     for fault in ("fault.cdi-missing", "fault.cdi-stale"):
         assert f"unresolvable CDI devices nvidia.com/gpu={A100}" in by_name[fault]["detail"]

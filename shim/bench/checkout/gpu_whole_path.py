@@ -523,11 +523,25 @@ class WholePath:
                    f"MPS processes left {mps}")
 
     def start_times(self) -> None:
-        """The opted-in GPU container's create and start through weft against a plain one's on containerd."""
-        weft_s, plain_s = [], []
+        """The opted-in GPU container's create and start through weft against a plain one's on containerd; and of
+        the former, how long the broker took to have the share's MPS daemon ready with its limits."""
+        weft_s, plain_s, mps_s = [], [], []
+        take = self.mps.take
+
+        def timed_take(device_uuid: str, limits: Any) -> Any:
+            started = time.monotonic()
+            try:
+                return take(device_uuid, limits)
+            finally:
+                mps_s.append(time.monotonic() - started)
+
         for i in range(self.starts):
             sb, cfg = self._pod(f"start-weft-{i}", weft=True, share=25)
-            cid, seconds = self._client(sb, cfg, "devices; exit", f"nvidia.com/gpu={self.device.index}")
+            self.mps.take = timed_take  # type: ignore[method-assign]  # this pod's lease only
+            try:
+                cid, seconds = self._client(sb, cfg, "devices; exit", f"nvidia.com/gpu={self.device.index}")
+            finally:
+                del self.mps.take
             weft_s.append(seconds)
             self._exited(cid)
             self._remove(sb)
@@ -541,9 +555,12 @@ class WholePath:
                                  "plain_ms": [round(s * 1000, 1) for s in plain_s],
                                  "weft_p50_ms": round(p50w * 1000, 1), "plain_p50_ms": round(p50p * 1000, 1),
                                  "ratio_p50": round(p50w / p50p, 2) if p50p else None,
-                                 "mps_pool": self.broker.cfg.mps_pool}
+                                 "mps_pool": self.broker.cfg.mps_pool,
+                                 "weft_mps_ms": [round(s * 1000, 1) for s in mps_s]}
         self.check("start-times", True, f"create and start, median of {self.starts}: {p50w * 1000:.0f} ms opted in "
-                   f"(25 % share, through weft) vs {p50p * 1000:.0f} ms plain (whole GPU, containerd alone)")
+                   f"(25 % share, through weft; its MPS daemon ready with its limits in "
+                   f"{statistics.median(mps_s) * 1000 if mps_s else 0:.0f} ms) vs {p50p * 1000:.0f} ms plain "
+                   f"(whole GPU, containerd alone)")
 
     def cdi_missing(self) -> None:
         """The driver's CDI spec gone, or stale (written before this GPU was in the node): the container fails with
