@@ -34,8 +34,11 @@ daemons per device started ahead, each in a directory named by the lease ID
 it will serve, with no limits set and no client (so no MPS server, no GPU
 context). ``take`` hands one out and sets that lease's limits on it, reading
 them back as a freshly started one's; the pool is filled again in the
-background. A pooled daemon is the same daemon a lease would have started:
-its limits are set before any client can reach it, as they always were. The
+background, each new daemon given (and read back) the limits the device's
+last lease asked for, so that the next lease asking the same, as replicas of
+one workload do, finds its daemon ready. A pooled daemon is the same daemon a
+lease would have started: its limits are set and read back before any client
+can reach it, as they always were. The
 idle ones are quit, and their directories removed, when the broker stops;
 ones a killed broker left are found by their ``pooled`` mark at the next
 start.
@@ -213,6 +216,7 @@ class MpsSupervisor:
         self._idle: dict[str, list[_Child]] = {}
         self._starting: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
+        self._ahead: dict[str, MpsLimits] = {}  # per device: the limits its last lease asked for
         self._filler: threading.Thread | None = None
         self._closed = False
 
@@ -233,24 +237,29 @@ class MpsSupervisor:
     def take(self, device_uuid: str, limits: MpsLimits) -> MpsDaemon:
         """A daemon for a new lease on the device, its limits in force; its key is the lease's ID.
 
-        One the pool started ahead when it has one (then only the limits are set
-        and read back), else one started now. The pool is filled again behind it.
+        One the pool started ahead when it has one, else one started now. A
+        pooled daemon already holds the limits the device's last lease asked
+        for (set and read back when it was started): where this lease asks the
+        same, as a workload's replicas do, nothing is left to do; otherwise its
+        limits are set and read back now. The pool is filled again behind it.
         """
         _check_device(device_uuid)
         started = time.monotonic()
-        child = self._pop_idle(device_uuid)
+        child = self._pop_idle(device_uuid, limits)
         if child is None:
             with self._lock:
                 child = self._start(new_lease_id(), device_uuid, limits)
             self._fill(device_uuid)
             return child.daemon
         d = child.daemon
-        try:
-            self._apply(child, limits)
-        except MpsError:
-            self._kill(child)
-            shutil.rmtree(d.log_dir.parent, ignore_errors=True)
-            raise
+        ahead = d.limits == limits
+        if not ahead:
+            try:
+                self._apply(child, limits)
+            except MpsError:
+                self._kill(child)
+                shutil.rmtree(d.log_dir.parent, ignore_errors=True)
+                raise
         with contextlib.suppress(FileNotFoundError):
             (d.log_dir.parent / POOLED_MARK).unlink()
         child.daemon = replace(d, limits=limits)
@@ -258,7 +267,7 @@ class MpsSupervisor:
             self._children[d.key] = child
         _log.info("mps.started", lease=d.key, device=device_uuid, pid=d.pid, pipe_dir=str(d.pipe_dir),
                   memory_mib=limits.memory_mib, compute_percent=limits.compute_percent, pooled=True,
-                  ms=round((time.monotonic() - started) * 1000, 1))
+                  limits_ahead=ahead, ms=round((time.monotonic() - started) * 1000, 1))
         return child.daemon
 
     def warm(self, device_uuids: Iterable[str]) -> None:
@@ -327,16 +336,20 @@ class MpsSupervisor:
                 self._stop(self._children.popitem()[1])
 
     # -- the pool ----------------------------------------------------------------
-    def _pop_idle(self, uuid: str) -> _Child | None:
+    def _pop_idle(self, uuid: str, limits: MpsLimits) -> _Child | None:
+        """A live idle daemon of the device, one already holding ``limits`` first; the next ones get them ahead."""
         with self._pool_cv:
+            self._ahead[uuid] = limits
             children = self._idle.get(uuid, [])
-            while children:
-                child = children.pop(0)
-                if child.proc.poll() is None:
-                    self._pool_cv.notify_all()  # a place to fill
-                    return child
-                self._drop(child, "exited")
-            return None
+            for dead in [c for c in children if c.proc.poll() is not None]:
+                children.remove(dead)
+                self._drop(dead, "exited")
+            if not children:
+                return None
+            child = next((c for c in children if c.daemon.limits == limits), children[0])
+            children.remove(child)
+            self._pool_cv.notify_all()  # a place to fill
+            return child
 
     def _fill(self, uuid: str) -> None:
         """Have the filler keep ``pool`` idle daemons for the device."""
@@ -375,9 +388,12 @@ class MpsSupervisor:
                 if self._closed:
                     return
                 self._starting[uuid] = self._starting.get(uuid, 0) + 1
+                limits = self._ahead.get(uuid)
             key = new_lease_id()
             try:
                 child = self._spawn(key, uuid, pooled=True)
+                if limits is not None:
+                    self._set_ahead(child, limits)
             except (MpsError, OSError, ValueError) as exc:
                 with self._pool_cv:
                     self._starting[uuid] -= 1
@@ -394,7 +410,19 @@ class MpsSupervisor:
                 self._stop(child)
                 shutil.rmtree(child.daemon.log_dir.parent, ignore_errors=True)
                 return
-            _log.info("mps.pooled", lease=key, device=uuid, pid=child.daemon.pid)
+            _log.info("mps.pooled", lease=key, device=uuid, pid=child.daemon.pid,
+                      memory_mib=limits.memory_mib if limits else None,
+                      compute_percent=limits.compute_percent if limits else None)
+
+    def _set_ahead(self, child: _Child, limits: MpsLimits) -> None:
+        """Give a pooled daemon the limits its device's last lease asked for, read back; killed if it does not take
+        them. Its pipe directory is in no container until a lease takes it, so nothing can change them meanwhile."""
+        try:
+            self._apply(child, limits)
+        except MpsError:
+            self._kill(child)
+            raise
+        child.daemon = replace(child.daemon, limits=limits)
 
     def _drop(self, child: _Child, why: str) -> None:
         d = child.daemon

@@ -345,11 +345,50 @@ def test_a_lease_takes_the_daemon_started_ahead_and_the_pool_fills_again(pooled:
     assert not (daemon.log_dir.parent / "pooled").exists()
     assert pooled.daemons() == [daemon]
     started = [e for e in logs if e["event"] == "mps.started"]
-    assert [(e["lease"], e["pooled"]) for e in started] == [(daemon.key, True)]
+    assert [(e["lease"], e["pooled"], e["limits_ahead"]) for e in started] == [(daemon.key, True, False)]
     [next_one] = until(lambda: idle_on(pooled, GPU0))
     assert next_one.pid != daemon.pid and next_one.key != daemon.key
     pooled.stop(daemon.key)
     assert not alive(daemon.pid) and (daemon.log_dir / "fake-env.json").exists(), "a lease's logs stay"
+
+
+def test_the_next_daemon_holds_the_last_leases_limits_ahead_and_a_lease_asking_the_same_takes_it_as_it_is(
+    pooled: MpsSupervisor,
+) -> None:
+    pooled.warm([GPU0])
+    until(lambda: idle_on(pooled, GPU0))
+    first = pooled.take(GPU0, MpsLimits(4 << 30, 25))
+    [ahead] = until(lambda: idle_on(pooled, GPU0))
+    assert ahead.limits == MpsLimits(4 << 30, 25), "the device's last lease's limits, set when it was started"
+    assert (ahead.pipe_dir / "fake-limits").read_text().split() == ["4096", "25"], "and read back then"
+    sent_ahead = commands(ahead.log_dir)
+    with capture_logs() as logs:
+        same = pooled.take(GPU0, MpsLimits(4 << 30, 25))
+    assert (same.pid, same.limits) == (ahead.pid, MpsLimits(4 << 30, 25))
+    assert commands(same.log_dir) == sent_ahead, "nothing left to send: its limits were in force already"
+    assert [(e["pooled"], e["limits_ahead"]) for e in logs if e["event"] == "mps.started"] == [(True, True)]
+    # A lease asking for other limits: the pooled daemon is given them, and shows them, before it is handed out.
+    [other_ahead] = until(lambda: idle_on(pooled, GPU0))
+    other = pooled.take(GPU0, MpsLimits(8 << 30, 50))
+    assert other.pid == other_ahead.pid and other.limits == MpsLimits(8 << 30, 50)
+    assert (other.pipe_dir / "fake-limits").read_text().split() == ["8192", "50"]
+    assert {d.key for d in pooled.daemons()} == {first.key, same.key, other.key}
+
+
+def test_a_daemon_that_does_not_take_the_limits_ahead_is_not_pooled(
+    tmp_path: Path, pooled: MpsSupervisor, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pooled.warm([GPU0])
+    until(lambda: idle_on(pooled, GPU0))
+    monkeypatch.setenv("FAKE_MPS_IGNORE_LIMITS", "1")
+    with capture_logs() as logs:
+        with pytest.raises(MpsError, match="shows an active thread percentage"):
+            pooled.take(GPU0, LIMITS)
+        until(lambda: any(e["event"] == "mps.pool_failed" for e in logs))
+    failed = next(e for e in logs if e["event"] == "mps.pool_failed")
+    assert "shows an active thread percentage of '100.0' after it was set to 50" in failed["error"]
+    assert pooled.idle() == [] and pooled.daemons() == []
+    assert [p for p in (tmp_path / "mps").iterdir() if (p / "pooled").exists()] == [], "its directory removed"
 
 
 def test_without_a_pool_a_lease_starts_its_own_daemon(supervisor: MpsSupervisor) -> None:
