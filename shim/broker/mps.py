@@ -31,17 +31,15 @@ it does not; the directories stay, as the log is what explains a failure.
 Starting a daemon and waiting for it to answer is most of what a shared
 lease adds to a container's start, so the supervisor can keep a pool: a few
 daemons per device started ahead, each in a directory named by the lease ID
-it will serve, with no limits set and no client (so no MPS server, no GPU
-context). ``take`` hands one out and sets that lease's limits on it, reading
-them back as a freshly started one's; the pool is filled again in the
-background, each new daemon given (and read back) the limits the device's
-last lease asked for, so that the next lease asking the same, as replicas of
-one workload do, finds its daemon ready. A pooled daemon is the same daemon a
-lease would have started: its limits are set and read back before any client
-can reach it, as they always were. The
-idle ones are quit, and their directories removed, when the broker stops;
-ones a killed broker left are found by their ``pooled`` mark at the next
-start.
+it will serve, with no client (so no MPS server, no GPU context), each given
+(and read back) the limits its device's last lease asked for. ``take`` hands
+one out: where the lease asks the same limits, as replicas of one workload
+do, there is nothing left to do; otherwise its limits are set and read back
+as a freshly started one's. Either way they are in force before any client
+can reach it, as they always were. The pool is filled again in the
+background. The idle daemons are quit, and their directories removed, when
+the broker stops; those a killed broker left are found by their ``pooled``
+mark at the next start.
 """
 
 from __future__ import annotations
@@ -80,6 +78,7 @@ _UNITS = {"M": 1 << 20, "G": 1 << 30}
 _PRIVATE_SHM = 'mount --bind "$1" /dev/shm && exec "$2" -f'
 # In a pooled daemon's directory until a lease takes it: what a broker started again finds of one it left.
 POOLED_MARK = "pooled"
+_PID_FILE = "daemon.pid"
 # Idle daemons per device an installed broker keeps (``weft broker --mps-pool``).
 DEFAULT_POOL = 1
 # After a daemon could not be started ahead, the pool waits this long before it tries again.
@@ -134,34 +133,49 @@ def control(binary: str, pipe_dir: Path, command: str, timeout: float) -> subpro
 
 def control_all(binary: str, pipe_dir: Path, commands: list[str],
                 timeout: float) -> list[subprocess.CompletedProcess[str] | None]:
-    """Send commands that do not depend on each other, each through a control client of its own, at once.
+    """Send commands that do not depend on each other, each through a control client of its own, side by side.
 
-    A lease's start waits on these: run side by side, they cost about one
-    client's start rather than one each.
+    A lease's start waits on these: every client is started and given its
+    command before any answer is read, so they cost about one client's start
+    rather than one each. None for a client that could not run or did not
+    answer in time; every client is reaped, whatever happens.
     """
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)}
-    running: list[tuple[str, subprocess.Popen[str] | None]] = []
-    for command in commands:
-        try:
-            proc = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                    env=env, text=True)
-        except OSError:
-            proc = None
-        running.append((command, proc))
-    deadline = time.monotonic() + timeout
+    running: list[subprocess.Popen[str] | None] = []
     answers: list[subprocess.CompletedProcess[str] | None] = []
-    for command, proc in running:
-        if proc is None:
-            answers.append(None)
-            continue
-        try:
-            out, err = proc.communicate(command.rstrip("\n") + "\n", timeout=max(0.0, deadline - time.monotonic()))
-        except (OSError, subprocess.TimeoutExpired):
-            proc.kill()
-            proc.communicate()
-            answers.append(None)
-            continue
-        answers.append(subprocess.CompletedProcess([binary], proc.returncode, out, err))
+    try:
+        for command in commands:
+            try:
+                proc = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                        stderr=subprocess.PIPE, env=env, text=True)
+            except OSError:
+                running.append(None)
+                continue
+            running.append(proc)
+            assert proc.stdin is not None
+            try:  # one short line: the pipe takes it whole, whether or not the client reads it yet
+                proc.stdin.write(command.rstrip("\n") + "\n")
+                proc.stdin.close()
+            except OSError:
+                pass  # it exited already; its answer (an error) is read below
+            proc.stdin = None  # written and closed: communicate() only reads
+        deadline = time.monotonic() + timeout
+        for proc in running:
+            if proc is None:
+                answers.append(None)
+                continue
+            try:
+                out, err = proc.communicate(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                answers.append(None)
+                continue
+            answers.append(subprocess.CompletedProcess([binary], proc.returncode, out, err))
+    finally:
+        for proc in running:
+            if proc is not None and proc.poll() is None:
+                proc.kill()
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.communicate(timeout=1.0)
     return answers
 
 
@@ -241,40 +255,47 @@ class MpsSupervisor:
         pooled daemon already holds the limits the device's last lease asked
         for (set and read back when it was started): where this lease asks the
         same, as a workload's replicas do, nothing is left to do; otherwise its
-        limits are set and read back now. The pool is filled again behind it.
+        limits are set and read back now, and where it will not take them a
+        daemon is started for the lease instead. The pool is filled again
+        behind it.
         """
         _check_device(device_uuid)
         started = time.monotonic()
         child = self._pop_idle(device_uuid, limits)
-        if child is None:
-            with self._lock:
-                child = self._start(new_lease_id(), device_uuid, limits)
-            self._fill(device_uuid)
-            return child.daemon
+        # Under the lock, as ensure() is: stop_all() waits for a daemon being given its limits, and stops it.
+        with self._lock:
+            if child is not None:
+                try:
+                    return self._hand_out(child, limits, started)
+                except MpsError as exc:
+                    _log.warning("mps.pool_refused", lease=child.daemon.key, device=device_uuid, error=str(exc))
+            child = self._start(new_lease_id(), device_uuid, limits)
+        self._fill(device_uuid)
+        return child.daemon
+
+    def _hand_out(self, child: _Child, limits: MpsLimits, started: float) -> MpsDaemon:
+        """A pooled daemon made the lease's: its limits set and read back unless it holds them; with the lock held."""
         d = child.daemon
         ahead = d.limits == limits
-        if not ahead:
-            try:
+        try:
+            if not ahead:
                 self._apply(child, limits)
-            except MpsError:
-                self._kill(child)
-                shutil.rmtree(d.log_dir.parent, ignore_errors=True)
-                raise
-        with contextlib.suppress(FileNotFoundError):
-            (d.log_dir.parent / POOLED_MARK).unlink()
+            (d.log_dir.parent / POOLED_MARK).unlink(missing_ok=True)
+        except BaseException:
+            self._kill(child)
+            (d.log_dir.parent / POOLED_MARK).unlink(missing_ok=True)  # its log stays; no sweep need quit it
+            raise
         child.daemon = replace(d, limits=limits)
-        with self._lock:
-            self._children[d.key] = child
-        _log.info("mps.started", lease=d.key, device=device_uuid, pid=d.pid, pipe_dir=str(d.pipe_dir),
+        self._children[d.key] = child
+        _log.info("mps.started", lease=d.key, device=d.device_uuid, pid=d.pid, pipe_dir=str(d.pipe_dir),
                   memory_mib=limits.memory_mib, compute_percent=limits.compute_percent, pooled=True,
                   limits_ahead=ahead, ms=round((time.monotonic() - started) * 1000, 1))
         return child.daemon
 
     def warm(self, device_uuids: Iterable[str]) -> None:
-        """Start filling the pool for these devices (nothing without a pool); what a killed broker left goes first."""
-        if not self._pool:
-            return
-        self._sweep_left()
+        """Start filling the pool for these devices (nothing without a pool); what a killed broker's pool left
+        goes first."""
+        self._sweep_left()  # a broker killed with a pool may be started again without one
         for uuid in device_uuids:
             self._fill(uuid)
 
@@ -323,8 +344,9 @@ class MpsSupervisor:
             self._pool_cv.notify_all()
             filler = self._filler
         if filler is not None:
-            # A start under way ends within its ready timeout, and the filler then quits what it started.
-            filler.join(self._ready_timeout + self._stop_timeout + 1.0)
+            # A daemon being started ahead is ready (or given up on) within its ready timeout and its limits
+            # within two more; the filler then sees the close and quits it.
+            filler.join(3 * self._ready_timeout + self._stop_timeout + 1.0)
         with self._pool_cv:
             idle = [c for children in self._idle.values() for c in children]
             self._idle.clear()
@@ -390,16 +412,24 @@ class MpsSupervisor:
                 self._starting[uuid] = self._starting.get(uuid, 0) + 1
                 limits = self._ahead.get(uuid)
             key = new_lease_id()
+            child: _Child | None = None
             try:
                 child = self._spawn(key, uuid, pooled=True)
-                if limits is not None:
-                    self._set_ahead(child, limits)
-            except (MpsError, OSError, ValueError) as exc:
+                # The device's last lease's limits, read back; its pipe directory is in no container until a
+                # lease takes it, so nothing can change them meanwhile.
+                if limits is not None and not self._closed:
+                    self._apply(child, limits)
+                    child.daemon = replace(child.daemon, limits=limits)
+            except Exception as exc:  # noqa: BLE001 - the filler must outlive any one daemon's failure
+                if child is not None:
+                    self._kill(child)
                 with self._pool_cv:
                     self._starting[uuid] -= 1
                     self._failed_at[uuid] = time.monotonic()
-                shutil.rmtree(self._base_dir / key, ignore_errors=True)
-                _log.error("mps.pool_failed", device=uuid, error=str(exc), retry_s=_POOL_RETRY_S)
+                error = exc.message if isinstance(exc, MpsError) else f"{type(exc).__name__}: {exc}"
+                _log.error("mps.pool_failed", device=uuid, error=error, log=_log_tail(self._base_dir / key / "log"),
+                           retry_s=_POOL_RETRY_S)
+                shutil.rmtree(self._base_dir / key, ignore_errors=True)  # its log's end is in the event above
                 continue
             with self._pool_cv:
                 self._starting[uuid] -= 1
@@ -414,16 +444,6 @@ class MpsSupervisor:
                       memory_mib=limits.memory_mib if limits else None,
                       compute_percent=limits.compute_percent if limits else None)
 
-    def _set_ahead(self, child: _Child, limits: MpsLimits) -> None:
-        """Give a pooled daemon the limits its device's last lease asked for, read back; killed if it does not take
-        them. Its pipe directory is in no container until a lease takes it, so nothing can change them meanwhile."""
-        try:
-            self._apply(child, limits)
-        except MpsError:
-            self._kill(child)
-            raise
-        child.daemon = replace(child.daemon, limits=limits)
-
     def _drop(self, child: _Child, why: str) -> None:
         d = child.daemon
         _log.warning("mps.pool_dropped", lease=d.key, device=d.device_uuid, pid=d.pid, why=why,
@@ -431,16 +451,27 @@ class MpsSupervisor:
         shutil.rmtree(d.log_dir.parent, ignore_errors=True)
 
     def _sweep_left(self) -> None:
-        """Quit the pooled daemons a broker killed before it could stop them, and remove their directories."""
+        """Quit the pooled daemons a broker killed before it could stop them, and remove their directories.
+
+        Each is asked to quit, and killed where it does not: its PID is in its
+        directory, and a process is only killed where it still has that pipe
+        directory (a PID can have been reused since).
+        """
         if not self._base_dir.is_dir():
             return
         binary = shutil.which(self._binary)
         for mark in self._base_dir.glob(f"*/{POOLED_MARK}"):
             root = mark.parent
+            pid = _read_pid(root / _PID_FILE)
             if binary is not None:
                 control(binary, root / "pipe", "quit", timeout=self._stop_timeout)
+            killed = False
+            if pid is not None and not _gone(pid, root / "pipe", self._stop_timeout):
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(pid, signal.SIGKILL)  # it leads its own session: its server goes with it
+                    killed = True
             shutil.rmtree(root, ignore_errors=True)
-            _log.info("mps.pool_swept", lease=root.name)
+            _log.info("mps.pool_swept", lease=root.name, pid=pid, killed=killed)
 
     # -- one daemon ----------------------------------------------------------------
     def _restart(self, dead: _Child) -> _Child:
@@ -463,7 +494,7 @@ class MpsSupervisor:
         self._children[key] = child
         _log.info("mps.started", lease=key, device=uuid, pid=child.daemon.pid, pipe_dir=str(child.daemon.pipe_dir),
                   memory_mib=limits.memory_mib if limits else None,
-                  compute_percent=limits.compute_percent if limits else None, pooled=False,
+                  compute_percent=limits.compute_percent if limits else None, pooled=False, limits_ahead=False,
                   ms=round((time.monotonic() - started) * 1000, 1))
         return child
 
@@ -509,6 +540,8 @@ class MpsSupervisor:
             except OSError as exc:
                 raise MpsError(f"{binary} -f for lease {key} on {uuid}: {exc}") from exc
         child = _Child(MpsDaemon(key, uuid, pipe_dir, log_dir, shm_dir, proc.pid, limits), proc, binary)
+        if pooled:  # what a broker started again needs to stop it, were this one killed
+            (root / _PID_FILE).write_text(f"{proc.pid}\n")
         try:
             self._wait_ready(child)
         except MpsError:
@@ -587,3 +620,36 @@ class MpsSupervisor:
 def _check_device(uuid: str) -> None:
     if not uuid or "/" in uuid or "," in uuid:
         raise ValueError(f"device UUID {uuid!r} is not one device")
+
+
+def _log_tail(log_dir: Path, limit: int = 400) -> str:
+    """The end of a daemon's logs, for an error whose directory is removed."""
+    text = ""
+    for name in ("control-foreground.log", "control.log"):
+        with contextlib.suppress(OSError):
+            text += (log_dir / name).read_text(errors="replace")
+    return text.strip()[-limit:]
+
+
+def _read_pid(path: Path) -> int | None:
+    try:
+        return int(path.read_text().strip())
+    except (OSError, ValueError):
+        return None
+
+
+def _gone(pid: int, pipe_dir: Path, timeout: float) -> bool:
+    """Whether the daemon on ``pipe_dir`` with this PID has exited, waiting up to ``timeout`` for it."""
+    needle = f"CUDA_MPS_PIPE_DIRECTORY={pipe_dir}\0".encode()
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            if needle not in Path(f"/proc/{pid}/environ").read_bytes() + b"\0":
+                return True  # another process has the PID now
+            if Path(f"/proc/{pid}/stat").read_text().split(") ")[1].startswith("Z"):
+                return True  # exited; its parent (not this broker) reaps it
+        except (OSError, IndexError):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.05)

@@ -100,7 +100,12 @@ class LeaseService:
                           reason=decision.reason.value, detail=decision.detail)
                 raise LeaseRefused(f"no GPU for {namespace}/{pod}/{container}: {decision.detail}")
             record = self._record(key, namespace, pod, pod_uid, container, sandbox_id, ask, decision)
-            self.store.insert(record)
+            try:
+                self.store.insert(record)
+            except BaseException:
+                if record.shared and self.mps is not None:
+                    self.mps.stop(record.lease_id)  # a daemon no stored lease names would serve no one
+                raise
             self._live[record.lease_id] = record
             failpoint.hit("broker.lease.stored")
         _log.info("lease.acquired", lease=record.lease_id, pod=pod, namespace=namespace, container=container,

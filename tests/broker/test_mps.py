@@ -405,19 +405,38 @@ def test_a_pooled_daemon_that_does_not_take_its_limits_is_never_handed_out(
 ) -> None:
     pooled.warm([GPU0])
     [ahead] = until(lambda: idle_on(pooled, GPU0))
-    monkeypatch.setenv("FAKE_MPS_IGNORE_LIMITS", "1")  # read by the control client, so by this take only
-    with pytest.raises(MpsError, match=f"lease {ahead.key} on {GPU0} shows an active thread percentage"):
+    monkeypatch.setenv("FAKE_MPS_IGNORE_LIMITS", "1")  # read by the control client: every daemon ignores them
+    with capture_logs() as logs, pytest.raises(MpsError, match="shows an active thread percentage") as refused:
         pooled.take(GPU0, LIMITS)
+    assert ahead.key not in str(refused.value), "a daemon started for the lease was tried too, and named"
     until(lambda: not alive(ahead.pid) or _is_zombie(ahead.pid))
-    assert pooled.daemons() == [] and not ahead.log_dir.parent.exists(), "killed, its directory gone"
+    assert pooled.daemons() == []
+    assert [(e["event"], e["lease"]) for e in logs if e["event"] == "mps.pool_refused"] == [
+        ("mps.pool_refused", ahead.key)]
+    assert (ahead.log_dir / "fake-env.json").exists(), "its log stays, as the error says"
+    assert not (ahead.log_dir.parent / "pooled").exists(), "and no sweep takes it for a pooled daemon"
+
+
+def test_a_lease_whose_pooled_daemon_fails_gets_one_started_for_it(pooled: MpsSupervisor) -> None:
+    pooled.warm([GPU0])
+    [ahead] = until(lambda: idle_on(pooled, GPU0))
+    (ahead.pipe_dir / "control").unlink()  # the pooled daemon can no longer be reached
+    with capture_logs() as logs:
+        daemon = pooled.take(GPU0, LIMITS)
+    assert daemon.key != ahead.key and daemon.pid != ahead.pid and alive(daemon.pid)
+    assert (daemon.pipe_dir / "fake-limits").read_text().split() == ["20480", "50"]
+    refused = [e for e in logs if e["event"] == "mps.pool_refused"]
+    assert [e["lease"] for e in refused] == [ahead.key] and "refused" in refused[0]["error"]
+    until(lambda: not alive(ahead.pid) or _is_zombie(ahead.pid))
+    assert [d.key for d in pooled.daemons()] == [daemon.key]
 
 
 def test_an_idle_daemon_that_died_is_replaced_and_never_handed_out(pooled: MpsSupervisor) -> None:
     pooled.warm([GPU0])
     [ahead] = until(lambda: idle_on(pooled, GPU0))
-    os.kill(ahead.pid, signal.SIGKILL)
-    until(lambda: _is_zombie(ahead.pid))
-    with capture_logs() as logs:
+    with capture_logs() as logs:  # the filler may drop it first, at a wake of its own, or the take
+        os.kill(ahead.pid, signal.SIGKILL)
+        until(lambda: _is_zombie(ahead.pid))
         daemon = pooled.take(GPU0, LIMITS)
     assert daemon.pid != ahead.pid and alive(daemon.pid)
     assert not ahead.log_dir.parent.exists()
@@ -438,7 +457,11 @@ def test_stop_all_quits_the_idle_daemons_and_removes_their_directories(pooled: M
     assert pooled.idle() == [], "a stopped supervisor starts nothing ahead"
 
 
-def test_the_pool_a_killed_broker_left_is_quit_and_removed_at_the_next_warm(tmp_path: Path, fake_binary: str) -> None:
+@pytest.mark.parametrize(("ignores_quit", "pool"), [(False, 1), (True, 1), (False, 0)],
+                         ids=["quits", "killed-when-it-will-not-quit", "started-again-without-a-pool"])
+def test_the_pool_a_killed_broker_left_is_stopped_and_removed_at_the_next_warm(
+    tmp_path: Path, fake_binary: str, monkeypatch: pytest.MonkeyPatch, ignores_quit: bool, pool: int
+) -> None:
     # A broker, killed once its pool is up: nothing stops the daemon it started ahead (it leads a session of its own).
     script = (f"import sys, time; sys.path.insert(0, {str(Path.cwd())!r})\n"
               "from pathlib import Path\nfrom shim.broker.mps import MpsSupervisor\n"
@@ -446,22 +469,35 @@ def test_the_pool_a_killed_broker_left_is_quit_and_removed_at_the_next_warm(tmp_
               f"sup.warm([{GPU0!r}])\n"
               "while not sup.idle(): time.sleep(0.02)\n"
               "print('idle', sup.idle()[0].key, sup.idle()[0].pid, flush=True)\ntime.sleep(60)\n")
-    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True) as broker:
+    env = {**os.environ, **({"FAKE_MPS_IGNORE_QUIT": "1"} if ignores_quit else {})}
+    with subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, env=env) as broker:
+        said = []
         try:
-            # Its log lines come first; then what it started ahead.
-            key, pid = next(line.split()[1:] for line in broker.stdout if line.startswith("idle "))
+            for line in broker.stdout:  # its log lines first; then what it started ahead
+                said.append(line)
+                if line.startswith("idle "):
+                    key, pid = line.split()[1:]
+                    break
+            else:
+                pytest.fail(f"the broker stopped before its pool was up: {''.join(said)}")
         finally:
             broker.kill()
     left = int(pid)
     assert alive(left)
-    second = MpsSupervisor(tmp_path / "mps", binary=fake_binary, pool=1)
+    second = MpsSupervisor(tmp_path / "mps", binary=fake_binary, pool=pool, stop_timeout=1.0)
     try:
         with capture_logs() as logs:
             second.warm([GPU0])
-            [fresh] = until(lambda: idle_on(second, GPU0))
         until(lambda: not alive(left) or _is_zombie(left))  # reaped by whoever adopted it
-        assert not (tmp_path / "mps" / key).exists() and fresh.key != key
-        assert [e["lease"] for e in logs if e["event"] == "mps.pool_swept"] == [key]
+        assert not (tmp_path / "mps" / key).exists()
+        swept = [e for e in logs if e["event"] == "mps.pool_swept"]
+        assert [(e["lease"], e["pid"], e["killed"]) for e in swept] == [(key, left, ignores_quit)]
+        if pool:
+            [fresh] = until(lambda: idle_on(second, GPU0))
+            assert fresh.key != key
+        else:
+            assert second.idle() == []
     finally:
         second.stop_all()
 

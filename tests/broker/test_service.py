@@ -18,6 +18,7 @@ from shim.broker.service import MPS_DEFAULT_PIPE, MPS_PIPE_IN_CONTAINER, LeaseSe
 from shim.broker.simulated import SimulatedBackend, simulated_uuid
 from shim.core.leases import LeaseState
 from shim.errors import BadAnnotation, LeaseConflictError, LeaseNotFound, LeaseRefused
+from shim.state.db import StateStoreFull
 from shim.state.leases import LeaseRecord, LeaseStore, new_lease_id
 from tests.broker.fakes import A100, MIG_A, MIG_B, T4, FakeNvml, dead_pid, two_instances, write_mig_caps
 from tests.cgroups import own_cgroup
@@ -271,6 +272,19 @@ def test_a_share_whose_daemon_cannot_take_its_limits_is_not_granted(svc: LeaseSe
     with pytest.raises(MpsError, match="refused"):
         acquire(svc, "sb/a/0", memory=10 * GI, compute=10)
     assert svc.leases() == [] and svc.store.all() == []
+
+
+def test_a_share_that_cannot_be_stored_leaves_no_daemon(svc: LeaseService, mps: FakeMps,
+                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    def full(rec: LeaseRecord) -> None:
+        raise StateStoreFull("state database: database or disk is full")
+
+    monkeypatch.setattr(svc.store, "insert", full)
+    with pytest.raises(StateStoreFull, match="disk is full"):
+        acquire(svc, "sb/a/0", memory=10 * GI, compute=10)
+    [(_, key, _, _)] = [c for c in mps.calls if c[0] == "take"]
+    assert mps.calls[-1] == ("stop", key), "the daemon taken for it is stopped"
+    assert svc.leases() == []
 
 
 def test_restore_starts_the_daemon_of_every_kept_share(tmp_path: Path, mps: FakeMps) -> None:
