@@ -46,6 +46,12 @@ class _LeaseCollector(Collector):
             count.add_metric([str(d.index), d.uuid], sum(d.uuid in r.device_uuids for r in leases))
         yield memory
         yield count
+        pooled = GaugeMetricFamily("weft_gpu_mps_pool_idle",
+                                   "MPS control daemons started ahead for each device's next shared leases.",
+                                   labels=["gpu", "UUID"])
+        for uuid, idle in sorted(self.service.mps_pool().items()):
+            pooled.add_metric([index.get(uuid, ""), uuid], idle)
+        yield pooled
 
 
 class BrokerMetrics:

@@ -52,6 +52,8 @@ class MpsLike(Protocol):
 
     def warm(self, device_uuids: Iterable[str]) -> None: ...
 
+    def idle(self) -> list[Any]: ...  # the pool's daemons no lease has taken (each has .device_uuid)
+
     def stop(self, key: str) -> None: ...
 
 
@@ -273,6 +275,13 @@ class LeaseService:
                     _log.error("mps.restore_failed", lease=rec.lease_id, device=rec.device_uuids[0], error=str(exc))
                     missing.append(rec.lease_id)
         return missing
+
+    def mps_pool(self) -> dict[str, int]:
+        """Idle MPS daemons started ahead, per device (none without a supervisor or a pool)."""
+        idle: dict[str, int] = {}
+        for daemon in self.mps.idle() if self.mps is not None else []:
+            idle[daemon.device_uuid] = idle.get(daemon.device_uuid, 0) + 1
+        return idle
 
     def warm_mps(self) -> None:
         """Have the MPS supervisor start daemons ahead for the devices a share can be leased on."""

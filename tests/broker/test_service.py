@@ -8,6 +8,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 from structlog.testing import capture_logs
@@ -42,6 +43,7 @@ class FakeMps:
     private_shm: bool = True
     calls: list[tuple] = field(default_factory=list)
     broken: bool = False
+    pooled: list[str] = field(default_factory=list)  # the device of each idle daemon it says it has
 
     def ensure(self, key: str, device_uuid: str, limits: MpsLimits | None = None) -> FakeDaemon:
         self.calls.append(("ensure", key, device_uuid, limits))
@@ -58,6 +60,9 @@ class FakeMps:
 
     def warm(self, device_uuids) -> None:
         self.calls.append(("warm", tuple(device_uuids)))
+
+    def idle(self) -> list[SimpleNamespace]:
+        return [SimpleNamespace(device_uuid=u) for u in self.pooled]
 
     def stop(self, key: str) -> None:
         self.calls.append(("stop", key))
@@ -539,3 +544,20 @@ def test_metrics_count_a_mig_gpus_memory_once_through_its_instances(mig_svc: Lea
     text = generate_latest(BrokerMetrics(mig_svc).registry).decode()
     memory = [line for line in text.splitlines() if line.startswith("weft_gpu_device_memory_bytes{")]
     assert sorted(line.split('UUID="')[1].split('"')[0] for line in memory) == sorted((T4, MIG_A, MIG_B))
+
+
+def test_the_mps_pool_is_a_gauge_per_device(tmp_path: Path, svc: LeaseService, mps: FakeMps) -> None:
+    from prometheus_client import generate_latest
+
+    from shim.broker.metrics import BrokerMetrics
+
+    mps.pooled = [U1, U0, U1]
+    text = generate_latest(BrokerMetrics(svc).registry).decode()
+    assert [line for line in text.splitlines() if line.startswith("weft_gpu_mps_pool_idle{")] == [
+        f'weft_gpu_mps_pool_idle{{UUID="{U0}",gpu="0"}} 1.0', f'weft_gpu_mps_pool_idle{{UUID="{U1}",gpu="1"}} 2.0']
+    without = make(tmp_path / "without", None)
+    try:
+        assert without.mps_pool() == {} and "weft_gpu_mps_pool_idle{" not in generate_latest(
+            BrokerMetrics(without).registry).decode()
+    finally:
+        without.store.close()

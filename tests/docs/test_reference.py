@@ -227,6 +227,9 @@ class _NoLeases:
     def leases(self) -> list:
         return []
 
+    def mps_pool(self) -> dict:
+        return {}
+
 
 def _exported() -> dict[str, tuple[str, tuple[str, ...]]]:
     """Metric name as Prometheus shows it -> (type, label names), from both registries."""

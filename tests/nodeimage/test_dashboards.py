@@ -77,6 +77,9 @@ class _Service:
     def leases(self):
         return list(self._leases)
 
+    def mps_pool(self) -> dict[str, int]:
+        return {"GPU-bbbb": 1}
+
 
 def _series_key(name: str, labels: dict[str, str]) -> str:
     inner = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
