@@ -37,7 +37,9 @@ one out: where the lease asks the same limits, as replicas of one workload
 do, there is nothing left to do; otherwise its limits are set and read back
 as a freshly started one's. Either way they are in force before any client
 can reach it, as they always were. The pool is filled again in the
-background. The idle daemons are quit, and their directories removed, when
+background, a little after a take (not beside the container that is
+starting) and at the lowest CPU priority until the new daemon is ready. The
+idle daemons are quit, and their directories removed, when
 the broker stops; those a killed broker left are found by their ``pooled``
 mark at the next start.
 """
@@ -53,7 +55,7 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -83,6 +85,13 @@ _PID_FILE = "daemon.pid"
 DEFAULT_POOL = 1
 # After a daemon could not be started ahead, the pool waits this long before it tries again.
 _POOL_RETRY_S = 5.0
+# After a lease took a daemon, the pool waits this long before it starts another for the device: the lease's
+# container is starting meanwhile.
+_REFILL_AFTER_S = 0.5
+# The pool's work runs at this niceness until its daemon is ready (then given the broker's own back). Only
+# where the broker may raise a priority again: as root.
+_IDLE_NICE = 19
+_NICE = shutil.which("nice") if os.geteuid() == 0 else None
 
 
 class MpsError(WeftError):
@@ -119,20 +128,30 @@ class _Child:
     daemon: MpsDaemon
     proc: subprocess.Popen
     binary: str  # as resolved when the daemon started; the control client is the same binary
+    # Started ahead, and not yet ready: it and its control clients run at the lowest CPU priority, so that
+    # filling the pool never slows the start of the container that just took a daemon from it.
+    background: bool = False
+
+    @property
+    def prefix(self) -> list[str]:
+        return [_NICE, "-n", str(_IDLE_NICE)] if self.background and _NICE else []
 
 
-def control(binary: str, pipe_dir: Path, command: str, timeout: float) -> subprocess.CompletedProcess[str] | None:
-    """Send one command to the daemon on ``pipe_dir`` through the control client; None if it could not run."""
+def control(binary: str, pipe_dir: Path, command: str, timeout: float,
+            prefix: Sequence[str] = ()) -> subprocess.CompletedProcess[str] | None:
+    """Send one command to the daemon on ``pipe_dir`` through the control client; None if it could not run.
+
+    ``prefix``: what the client is run under (``nice``, for work in the background)."""
     env = {**os.environ, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir)}
     try:
-        return subprocess.run([binary], input=command.rstrip("\n") + "\n", env=env, capture_output=True, text=True,
-                              timeout=timeout, check=False)
+        return subprocess.run([*prefix, binary], input=command.rstrip("\n") + "\n", env=env, capture_output=True,
+                              text=True, timeout=timeout, check=False)
     except (OSError, subprocess.TimeoutExpired):
         return None
 
 
-def control_all(binary: str, pipe_dir: Path, commands: list[str],
-                timeout: float) -> list[subprocess.CompletedProcess[str] | None]:
+def control_all(binary: str, pipe_dir: Path, commands: list[str], timeout: float,
+                prefix: Sequence[str] = ()) -> list[subprocess.CompletedProcess[str] | None]:
     """Send commands that do not depend on each other, each through a control client of its own, side by side.
 
     A lease's start waits on these: every client is started and given its
@@ -146,7 +165,7 @@ def control_all(binary: str, pipe_dir: Path, commands: list[str],
     try:
         for command in commands:
             try:
-                proc = subprocess.Popen([binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                proc = subprocess.Popen([*prefix, binary], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         stderr=subprocess.PIPE, env=env, text=True)
             except OSError:
                 running.append(None)
@@ -231,6 +250,7 @@ class MpsSupervisor:
         self._starting: dict[str, int] = {}
         self._failed_at: dict[str, float] = {}
         self._ahead: dict[str, MpsLimits] = {}  # per device: the limits its last lease asked for
+        self._not_before: dict[str, float] = {}  # per device: when its pool may be filled again after a take
         self._filler: threading.Thread | None = None
         self._closed = False
 
@@ -362,6 +382,9 @@ class MpsSupervisor:
         """A live idle daemon of the device, one already holding ``limits`` first; the next ones get them ahead."""
         with self._pool_cv:
             self._ahead[uuid] = limits
+            # Not while the container that asked is starting: a daemon started beside it slows its start more
+            # than the next lease would wait for one of its own.
+            self._not_before[uuid] = time.monotonic() + _REFILL_AFTER_S
             children = self._idle.get(uuid, [])
             for dead in [c for c in children if c.proc.poll() is not None]:
                 children.remove(dead)
@@ -398,15 +421,21 @@ class MpsSupervisor:
                 self._drop(dead, "exited")
         for uuid, children in self._idle.items():
             if (len(children) + self._starting.get(uuid, 0) < self._pool
-                    and now - self._failed_at.get(uuid, -_POOL_RETRY_S) >= _POOL_RETRY_S):
+                    and now - self._failed_at.get(uuid, -_POOL_RETRY_S) >= _POOL_RETRY_S
+                    and now >= self._not_before.get(uuid, now)):
                 return uuid
         return None
+
+    def _wait_s(self) -> float:
+        """How long the filler may sleep: until the next device it holds back is due, at most the retry pause."""
+        now = time.monotonic()
+        return min([_POOL_RETRY_S, *(t - now for t in self._not_before.values() if t > now)])
 
     def _filling(self) -> None:
         while True:
             with self._pool_cv:
                 while not self._closed and (uuid := self._wanted()) is None:
-                    self._pool_cv.wait(_POOL_RETRY_S)
+                    self._pool_cv.wait(self._wait_s())
                 if self._closed:
                     return
                 self._starting[uuid] = self._starting.get(uuid, 0) + 1
@@ -420,6 +449,7 @@ class MpsSupervisor:
                 if limits is not None and not self._closed:
                     self._apply(child, limits)
                     child.daemon = replace(child.daemon, limits=limits)
+                _foreground(child)  # the MPS server it starts for its lease inherits its priority
             except Exception as exc:  # noqa: BLE001 - the filler must outlive any one daemon's failure
                 if child is not None:
                     self._kill(child)
@@ -427,9 +457,9 @@ class MpsSupervisor:
                     self._starting[uuid] -= 1
                     self._failed_at[uuid] = time.monotonic()
                 error = exc.message if isinstance(exc, MpsError) else f"{type(exc).__name__}: {exc}"
-                _log.error("mps.pool_failed", device=uuid, error=error, log=_log_tail(self._base_dir / key / "log"),
-                           retry_s=_POOL_RETRY_S)
-                shutil.rmtree(self._base_dir / key, ignore_errors=True)  # its log's end is in the event above
+                tail = _log_tail(self._base_dir / key / "log")
+                shutil.rmtree(self._base_dir / key, ignore_errors=True)  # its log's end is in the event below
+                _log.error("mps.pool_failed", device=uuid, error=error, log=tail, retry_s=_POOL_RETRY_S)
                 continue
             with self._pool_cv:
                 self._starting[uuid] -= 1
@@ -519,12 +549,13 @@ class MpsSupervisor:
             (root / POOLED_MARK).touch()
         env = {**os.environ, "CUDA_VISIBLE_DEVICES": uuid, "CUDA_MPS_PIPE_DIRECTORY": str(pipe_dir),
                "CUDA_MPS_LOG_DIRECTORY": str(log_dir)}
-        argv = [binary, "-f"]
+        nice = [_NICE, "-n", str(_IDLE_NICE)] if pooled and _NICE else []
+        argv = [*nice, binary, "-f"]
         if self._private_shm:
             unshare = shutil.which("unshare")
             if unshare is None:
                 raise MpsError("unshare: not found (util-linux); the MPS daemon needs it for a private /dev/shm")
-            argv = [unshare, "--mount", "--propagation", "private", "--", "sh", "-c", _PRIVATE_SHM, "weft-mps",
+            argv = [*nice, unshare, "--mount", "--propagation", "private", "--", "sh", "-c", _PRIVATE_SHM, "weft-mps",
                     str(shm_dir), binary]
         # In the foreground the daemon writes to stdout what it would log; keep
         # it beside control.log rather than in the broker's own log stream.
@@ -539,7 +570,8 @@ class MpsSupervisor:
                 )
             except OSError as exc:
                 raise MpsError(f"{binary} -f for lease {key} on {uuid}: {exc}") from exc
-        child = _Child(MpsDaemon(key, uuid, pipe_dir, log_dir, shm_dir, proc.pid, limits), proc, binary)
+        child = _Child(MpsDaemon(key, uuid, pipe_dir, log_dir, shm_dir, proc.pid, limits), proc, binary,
+                       background=pooled)
         if pooled:  # what a broker started again needs to stop it, were this one killed
             (root / _PID_FILE).write_text(f"{proc.pid}\n")
         try:
@@ -557,7 +589,8 @@ class MpsSupervisor:
             if child.proc.poll() is not None:
                 raise MpsError(f"{self._binary} -f for lease {d.key} on {d.device_uuid} exited with code "
                                f"{child.proc.returncode} as it started; see {d.log_dir}")
-            answer = control(child.binary, d.pipe_dir, _PROBE, timeout=max(0.1, deadline - time.monotonic()))
+            answer = control(child.binary, d.pipe_dir, _PROBE, timeout=max(0.1, deadline - time.monotonic()),
+                             prefix=child.prefix)
             if answer is not None and answer.returncode == 0:
                 return
             if time.monotonic() >= deadline:
@@ -585,7 +618,8 @@ class MpsSupervisor:
     def _ask(self, child: _Child, *commands: str) -> list[str]:
         """Each command's answer; MpsError naming the first one the daemon refused."""
         d = child.daemon
-        answers = control_all(child.binary, d.pipe_dir, list(commands), timeout=self._ready_timeout)
+        answers = control_all(child.binary, d.pipe_dir, list(commands), timeout=self._ready_timeout,
+                              prefix=child.prefix)
         for command, answer in zip(commands, answers, strict=True):
             if answer is None or answer.returncode != 0:
                 said = "" if answer is None else (answer.stderr or answer.stdout).strip()[:200]
@@ -653,3 +687,10 @@ def _gone(pid: int, pipe_dir: Path, timeout: float) -> bool:
         if time.monotonic() >= deadline:
             return False
         time.sleep(0.05)
+
+
+def _foreground(child: _Child) -> None:
+    """Give a daemon started in the background the broker's own CPU priority back."""
+    if child.background and _NICE:
+        os.setpriority(os.PRIO_PROCESS, child.proc.pid, os.getpriority(os.PRIO_PROCESS, 0))
+    child.background = False

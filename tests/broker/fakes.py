@@ -311,7 +311,7 @@ state_path = os.path.join(pipe, "fake-state.json")
 
 if sys.argv[1:] == ["-f"]:
     with open(os.path.join(logs, "fake-env.json"), "w") as f:
-        json.dump({{"env": dict(os.environ), "pid": os.getpid(), "sid": os.getsid(0)}}, f)
+        json.dump({{"env": dict(os.environ), "pid": os.getpid(), "sid": os.getsid(0), "nice": os.nice(0)}}, f)
     if os.path.isdir("/dev/shm"):
         # Named by its pipe directory too: a daemon run without a private /dev/shm leaves its file in the host's,
         # where a later daemon with the same PID must not find it.

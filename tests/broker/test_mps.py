@@ -338,6 +338,7 @@ def test_a_lease_takes_the_daemon_started_ahead_and_the_pool_fills_again(pooled:
     pooled.warm([GPU0])
     [ahead] = until(lambda: idle_on(pooled, GPU0))
     with capture_logs() as logs:
+        asked = time.time()
         daemon = pooled.take(GPU0, MpsLimits(4 << 30, 25))
     assert (daemon.pid, daemon.key, daemon.pipe_dir) == (ahead.pid, ahead.key, ahead.pipe_dir), "no daemon started"
     assert daemon.limits == MpsLimits(4 << 30, 25)
@@ -348,6 +349,8 @@ def test_a_lease_takes_the_daemon_started_ahead_and_the_pool_fills_again(pooled:
     assert [(e["lease"], e["pooled"], e["limits_ahead"]) for e in started] == [(daemon.key, True, False)]
     [next_one] = until(lambda: idle_on(pooled, GPU0))
     assert next_one.pid != daemon.pid and next_one.key != daemon.key
+    started = (next_one.log_dir / "fake-env.json").stat().st_mtime
+    assert started >= asked + 0.5, "not started while the container that took one starts"
     pooled.stop(daemon.key)
     assert not alive(daemon.pid) and (daemon.log_dir / "fake-env.json").exists(), "a lease's logs stay"
 
@@ -389,6 +392,27 @@ def test_a_daemon_that_does_not_take_the_limits_ahead_is_not_pooled(
     assert "shows an active thread percentage of '100.0' after it was set to 50" in failed["error"]
     assert pooled.idle() == [] and pooled.daemons() == []
     assert [p for p in (tmp_path / "mps").iterdir() if (p / "pooled").exists()] == [], "its directory removed"
+
+
+def test_a_daemon_is_started_ahead_at_the_lowest_cpu_priority_and_pooled_at_the_brokers(
+    tmp_path: Path, fake_binary: str, pooled: MpsSupervisor
+) -> None:
+    own = os.getpriority(os.PRIO_PROCESS, 0)
+    # Only root may give a process its priority back: elsewhere the pool starts its daemons at the broker's own.
+    ahead_nice = 19 if os.geteuid() == 0 else own
+    pooled.warm([GPU0])
+    [ahead] = until(lambda: idle_on(pooled, GPU0))
+    assert started_with(ahead.log_dir)["nice"] == ahead_nice, "it started beside a starting container: behind it"
+    assert os.getpriority(os.PRIO_PROCESS, ahead.pid) == own, "the MPS server it starts will inherit this"
+    pooled.take(GPU0, LIMITS)
+    [next_one] = until(lambda: idle_on(pooled, GPU0))
+    assert next_one.limits == LIMITS, "given its limits ahead, at the lowest priority too"
+    assert os.getpriority(os.PRIO_PROCESS, next_one.pid) == own
+    cold = MpsSupervisor(tmp_path / "cold", fake_binary)
+    try:
+        assert started_with(cold.take(GPU0, LIMITS).log_dir)["nice"] == own, "a lease's own daemon: never behind"
+    finally:
+        cold.stop_all()
 
 
 def test_without_a_pool_a_lease_starts_its_own_daemon(supervisor: MpsSupervisor) -> None:
