@@ -112,6 +112,15 @@ def _queue_usage(kube: KubeCluster) -> dict:
     return {r["name"]: r["total"] for f in cq["status"].get("flavorsUsage", []) for r in f["resources"]}
 
 
+def _booked(kube: KubeCluster, usage: dict) -> dict:
+    """The ClusterQueue's usage once it books the admitted workload's (its status follows the admission)."""
+    def booked() -> dict | None:
+        queue = _queue_usage(kube)
+        return queue if all(queue.get(k) == v for k, v in usage.items()) else None
+
+    return wait_for(booked, timeout=30, what=f"the ClusterQueue booking {usage}")
+
+
 def _reservations(kube: KubeCluster) -> list[dict]:
     out = kube.kubectl("get", "pods", "-n", "weft-system", "-l", "weft.io/role=hosted-stage", "-o", "json").stdout
     return json.loads(out)["items"]
@@ -149,13 +158,14 @@ def test_an_opted_in_job_admitted_by_kueue_is_booked_as_without_weft_and_its_cpu
     try:
         apply(kube, _job("plain-job", opted_in=False))
         plain_s = _until_prep_runs(kube, "plain-job")
-        plain_usage, plain_queue = _admitted_usage(kube, "plain-job"), _queue_usage(kube)
+        plain_usage = _admitted_usage(kube, "plain-job")
+        plain_queue = _booked(kube, plain_usage)
         _delete_jobs(kube, "plain-job")
 
         apply(kube, _job("weft-job", opted_in=True))
         weft_s = _until_prep_runs(kube, "weft-job")
         assert _admitted_usage(kube, "weft-job") == plain_usage, "Kueue books the opted-in Job as the plain one"
-        assert _queue_usage(kube) == plain_queue
+        assert _booked(kube, plain_usage) == plain_queue
         [p] = _pods(kube, "weft-job")
         doc = kube.agent_status(ORIGIN)
         sandbox = next(s["id"] for s in doc["sandboxes"] if s["name"] == p["metadata"]["name"])
