@@ -385,10 +385,8 @@ class MpsSupervisor:
             # Not while the container that asked is starting: a daemon started beside it slows its start more
             # than the next lease would wait for one of its own.
             self._not_before[uuid] = time.monotonic() + _REFILL_AFTER_S
+            self._prune_dead()
             children = self._idle.get(uuid, [])
-            for dead in [c for c in children if c.proc.poll() is not None]:
-                children.remove(dead)
-                self._drop(dead, "exited")
             if not children:
                 return None
             child = next((c for c in children if c.daemon.limits == limits), children[0])
@@ -415,16 +413,20 @@ class MpsSupervisor:
         Idle daemons that died meanwhile are dropped first, so their places are filled.
         """
         now = time.monotonic()
-        for children in self._idle.values():
-            for dead in [c for c in children if c.proc.poll() is not None]:
-                children.remove(dead)
-                self._drop(dead, "exited")
+        self._prune_dead()
         for uuid, children in self._idle.items():
             if (len(children) + self._starting.get(uuid, 0) < self._pool
                     and now - self._failed_at.get(uuid, -_POOL_RETRY_S) >= _POOL_RETRY_S
                     and now >= self._not_before.get(uuid, now)):
                 return uuid
         return None
+
+    def _prune_dead(self) -> None:
+        """Drop the idle daemons that exited; with the condition held."""
+        for children in self._idle.values():
+            for dead in [c for c in children if c.proc.poll() is not None]:
+                children.remove(dead)
+                self._drop(dead, "exited")
 
     def _wait_s(self) -> float:
         """How long the filler may sleep: until the next device it holds back is due, at most the retry pause."""
